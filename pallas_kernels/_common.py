@@ -1,0 +1,52 @@
+"""Small helpers shared by the kernel wrappers: platform mode, padding, config checks."""
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as plgpu
+
+F32 = jnp.float32
+
+
+def interpret_mode() -> bool:
+    """Pallas runs compiled through Triton on GPUs and interpreted on the CPU; nothing else."""
+    backend = jax.default_backend()
+    if backend == "cpu":
+        return True
+    if backend in ("gpu", "cuda", "rocm"):
+        return False
+    raise RuntimeError(f"strict numerics need a GPU (Triton) or the CPU (interpret mode); got backend {backend!r}")
+
+
+def compiler_params(num_warps: int, num_stages: int):
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def check_block(name: str, value: int, minimum: int = 16) -> None:
+    if value < minimum or value & (value - 1):
+        raise ValueError(f"{name}={value} must be a power of two >= {minimum} (Triton tiles)")
+
+
+def round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def pad_dim(x, axis: int, multiple: int):
+    """Zero-pad `axis` up to a multiple. Padding is data movement, so it is exact."""
+    extra = round_up(x.shape[axis], multiple) - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths)
+
+
+def dot_nt(a, b):
+    """a [M, K] @ b [N, K].T with an fp32 accumulator; fp32 inputs get full fp32 products
+    (Triton would otherwise use TF32)."""
+    precision = jax.lax.Precision.HIGHEST if a.dtype == F32 else None
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=F32)
+
+
+def dot_nn(a, b):
+    """a [M, K] @ b [K, N] with an fp32 accumulator."""
+    precision = jax.lax.Precision.HIGHEST if a.dtype == F32 else None
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=F32)

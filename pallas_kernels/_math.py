@@ -1,0 +1,56 @@
+"""The math primitives every kernel uses, in one place.
+
+The sampler and the learner run the same kernels, so they share these by construction; keeping
+them here means a change to how exp or rsqrt is evaluated is one edit, seen by every kernel.
+All of them take and return float32.
+"""
+import jax.numpy as jnp
+
+F32 = jnp.float32
+
+
+def exp(x):
+    return jnp.exp(x)
+
+
+def log(x):
+    return jnp.log(x)
+
+
+def rsqrt(x):
+    # 1/sqrt written out: lax.rsqrt has no Triton lowering on every backend, division does.
+    return 1.0 / jnp.sqrt(x)
+
+
+def sigmoid(x):
+    return 1.0 / (1.0 + jnp.exp(-x))
+
+
+def silu(x):
+    return x * sigmoid(x)
+
+
+def hash_u32(x):
+    """lowbias32 integer mixer (Wellons): a cheap, well-mixed uint32 -> uint32 bijection."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(row_key, cols):
+    """Gumbel(0, 1) noise for vocabulary ids `cols` [R, C] given a per-row key [R, 1] (uint32).
+
+    The noise for a token depends on (request seed, step, vocab id) only, never on the row's
+    slot in a batch or the vocab tile size, so a request samples the same tokens however it was
+    batched. Uniforms are the top 24 bits, centred, so u is never 0 or 1.
+    """
+    bits = hash_u32(row_key ^ hash_u32(cols.astype(jnp.uint32) + jnp.uint32(0x9E3779B9)))
+    u = ((bits >> 8).astype(F32) + 0.5) * (1.0 / (1 << 24))
+    return -log(-log(u))
+
+
+def row_key(seeds, steps):
+    """Per-row sampling key from (request seed, token index): [R] uint32."""
+    return hash_u32(hash_u32(seeds.astype(jnp.uint32)) ^ (steps.astype(jnp.uint32) * jnp.uint32(0x85EBCA6B)))

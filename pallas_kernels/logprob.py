@@ -1,0 +1,186 @@
+"""Fused token log-probability: lm_head projection + fp32 log-softmax over fixed vocabulary tiles +
+gather of the target token (or a Gumbel-max sample), with temperature.
+
+h [N, D] (final-normed hidden states), w [V, D] (lm_head / tied embedding, HF layout),
+temperature [N] fp32. Per row and vocab tile of `block_vocab` ids, logits = (h @ w_tile.T) / T with
+an fp32 accumulator walking D in ascending `block_k` steps; the tiles are visited in ascending
+order with a running fp32 max and sum. No [N, V] logits array ever exists.
+
+The sampler and the learner run this same kernel (one body computes the log-sum-exp, the target's
+logit and the Gumbel-max sample every time), so the logit of a drawn token and its log-sum-exp are
+the same bits whether the row was sampled or scored. The sample draws from softmax(logits / T):
+argmax(logits / T + Gumbel noise), the noise a hash of (seed, step, vocab id).
+"""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _math
+from pallas_kernels._common import F32, check_block, compiler_params, dot_nt, pad_dim
+
+_NO_TOKEN = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class LogprobConfig:
+    block_rows: int = 16
+    block_vocab: int = 128
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        check_block("block_rows", self.block_rows)
+        check_block("block_vocab", self.block_vocab)
+        check_block("block_k", self.block_k)
+
+
+def _tile_logits(h_ref, w_ref, v0, temp, *, block_vocab, block_k, k_steps):
+    def body(ki, acc):
+        ks = pl.ds(pl.multiple_of(ki * block_k, block_k), block_k)
+        return acc + dot_nt(h_ref[:, ks], w_ref[pl.ds(v0, block_vocab), ks])
+
+    acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros((h_ref.shape[0], block_vocab), F32))
+    return acc / temp[:, None]
+
+
+def _kernel(h_ref, w_ref, tgt_ref, temp_ref, key_ref, tgt_lp_ref, tok_ref, tok_lp_ref, lse_ref, *, block_vocab, block_k, k_steps, v_steps):
+    rows = h_ref.shape[0]
+    temp, tgt, key = temp_ref[...], tgt_ref[...], key_ref[...]
+
+    def body(vi, carry):
+        m, s, tgt_logit, best_score, best_tok, best_logit = carry
+        v0 = pl.multiple_of(vi * block_vocab, block_vocab)
+        logits = _tile_logits(h_ref, w_ref, v0, temp, block_vocab=block_vocab, block_k=block_k, k_steps=k_steps)
+        cols = v0 + jnp.arange(block_vocab, dtype=jnp.int32)[None, :]
+        # Running log-sum-exp, tiles in ascending order.
+        m_new = jnp.maximum(m, jnp.max(logits, axis=1))
+        s = s * _math.exp(m - m_new) + jnp.sum(_math.exp(logits - m_new[:, None]), axis=1)
+        # Target logit: one id matches, so a max over a -inf background is an exact gather.
+        tgt_logit = jnp.maximum(tgt_logit, jnp.max(jnp.where(cols == tgt[:, None], logits, -jnp.inf), axis=1))
+        # Gumbel-max sample; ties go to the lowest id (strict > across tiles, min id within one).
+        score = logits + _math.gumbel_noise(key[:, None], cols)
+        tile_best = jnp.max(score, axis=1)
+        tile_tok = jnp.min(jnp.where(score == tile_best[:, None], cols, _NO_TOKEN), axis=1)
+        tile_logit = jnp.max(jnp.where(cols == tile_tok[:, None], logits, -jnp.inf), axis=1)
+        better = tile_best > best_score
+        return (m_new, s, tgt_logit, jnp.where(better, tile_best, best_score),
+                jnp.where(better, tile_tok, best_tok), jnp.where(better, tile_logit, best_logit))
+
+    neg = jnp.full((rows,), -jnp.inf, F32)
+    init = (neg, jnp.zeros((rows,), F32), neg, neg, jnp.zeros((rows,), jnp.int32), neg)
+    m, s, tgt_logit, _, best_tok, best_logit = jax.lax.fori_loop(0, v_steps, body, init)
+    lse = m + _math.log(s)
+    tgt_lp_ref[...] = tgt_logit - lse
+    tok_ref[...] = best_tok
+    tok_lp_ref[...] = best_logit - lse
+    lse_ref[...] = lse
+
+
+def _check(h, w, *rows):
+    if h.ndim != 2 or w.ndim != 2 or h.shape[1] != w.shape[1]:
+        raise ValueError(f"logprob shapes do not match: hidden {h.shape}, lm_head {w.shape}")
+    for r in rows:
+        if r.shape != (h.shape[0],):
+            raise ValueError(f"per-row input of shape {r.shape} does not match {h.shape[0]} rows")
+
+
+def _fused(h, w, targets, temperature, keys, config: LogprobConfig, interpret: bool):
+    """Returns (target_logprobs, sampled_tokens, sampled_logprobs, lse), each [N]."""
+    n, d = h.shape
+    vocab = w.shape[0]
+    c = config
+    if vocab % c.block_vocab or d % c.block_k:
+        raise ValueError(f"vocab {vocab} / hidden {d} must be multiples of block_vocab={c.block_vocab} / block_k={c.block_k}")
+    br = c.block_rows
+    h = pad_dim(h, 0, br)
+    # Padding rows get temperature 1 so they stay finite; their outputs are sliced away.
+    temperature = jnp.pad(temperature.astype(F32), (0, h.shape[0] - n), constant_values=1.0)
+    targets, keys = pad_dim(targets.astype(jnp.int32), 0, br), pad_dim(keys, 0, br)
+    row = pl.BlockSpec((br,), lambda i: (i,))
+    outs = pl.pallas_call(
+        functools.partial(_kernel, block_vocab=c.block_vocab, block_k=c.block_k, k_steps=d // c.block_k, v_steps=vocab // c.block_vocab),
+        grid=(h.shape[0] // br,),
+        in_specs=[pl.BlockSpec((br, d), lambda i: (i, 0)), pl.BlockSpec((vocab, d), lambda i: (0, 0)), row, row, row],
+        out_specs=[row] * 4,
+        out_shape=[jax.ShapeDtypeStruct((h.shape[0],), t) for t in (F32, jnp.int32, F32, F32)],
+        compiler_params=compiler_params(c.num_warps, c.num_stages),
+        interpret=interpret,
+    )(h, w, targets, temperature, keys)
+    return tuple(o[:n] for o in outs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def token_logprobs(h, w, targets, temperature, config: LogprobConfig, interpret: bool):
+    """log softmax(h @ w.T / temperature)[targets] -> [N] fp32 (the learner's side)."""
+    _check(h, w, targets, temperature)
+    keys = jnp.zeros(targets.shape, jnp.uint32)
+    return _fused(h, w, targets, temperature, keys, config, interpret)[0]
+
+
+def sample_tokens(h, w, seeds, steps, temperature, config: LogprobConfig, interpret: bool):
+    """Draw one token per row from softmax(h @ w.T / temperature), keyed by (seed, step); returns
+    (tokens [N] int32, their logprobs [N] fp32) (the sampler's side)."""
+    _check(h, w, seeds, steps, temperature)
+    targets = jnp.zeros(seeds.shape, jnp.int32)
+    _, tokens, logprobs, _ = _fused(h, w, targets, temperature, _math.row_key(seeds, steps), config, interpret)
+    return tokens, logprobs
+
+
+def _fwd(h, w, targets, temperature, config, interpret):
+    _check(h, w, targets, temperature)
+    keys = jnp.zeros(targets.shape, jnp.uint32)
+    lp, _, _, lse = _fused(h, w, targets, temperature, keys, config, interpret)
+    return lp, (h, w, targets, temperature, lse)
+
+
+def _vocab_chunk(vocab, block_vocab):
+    for c in (4096, 2048, 1024, 512, 256):
+        if vocab % c == 0:
+            return c
+    return block_vocab
+
+
+def _bwd(config, interpret, saved, g):
+    """d logp / d logits_v = (onehot_v - p_v) / T, streamed over vocab chunks with the saved
+    log-sum-exp, so the backward never holds [N, V] either. Plain XLA, fixed chunk order."""
+    h, w, targets, temperature, lse = saved
+    chunk = _vocab_chunk(w.shape[0], config.block_vocab)
+    wc = w.reshape(-1, chunk, w.shape[1])
+    hf, inv_t = h.astype(F32), 1.0 / temperature.astype(F32)
+
+    def step(dh, xs):
+        w_tile, v0 = xs
+        z = jnp.dot(hf, w_tile.astype(F32).T) * inv_t[:, None]
+        p = jnp.exp(z - lse[:, None])
+        onehot = (v0 + jnp.arange(chunk))[None, :] == targets[:, None]
+        dz = (g * inv_t)[:, None] * (onehot.astype(F32) - p)
+        return dh + dz @ w_tile.astype(F32), (dz.T @ hf).astype(w.dtype)
+
+    dh, dw = jax.lax.scan(step, jnp.zeros(hf.shape, F32), (wc, jnp.arange(wc.shape[0]) * chunk))
+    return dh.astype(h.dtype), dw.reshape(w.shape), None, None
+
+
+token_logprobs.defvjp(_fwd, _bwd)
+
+
+def _logits_reference(h, w, temperature):
+    return jnp.dot(h, w.T, preferred_element_type=F32) / temperature.astype(F32)[:, None]
+
+
+def token_logprobs_reference(h, w, targets, temperature, config=None, interpret=None):
+    """Plain XLA: materialised fp32 logits + jax.nn.log_softmax. What `numerics="fast"` runs."""
+    logp = jax.nn.log_softmax(_logits_reference(h, w, temperature), axis=-1)
+    return jnp.take_along_axis(logp, targets[:, None].astype(jnp.int32), axis=1)[:, 0]
+
+
+def sample_tokens_reference(h, w, seeds, steps, temperature, config=None, interpret=None):
+    """Same Gumbel noise as the kernel, so fast and strict draw the same tokens up to rounding."""
+    logits = _logits_reference(h, w, temperature)
+    cols = jnp.arange(w.shape[0], dtype=jnp.int32)[None, :]
+    tokens = jnp.argmax(logits + _math.gumbel_noise(_math.row_key(seeds, steps)[:, None], cols), axis=1).astype(jnp.int32)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=1)[:, 0]

@@ -1,0 +1,115 @@
+"""RMSNorm over rows, optionally followed by RoPE (Qwen3's per-head q/k norm feeds RoPE directly).
+
+x [N, D], weight [D]; with rope, cos/sin [N, D/2] (float32 tables gathered per row) and the
+half-split layout (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). Rounding points follow the HF
+model: normalise in fp32, round to x.dtype, scale by the weight, round again; RoPE is computed
+in fp32 from the rounded norm output and rounded once.
+
+The sum of squares walks D in `block_d` chunks in ascending order; each program owns `block_rows`
+whole rows, so a row's bits never depend on which other rows share its program.
+"""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _math
+from pallas_kernels._common import F32, check_block, compiler_params, pad_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class RMSNormConfig:
+    block_rows: int = 16
+    block_d: int = 256
+    num_warps: int = 4
+
+    def __post_init__(self):
+        check_block("block_rows", self.block_rows)
+        check_block("block_d", self.block_d)
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps={self.num_warps} must be 1, 2, 4, 8 or 16")
+
+
+def _norm(x, inv, w, dtype):
+    n = (x.astype(F32) * inv).astype(dtype)
+    return (w.astype(F32) * n.astype(F32)).astype(dtype)
+
+
+def _kernel(x_ref, w_ref, *refs, eps, block_d, d, rope):
+    o_ref = refs[-1]
+    chunks = [pl.ds(i, block_d) for i in range(0, d, block_d)]
+    sumsq = jnp.zeros((x_ref.shape[0],), F32)
+    for c in chunks:  # ascending, fixed width: the reduction order is part of the contract
+        xc = x_ref[:, c].astype(F32)
+        sumsq = sumsq + jnp.sum(xc * xc, axis=1)
+    inv = _math.rsqrt(sumsq / d + eps)[:, None]
+    if not rope:
+        for c in chunks:
+            o_ref[:, c] = _norm(x_ref[:, c], inv, w_ref[c], o_ref.dtype)
+        return
+    cos, sin = refs[0][...], refs[1][...]
+    lo, hi = pl.ds(0, d // 2), pl.ds(d // 2, d // 2)
+    x1 = _norm(x_ref[:, lo], inv, w_ref[lo], o_ref.dtype).astype(F32)
+    x2 = _norm(x_ref[:, hi], inv, w_ref[hi], o_ref.dtype).astype(F32)
+    o_ref[:, lo] = (x1 * cos - x2 * sin).astype(o_ref.dtype)
+    o_ref[:, hi] = (x2 * cos + x1 * sin).astype(o_ref.dtype)
+
+
+def _pallas_rmsnorm(x, w, cos, sin, eps, config, interpret):
+    n, d = x.shape
+    rope = cos is not None
+    block_d = d // 2 if rope else min(config.block_d, d)
+    check_block("feature chunk", block_d, minimum=1)
+    if d % block_d:
+        raise ValueError(f"rmsnorm width {d} is not a multiple of block_d={block_d}")
+    br = config.block_rows
+    args = [pad_dim(x, 0, br), w]
+    specs = [pl.BlockSpec((br, d), lambda i: (i, 0)), pl.BlockSpec((d,), lambda i: (0,))]
+    if rope:
+        args += [pad_dim(cos, 0, br), pad_dim(sin, 0, br)]
+        specs += [pl.BlockSpec((br, d // 2), lambda i: (i, 0))] * 2
+    y = pl.pallas_call(
+        functools.partial(_kernel, eps=eps, block_d=block_d, d=d, rope=rope),
+        grid=(args[0].shape[0] // br,),
+        in_specs=specs,
+        out_specs=pl.BlockSpec((br, d), lambda i: (i, 0)),
+        out_shape=jax.ShapeDtypeStruct(args[0].shape, x.dtype),
+        compiler_params=compiler_params(config.num_warps, 1),
+        interpret=interpret,
+    )(*args)
+    return y[:n]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def rmsnorm(x, weight, cos, sin, eps: float, config: RMSNormConfig, interpret: bool):
+    """RMSNorm(x) * weight, then RoPE if cos/sin are given (else pass None for both)."""
+    if x.ndim != 2 or weight.shape != (x.shape[1],):
+        raise ValueError(f"rmsnorm shapes do not match: x {x.shape}, weight {weight.shape}")
+    return _pallas_rmsnorm(x, weight, cos, sin, eps, config, interpret)
+
+
+def _fwd(x, weight, cos, sin, eps, config, interpret):
+    return rmsnorm(x, weight, cos, sin, eps, config, interpret), (x, weight, cos, sin)
+
+
+def _bwd(eps, config, interpret, saved, dy):
+    # Backward through the reference: deterministic elementwise XLA, not part of the bitwise contract.
+    x, weight, cos, sin = saved
+    _, vjp = jax.vjp(lambda x, w: rmsnorm_reference(x, w, cos, sin, eps), x, weight)
+    dx, dw = vjp(dy)
+    return dx, dw, None, None
+
+
+rmsnorm.defvjp(_fwd, _bwd)
+
+
+def rmsnorm_reference(x, weight, cos, sin, eps, config=None, interpret=None):
+    xf = x.astype(F32)
+    inv = jax.lax.rsqrt(jnp.mean(xf * xf, axis=1, keepdims=True) + eps)
+    y = _norm(x, inv, weight, x.dtype)
+    if cos is None:
+        return y
+    x1, x2 = jnp.split(y.astype(F32), 2, axis=1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=1).astype(x.dtype)

@@ -1,0 +1,90 @@
+"""Model shapes: one frozen dataclass, presets for the real Qwen3 dense sizes, and HF config.json."""
+import dataclasses
+import json
+from pathlib import Path
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    tie_embeddings: bool
+    max_position: int = 40960
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    dtype: str = "bfloat16"  # weights, activations and the KV cache
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "max_position"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates halves)")
+        if self.dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"dtype={self.dtype!r} must be 'bfloat16' or 'float32'")
+
+    @staticmethod
+    def preset(name: str) -> "ModelConfig":
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        return PRESETS[name]
+
+    @staticmethod
+    def from_hf_config(config: dict | str | Path, dtype: str | None = None) -> "ModelConfig":
+        """From a Qwen3 `config.json` (a dict or its path)."""
+        if not isinstance(config, dict):
+            config = json.loads(Path(config).read_text())
+        if config.get("model_type", "qwen3") != "qwen3":
+            raise ValueError(f"model_type {config.get('model_type')!r} is not qwen3")
+        hf_dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+        return ModelConfig(
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=config["num_attention_heads"],
+            num_kv_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
+            head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+            intermediate_size=config["intermediate_size"],
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            max_position=config.get("max_position_embeddings", 40960),
+            rope_theta=float(config.get("rope_theta", 1_000_000.0)),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            dtype=dtype or ("float32" if hf_dtype == "float32" else "bfloat16"),
+        )
+
+    def to_hf_config(self) -> dict:
+        return {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "tie_word_embeddings": self.tie_embeddings,
+            "max_position_embeddings": self.max_position,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "torch_dtype": self.dtype,
+        }
+
+
+PRESETS = {
+    # Small enough for interpret-mode tests on a 2-core CPU; head_dim 16 is Triton's smallest dot.
+    "qwen3-tiny": ModelConfig(512, 64, 2, 4, 2, 16, 128, tie_embeddings=True, max_position=1024),
+    "qwen3-0.6b": ModelConfig(151936, 1024, 28, 16, 8, 128, 3072, tie_embeddings=True),
+    "qwen3-1.7b": ModelConfig(151936, 2048, 28, 16, 8, 128, 6144, tie_embeddings=True),
+    "qwen3-4b": ModelConfig(151936, 2560, 36, 32, 8, 128, 9728, tie_embeddings=True),
+    "qwen3-8b": ModelConfig(151936, 4096, 36, 32, 8, 128, 12288, tie_embeddings=False),
+}

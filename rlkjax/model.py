@@ -1,0 +1,131 @@
+"""The one Qwen3 model function. The sampler (prefill, decode) and the learner (whole sequences
+into fresh pages) both call `forward` unchanged, then `token_logprobs` or `sample`.
+
+Params are a plain pytree with HF names (HF Linear layout [out, in]):
+  {"embed_tokens": [V, D], "norm": [D], "lm_head": [V, D] (untied only),
+   "layers": [{"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm",
+               "input_layernorm", "post_attention_layernorm", "gate_proj", "up_proj", "down_proj"}, ...]}
+KV cache: a tuple, per layer, of (k_pages, v_pages), each [Hkv, num_pages, page_size, Dh].
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rlkjax.config import ModelConfig
+from rlkjax.numerics import PAGE_SIZE, Numerics, ops
+
+
+def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    d, dh, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    return {
+        "q_proj": (cfg.num_heads * dh, d),
+        "k_proj": (cfg.num_kv_heads * dh, d),
+        "v_proj": (cfg.num_kv_heads * dh, d),
+        "o_proj": (d, cfg.num_heads * dh),
+        "q_norm": (dh,),
+        "k_norm": (dh,),
+        "input_layernorm": (d,),
+        "post_attention_layernorm": (d,),
+        "gate_proj": (f, d),
+        "up_proj": (f, d),
+        "down_proj": (d, f),
+    }
+
+
+def init_params(cfg: ModelConfig, seed: int = 0, dtype=None):
+    """Random Qwen3-shaped weights: N(0, 0.02) matrices, unit norms (as HF's initialiser)."""
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    key = jax.random.key(seed)
+
+    @functools.partial(jax.jit, static_argnums=(1,))
+    def normal(k, shape):
+        return (0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
+
+    def make(name, shape, k):
+        return jnp.ones(shape, dtype) if name.endswith("norm") else normal(k, shape)
+
+    keys = jax.random.split(key, cfg.num_layers + 2)
+    layers = []
+    for i in range(cfg.num_layers):
+        lk = jax.random.split(keys[i], len(layer_shapes(cfg)))
+        layers.append({n: make(n, s, k) for (n, s), k in zip(layer_shapes(cfg).items(), lk)})
+    params = {
+        "embed_tokens": normal(keys[-2], (cfg.vocab_size, cfg.hidden_size)),
+        "layers": layers,
+        "norm": jnp.ones((cfg.hidden_size,), dtype),
+    }
+    if not cfg.tie_embeddings:
+        params["lm_head"] = normal(keys[-1], (cfg.vocab_size, cfg.hidden_size))
+    return params
+
+
+def lm_head(params):
+    return params.get("lm_head", params["embed_tokens"])
+
+
+@functools.cache
+def rope_tables(cfg: ModelConfig):
+    """cos/sin [max_position, Dh/2], computed once on the host in float64 and rounded to fp32."""
+    half = cfg.head_dim // 2
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(half, dtype=np.float64) * 2 / cfg.head_dim))
+    angles = np.arange(cfg.max_position, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32)
+
+
+def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int = PAGE_SIZE):
+    """Zeroed pages for every layer; page 0 is the trash page padding writes to."""
+    shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+    return tuple((jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype)) for _ in range(cfg.num_layers))
+
+
+def forward(params, tokens, positions, kv_cache, page_table, rope, cfg: ModelConfig, numerics: Numerics):
+    """tokens, positions [B, T] (position -1 = padding), page_table [B, P] -> hidden [B, T, D] (final-normed)
+    and the cache with this call's K/V written in. Only data movement happens outside the ops."""
+    op = ops(numerics)
+    b, t = tokens.shape
+    hq, hkv, dh, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+    x = params["embed_tokens"][tokens.reshape(-1)]  # [N, D] gather
+    at = jnp.maximum(positions, 0).reshape(-1)
+    cos, sin = rope[0][at], rope[1][at]  # [N, Dh/2] gathers
+    cos_q, sin_q = jnp.repeat(cos, hq, axis=0), jnp.repeat(sin, hq, axis=0)
+    cos_k, sin_k = jnp.repeat(cos, hkv, axis=0), jnp.repeat(sin, hkv, axis=0)
+    new_cache = []
+    for layer, (k_pages, v_pages) in zip(params["layers"], kv_cache):
+        h = op.rmsnorm(x, layer["input_layernorm"], None, None, eps)
+        q = op.rmsnorm(op.matmul(h, layer["q_proj"]).reshape(-1, dh), layer["q_norm"], cos_q, sin_q, eps)
+        k = op.rmsnorm(op.matmul(h, layer["k_proj"]).reshape(-1, dh), layer["k_norm"], cos_k, sin_k, eps)
+        v = op.matmul(h, layer["v_proj"])
+        attn, k_pages, v_pages = op.attention(
+            q.reshape(b, t, hq, dh), k.reshape(b, t, hkv, dh), v.reshape(b, t, hkv, dh),
+            k_pages, v_pages, page_table, positions)
+        x = op.matmul(attn.reshape(b * t, hq * dh), layer["o_proj"], x)
+        h = op.rmsnorm(x, layer["post_attention_layernorm"], None, None, eps)
+        x = op.matmul(op.swiglu(op.matmul(h, layer["gate_proj"]), op.matmul(h, layer["up_proj"])), layer["down_proj"], x)
+        new_cache.append((k_pages, v_pages))
+    x = op.rmsnorm(x, params["norm"], None, None, eps)
+    return x.reshape(b, t, -1), tuple(new_cache)
+
+
+def token_logprobs(params, hidden, targets, temperature, numerics: Numerics):
+    """hidden [N, D], targets [N], temperature [N] -> logprobs [N] fp32 (the learner's side)."""
+    return ops(numerics).token_logprobs(hidden, lm_head(params), targets, temperature)
+
+
+def sample(params, hidden, seeds, steps, temperature, numerics: Numerics):
+    """hidden [N, D] -> (tokens [N], logprobs [N]) drawn with keys (seed, step) (the sampler's side)."""
+    return ops(numerics).sample_tokens(hidden, lm_head(params), seeds, steps, temperature)
+
+
+def sequence_logprobs(params, tokens, positions, temperature, rope, cfg: ModelConfig, numerics: Numerics):
+    """The learner's pass: whole sequences [B, T] into fresh pages; returns logp [B, T - 1] where
+    [b, t] is log p(tokens[b, t + 1] | tokens[b, :t + 1]). temperature [B]. Differentiable."""
+    b, t = tokens.shape
+    pages_per_row = -(-t // PAGE_SIZE)
+    page_table = 1 + jnp.arange(b * pages_per_row, dtype=jnp.int32).reshape(b, pages_per_row)
+    cache = init_kv_cache(cfg, 1 + b * pages_per_row)
+    hidden, _ = forward(params, tokens, positions, cache, page_table, rope, cfg, numerics)
+    h = hidden[:, :-1].reshape(b * (t - 1), -1)
+    temps = jnp.repeat(temperature, t - 1)
+    return token_logprobs(params, h, tokens[:, 1:].reshape(-1), temps, numerics).reshape(b, t - 1)

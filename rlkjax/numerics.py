@@ -1,0 +1,84 @@
+"""The strict numerics contract in one place: per-op precision, tile configs, XLA flags, and the
+two op sets (`strict`: our Pallas kernels; `fast`: plain XLA, the path a JAX user gets).
+
+Same hardware + same software + same tile configs = same bits, whatever the batch, chunking or
+position in the batch. Change a config below and every logprob may change (consistently on both
+sides, since sampler and learner read the same table).
+"""
+import functools
+import os
+from typing import Callable, Literal, NamedTuple
+
+from pallas_kernels import attention, logprob, matmul, rmsnorm, swiglu
+from pallas_kernels._common import interpret_mode
+
+Numerics = Literal["strict", "fast"]
+
+# op: (inputs, accumulate / statistics, output). "act" = the model dtype (bf16, or fp32 in tests).
+PRECISION = {
+    "matmul": ("act", "fp32 acc, K ascending", "act; + residual in fp32, rounded to act"),
+    "rmsnorm": ("act", "fp32 sum of squares, D chunks ascending", "act (normalise, round, scale, round)"),
+    "rope": ("act (rounded norm output) + fp32 tables", "fp32", "act"),
+    "attention": ("act q/k/v", "fp32 scores, fp32 online softmax, KV blocks ascending; p rounded to act for p@v", "act"),
+    "swiglu": ("act", "fp32", "act (silu rounded, then product rounded)"),
+    "logprob": ("act hidden + lm_head", "fp32 logits / T, fp32 running max/sum over vocab tiles ascending", "fp32"),
+}
+
+MATMUL = matmul.MatmulConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
+RMSNORM = rmsnorm.RMSNormConfig(block_rows=16, block_d=256, num_warps=4)
+SWIGLU = swiglu.SwiGLUConfig(block_rows=16, block_cols=128, num_warps=4)
+ATTENTION = attention.AttentionConfig(page_size=16, block_q=16, num_warps=4, num_stages=2)
+LOGPROB = logprob.LogprobConfig(block_rows=16, block_vocab=128, block_k=64, num_warps=4, num_stages=2)
+PAGE_SIZE = ATTENTION.page_size  # the fast path uses the same cache layout
+
+# XLA must not keep excess precision between ops or drop roundings we asked for.
+STRICT_XLA_FLAGS = ("--xla_allow_excess_precision=false",)
+
+
+def set_xla_flags() -> None:
+    """Add the strict flags to XLA_FLAGS. Must run before JAX starts a backend."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    missing = [f for f in STRICT_XLA_FLAGS if f not in flags]
+    if missing:
+        os.environ["XLA_FLAGS"] = " ".join([flags, *missing]).strip()
+
+
+def check_xla_flags() -> None:
+    flags = os.environ.get("XLA_FLAGS", "")
+    missing = [f for f in STRICT_XLA_FLAGS if f not in flags]
+    if missing:
+        raise RuntimeError(f"strict numerics need XLA_FLAGS to contain {missing}; import rlkjax before JAX starts a backend")
+
+
+class Ops(NamedTuple):
+    matmul: Callable  # (x, w, residual=None)
+    rmsnorm: Callable  # (x, weight, cos, sin, eps)
+    swiglu: Callable  # (gate, up)
+    attention: Callable  # (q, k, v, k_pages, v_pages, page_table, positions) -> (out, k_pages, v_pages)
+    token_logprobs: Callable  # (h, w, targets, temperature)
+    sample_tokens: Callable  # (h, w, seeds, steps, temperature) -> (tokens, logprobs)
+
+
+@functools.cache
+def ops(numerics: Numerics) -> Ops:
+    if numerics == "fast":
+        return Ops(
+            lambda x, w, r=None: matmul.matmul_reference(x, w, r),
+            rmsnorm.rmsnorm_reference,
+            swiglu.swiglu_reference,
+            attention.paged_attention_reference,
+            logprob.token_logprobs_reference,
+            logprob.sample_tokens_reference,
+        )
+    if numerics != "strict":
+        raise ValueError(f"numerics={numerics!r} must be 'strict' or 'fast'")
+    check_xla_flags()
+    interp = interpret_mode()
+    return Ops(
+        lambda x, w, r=None: matmul.matmul(x, w, r, MATMUL, interp),
+        lambda x, w, cos, sin, eps: rmsnorm.rmsnorm(x, w, cos, sin, eps, RMSNORM, interp),
+        lambda g, u: swiglu.swiglu(g, u, SWIGLU, interp),
+        lambda *a: attention.paged_attention(*a, ATTENTION, interp),
+        lambda h, w, t, temp: logprob.token_logprobs(h, w, t, temp, LOGPROB, interp),
+        lambda h, w, s, st, temp: logprob.sample_tokens(h, w, s, st, temp, LOGPROB, interp),
+    )
