@@ -1,5 +1,6 @@
 """Small helpers shared by the kernel wrappers: platform mode, padding, config checks."""
 import jax
+import numpy as np
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
@@ -29,14 +30,15 @@ def round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def pad_dim(x, axis: int, multiple: int):
-    """Zero-pad `axis` up to a multiple. Padding is data movement, so it is exact."""
+def pad_dim(x, axis: int, multiple: int, value=0):
+    """Pad `axis` up to a multiple. lax.pad with a value of x's own dtype, so the lowered graph
+    holds no dtype conversion: padding stays pure data movement."""
     extra = round_up(x.shape[axis], multiple) - x.shape[axis]
     if extra == 0:
         return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths)
+    widths = [(0, 0, 0)] * x.ndim
+    widths[axis] = (0, extra, 0)
+    return jax.lax.pad(x, np.array(value, x.dtype), widths)
 
 
 def dot_nt(a, b):

@@ -4,8 +4,9 @@ pass, prefill, chunked prefill and single-token decode.
 Shapes (B batch, T tokens this call, Hq/Hkv heads, G = Hq/Hkv, Dh head dim, P pages per row):
   q        [B, T, Hq, Dh]   already normed and RoPE'd (pallas_kernels.rmsnorm)
   k, v     [B, T, Hkv, Dh]  this call's keys/values, written into the cache *before* attending
-  k_pages  [Hkv, num_pages, page_size, Dh]   (v_pages the same); page 0 is the trash page that
-           padding tokens write to, never read by a real query
+  k_pages  [L, Hkv, num_pages, page_size, Dh] every layer's cache (v_pages the same), `layer` an
+           int32 scalar: the kernel reads its layer in place, so a scan over layers copies nothing.
+           Page 0 is the trash page that padding tokens write to, never read by a real query
   page_table [B, P] int32 physical page of each logical page; positions [B, T] int32, -1 = padding
 Returns out [B, T, Hq, Dh] and the updated caches.
 
@@ -39,29 +40,30 @@ class AttentionConfig:
         check_block("block_q", self.block_q, minimum=1)
 
 
-def write_kv(pages, new, page_table, positions):
-    """Scatter new [B, T, Hkv, Dh] into pages at (page_table[b, pos // ps], pos % ps); padding
-    (pos < 0) goes to the trash page 0. Pure data movement."""
-    ps = pages.shape[2]
+def write_kv(pages, new, layer, page_table, positions):
+    """Scatter new [B, T, Hkv, Dh] into pages[layer] at (page_table[b, pos // ps], pos % ps);
+    padding (pos < 0) goes to the trash page 0. Pure data movement."""
+    ps = pages.shape[3]
     valid = positions >= 0
     pos = jnp.where(valid, positions, 0)
     page = jnp.where(valid, jnp.take_along_axis(page_table, pos // ps, axis=1), 0)
     slot = jnp.where(valid, pos % ps, 0)
     b, t, hkv, dh = new.shape
-    rows = jnp.moveaxis(new, 2, 0).reshape(hkv, b * t, dh)
-    return pages.at[:, page.reshape(-1), slot.reshape(-1)].set(rows.astype(pages.dtype))
+    # layer, page and slot are the advanced indices, so the update is laid out [B*T, Hkv, Dh].
+    return pages.at[layer, :, page.reshape(-1), slot.reshape(-1)].set(new.reshape(b * t, hkv, dh).astype(pages.dtype))
 
 
-def _kernel(pt_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *, page_size, scale):
+def _kernel(layer_ref, pt_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *, page_size, scale):
     q = q_ref[...]  # [bq*G, Dh], rows token-major
     pos = pos_ref[...]  # [bq*G]
     rows = q.shape[0]
     num_blocks = jnp.max(pos) // page_size + 1  # 0 when the whole tile is padding
+    layer = layer_ref[0]
 
     def body(j, carry):
         acc, m, l = carry
         page = pt_ref[j]
-        k, v = k_ref[page], v_ref[page]  # [ps, Dh]
+        k, v = k_ref[layer, page], v_ref[layer, page]  # [ps, Dh]
         s = dot_nt(q, k) * scale
         key_pos = j * page_size + jnp.arange(page_size, dtype=jnp.int32)
         s = jnp.where(key_pos[None, :] <= pos[:, None], s, -jnp.inf)
@@ -80,9 +82,9 @@ def _kernel(pt_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *, page_size, scale):
     o_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0).astype(o_ref.dtype)
 
 
-def _pallas_attention(q, k_pages, v_pages, page_table, positions, config, interpret):
+def _pallas_attention(q, k_pages, v_pages, layer, page_table, positions, config, interpret):
     b, t, hq, dh = q.shape
-    hkv, num_pages, ps, _ = k_pages.shape
+    num_layers, hkv, num_pages, ps, _ = k_pages.shape
     g = hq // hkv
     bq = config.block_q
     tp = round_up(t, bq)
@@ -90,32 +92,35 @@ def _pallas_attention(q, k_pages, v_pages, page_table, positions, config, interp
     check_block("head_dim", dh)
     # [B, T, Hkv*G, Dh] -> [B, Hkv, T*G, Dh]: the G query heads of a KV head share its key loads.
     qh = pad_dim(q, 1, bq).reshape(b, tp, hkv, g, dh).transpose(0, 2, 1, 3, 4).reshape(b, hkv, tp * g, dh)
-    pos = jnp.pad(positions, ((0, 0), (0, tp - t)), constant_values=-1)
+    pos = pad_dim(positions, 1, bq, value=-1)
     row_pos = jnp.repeat(pos, g, axis=1)
     pt = pad_dim(page_table, 1, 16)
     out = pl.pallas_call(
         functools.partial(_kernel, page_size=ps, scale=1.0 / math.sqrt(dh)),
         grid=(b, hkv, tp // bq),
         in_specs=[
+            pl.BlockSpec((1,), lambda i, h, j: (0,)),
             pl.BlockSpec((None, pt.shape[1]), lambda i, h, j: (i, 0)),
             pl.BlockSpec((None, bq * g), lambda i, h, j: (i, j)),
             pl.BlockSpec((None, None, bq * g, dh), lambda i, h, j: (i, h, j, 0)),
-            pl.BlockSpec((None, num_pages, ps, dh), lambda i, h, j: (h, 0, 0, 0)),
-            pl.BlockSpec((None, num_pages, ps, dh), lambda i, h, j: (h, 0, 0, 0)),
+            pl.BlockSpec((num_layers, None, num_pages, ps, dh), lambda i, h, j: (0, h, 0, 0, 0)),
+            pl.BlockSpec((num_layers, None, num_pages, ps, dh), lambda i, h, j: (0, h, 0, 0, 0)),
         ],
         out_specs=pl.BlockSpec((None, None, bq * g, dh), lambda i, h, j: (i, h, j, 0)),
         out_shape=jax.ShapeDtypeStruct(qh.shape, q.dtype),
         compiler_params=compiler_params(config.num_warps, config.num_stages),
         interpret=interpret,
-    )(pt, row_pos, qh, k_pages, v_pages)
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), pt, row_pos, qh, k_pages, v_pages)
     return out.reshape(b, hkv, tp, g, dh).transpose(0, 2, 1, 3, 4).reshape(b, tp, hq, dh)[:, :t]
 
 
 def _check(q, k, v, k_pages, v_pages, page_table, positions):
+    if k_pages.ndim != 5:
+        raise ValueError(f"KV cache must be [layers, Hkv, pages, page_size, Dh], got {k_pages.shape}")
     b, t, hq, dh = q.shape
     if k.shape != v.shape or k.shape[:2] != (b, t) or k.shape[3] != dh:
         raise ValueError(f"attention shapes do not match: q {q.shape}, k {k.shape}, v {v.shape}")
-    if k_pages.shape != v_pages.shape or k_pages.shape[0] != k.shape[2] or k_pages.shape[3] != dh:
+    if k_pages.shape != v_pages.shape or k_pages.shape[1] != k.shape[2] or k_pages.shape[4] != dh:
         raise ValueError(f"KV cache shape {k_pages.shape} does not fit k {k.shape}")
     if hq % k.shape[2]:
         raise ValueError(f"{hq} query heads are not a multiple of {k.shape[2]} KV heads")
@@ -123,16 +128,16 @@ def _check(q, k, v, k_pages, v_pages, page_table, positions):
         raise ValueError(f"positions {positions.shape} / page_table {page_table.shape} do not match batch {b}, tokens {t}")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def paged_attention(q, k, v, k_pages, v_pages, page_table, positions, config: AttentionConfig, interpret: bool):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
+def paged_attention(q, k, v, k_pages, v_pages, layer, page_table, positions, config: AttentionConfig, interpret: bool):
     _check(q, k, v, k_pages, v_pages, page_table, positions)
-    k_pages = write_kv(k_pages, k, page_table, positions)
-    v_pages = write_kv(v_pages, v, page_table, positions)
-    return _pallas_attention(q, k_pages, v_pages, page_table, positions, config, interpret), k_pages, v_pages
+    k_pages = write_kv(k_pages, k, layer, page_table, positions)
+    v_pages = write_kv(v_pages, v, layer, page_table, positions)
+    return _pallas_attention(q, k_pages, v_pages, layer, page_table, positions, config, interpret), k_pages, v_pages
 
 
-def _fwd(q, k, v, k_pages, v_pages, page_table, positions, config, interpret):
-    out = paged_attention(q, k, v, k_pages, v_pages, page_table, positions, config, interpret)
+def _fwd(q, k, v, k_pages, v_pages, layer, page_table, positions, config, interpret):
+    out = paged_attention(q, k, v, k_pages, v_pages, layer, page_table, positions, config, interpret)
     return out, (q, k, v, positions)
 
 
@@ -143,7 +148,7 @@ def _bwd(config, interpret, saved, cotangents):
     q, k, v, positions = saved
     _, vjp = jax.vjp(lambda q, k, v: dense_attention(q, k, v, positions), q, k, v)
     dq, dk, dv = vjp(cotangents[0])
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None
 
 
 paged_attention.defvjp(_fwd, _bwd)
@@ -163,15 +168,15 @@ def dense_attention(q, k, v, positions):
     return jnp.einsum("bhts,bshd->bthd", p.astype(v.dtype), v, preferred_element_type=F32).astype(q.dtype)
 
 
-def paged_attention_reference(q, k, v, k_pages, v_pages, page_table, positions, config=None, interpret=None):
+def paged_attention_reference(q, k, v, k_pages, v_pages, layer, page_table, positions, config=None, interpret=None):
     """Stock XLA attention over the gathered pages: what `numerics="fast"` runs."""
     _check(q, k, v, k_pages, v_pages, page_table, positions)
-    k_pages = write_kv(k_pages, k, page_table, positions)
-    v_pages = write_kv(v_pages, v, page_table, positions)
-    hkv, _, ps, dh = k_pages.shape
+    k_pages = write_kv(k_pages, k, layer, page_table, positions)
+    v_pages = write_kv(v_pages, v, layer, page_table, positions)
+    _, hkv, _, ps, dh = k_pages.shape
     b, p = page_table.shape
-    keys = k_pages[:, page_table].reshape(hkv, b, p * ps, dh).transpose(1, 2, 0, 3)
-    vals = v_pages[:, page_table].reshape(hkv, b, p * ps, dh).transpose(1, 2, 0, 3)
+    keys = k_pages[layer][:, page_table].reshape(hkv, b, p * ps, dh).transpose(1, 2, 0, 3)
+    vals = v_pages[layer][:, page_table].reshape(hkv, b, p * ps, dh).transpose(1, 2, 0, 3)
     key_pos = jnp.arange(p * ps)
     mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, S]
     out = jax.nn.dot_product_attention(q, keys, vals, mask=mask, implementation="xla")

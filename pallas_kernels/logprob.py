@@ -98,7 +98,7 @@ def _fused(h, w, targets, temperature, keys, config: LogprobConfig, interpret: b
     br = c.block_rows
     h = pad_dim(h, 0, br)
     # Padding rows get temperature 1 so they stay finite; their outputs are sliced away.
-    temperature = jnp.pad(temperature.astype(F32), (0, h.shape[0] - n), constant_values=1.0)
+    temperature = pad_dim(temperature.astype(F32), 0, br, value=1.0)
     targets, keys = pad_dim(targets.astype(jnp.int32), 0, br), pad_dim(keys, 0, br)
     row = pl.BlockSpec((br,), lambda i: (i,))
     outs = pl.pallas_call(

@@ -34,7 +34,7 @@ def hf_names(cfg: ModelConfig) -> dict[str, tuple]:
 
 
 def _expected_shape(cfg, path):
-    if path[0] == "layers":
+    if path[0] == "layers":  # one layer's slice of the stacked array
         return layer_shapes(cfg)[path[2]]
     return (cfg.hidden_size,) if path[0] == "norm" else (cfg.vocab_size, cfg.hidden_size)
 
@@ -52,7 +52,7 @@ def load_hf_checkpoint(directory, dtype: str | None = None):
     if not files:
         raise ValueError(f"{directory} holds no *.safetensors files")
     wanted = hf_names(cfg)
-    params = {"layers": [{} for _ in range(cfg.num_layers)]}
+    params, layers = {}, {name: [None] * cfg.num_layers for name in _LAYER_PREFIX}
     for fname in files:
         with safe_open(directory / fname, framework="flax") as f:
             for name in f.keys():
@@ -64,11 +64,12 @@ def load_hf_checkpoint(directory, dtype: str | None = None):
                     raise ValueError(f"{name} has shape {array.shape}, config says {_expected_shape(cfg, path)}")
                 array = jnp.asarray(array, cfg.dtype)
                 if path[0] == "layers":
-                    params["layers"][path[1]][path[2]] = array
+                    layers[path[2]][path[1]] = array
                 else:
                     params[path[0]] = array
     if wanted:
         raise ValueError(f"checkpoint {directory} is missing {len(wanted)} tensors, e.g. {next(iter(wanted))}")
+    params["layers"] = {name: jnp.stack(arrays) for name, arrays in layers.items()}
     return cfg, params
 
 
@@ -78,7 +79,7 @@ def save_hf_checkpoint(directory, cfg: ModelConfig, params, max_shard_bytes: int
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, path in hf_names(cfg).items():
-        tensors[name] = params["layers"][path[1]][path[2]] if path[0] == "layers" else params[path[0]]
+        tensors[name] = params["layers"][path[2]][path[1]] if path[0] == "layers" else params[path[0]]
     shards, current, size = [], {}, 0
     for name, array in tensors.items():
         if current and size + array.nbytes > max_shard_bytes:

@@ -1,11 +1,12 @@
 """The one Qwen3 model function. The sampler (prefill, decode) and the learner (whole sequences
 into fresh pages) both call `forward` unchanged, then `token_logprobs` or `sample`.
 
-Params are a plain pytree with HF names (HF Linear layout [out, in]):
+Params are a plain pytree with HF names (HF Linear layout [out, in]); layers are stacked on a
+leading axis so the forward is one `lax.scan` (each kernel compiles once, not once per layer):
   {"embed_tokens": [V, D], "norm": [D], "lm_head": [V, D] (untied only),
-   "layers": [{"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm",
-               "input_layernorm", "post_attention_layernorm", "gate_proj", "up_proj", "down_proj"}, ...]}
-KV cache: a tuple, per layer, of (k_pages, v_pages), each [Hkv, num_pages, page_size, Dh].
+   "layers": {"q_proj": [L, Hq*Dh, D], "k_proj", "v_proj", "o_proj", "q_norm", "k_norm",
+              "input_layernorm", "post_attention_layernorm", "gate_proj", "up_proj", "down_proj"}}
+KV cache: (k_pages, v_pages), each [L, Hkv, num_pages, page_size, Dh].
 """
 import functools
 
@@ -46,11 +47,8 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype=None):
     def make(name, shape, k):
         return jnp.ones(shape, dtype) if name.endswith("norm") else normal(k, shape)
 
-    keys = jax.random.split(key, cfg.num_layers + 2)
-    layers = []
-    for i in range(cfg.num_layers):
-        lk = jax.random.split(keys[i], len(layer_shapes(cfg)))
-        layers.append({n: make(n, s, k) for (n, s), k in zip(layer_shapes(cfg).items(), lk)})
+    keys = jax.random.split(key, len(layer_shapes(cfg)) + 2)
+    layers = {n: make(n, (cfg.num_layers, *s), k) for (n, s), k in zip(layer_shapes(cfg).items(), keys)}
     params = {
         "embed_tokens": normal(keys[-2], (cfg.vocab_size, cfg.hidden_size)),
         "layers": layers,
@@ -76,8 +74,8 @@ def rope_tables(cfg: ModelConfig):
 
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int = PAGE_SIZE):
     """Zeroed pages for every layer; page 0 is the trash page padding writes to."""
-    shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
-    return tuple((jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype)) for _ in range(cfg.num_layers))
+    shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+    return jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype)
 
 
 def forward(params, tokens, positions, kv_cache, page_table, rope, cfg: ModelConfig, numerics: Numerics):
@@ -91,21 +89,26 @@ def forward(params, tokens, positions, kv_cache, page_table, rope, cfg: ModelCon
     cos, sin = rope[0][at], rope[1][at]  # [N, Dh/2] gathers
     cos_q, sin_q = jnp.repeat(cos, hq, axis=0), jnp.repeat(sin, hq, axis=0)
     cos_k, sin_k = jnp.repeat(cos, hkv, axis=0), jnp.repeat(sin, hkv, axis=0)
-    new_cache = []
-    for layer, (k_pages, v_pages) in zip(params["layers"], kv_cache):
+
+    def layer_step(carry, xs):
+        x, k_pages, v_pages = carry
+        layer, index = xs
         h = op.rmsnorm(x, layer["input_layernorm"], None, None, eps)
         q = op.rmsnorm(op.matmul(h, layer["q_proj"]).reshape(-1, dh), layer["q_norm"], cos_q, sin_q, eps)
         k = op.rmsnorm(op.matmul(h, layer["k_proj"]).reshape(-1, dh), layer["k_norm"], cos_k, sin_k, eps)
         v = op.matmul(h, layer["v_proj"])
         attn, k_pages, v_pages = op.attention(
             q.reshape(b, t, hq, dh), k.reshape(b, t, hkv, dh), v.reshape(b, t, hkv, dh),
-            k_pages, v_pages, page_table, positions)
+            k_pages, v_pages, index, page_table, positions)
         x = op.matmul(attn.reshape(b * t, hq * dh), layer["o_proj"], x)
         h = op.rmsnorm(x, layer["post_attention_layernorm"], None, None, eps)
         x = op.matmul(op.swiglu(op.matmul(h, layer["gate_proj"]), op.matmul(h, layer["up_proj"])), layer["down_proj"], x)
-        new_cache.append((k_pages, v_pages))
+        return (x, k_pages, v_pages), None
+
+    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, k_pages, v_pages), _ = jax.lax.scan(layer_step, (x, *kv_cache), (params["layers"], layer_ids))
     x = op.rmsnorm(x, params["norm"], None, None, eps)
-    return x.reshape(b, t, -1), tuple(new_cache)
+    return x.reshape(b, t, -1), (k_pages, v_pages)
 
 
 def token_logprobs(params, hidden, targets, temperature, numerics: Numerics):

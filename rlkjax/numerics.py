@@ -54,7 +54,7 @@ class Ops(NamedTuple):
     matmul: Callable  # (x, w, residual=None)
     rmsnorm: Callable  # (x, weight, cos, sin, eps)
     swiglu: Callable  # (gate, up)
-    attention: Callable  # (q, k, v, k_pages, v_pages, page_table, positions) -> (out, k_pages, v_pages)
+    attention: Callable  # (q, k, v, k_pages, v_pages, layer, page_table, positions) -> (out, k_pages, v_pages)
     token_logprobs: Callable  # (h, w, targets, temperature)
     sample_tokens: Callable  # (h, w, seeds, steps, temperature) -> (tokens, logprobs)
 

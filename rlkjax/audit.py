@@ -1,0 +1,37 @@
+"""The strict-path audit: lower a function for the GPU and list every floating-point operation
+that XLA would run outside our Pallas (Triton) custom calls. On the strict path there must be
+none: XLA may only move data."""
+import re
+
+import jax
+
+# Ops that move or select data exactly; anything else touching a float type is arithmetic.
+DATA_MOVEMENT = {
+    "constant", "broadcast_in_dim", "broadcast", "reshape", "transpose", "slice", "dynamic_slice",
+    "dynamic_update_slice", "concatenate", "pad", "gather", "scatter", "select", "iota", "return",
+    "compare", "while", "case", "if", "tuple", "get_tuple_element", "optimization_barrier",
+    "bitcast_convert", "reverse", "custom_call", "func", "call",
+}
+_FLOAT = re.compile(r"[x<](bf16|f16|f32|f64|f8E\w+)>")  # element type of a tensor<...>
+_OP = re.compile(r"stablehlo\.(\w+)")
+
+
+def float_arithmetic(stablehlo_text: str) -> list[str]:
+    """Lines of StableHLO that do floating-point arithmetic outside custom calls."""
+    bad = []
+    for line in stablehlo_text.splitlines():
+        m = _OP.search(line)
+        if m and m.group(1) not in DATA_MOVEMENT and _FLOAT.search(line):
+            bad.append(line.strip()[:200])
+    return bad
+
+
+def lower_for_gpu(jitted, *args, device_kind: str = "NVIDIA H200", **kwargs) -> str:
+    """StableHLO of `jitted(*args)` lowered for CUDA, on any host (args may be ShapeDtypeStructs).
+    On a machine without a GPU the Triton lowering needs an abstract device to target."""
+    if jax.default_backend() == "gpu":
+        return jitted.trace(*args, **kwargs).lower().as_text()
+    dev = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=132, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("audit",), abstract_device=dev)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jitted.trace(*args, **kwargs).lower(lowering_platforms=("cuda",)).as_text()

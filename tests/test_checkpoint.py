@@ -1,0 +1,89 @@
+"""HF checkpoints: parity with the real `transformers` Qwen3 (fixtures from tests/make_hf_fixtures.py)
+and bit-exact save/load round trips, single-file and sharded."""
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rlkjax
+from pallas_kernels import matmul
+from rlkjax import model, numerics
+from tests.conftest import assert_bits_equal
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def our_logits(cfg, params, ids):
+    """Final hidden states through the strict forward, projected with the strict matmul kernel."""
+    b, t = ids.shape
+    positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
+    pages = -(-t // numerics.PAGE_SIZE)
+    page_table = 1 + np.arange(b * pages, dtype=np.int32).reshape(b, pages)
+    hidden, _ = model.forward(params, jnp.asarray(ids, jnp.int32), positions, model.init_kv_cache(cfg, 1 + b * pages),
+                              page_table, model.rope_tables(cfg), cfg, "strict")
+    interpret = jax.default_backend() == "cpu"
+    return np.asarray(matmul.matmul(hidden.reshape(b * t, -1), model.lm_head(params), None, numerics.MATMUL, interpret)).reshape(b, t, -1)
+
+
+@pytest.mark.parametrize("name", ["hf_qwen3_tied", "hf_qwen3_untied"])
+def test_hf_parity(name):
+    """Our float32 logits vs transformers' float64 logits of the same checkpoint.
+
+    Tolerance: transformers' own float32 logits are e_hf away from its float64 ones (relative
+    L2, ~2.5e-7, stored in the fixture). Ours are a different but equally float32 evaluation, so
+    they may be a small multiple of that away; 4x e_hf leaves room for another summation order,
+    while a real mismatch (a missed norm weight, wrong RoPE layout, untied head ignored) is 1e-2+.
+    """
+    ref = np.load(FIXTURES / name / "reference.npz")
+    cfg, params = rlkjax.load_hf_checkpoint(FIXTURES / name)
+    assert cfg.dtype == "float32" and cfg.tie_embeddings == (name == "hf_qwen3_tied")
+    ids, truth, hf32 = ref["input_ids"], ref["logits_f64"], ref["logits_f32"]
+    e_hf = np.linalg.norm(hf32 - truth) / np.linalg.norm(truth)
+    ours = our_logits(cfg, params, ids)
+    e_ours = np.linalg.norm(ours - truth) / np.linalg.norm(truth)
+    assert e_ours <= 4 * e_hf, f"our error {e_ours:.3g} vs transformers' float32 error {e_hf:.3g}"
+    # And the logprob path: score() equals log_softmax of the float64 logits to the same precision.
+    logp = rlkjax.score(params, cfg, ids.tolist(), [1, 1])
+    t64 = truth - np.log(np.exp(truth - truth.max(-1, keepdims=True)).sum(-1, keepdims=True)) - truth.max(-1, keepdims=True)
+    want = np.take_along_axis(t64[:, :-1], ids[:, 1:, None], axis=2)[..., 0]
+    h32 = hf32 - np.log(np.exp(hf32 - hf32.max(-1, keepdims=True)).sum(-1, keepdims=True)) - hf32.max(-1, keepdims=True)
+    hf_lp = np.take_along_axis(h32[:, :-1], ids[:, 1:, None], axis=2)[..., 0]
+    e_hf_lp = np.abs(hf_lp - want).max()
+    assert np.abs(np.stack(logp) - want).max() <= 4 * e_hf_lp + 4 * np.finfo(np.float32).eps * np.abs(want).max()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("shard_bytes", [5 * 2**30, 40_000])
+def test_save_load_round_trip_is_bit_exact(tmp_path, tied, shard_bytes):
+    base = rlkjax.ModelConfig.preset("qwen3-tiny")
+    cfg = rlkjax.ModelConfig(**{**base.__dict__, "tie_embeddings": tied})
+    params = rlkjax.init_params(cfg, seed=3)
+    rlkjax.save_hf_checkpoint(tmp_path, cfg, params, max_shard_bytes=shard_bytes)
+    assert (tmp_path / "model.safetensors.index.json").exists() == (shard_bytes < 1e6)
+    cfg2, params2 = rlkjax.load_hf_checkpoint(tmp_path)
+    assert cfg2 == cfg
+    assert jax.tree.structure(params2) == jax.tree.structure(params)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2)):
+        assert a.dtype == b.dtype
+        assert_bits_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)), "round trip")
+
+
+def test_load_rejects_bad_checkpoints(tmp_path):
+    with pytest.raises(ValueError, match="no config.json"):
+        rlkjax.load_hf_checkpoint(tmp_path)
+    cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
+    rlkjax.save_hf_checkpoint(tmp_path, cfg, rlkjax.init_params(cfg))
+    (tmp_path / "config.json").write_text((tmp_path / "config.json").read_text().replace('"hidden_size": 64', '"hidden_size": 128'))
+    with pytest.raises(ValueError, match="shape"):
+        rlkjax.load_hf_checkpoint(tmp_path)
+
+
+def test_presets_have_the_real_qwen3_shapes():
+    p = rlkjax.ModelConfig.preset
+    assert (p("qwen3-0.6b").hidden_size, p("qwen3-0.6b").num_layers, p("qwen3-0.6b").tie_embeddings) == (1024, 28, True)
+    assert (p("qwen3-8b").hidden_size, p("qwen3-8b").num_layers, p("qwen3-8b").tie_embeddings) == (4096, 36, False)
+    assert p("qwen3-4b").intermediate_size == 9728 and p("qwen3-1.7b").intermediate_size == 6144
+    with pytest.raises(ValueError, match="unknown preset"):
+        p("qwen3-70b")

@@ -1,0 +1,193 @@
+"""Each Pallas kernel against its plain-JAX reference: values and gradients.
+
+Tolerances are derived, not tuned: the truth is a float64 evaluation of the same function on the
+same (already rounded) inputs. The kernel and its reference share every rounding point, so their
+errors against the truth differ only by fp32 accumulation order (~sqrt(K) * 2**-24 relative),
+which is far below the output rounding (2**-8 for bf16). The kernel may therefore be at most 2x
+as far from the truth as the reference is; a real bug (a wrong mask, a dropped tile, a missed
+term) is an O(1) error and fails by orders of magnitude. The same rule applies to gradients,
+computed in fp32 against a float64 jax.grad of the reference.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import attention, logprob, matmul, rmsnorm, swiglu
+from rlkjax import numerics
+from tests.conftest import assert_bits_equal
+
+INTERPRET = jax.default_backend() == "cpu"
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+
+def rel_err(x, truth):
+    x, truth = np.asarray(x, np.float64), np.asarray(truth, np.float64)
+    return np.linalg.norm(x - truth) / np.linalg.norm(truth)
+
+
+def check_against_truth(kernel_fn, reference_fn, args, what, truth_fn=None):
+    """kernel(args) vs reference(args), both vs truth_fn (default: the reference) in float64."""
+    out_k, out_r = kernel_fn(*args), reference_fn(*args)
+    with jax.enable_x64(True):
+        args64 = [jnp.asarray(np.asarray(a, np.float64)) if jnp.issubdtype(a.dtype, jnp.floating) else a for a in args]
+        truth = (truth_fn or reference_fn)(*args64)
+    for k, r, t in zip(jax.tree.leaves(out_k), jax.tree.leaves(out_r), jax.tree.leaves(truth)):
+        ek, er = rel_err(k, t), rel_err(r, t)
+        assert np.isfinite(ek) and ek <= 2 * er + 1e-7, f"{what}: kernel error {ek:.3g} vs reference error {er:.3g}"
+
+
+def check_grads(kernel_fn, reference_fn, args, argnums, what):
+    """Gradients of sum(f * fixed random weights) in fp32 vs a float64 jax.grad of the reference."""
+    cot = None
+
+    def loss(fn):
+        def f(*a):
+            out = fn(*a)
+            return jnp.sum(out.astype(jnp.float64 if out.dtype == jnp.float64 else F32) * cot.astype(out.dtype))
+        return f
+
+    out = reference_fn(*args)
+    cot = jax.random.normal(jax.random.key(7), out.shape, F32)
+    gk = jax.grad(loss(kernel_fn), argnums)(*args)
+    gr = jax.grad(loss(reference_fn), argnums)(*args)
+    with jax.enable_x64(True):
+        args64 = [jnp.asarray(np.asarray(a, np.float64)) if jnp.issubdtype(a.dtype, jnp.floating) else a for a in args]
+        cot = jnp.asarray(np.asarray(cot, np.float64))
+        gt = jax.grad(loss(reference_fn), argnums)(*args64)
+        gt = [np.asarray(g) for g in gt]
+    for i, (k, r, t) in enumerate(zip(gk, gr, gt)):
+        ek, er = rel_err(k, t), rel_err(r, t)
+        assert np.isfinite(ek) and ek <= 2 * er + 1e-6, f"{what} grad {i}: kernel error {ek:.3g} vs reference error {er:.3g}"
+    # Deterministic backward: the same call twice gives the same bits.
+    for a, b in zip(gk, jax.grad(loss(kernel_fn), argnums)(*args)):
+        assert_bits_equal(a, b, f"{what} backward run to run")
+
+
+def randn(key, shape, dtype=F32, scale=1.0):
+    return (scale * jax.random.normal(jax.random.key(key), shape, F32)).astype(dtype)
+
+
+@pytest.mark.parametrize("m,k,n", [(37, 96, 128), (130, 64, 64), (1, 256, 192)])
+def test_matmul(m, k, n):
+    mm = lambda x, w, r: matmul.matmul(x, w, r, numerics.MATMUL, INTERPRET)  # noqa: E731
+    args = [randn(1, (m, k), BF16), randn(2, (n, k), BF16, 0.1), randn(3, (m, n), BF16)]
+    check_against_truth(mm, matmul.matmul_reference, args, "matmul")
+    args32 = [a.astype(F32) for a in args]
+    check_grads(mm, matmul.matmul_reference, args32, (0, 1, 2), "matmul")
+
+
+def test_matmul_row_invariance():
+    """A row's bits must not depend on how many rows are in the call or where it sits in its tile."""
+    x, w = randn(1, (200, 128), BF16), randn(2, (192, 128), BF16, 0.1)
+    full = matmul.matmul(x, w, None, numerics.MATMUL, INTERPRET)
+    for lo, hi in [(0, 1), (63, 64), (37, 101), (5, 200)]:
+        assert_bits_equal(matmul.matmul(x[lo:hi], w, None, numerics.MATMUL, INTERPRET), full[lo:hi], f"rows {lo}:{hi}")
+
+
+@pytest.mark.parametrize("rope", [False, True])
+def test_rmsnorm(rope):
+    n, d = 37, 64
+    x, w = randn(1, (n, d), BF16, 3.0), (1 + randn(2, (d,), F32, 0.1)).astype(BF16)
+    ang = randn(3, (n, d // 2))
+    cos, sin = (jnp.cos(ang), jnp.sin(ang)) if rope else (None, None)
+    ker = lambda x, w, c, s: rmsnorm.rmsnorm(x, w, c, s, 1e-6, numerics.RMSNORM, INTERPRET)  # noqa: E731
+    ref = lambda x, w, c, s: rmsnorm.rmsnorm_reference(x, w, c, s, 1e-6)  # noqa: E731
+    if rope:
+        check_against_truth(ker, ref, [x, w, cos, sin], "rmsnorm+rope")
+        check_grads(ker, ref, [x.astype(F32), w.astype(F32), cos, sin], (0, 1), "rmsnorm+rope")
+    else:
+        ker2 = lambda x, w: ker(x, w, None, None)  # noqa: E731
+        ref2 = lambda x, w: ref(x, w, None, None)  # noqa: E731
+        check_against_truth(ker2, ref2, [x, w], "rmsnorm")
+        check_grads(ker2, ref2, [x.astype(F32), w.astype(F32)], (0, 1), "rmsnorm")
+
+
+def test_swiglu():
+    g, u = randn(1, (37, 160), BF16, 2.0), randn(2, (37, 160), BF16)
+    ker = lambda g, u: swiglu.swiglu(g, u, numerics.SWIGLU, INTERPRET)  # noqa: E731
+    check_against_truth(ker, swiglu.swiglu_reference, [g, u], "swiglu")
+    check_grads(ker, swiglu.swiglu_reference, [g.astype(F32), u.astype(F32)], (0, 1), "swiglu")
+
+
+def _attention_case(dtype, b=3, t=37, hq=4, hkv=2, dh=16, lens=(37, 20, 1)):
+    q, k, v = randn(1, (b, t, hq, dh), dtype), randn(2, (b, t, hkv, dh), dtype), randn(3, (b, t, hkv, dh), dtype)
+    ps = numerics.ATTENTION.page_size
+    p = -(-t // ps)
+    page_table = (1 + jnp.arange(b * p, dtype=jnp.int32)).reshape(b, p)
+    pos = jnp.arange(t, dtype=jnp.int32)[None, :]
+    positions = jnp.where(pos < jnp.array(lens)[:, None], pos, -1)
+    pages = jnp.zeros((2, hkv, 1 + b * p, ps, dh), dtype)
+    return q, k, v, pages, page_table, positions
+
+
+def test_attention_values_and_grads():
+    q, k, v, pages, pt, pos = _attention_case(BF16)
+    layer = jnp.int32(1)
+    ker = lambda q, k, v: attention.paged_attention(q, k, v, pages, pages, layer, pt, pos, numerics.ATTENTION, INTERPRET)[0]  # noqa: E731
+    ref = lambda q, k, v: attention.paged_attention_reference(q, k, v, pages, pages, layer, pt, pos)[0]  # noqa: E731
+    dense = lambda q, k, v: attention.dense_attention(q, k, v, pos)  # noqa: E731
+    check_against_truth(ker, dense, [q, k, v], "attention vs dense")
+    check_against_truth(ker, ref, [q, k, v], "attention vs paged reference", truth_fn=dense)
+    q, k, v, pages, pt, pos = _attention_case(F32)
+    check_grads(ker, lambda q, k, v: attention.dense_attention(q, k, v, pos), [q, k, v], (0, 1, 2), "attention")
+
+
+def test_attention_chunked_equals_whole_and_decode():
+    """Prefill in chunks of 20 + 17, or token by token, gives the whole pass's bits: the cache is
+    written before it is read and KV blocks are aligned to absolute positions."""
+    q, k, v, pages, pt, pos = _attention_case(BF16)
+    run = lambda sl, kp, vp: attention.paged_attention(q[:, sl], k[:, sl], v[:, sl], kp, vp, jnp.int32(0), pt, pos[:, sl], numerics.ATTENTION, INTERPRET)  # noqa: E731
+    whole, _, _ = run(slice(None), pages, pages)
+    a, kp, vp = run(slice(0, 20), pages, pages)
+    b, _, _ = run(slice(20, None), kp, vp)
+    assert_bits_equal(jnp.concatenate([a, b], axis=1), whole, "chunked prefill")
+    kp = vp = pages
+    outs = []
+    for t in range(q.shape[1]):
+        o, kp, vp = run(slice(t, t + 1), kp, vp)
+        outs.append(o)
+    assert_bits_equal(jnp.concatenate(outs, axis=1), whole, "token-by-token decode")
+
+
+def test_logprob_values_and_grads():
+    n, d, vocab = 37, 64, 512
+    h, w = randn(1, (n, d), BF16), randn(2, (vocab, d), BF16, 0.3)
+    targets = jax.random.randint(jax.random.key(3), (n,), 0, vocab)
+    temps = jnp.array([0.7, 1.0, 1.3] * 12 + [1.0], F32)
+    ker = lambda h, w: logprob.token_logprobs(h, w, targets, temps, numerics.LOGPROB, INTERPRET)  # noqa: E731
+    ref = lambda h, w: logprob.token_logprobs_reference(h, w, targets, temps)  # noqa: E731
+    check_against_truth(ker, ref, [h, w], "token_logprobs")
+    check_grads(ker, ref, [h.astype(F32), w.astype(F32)], (0, 1), "token_logprobs")
+
+
+def test_sample_logprob_is_score_logprob():
+    """The sampler's recorded logprob is bit-identical to scoring the drawn token."""
+    n, d, vocab = 37, 64, 512
+    h, w = randn(1, (n, d), BF16), randn(2, (vocab, d), BF16, 0.3)
+    temps = jnp.full((n,), 0.9, F32)
+    seeds, steps = jnp.arange(n, dtype=jnp.uint32), jnp.arange(n, dtype=jnp.int32)
+    tokens, lp = logprob.sample_tokens(h, w, seeds, steps, temps, numerics.LOGPROB, INTERPRET)
+    assert_bits_equal(lp, logprob.token_logprobs(h, w, tokens, temps, numerics.LOGPROB, INTERPRET), "sample vs score")
+    ref_tokens, _ = logprob.sample_tokens_reference(h, w, seeds, steps, temps)
+    assert (np.asarray(tokens) == np.asarray(ref_tokens)).mean() > 0.9  # same noise, logits equal up to rounding
+
+
+def test_sampling_follows_the_distribution():
+    """Uniform logits (zero hidden state): every id is equally likely, so 20,000 draws over 512 ids
+    give counts with mean 39 and, for a fair sampler, a chi-square statistic near 511 (sd ~32)."""
+    n, d, vocab = 20000, 64, 512
+    h, w = jnp.zeros((n, d), BF16), randn(2, (vocab, d), BF16)
+    tokens, lp = logprob.sample_tokens(h, w, jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.int32), jnp.ones(n, F32), numerics.LOGPROB, INTERPRET)
+    counts = np.bincount(np.asarray(tokens), minlength=vocab)
+    chi2 = ((counts - n / vocab) ** 2 / (n / vocab)).sum()
+    assert chi2 < 511 + 5 * 32, chi2
+    np.testing.assert_array_equal(np.asarray(lp), np.float32(-np.log(np.float32(vocab))))
+
+
+def test_kernel_configs_validate():
+    for bad in [dict(block_m=24), dict(block_k=8), dict(num_warps=3)]:
+        with pytest.raises(ValueError, match="must be"):
+            matmul.MatmulConfig(**bad)
+    with pytest.raises(ValueError, match="page_size"):
+        attention.AttentionConfig(page_size=12)
