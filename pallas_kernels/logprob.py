@@ -3,8 +3,11 @@ gather of the target token (or a Gumbel-max sample), with temperature.
 
 h [N, D] (final-normed hidden states), w [V, D] (lm_head / tied embedding, HF layout),
 temperature [N] fp32. Per row and vocab tile of `block_vocab` ids, logits = (h @ w_tile.T) / T with
-an fp32 accumulator walking D in ascending `block_k` steps; the tiles are visited in ascending
-order with a running fp32 max and sum. No [N, V] logits array ever exists.
+an fp32 accumulator walking D in ascending `block_k` steps. The vocabulary's tiles are cut into
+`vocab_splits` fixed ranges (so a decode step of a few rows still spreads over the GPU); each
+program walks its range's tiles in ascending order with a running fp32 max and sum, and a second
+kernel merges the ranges in ascending order. The ranges depend on V and the config only, never on
+the batch. No [N, V] logits array ever exists.
 
 The sampler and the learner run this same kernel (one body computes the log-sum-exp, the target's
 logit and the Gumbel-max sample every time), so the logit of a drawn token and its log-sum-exp are
@@ -29,6 +32,7 @@ class LogprobConfig:
     block_rows: int = 16
     block_vocab: int = 128
     block_k: int = 64
+    vocab_splits: int = 128
     num_warps: int = 4
     num_stages: int = 2
 
@@ -36,6 +40,7 @@ class LogprobConfig:
         check_block("block_rows", self.block_rows)
         check_block("block_vocab", self.block_vocab)
         check_block("block_k", self.block_k)
+        check_block("vocab_splits", self.vocab_splits, minimum=1)
 
 
 def _tile_logits(h_ref, w_ref, v0, temp, *, block_vocab, block_k, k_steps):
@@ -47,9 +52,11 @@ def _tile_logits(h_ref, w_ref, v0, temp, *, block_vocab, block_k, k_steps):
     return acc / temp[:, None]
 
 
-def _kernel(h_ref, w_ref, tgt_ref, temp_ref, key_ref, tgt_lp_ref, tok_ref, tok_lp_ref, lse_ref, *, block_vocab, block_k, k_steps, v_steps):
+def _split_kernel(h_ref, w_ref, tgt_ref, temp_ref, key_ref, m_ref, s_ref, tgt_logit_ref, best_score_ref, best_tok_ref, best_logit_ref,
+                  *, block_vocab, block_k, k_steps, tiles_per_split, num_tiles):
     rows = h_ref.shape[0]
     temp, tgt, key = temp_ref[...], tgt_ref[...], key_ref[...]
+    first = pl.program_id(1) * tiles_per_split
 
     def body(vi, carry):
         m, s, tgt_logit, best_score, best_tok, best_logit = carry
@@ -72,11 +79,28 @@ def _kernel(h_ref, w_ref, tgt_ref, temp_ref, key_ref, tgt_lp_ref, tok_ref, tok_l
 
     neg = jnp.full((rows,), -jnp.inf, F32)
     init = (neg, jnp.zeros((rows,), F32), neg, neg, jnp.zeros((rows,), jnp.int32), neg)
-    m, s, tgt_logit, _, best_tok, best_logit = jax.lax.fori_loop(0, v_steps, body, init)
+    out = jax.lax.fori_loop(first, jnp.minimum(first + tiles_per_split, num_tiles), body, init)
+    for ref, value in zip((m_ref, s_ref, tgt_logit_ref, best_score_ref, best_tok_ref, best_logit_ref), out):
+        ref[...] = value
+
+
+def _merge_kernel(m_ref, s_ref, tgt_logit_ref, best_score_ref, best_tok_ref, best_logit_ref, tgt_lp_ref, tok_ref, tok_lp_ref, lse_ref):
+    """Merge the vocab ranges in ascending order. Empty ranges carry m = -inf, s = 0: no effect."""
+    splits = m_ref.shape[0]
+    m = jax.lax.fori_loop(0, splits, lambda i, m: jnp.maximum(m, m_ref[i]), m_ref[0])
+    s = jax.lax.fori_loop(0, splits, lambda i, s: s + s_ref[i] * _math.exp(m_ref[i] - m), jnp.zeros_like(m))
+    tgt_logit = jax.lax.fori_loop(0, splits, lambda i, t: jnp.maximum(t, tgt_logit_ref[i]), tgt_logit_ref[0])
+
+    def pick(i, carry):
+        score, tok, logit = carry
+        better = best_score_ref[i] > score
+        return jnp.where(better, best_score_ref[i], score), jnp.where(better, best_tok_ref[i], tok), jnp.where(better, best_logit_ref[i], logit)
+
+    _, tok, logit = jax.lax.fori_loop(1, splits, pick, (best_score_ref[0], best_tok_ref[0], best_logit_ref[0]))
     lse = m + _math.log(s)
     tgt_lp_ref[...] = tgt_logit - lse
-    tok_ref[...] = best_tok
-    tok_lp_ref[...] = best_logit - lse
+    tok_ref[...] = tok
+    tok_lp_ref[...] = logit - lse
     lse_ref[...] = lse
 
 
@@ -100,16 +124,33 @@ def _fused(h, w, targets, temperature, keys, config: LogprobConfig, interpret: b
     # Padding rows get temperature 1 so they stay finite; their outputs are sliced away.
     temperature = pad_dim(temperature.astype(F32), 0, br, value=1.0)
     targets, keys = pad_dim(targets.astype(jnp.int32), 0, br), pad_dim(keys, 0, br)
-    row = pl.BlockSpec((br,), lambda i: (i,))
-    outs = pl.pallas_call(
-        functools.partial(_kernel, block_vocab=c.block_vocab, block_k=c.block_k, k_steps=d // c.block_k, v_steps=vocab // c.block_vocab),
-        grid=(h.shape[0] // br,),
-        in_specs=[pl.BlockSpec((br, d), lambda i: (i, 0)), pl.BlockSpec((vocab, d), lambda i: (0, 0)), row, row, row],
-        out_specs=[row] * 4,
-        out_shape=[jax.ShapeDtypeStruct((h.shape[0],), t) for t in (F32, jnp.int32, F32, F32)],
+    rows_p = h.shape[0]
+    num_tiles = vocab // c.block_vocab
+    splits = min(c.vocab_splits, num_tiles)
+    tiles_per_split = -(-num_tiles // splits)
+    row = pl.BlockSpec((br,), lambda i, j: (i,))
+    part = pl.BlockSpec((None, br), lambda i, j: (j, i))
+    part_types = (F32, F32, F32, F32, jnp.int32, F32)
+    parts = pl.pallas_call(
+        functools.partial(_split_kernel, block_vocab=c.block_vocab, block_k=c.block_k, k_steps=d // c.block_k,
+                          tiles_per_split=tiles_per_split, num_tiles=num_tiles),
+        grid=(rows_p // br, splits),
+        in_specs=[pl.BlockSpec((br, d), lambda i, j: (i, 0)), pl.BlockSpec((vocab, d), lambda i, j: (0, 0)), row, row, row],
+        out_specs=[part] * 6,
+        out_shape=[jax.ShapeDtypeStruct((splits, rows_p), t) for t in part_types],
         compiler_params=compiler_params(c.num_warps, c.num_stages),
         interpret=interpret,
     )(h, w, targets, temperature, keys)
+    merged_row = pl.BlockSpec((br,), lambda i: (i,))
+    outs = pl.pallas_call(
+        _merge_kernel,
+        grid=(rows_p // br,),
+        in_specs=[pl.BlockSpec((splits, br), lambda i: (0, i))] * 6,
+        out_specs=[merged_row] * 4,
+        out_shape=[jax.ShapeDtypeStruct((rows_p,), t) for t in (F32, jnp.int32, F32, F32)],
+        compiler_params=compiler_params(c.num_warps, 1),
+        interpret=interpret,
+    )(*parts)
     return tuple(o[:n] for o in outs)
 
 

@@ -35,3 +35,23 @@ def lower_for_gpu(jitted, *args, device_kind: str = "NVIDIA H200", **kwargs) -> 
     mesh = jax.sharding.AbstractMesh((1,), ("audit",), abstract_device=dev)
     with jax.sharding.use_abstract_mesh(mesh):
         return jitted.trace(*args, **kwargs).lower(lowering_platforms=("cuda",)).as_text()
+
+
+_HLO_OP = re.compile(r"=\s*(?:\(|)([a-z0-9]+)\[[^=]*?\s([a-z][a-z0-9-]*)\(")
+HLO_DATA_MOVEMENT = {
+    "parameter", "constant", "broadcast", "reshape", "transpose", "slice", "dynamic-slice",
+    "dynamic-update-slice", "concatenate", "pad", "gather", "scatter", "select", "iota", "compare",
+    "while", "conditional", "tuple", "get-tuple-element", "bitcast", "copy", "copy-start", "copy-done",
+    "custom-call", "call", "fusion", "reverse", "opt-barrier", "bitcast-convert",
+}
+
+
+def float_arithmetic_hlo(optimized_hlo_text: str) -> list[str]:
+    """The same audit on XLA's optimised HLO (`jitted.lower(...).compile().as_text()`), fusion
+    bodies included: catches arithmetic that XLA itself introduced after lowering."""
+    bad = []
+    for line in optimized_hlo_text.splitlines():
+        m = _HLO_OP.search(line)
+        if m and m.group(2) not in HLO_DATA_MOVEMENT and m.group(1) in ("bf16", "f16", "f32", "f64"):
+            bad.append(line.strip()[:200])
+    return bad

@@ -28,7 +28,7 @@ MATMUL = matmul.MatmulConfig(block_m=64, block_n=64, block_k=32, num_warps=4, nu
 RMSNORM = rmsnorm.RMSNormConfig(block_rows=16, block_d=256, num_warps=4)
 SWIGLU = swiglu.SwiGLUConfig(block_rows=16, block_cols=128, num_warps=4)
 ATTENTION = attention.AttentionConfig(page_size=16, block_q=16, num_warps=4, num_stages=2)
-LOGPROB = logprob.LogprobConfig(block_rows=16, block_vocab=128, block_k=64, num_warps=4, num_stages=2)
+LOGPROB = logprob.LogprobConfig(block_rows=64, block_vocab=128, block_k=64, vocab_splits=128, num_warps=4, num_stages=2)
 PAGE_SIZE = ATTENTION.page_size  # the fast path uses the same cache layout
 
 # XLA must not keep excess precision between ops or drop roundings we asked for.

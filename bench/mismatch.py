@@ -1,0 +1,90 @@
+"""Sampler-vs-learner logprob mismatch, strict vs fast, side by side in one run.
+
+For each model shape: sample a batch of prompts x new tokens with `rlkjax.generate`, score the
+finished sequences with `rlkjax.score` (the learner's pass), and compare the two logprobs of every
+sampled token. Reports tokens compared, tokens whose float32 bits differ, max and mean |delta| and
+the k3 estimate of KL(sampler || learner) (mean of r - 1 - log r, r = p_learner / p_sampler),
+plus wall times.
+
+    python -m bench.mismatch --models qwen3-0.6b,qwen3-8b --batch 64 --new-tokens 256 --out bench/results/x.json
+"""
+import argparse
+import datetime
+import json
+import platform
+import time
+
+import numpy as np
+
+import rlkjax
+
+
+def mismatch(sampled: np.ndarray, scored: np.ndarray) -> dict:
+    delta = scored.astype(np.float64) - sampled.astype(np.float64)
+    return {
+        "tokens_compared": int(sampled.size),
+        "tokens_bits_differ": int((sampled.view(np.uint32) != scored.view(np.uint32)).sum()),
+        "max_abs_delta": float(np.abs(delta).max()),
+        "mean_abs_delta": float(np.abs(delta).mean()),
+        "k3_kl": float(np.mean(np.expm1(delta) - delta)),
+    }
+
+
+def run(cfg, params, prompts, new_tokens, temperature, numerics, chunk):
+    t0 = time.perf_counter()
+    comps = rlkjax.generate(params, cfg, prompts, max_new_tokens=new_tokens, temperature=temperature,
+                            seeds=list(range(len(prompts))), numerics=numerics, prefill_chunk_size=chunk)
+    t1 = time.perf_counter()
+    scored = rlkjax.score(params, cfg, [p + c.tokens for p, c in zip(prompts, comps)], [len(p) for p in prompts],
+                          temperature=temperature, numerics=numerics)
+    t2 = time.perf_counter()
+    stats = mismatch(np.concatenate([c.logprobs for c in comps]), np.concatenate(scored))
+    return stats | {"generate_s": t1 - t0, "score_s": t2 - t1}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="qwen3-tiny", help="comma-separated presets (random weights)")
+    ap.add_argument("--batch", type=int, default=8, help="prompts per batch")
+    ap.add_argument("--new-tokens", type=int, default=32, help="tokens sampled per prompt")
+    ap.add_argument("--min-prompt", type=int, default=16, help="shortest random prompt")
+    ap.add_argument("--max-prompt", type=int, default=128, help="longest random prompt")
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampling and scoring temperature")
+    ap.add_argument("--chunk", type=int, default=64, help="prefill chunk size")
+    ap.add_argument("--repeats", type=int, default=2, help="runs per mode; the first includes compilation")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args()
+
+    import jax
+    report = {
+        "command": "python -m bench.mismatch " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "hardware": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
+        "versions": {"jax": jax.__version__, "python": platform.python_version()},
+        "results": [],
+    }
+    rng = np.random.default_rng(0)
+    for name in args.models.split(","):
+        cfg = rlkjax.ModelConfig.preset(name)
+        params = rlkjax.init_params(cfg, seed=0)
+        prompts = [rng.integers(0, cfg.vocab_size, int(rng.integers(args.min_prompt, args.max_prompt + 1))).tolist()
+                   for _ in range(args.batch)]
+        for numerics in ("fast", "strict"):
+            for rep in range(args.repeats):
+                r = run(cfg, params, prompts, args.new_tokens, args.temperature, numerics, args.chunk)
+                r |= {"model": name, "numerics": numerics, "repeat": rep}
+                report["results"].append(r)
+                print(json.dumps(r), flush=True)
+        del params
+    print(f"\n{'model':12} {'numerics':8} {'compared':>9} {'bits differ':>11} {'max|d|':>10} {'mean|d|':>10} {'k3 KL':>10} {'gen s':>7} {'score s':>7}")
+    for r in report["results"]:
+        if r["repeat"] == args.repeats - 1:
+            print(f"{r['model']:12} {r['numerics']:8} {r['tokens_compared']:9d} {r['tokens_bits_differ']:11d} {r['max_abs_delta']:10.3g} "
+                  f"{r['mean_abs_delta']:10.3g} {r['k3_kl']:10.3g} {r['generate_s']:7.2f} {r['score_s']:7.2f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
