@@ -7,6 +7,11 @@ from jax.experimental.pallas import triton as plgpu
 F32 = jnp.float32
 
 
+def acc_dtype(dtype):
+    """fp32 for bf16/fp32 inputs; float64 when a test evaluates a reference in float64 for truth."""
+    return jnp.promote_types(dtype, F32)
+
+
 def interpret_mode() -> bool:
     """Pallas runs compiled through Triton on GPUs and interpreted on the CPU; nothing else."""
     backend = jax.default_backend()

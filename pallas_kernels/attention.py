@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _math
-from pallas_kernels._common import F32, check_block, compiler_params, dot_nn, dot_nt, pad_dim, round_up
+from pallas_kernels._common import F32, acc_dtype, check_block, compiler_params, dot_nn, dot_nt, pad_dim, round_up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,14 +158,15 @@ def dense_attention(q, k, v, positions):
     """Causal GQA attention where every visible key is among this call's tokens (positions mask)."""
     g = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
-    s = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=F32) / math.sqrt(q.shape[3])
+    acc = acc_dtype(q.dtype)
+    s = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=acc) / math.sqrt(q.shape[3])
     visible = (positions[:, None, :] <= positions[:, :, None]) & (positions[:, None, :] >= 0)
     s = jnp.where(visible[:, None], s, -jnp.inf)
     m = jnp.max(s, axis=3, keepdims=True)
     p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
     l = jnp.sum(p, axis=3, keepdims=True)
     p = jnp.where(l > 0, p / jnp.where(l > 0, l, 1.0), 0.0)
-    return jnp.einsum("bhts,bshd->bthd", p.astype(v.dtype), v, preferred_element_type=F32).astype(q.dtype)
+    return jnp.einsum("bhts,bshd->bthd", p.astype(v.dtype), v, preferred_element_type=acc).astype(q.dtype)
 
 
 def paged_attention_reference(q, k, v, k_pages, v_pages, layer, page_table, positions, config=None, interpret=None):

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _math
-from pallas_kernels._common import F32, check_block, compiler_params, dot_nt, pad_dim
+from pallas_kernels._common import F32, acc_dtype, check_block, compiler_params, dot_nt, pad_dim
 
 _NO_TOKEN = 2**31 - 1
 
@@ -209,7 +209,8 @@ token_logprobs.defvjp(_fwd, _bwd)
 
 
 def _logits_reference(h, w, temperature):
-    return jnp.dot(h, w.T, preferred_element_type=F32) / temperature.astype(F32)[:, None]
+    acc = acc_dtype(h.dtype)
+    return jnp.dot(h, w.T, preferred_element_type=acc) / temperature.astype(acc)[:, None]
 
 
 def token_logprobs_reference(h, w, targets, temperature, config=None, interpret=None):

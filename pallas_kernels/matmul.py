@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import F32, check_block, compiler_params, dot_nt, pad_dim
+from pallas_kernels._common import F32, acc_dtype, check_block, compiler_params, dot_nt, pad_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +100,8 @@ matmul.defvjp(_fwd, _bwd)
 
 def matmul_reference(x, w, residual=None, config=None, interpret=None):
     """Plain XLA with the same roundings: what `numerics="fast"` runs."""
-    y = jnp.dot(x, w.T, preferred_element_type=F32).astype(x.dtype)
+    acc = acc_dtype(x.dtype)
+    y = jnp.dot(x, w.T, preferred_element_type=acc).astype(x.dtype)
     if residual is not None:
-        y = (y.astype(F32) + residual.astype(F32)).astype(x.dtype)
+        y = (y.astype(acc) + residual.astype(acc)).astype(x.dtype)
     return y

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _math
-from pallas_kernels._common import F32, check_block, compiler_params, pad_dim
+from pallas_kernels._common import F32, acc_dtype, check_block, compiler_params, pad_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,8 +33,9 @@ class RMSNormConfig:
 
 
 def _norm(x, inv, w, dtype):
-    n = (x.astype(F32) * inv).astype(dtype)
-    return (w.astype(F32) * n.astype(F32)).astype(dtype)
+    acc = acc_dtype(dtype)
+    n = (x.astype(acc) * inv).astype(dtype)
+    return (w.astype(acc) * n.astype(acc)).astype(dtype)
 
 
 def _kernel(x_ref, w_ref, *refs, eps, block_d, d, rope):
@@ -106,10 +107,10 @@ rmsnorm.defvjp(_fwd, _bwd)
 
 
 def rmsnorm_reference(x, weight, cos, sin, eps, config=None, interpret=None):
-    xf = x.astype(F32)
+    xf = x.astype(acc_dtype(x.dtype))
     inv = jax.lax.rsqrt(jnp.mean(xf * xf, axis=1, keepdims=True) + eps)
     y = _norm(x, inv, weight, x.dtype)
     if cos is None:
         return y
-    x1, x2 = jnp.split(y.astype(F32), 2, axis=1)
+    x1, x2 = jnp.split(y.astype(acc_dtype(x.dtype)), 2, axis=1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=1).astype(x.dtype)

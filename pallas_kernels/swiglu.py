@@ -10,7 +10,7 @@ import jax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _math
-from pallas_kernels._common import F32, check_block, compiler_params, pad_dim
+from pallas_kernels._common import acc_dtype, check_block, compiler_params, pad_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,8 +25,9 @@ class SwiGLUConfig:
 
 
 def _swiglu(g, u, dtype):
-    s = _math.silu(g.astype(F32)).astype(dtype)
-    return (s.astype(F32) * u.astype(F32)).astype(dtype)
+    acc = acc_dtype(dtype)
+    s = _math.silu(g.astype(acc)).astype(dtype)
+    return (s.astype(acc) * u.astype(acc)).astype(dtype)
 
 
 def _kernel(g_ref, u_ref, o_ref):

@@ -42,7 +42,8 @@ HLO_DATA_MOVEMENT = {
     "parameter", "constant", "broadcast", "reshape", "transpose", "slice", "dynamic-slice",
     "dynamic-update-slice", "concatenate", "pad", "gather", "scatter", "select", "iota", "compare",
     "while", "conditional", "tuple", "get-tuple-element", "bitcast", "copy", "copy-start", "copy-done",
-    "custom-call", "call", "fusion", "reverse", "opt-barrier", "bitcast-convert",
+    "custom-call", "call", "fusion", "fusion-start", "fusion-done", "async-start", "async-update",
+    "async-done", "reverse", "opt-barrier", "bitcast-convert",
 }
 
 

@@ -8,6 +8,8 @@ as far from the truth as the reference is; a real bug (a wrong mask, a dropped t
 term) is an O(1) error and fails by orders of magnitude. The same rule applies to gradients,
 computed in fp32 against a float64 jax.grad of the reference.
 """
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,11 +28,18 @@ def rel_err(x, truth):
     return np.linalg.norm(x - truth) / np.linalg.norm(truth)
 
 
+@contextlib.contextmanager
+def float64_on_cpu():
+    """The float64 truth is computed on the host CPU (GPU BLAS has no float64->float32 GEMMs)."""
+    with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 def check_against_truth(kernel_fn, reference_fn, args, what, truth_fn=None):
     """kernel(args) vs reference(args), both vs truth_fn (default: the reference) in float64."""
     out_k, out_r = kernel_fn(*args), reference_fn(*args)
-    with jax.enable_x64(True):
-        args64 = [jnp.asarray(np.asarray(a, np.float64)) if jnp.issubdtype(a.dtype, jnp.floating) else a for a in args]
+    with float64_on_cpu():
+        args64 = [jnp.asarray(np.asarray(a, np.float64)) if jnp.issubdtype(a.dtype, jnp.floating) else jnp.asarray(np.asarray(a)) for a in args]
         truth = (truth_fn or reference_fn)(*args64)
     for k, r, t in zip(jax.tree.leaves(out_k), jax.tree.leaves(out_r), jax.tree.leaves(truth)):
         ek, er = rel_err(k, t), rel_err(r, t)
@@ -51,8 +60,8 @@ def check_grads(kernel_fn, reference_fn, args, argnums, what):
     cot = jax.random.normal(jax.random.key(7), out.shape, F32)
     gk = jax.grad(loss(kernel_fn), argnums)(*args)
     gr = jax.grad(loss(reference_fn), argnums)(*args)
-    with jax.enable_x64(True):
-        args64 = [jnp.asarray(np.asarray(a, np.float64)) if jnp.issubdtype(a.dtype, jnp.floating) else a for a in args]
+    with float64_on_cpu():
+        args64 = [jnp.asarray(np.asarray(a, np.float64)) if jnp.issubdtype(a.dtype, jnp.floating) else jnp.asarray(np.asarray(a)) for a in args]
         cot = jnp.asarray(np.asarray(cot, np.float64))
         gt = jax.grad(loss(reference_fn), argnums)(*args64)
         gt = [np.asarray(g) for g in gt]
