@@ -1,9 +1,8 @@
-"""`generate` (batched chunked prefill + decode over the paged cache) and `score` (the learner's
-pass over finished sequences). Shapes are padded to power-of-two buckets so a long run compiles a
-handful of step functions, and padding never changes a real row's bits (see pallas_kernels).
+"""`generate` (through the rollout engine) and `score` (the learner's pass over finished
+sequences), with input validation. Shapes are padded to power-of-two buckets so a long run
+compiles a handful of functions, and padding never changes a real row's bits (see pallas_kernels).
 """
 import dataclasses
-import functools
 import math
 
 import jax
@@ -11,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlkjax.config import ModelConfig
-from rlkjax.model import forward, init_kv_cache, rope_tables, sample, sequence_logprobs
+from rlkjax.model import rope_tables, sequence_logprobs
 from rlkjax.numerics import PAGE_SIZE, Numerics, ops
 
 
@@ -19,6 +18,8 @@ from rlkjax.numerics import PAGE_SIZE, Numerics, ops
 class Completion:
     tokens: list[int]
     logprobs: np.ndarray  # float32, one per token: log p(token | prefix) at the sampling temperature
+    finish_reason: str = "length"  # "length" | "stop" | "cancelled"
+    policy_version: int = 0
 
 
 def _bucket(n: int, minimum: int = 1) -> int:
@@ -65,27 +66,16 @@ def _check_seeds(seeds, n) -> np.ndarray:
     return np.asarray(values, np.uint32)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "numerics"), donate_argnames=("kv_cache",))
-def prefill_chunk(params, tokens, positions, kv_cache, page_table, rope, cfg, numerics):
-    """Write a chunk of prompt tokens [B, C] into the cache (hidden states are not needed)."""
-    return forward(params, tokens, positions, kv_cache, page_table, rope, cfg, numerics)[1]
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "numerics"), donate_argnames=("kv_cache",))
-def decode_step(params, tokens, positions, kv_cache, page_table, seeds, steps, temps, rope, cfg, numerics):
-    """Feed one token per row [B, 1]; sample the next with keys (seed, step)."""
-    hidden, kv_cache = forward(params, tokens, positions, kv_cache, page_table, rope, cfg, numerics)
-    next_tokens, logprobs = sample(params, hidden[:, 0], seeds, steps, temps, numerics)
-    return next_tokens, logprobs, kv_cache
-
-
 def generate(params, cfg: ModelConfig, prompts, max_new_tokens: int = 32, temperature=1.0, seeds=0,
              numerics: Numerics = "strict", prefill_chunk_size: int = 64) -> list[Completion]:
     """Sample `max_new_tokens` tokens after each prompt, recording each token's logprob.
 
     temperature and seeds: one per prompt, or a scalar for all. A request's tokens depend on its
-    prompt, seed and temperature only, not on the batch it ran in.
+    prompt, seed and temperature only, not on the batch it ran in. A thin wrapper over the rollout
+    engine (serve.engine), sized so nothing is preempted: there is one generation path.
     """
+    from serve.engine import Engine, EngineConfig  # the engine builds on this module
+
     ops(numerics)  # validates the mode (and the strict XLA flags) before any work
     prompts = _check_tokens("prompts", prompts, cfg)
     n = len(prompts)
@@ -97,40 +87,15 @@ def generate(params, cfg: ModelConfig, prompts, max_new_tokens: int = 32, temper
     longest = max(len(p) for p in prompts) + max_new_tokens
     if longest > cfg.max_position:
         raise ValueError(f"prompt + max_new_tokens = {longest} tokens exceeds the model's context of {cfg.max_position}")
-
-    b = _bucket(n)
-    pages_per_row = _bucket(-(-longest // PAGE_SIZE))
-    page_table = jnp.asarray(1 + np.arange(b * pages_per_row, dtype=np.int32).reshape(b, pages_per_row))
-    cache = init_kv_cache(cfg, 1 + b * pages_per_row)
-    rope = rope_tables(cfg)
-    lens = np.array([len(p) for p in prompts] + [1] * (b - n))
-
-    # Prefill everything but each prompt's last token, in chunks; that token is the first decode input.
-    tokens = np.zeros((b, max(lens) - 1 + prefill_chunk_size), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = p
-    for start in range(0, int(max(lens)) - 1, prefill_chunk_size):
-        pos = start + np.arange(prefill_chunk_size)[None, :]
-        pos = np.where(pos < (lens - 1)[:, None], pos, -1).astype(np.int32)
-        chunk = tokens[:, start : start + prefill_chunk_size]
-        cache = prefill_chunk(params, chunk, pos, cache, page_table, rope, cfg, numerics)
-
-    pad = b - n
-    seeds_d = jnp.asarray(np.pad(seed_arr, (0, pad)))
-    temps_d = jnp.asarray(np.pad(temps, (0, pad), constant_values=1.0))
-    current = jnp.asarray(tokens[np.arange(b), lens - 1][:, None])
-    live = np.arange(b) < n
-    out_tokens, out_logprobs = [], []
-    for step in range(max_new_tokens):
-        pos = np.where(live, lens - 1 + step, -1).astype(np.int32)[:, None]
-        steps = jnp.full((b,), step, jnp.int32)
-        nxt, lp, cache = decode_step(params, current, pos, cache, page_table, seeds_d, steps, temps_d, rope, cfg, numerics)
-        out_tokens.append(nxt)
-        out_logprobs.append(lp)
-        current = nxt[:, None]
-    toks = np.asarray(jnp.stack(out_tokens, axis=1))
-    lps = np.asarray(jnp.stack(out_logprobs, axis=1))
-    return [Completion(tokens=[int(t) for t in toks[i]], logprobs=lps[i].copy()) for i in range(n)]
+    pages = sum(-(-(len(p) + max_new_tokens) // PAGE_SIZE) for p in prompts)
+    rows = _bucket(n)
+    engine = Engine(params, cfg, numerics, EngineConfig(
+        num_pages=1 + pages, max_batch=rows, prefill_chunk=prefill_chunk_size,
+        token_budget=prefill_chunk_size * rows, max_context=min(_bucket(longest, PAGE_SIZE), cfg.max_position)))
+    requests = [engine.submit(p, max_new_tokens=max_new_tokens, temperature=float(t), seed=int(s))
+                for p, t, s in zip(prompts, temps, seed_arr)]
+    engine.run_until_done()
+    return [r.results[0] for r in requests]
 
 
 _sequence_logprobs = jax.jit(sequence_logprobs, static_argnames=("cfg", "numerics"))

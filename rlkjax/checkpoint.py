@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from safetensors import safe_open
 from safetensors.flax import save_file
 
-from rlkjax.config import ModelConfig
+from rlkjax.config import PRESETS, ModelConfig
 from rlkjax.model import layer_shapes
 
 _LAYER_PREFIX = {
@@ -99,3 +99,36 @@ def save_hf_checkpoint(directory, cfg: ModelConfig, params, max_shard_bytes: int
         weight_map.update({name: fname for name in shard})
     total = sum(a.nbytes for a in tensors.values())
     (directory / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def save_orbax_params(directory, cfg: ModelConfig, params) -> None:
+    """Params as an orbax checkpoint (`params/`) plus the model's config.json."""
+    import orbax.checkpoint as ocp
+
+    directory = Path(directory).absolute()
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(cfg.to_hf_config(), indent=2))
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(directory / "params", params, force=True)
+
+
+def load_model(spec: str, seed: int = 0):
+    """A preset name (random weights from `seed`), an HF checkpoint directory, or an orbax directory
+    (config.json + params/, as written by save_orbax_params and train.grpo) -> (cfg, params)."""
+    from rlkjax.model import init_params
+
+    if spec in PRESETS:
+        cfg = ModelConfig.preset(spec)
+        return cfg, init_params(cfg, seed=seed)
+    path = Path(spec)
+    if (path / "params").is_dir() and (path / "config.json").is_file():
+        import jax
+        import orbax.checkpoint as ocp
+
+        cfg = ModelConfig.from_hf_config(path / "config.json")
+        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), jax.eval_shape(lambda: init_params(cfg)))
+        with ocp.StandardCheckpointer() as ckptr:
+            return cfg, ckptr.restore(path.absolute() / "params", target)
+    if path.is_dir():
+        return load_hf_checkpoint(path)
+    raise ValueError(f"--model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a checkpoint directory")

@@ -30,6 +30,9 @@ class ModelConfig:
         if self.dtype not in ("bfloat16", "float32"):
             raise ValueError(f"dtype={self.dtype!r} must be 'bfloat16' or 'float32'")
 
+    def replace_dtype(self, dtype: str) -> "ModelConfig":
+        return dataclasses.replace(self, dtype=dtype)
+
     @staticmethod
     def preset(name: str) -> "ModelConfig":
         if name not in PRESETS:

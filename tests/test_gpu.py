@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import rlkjax
-from rlkjax import api, audit, model
+from rlkjax import audit, model
+from serve.engine import decode_step
 from tests.contract import check_case, random_case
 
 pytestmark = pytest.mark.gpu
@@ -47,7 +48,7 @@ def test_optimised_hlo_has_no_float_arithmetic(real_shapes):
     assert not bad, "float arithmetic outside the kernels:\n" + "\n".join(bad)
     cache = model.init_kv_cache(cfg, 1 + b * pages)
     one = jnp.zeros((b, 1), jnp.int32)
-    text = api.decode_step.lower(params, one, one, cache, jnp.zeros((b, pages), jnp.int32), jnp.zeros((b,), jnp.uint32),
+    text = decode_step.lower(params, one, one, cache, jnp.zeros((b, pages), jnp.int32), jnp.zeros((b,), jnp.uint32),
                                  jnp.zeros((b,), jnp.int32), jnp.ones((b,)), rope, cfg, "strict").compile().as_text()
     bad = audit.float_arithmetic_hlo(text)
     assert not bad, "float arithmetic outside the kernels:\n" + "\n".join(bad)

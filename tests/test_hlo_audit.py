@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import pytest
 
 import rlkjax
-from rlkjax import api, audit, model, numerics
+from rlkjax import audit, model, numerics
+from serve import engine
 
 
 @pytest.fixture
@@ -33,7 +34,7 @@ def lowered(cfg, fn, numerics_mode, b=2, t=16, pages=4):
     pt = jax.ShapeDtypeStruct((b, pages), jnp.int32)
     one = jax.ShapeDtypeStruct((b, 1), jnp.int32)
     vec = lambda dt: jax.ShapeDtypeStruct((b,), dt)  # noqa: E731
-    return audit.lower_for_gpu(api.decode_step, params, one, one, cache, pt, vec(jnp.uint32), vec(jnp.int32),
+    return audit.lower_for_gpu(engine.decode_step, params, one, one, cache, pt, vec(jnp.uint32), vec(jnp.int32),
                                vec(jnp.float32), rope, cfg, numerics_mode)
 
 

@@ -1,0 +1,411 @@
+"""Continuous-batching rollout engine over the paged KV cache.
+
+Each engine step (a) admits waiting requests while pages last, (b) runs one prefill call over up
+to `token_budget` prompt tokens (chunks of `prefill_chunk` per sequence), and (c) one decode call
+over every sequence whose prefix is cached, sampling its next token. Requests join and leave
+between steps. The n samples of a request share its prompt's KV pages: one leader prefills, the
+others fork from it, sharing every full page and copying the partial last one (copy-on-write).
+When pages run out, the newest sequence is preempted (its pages freed) and recomputed later.
+
+Every call goes through the one model function, so in strict mode a completion's logprobs equal
+`rlkjax.score` of the finished sequence bit for bit, however it was scheduled, shared or
+preempted, and a request's tokens depend only on its prompt, seed and temperature.
+
+Shapes (compiled once per bucket): prefill tokens [B, prefill_chunk], decode tokens [B, 1], page
+table [B, pages_per_seq]; B is a power of two up to max_batch.
+"""
+import dataclasses
+import functools
+import itertools
+import math
+import threading
+from collections import deque
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rlkjax.api import Completion
+from rlkjax.config import ModelConfig
+from rlkjax.model import forward, init_kv_cache, rope_tables, sample
+from rlkjax.numerics import PAGE_SIZE, Numerics, ops
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    num_pages: int = 1024  # KV pages of PAGE_SIZE tokens, page 0 reserved
+    max_batch: int = 64  # sequences per decode call
+    prefill_chunk: int = 64  # tokens per sequence per prefill call
+    token_budget: int = 512  # prompt tokens per step
+    max_context: int | None = None  # default: the model's max_position
+
+    def __post_init__(self):
+        for name in ("num_pages", "max_batch", "prefill_chunk", "token_budget"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if self.num_pages < 2:
+            raise ValueError(f"num_pages={self.num_pages} must be >= 2 (page 0 is reserved)")
+        if self.token_budget < self.prefill_chunk:
+            raise ValueError(f"token_budget={self.token_budget} must be >= prefill_chunk={self.prefill_chunk}")
+
+
+class PageAllocator:
+    """Free list with reference counts; page 0 is the trash page and never handed out."""
+
+    def __init__(self, num_pages: int):
+        self.free = deque(range(1, num_pages))
+        self.refs = np.zeros(num_pages, np.int32)
+
+    def alloc(self, n: int) -> list[int] | None:
+        if n > len(self.free):
+            return None
+        pages = [self.free.popleft() for _ in range(n)]
+        self.refs[pages] = 1
+        return pages
+
+    def share(self, pages):
+        for p in pages:
+            self.refs[p] += 1
+
+    def release(self, pages):
+        for p in pages:
+            self.refs[p] -= 1
+            if self.refs[p] == 0:
+                self.free.append(p)
+
+    @property
+    def used(self) -> int:
+        return int((self.refs > 0).sum())
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    request: "Request"
+    index: int  # sample index within the request
+    seed: int
+    tokens: list[int]  # prompt + generated
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    pages: list[int] = dataclasses.field(default_factory=list)
+    cached: int = 0  # positions whose K/V are in the cache
+    admitted: int = -1  # admission order, for preemption
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - len(self.request.prompt)
+
+    @property
+    def decoding(self) -> bool:
+        return self.cached == len(self.tokens) - 1
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    id: int
+    prompt: list[int]
+    n: int
+    max_new_tokens: int
+    temperature: float
+    seed: int
+    stop_token_ids: frozenset
+    results: list = dataclasses.field(default_factory=list)  # Completion per sample index, None until done
+    pending_forks: int = 0  # samples waiting for the leader's prompt pages
+    cancelled: bool = False
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    callbacks: list = dataclasses.field(default_factory=list)  # called (engine thread) when done
+
+    def finish(self):
+        self.done.set()
+        for callback in self.callbacks:
+            callback()
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """Sample j of a request with seed s draws with seed s + j * golden (mod 2**32); sample 0 uses s."""
+    return (seed + index * 0x9E3779B9) % 2**32
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "numerics"), donate_argnames=("kv_cache",))
+def prefill_chunk(params, tokens, positions, kv_cache, page_table, rope, cfg, numerics):
+    """Write a chunk of prompt tokens [B, C] into the cache (their hidden states are not needed)."""
+    return forward(params, tokens, positions, kv_cache, page_table, rope, cfg, numerics)[1]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "numerics"), donate_argnames=("kv_cache",))
+def decode_step(params, tokens, positions, kv_cache, page_table, seeds, steps, temps, rope, cfg, numerics):
+    """Feed one token per row [B, 1]; sample the next with keys (seed, step)."""
+    hidden, kv_cache = forward(params, tokens, positions, kv_cache, page_table, rope, cfg, numerics)
+    next_tokens, logprobs = sample(params, hidden[:, 0], seeds, steps, temps, numerics)
+    return next_tokens, logprobs, kv_cache
+
+
+@functools.partial(jax.jit, donate_argnames=("kv_cache",))
+def copy_pages(kv_cache, src, dst):
+    """Copy-on-write: pages dst <- pages src in every layer (data movement only)."""
+    return tuple(c.at[:, :, dst].set(c[:, :, src]) for c in kv_cache)
+
+
+def _bucket(n: int) -> int:
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
+class Engine:
+    def __init__(self, params, cfg: ModelConfig, numerics: Numerics = "strict", config: EngineConfig = EngineConfig()):
+        ops(numerics)  # validates the mode before any work
+        self.cfg, self.numerics, self.config = cfg, numerics, config
+        self.max_context = min(config.max_context or cfg.max_position, cfg.max_position)
+        self.pages_per_seq = _bucket(-(-self.max_context // PAGE_SIZE))
+        self.params, self.policy_version = params, 0
+        self.cache = init_kv_cache(cfg, config.num_pages)
+        self.rope = rope_tables(cfg)
+        self.pages = PageAllocator(config.num_pages)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.requests: dict[int, Request] = {}
+        self._ids = itertools.count()
+        self._admissions = itertools.count()
+        self._pending_params = None
+        self.lock = threading.RLock()
+        self.shapes_seen: set = set()  # (step function, batch bucket): one compilation each
+        self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "preemptions": 0, "requests": 0, "finished": 0}
+
+    # ----- requests -----
+    def submit(self, prompt, *, n=1, max_new_tokens=16, temperature=1.0, seed=0, stop_token_ids=()) -> Request:
+        """Validate and queue a request; raises ValueError naming the bad field."""
+        prompt = list(prompt) if isinstance(prompt, (list, tuple)) else prompt
+        if not isinstance(prompt, list) or not prompt:
+            raise ValueError("prompt must be a non-empty list of token ids")
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("prompt must hold integer token ids")
+        bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt has token id {bad[0]} outside [0, {self.cfg.vocab_size})")
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= self.config.max_batch:
+            raise ValueError(f"n={n!r} must be an integer in [1, {self.config.max_batch}]")
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
+        if len(prompt) + max_new_tokens > self.max_context:
+            raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds the context of {self.max_context} tokens")
+        if -(-(len(prompt) + max_new_tokens) // PAGE_SIZE) > self.config.num_pages - 1:
+            raise ValueError(f"prompt + max_new_tokens needs more KV pages than the cache holds ({self.config.num_pages - 1})")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (math.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"temperature={temperature!r} must be finite and > 0")
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
+            raise ValueError(f"seed={seed!r} must be an integer in [0, 2**32)")
+        stops = list(stop_token_ids)
+        if not all(isinstance(t, int) and 0 <= t < self.cfg.vocab_size for t in stops):
+            raise ValueError(f"stop_token_ids must be token ids in [0, {self.cfg.vocab_size})")
+        with self.lock:
+            req = Request(next(self._ids), [int(t) for t in prompt], n, max_new_tokens, float(temperature), seed, frozenset(stops))
+            req.results = [None] * n
+            self.requests[req.id] = req
+            leader = Sequence(req, 0, sample_seed(seed, 0), list(req.prompt))
+            if n > 1 and len(req.prompt) > 1:
+                req.pending_forks = n - 1  # they fork from the leader once its prompt is cached
+                self.waiting.append(leader)
+            else:
+                self.waiting.extend(Sequence(req, j, sample_seed(seed, j), list(req.prompt)) for j in range(n))
+            self.stats["requests"] += 1
+            return req
+
+    def cancel(self, request: Request):
+        with self.lock:
+            request.cancelled = True
+
+    def update_weights(self, params) -> threading.Event:
+        """Swap weights between steps, once no sequence is in flight (no completion mixes versions).
+        Admission pauses until then. The returned event is set when the new version is live."""
+        with self.lock:
+            self._pending_params = params
+            self._swapped = threading.Event()
+            return self._swapped
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ----- the step -----
+    def step(self) -> list[Request]:
+        """One scheduling step. Returns the requests that finished in it."""
+        with self.lock:
+            finished = self._reap_cancelled()
+            if self._pending_params is not None and not self.running:
+                self.params, self._pending_params = self._pending_params, None
+                self.policy_version += 1
+                self._swapped.set()
+            if self._pending_params is None:
+                self._admit()
+            prefilling = [s for s in self.running if not s.decoding]
+            if prefilling:
+                self._prefill(prefilling)
+            decoding = [s for s in self.running if s.decoding]
+            if decoding:
+                finished += self._decode(decoding)
+            self.stats["steps"] += 1
+            return finished
+
+    def run_until_done(self) -> None:
+        while self.busy:
+            self.step()
+
+    def _admit(self):
+        while self.waiting and len(self.running) < self.config.max_batch:
+            seq = self.waiting[0]
+            need = -(-len(seq.tokens) // PAGE_SIZE)
+            pages = self.pages.alloc(need)
+            if pages is None:
+                return
+            self.waiting.popleft()
+            seq.pages, seq.cached, seq.admitted = pages, 0, next(self._admissions)
+            self.running.append(seq)
+
+    def _grow(self, seq: Sequence, positions_needed: int) -> bool:
+        """Make sure seq owns pages for positions [0, positions_needed); preempt others if needed."""
+        while len(seq.pages) * PAGE_SIZE < positions_needed:
+            page = self.pages.alloc(1)
+            if page is None:
+                victim = max((s for s in self.running if s is not seq), key=lambda s: s.admitted, default=None)
+                if victim is None:
+                    raise RuntimeError("KV cache too small for a single sequence")
+                self._preempt(victim)
+                continue
+            seq.pages += page
+        return True
+
+    def _preempt(self, seq: Sequence):
+        """Free a sequence's pages; it is recomputed from its tokens when readmitted (same bits)."""
+        self.pages.release(seq.pages)
+        seq.pages, seq.cached = [], 0
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        self.stats["preemptions"] += 1
+
+    def _page_table(self, seqs, rows):
+        table = np.zeros((rows, self.pages_per_seq), np.int32)
+        for i, s in enumerate(seqs):
+            table[i, : len(s.pages)] = s.pages
+        return table
+
+    def _note_shape(self, name, rows):
+        self.shapes_seen.add((name, rows))
+
+    def _prefill(self, seqs):
+        chunk, budget = self.config.prefill_chunk, self.config.token_budget
+        batch = []
+        for s in sorted(seqs, key=lambda s: s.admitted):
+            if len(batch) * chunk >= budget:
+                break
+            batch.append(s)
+        rows = _bucket(len(batch))
+        tokens = np.zeros((rows, chunk), np.int32)
+        positions = np.full((rows, chunk), -1, np.int32)
+        for i, s in enumerate(batch):
+            todo = min(chunk, len(s.tokens) - 1 - s.cached)
+            tokens[i, :todo] = s.tokens[s.cached : s.cached + todo]
+            positions[i, :todo] = np.arange(s.cached, s.cached + todo)
+        self._note_shape("prefill", rows)
+        self.cache = prefill_chunk(self.params, tokens, positions, self.cache, self._page_table(batch, rows), self.rope,
+                                   self.cfg, self.numerics)
+        for i, s in enumerate(batch):
+            todo = int((positions[i] >= 0).sum())
+            s.cached += todo
+            self.stats["prefill_tokens"] += todo
+            if s.decoding and s.request.pending_forks and s.index == 0:
+                self._fork(s)
+
+    def _fork(self, leader: Sequence):
+        """Start the other samples from the leader's cached prompt: full pages shared, the partial
+        page holding the prompt's tail copied for each sample before anyone writes to it."""
+        req = leader.request
+        full = leader.cached // PAGE_SIZE
+        shared, tail = leader.pages[:full], leader.pages[full:]
+        src, dst = [], []
+        for j in range(1, req.n):
+            own = self.pages.alloc(len(tail))
+            if own is None:  # no room to fork now: recompute this sample from scratch later
+                self.waiting.append(Sequence(req, j, sample_seed(req.seed, j), list(req.prompt)))
+                continue
+            self.pages.share(shared)
+            if leader.cached % PAGE_SIZE:
+                src.append(tail[0])
+                dst.append(own[0])
+            child = Sequence(req, j, sample_seed(req.seed, j), list(req.prompt), pages=shared + own,
+                             cached=leader.cached, admitted=next(self._admissions))
+            self.running.append(child)
+        req.pending_forks = 0
+        if src:
+            k = _bucket(len(src))  # pad with trash-page self copies so the shape is bucketed
+            src_a = np.array(src + [0] * (k - len(src)), np.int32)
+            dst_a = np.array(dst + [0] * (k - len(dst)), np.int32)
+            self._note_shape("copy_pages", k)
+            self.cache = copy_pages(self.cache, src_a, dst_a)
+
+    def _decode(self, seqs) -> list[Request]:
+        for s in seqs:  # the token fed now is written at position len(tokens) - 1
+            if s in self.running:  # growing an earlier one may have preempted it
+                self._grow(s, len(s.tokens))
+        seqs = [s for s in seqs if s in self.running][: self.config.max_batch]
+        rows = _bucket(len(seqs))
+        tokens = np.zeros((rows, 1), np.int32)
+        positions = np.full((rows, 1), -1, np.int32)
+        seeds = np.zeros(rows, np.uint32)
+        steps = np.zeros(rows, np.int32)
+        temps = np.ones(rows, np.float32)
+        for i, s in enumerate(seqs):
+            tokens[i, 0], positions[i, 0] = s.tokens[-1], len(s.tokens) - 1
+            seeds[i], steps[i], temps[i] = s.seed, s.generated, s.request.temperature
+        self._note_shape("decode", rows)
+        nxt, lps, self.cache = decode_step(self.params, tokens, positions, self.cache, self._page_table(seqs, rows),
+                                           seeds, steps, temps, self.rope, self.cfg, self.numerics)
+        nxt, lps = np.asarray(nxt), np.asarray(lps)
+        finished = []
+        for i, s in enumerate(seqs):
+            s.tokens.append(int(nxt[i]))
+            s.logprobs.append(float(lps[i]))
+            s.cached += 1
+            self.stats["decode_tokens"] += 1
+            reason = "stop" if int(nxt[i]) in s.request.stop_token_ids else ("length" if s.generated >= s.request.max_new_tokens else None)
+            if reason:
+                if self._finish(s, reason):
+                    finished.append(s.request)
+        return finished
+
+    def _finish(self, seq: Sequence, reason: str) -> bool:
+        self.pages.release(seq.pages)
+        seq.pages = []
+        if seq in self.running:
+            self.running.remove(seq)
+        req = seq.request
+        req.results[seq.index] = Completion(seq.tokens[len(req.prompt):], np.asarray(seq.logprobs, np.float32),
+                                            reason, self.policy_version)
+        if all(r is not None for r in req.results) and not req.pending_forks:
+            req.finish()
+            self.requests.pop(req.id, None)
+            self.stats["finished"] += 1
+            return True
+        return False
+
+    def _reap_cancelled(self) -> list[Request]:
+        finished = []
+        for seq in [s for s in list(self.running) + list(self.waiting) if s.request.cancelled]:
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+            seq.request.pending_forks = 0
+            if self._finish(seq, "cancelled"):
+                finished.append(seq.request)
+        for req in [r for r in self.requests.values() if r.cancelled]:
+            for j, r in enumerate(req.results):  # forks that never started
+                if r is None:
+                    req.results[j] = Completion([], np.zeros(0, np.float32), "cancelled", self.policy_version)
+            if not req.done.is_set():
+                req.finish()
+                self.requests.pop(req.id, None)
+                finished.append(req)
+        return finished
+
+    def metrics(self) -> dict:
+        with self.lock:
+            return self.stats | {
+                "queue_depth": len(self.waiting), "running": len(self.running),
+                "pages_used": self.pages.used, "pages_total": self.config.num_pages - 1,
+                "compilations": len(self.shapes_seen), "policy_version": self.policy_version,
+            }

@@ -1,0 +1,329 @@
+"""`python -m serve.rollout`: the rollout engine behind an HTTP server.
+
+Endpoints (JSON in and out; errors are 4xx with {"error": "..."} and the server keeps serving):
+  POST /generate         token ids in; per sample: tokens, logprobs, finish_reason, policy_version
+  POST /v1/completions   OpenAI-compatible subset (prompt text or ids, max_tokens, temperature, n,
+                         seed, logprobs), using the model's tokenizer
+  POST /update_weights   {"path": checkpoint dir}; needs `Authorization: Bearer <admin key>`;
+                         swapped between engine steps once in-flight sequences finish
+  GET  /health, GET /metrics (Prometheus text format)
+
+HTTP stack: aiohttp. One mature, asyncio-native package gives the server with request-size limits
+and graceful shutdown on SIGTERM (stop accepting, let in-flight handlers finish); the engine runs in
+one background thread and resolves each request's future through the event loop. Logprobs are JSON
+doubles written by Python's shortest round-trip repr, so float32(json value) has the sampler's bits.
+"""
+import asyncio
+import dataclasses
+import json
+import logging
+import math
+import os
+import threading
+import time
+from typing import Literal
+
+import tyro
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from rlkjax.checkpoint import load_model
+from rlkjax.tokenizer import load_tokenizer
+from serve.engine import Engine, EngineConfig
+
+log = logging.getLogger("serve.rollout")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    model: str = "qwen3-tiny"
+    """A preset (random weights from --seed), an HF checkpoint dir, or an orbax dir (config.json + params/)."""
+    host: str = "127.0.0.1"
+    """Interface to bind. The default serves this machine only; 0.0.0.0 exposes it to the network."""
+    port: int = 8000
+    """TCP port."""
+    admin_key: str | None = None
+    """Key for POST /update_weights (or set RLKJAX_ADMIN_KEY). With neither, weight updates are refused."""
+    seed: int = 0
+    """Seed of the random weights when --model is a preset."""
+    numerics: Literal["strict", "fast"] = "strict"
+    """strict: our Pallas kernels, logprobs equal the learner's bit for bit. fast: plain XLA."""
+    num_pages: int = 2048
+    """KV cache size in pages of 16 tokens (page 0 reserved)."""
+    max_batch: int = 64
+    """Most sequences in one decode step; also the largest n per request."""
+    prefill_chunk: int = 128
+    """Prompt tokens per sequence per prefill call."""
+    token_budget: int = 1024
+    """Prompt tokens prefilled per engine step (across sequences)."""
+    max_context: int = 4096
+    """Longest prompt + max_new_tokens accepted."""
+    max_prompts: int = 256
+    """Most prompts in one request."""
+    max_body_bytes: int = 4 * 2**20
+    """Larger request bodies get 413."""
+
+    def __post_init__(self):
+        for name in ("port", "num_pages", "max_batch", "prefill_chunk", "token_budget", "max_context", "max_prompts", "max_body_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be positive")
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def _fields(body: dict, allowed: set[str], required: set[str]) -> dict:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise BadRequest(f"unknown field(s) {unknown}; allowed: {sorted(allowed)}")
+    missing = sorted(required - set(body))
+    if missing:
+        raise BadRequest(f"missing field(s) {missing}")
+    return body
+
+
+def _int(body, name, default, lo, hi):
+    value = body.get(name, default)
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise BadRequest(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def _temperature(body, name="temperature"):
+    t = body.get(name, 1.0)
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t > 0):
+        raise BadRequest(f"{name} must be a finite number > 0, got {t!r}")
+    return float(t)
+
+
+def _prompts(value, name="prompt"):
+    """One prompt (list of ids) or a batch (list of lists) -> list of lists."""
+    if isinstance(value, list) and value and all(isinstance(p, list) for p in value):
+        return value
+    if isinstance(value, list):
+        return [value]
+    raise BadRequest(f"{name} must be a list of token ids or a list of such lists")
+
+
+class Server:
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.admin_key = config.admin_key or os.environ.get("RLKJAX_ADMIN_KEY")
+        self.cfg, params = load_model(config.model, seed=config.seed)
+        self.tokenizer = load_tokenizer(config.model if os.path.isdir(config.model) else None)
+        self.engine = Engine(params, self.cfg, config.numerics, EngineConfig(
+            num_pages=config.num_pages, max_batch=config.max_batch, prefill_chunk=config.prefill_chunk,
+            token_budget=config.token_budget, max_context=config.max_context))
+        self.wake = threading.Condition()
+        self.stopping = False
+        self.started = time.time()
+        self.registry = CollectorRegistry()
+        self.registry.register(self)
+        self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+
+    # ----- engine thread -----
+    def _loop(self):
+        while True:
+            with self.wake:
+                while not (self.engine.busy or self.engine._pending_params is not None or self.stopping):
+                    self.wake.wait()
+                if self.stopping and not self.engine.busy:
+                    return
+            self.engine.step()
+
+    def _kick(self):
+        with self.wake:
+            self.wake.notify()
+
+    async def _run(self, prompts, n, max_new_tokens, temperature, seeds, stop_token_ids):
+        """Submit every prompt (validated first, so a bad one submits nothing) and await them all."""
+        loop = asyncio.get_running_loop()
+        requests = []
+        try:
+            for p, s in zip(prompts, seeds):
+                requests.append(self.engine.submit(p, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
+                                                   seed=s, stop_token_ids=stop_token_ids))
+        except ValueError as e:
+            for r in requests:
+                self.engine.cancel(r)
+            self._kick()
+            raise BadRequest(str(e)) from None
+        futures = []
+        for r in requests:
+            fut = loop.create_future()
+            r.callbacks.append(lambda fut=fut: loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None)))
+            if r.done.is_set() and not fut.done():
+                fut.set_result(None)
+            futures.append(fut)
+        self._kick()
+        try:
+            await asyncio.gather(*futures)
+        except asyncio.CancelledError:  # client went away: free its pages
+            for r in requests:
+                self.engine.cancel(r)
+            self._kick()
+            raise
+        return requests
+
+    def _seeds(self, body, count):
+        seed = body.get("seed", 0)
+        if isinstance(seed, list):
+            if len(seed) != count or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**32 for s in seed):
+                raise BadRequest(f"seed must be an integer or a list of {count} integers in [0, 2**32)")
+            return seed
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
+            raise BadRequest(f"seed must be an integer in [0, 2**32), got {seed!r}")
+        return [(seed + i) % 2**32 for i in range(count)]  # prompt i of a batch: seed + i
+
+    # ----- handlers -----
+    async def generate(self, request: web.Request):
+        body = _fields(await _json(request), {"prompt", "n", "max_new_tokens", "temperature", "seed", "stop_token_ids"}, {"prompt"})
+        prompts = _prompts(body["prompt"])
+        if len(prompts) > self.config.max_prompts:
+            raise BadRequest(f"at most {self.config.max_prompts} prompts per request, got {len(prompts)}")
+        stops = body.get("stop_token_ids", [])
+        if not isinstance(stops, list):
+            raise BadRequest("stop_token_ids must be a list of token ids")
+        n = _int(body, "n", 1, 1, self.config.max_batch)
+        max_new = _int(body, "max_new_tokens", 16, 1, self.config.max_context)
+        reqs = await self._run(prompts, n, max_new, _temperature(body), self._seeds(body, len(prompts)), stops)
+        return web.json_response({"results": [[dataclasses.asdict(c) | {"logprobs": c.logprobs.tolist()} for c in r.results] for r in reqs]})
+
+    async def completions(self, request: web.Request):
+        allowed = {"model", "prompt", "max_tokens", "temperature", "n", "seed", "logprobs", "stream", "user"}
+        body = _fields(await _json(request), allowed, {"prompt"})
+        if body.get("stream"):
+            raise BadRequest("stream=true is not supported")
+        prompt = body["prompt"]
+        if isinstance(prompt, str):
+            prompts = [self.tokenizer.encode(prompt)]
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            prompts = [self.tokenizer.encode(p) for p in prompt]
+        else:
+            prompts = _prompts(prompt)
+        if len(prompts) > self.config.max_prompts:
+            raise BadRequest(f"at most {self.config.max_prompts} prompts per request, got {len(prompts)}")
+        logprobs = body.get("logprobs")
+        if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= 1):
+            raise BadRequest("logprobs must be null, 0 or 1 (only the sampled token's logprob is returned)")
+        n = _int(body, "n", 1, 1, self.config.max_batch)
+        max_new = _int(body, "max_tokens", 16, 1, self.config.max_context)
+        eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id < self.cfg.vocab_size else []
+        reqs = await self._run(prompts, n, max_new, _temperature(body), self._seeds(body, len(prompts)), eos)
+        choices, completion_tokens = [], 0
+        for r in reqs:
+            for c in r.results:
+                completion_tokens += len(c.tokens)
+                lp = None if logprobs is None else {
+                    "tokens": [self.tokenizer.decode([t]) for t in c.tokens], "token_logprobs": c.logprobs.tolist(), "token_ids": c.tokens}
+                choices.append({"index": len(choices), "text": self.tokenizer.decode(c.tokens), "logprobs": lp,
+                                "finish_reason": c.finish_reason, "policy_version": c.policy_version})
+        return web.json_response({
+            "id": f"cmpl-{reqs[0].id}", "object": "text_completion", "created": int(time.time()), "model": self.config.model,
+            "choices": choices,
+            "usage": {"prompt_tokens": sum(map(len, prompts)) * n, "completion_tokens": completion_tokens,
+                      "total_tokens": sum(map(len, prompts)) * n + completion_tokens},
+        })
+
+    async def update_weights(self, request: web.Request):
+        if not self.admin_key:
+            return _error(403, "weight updates are disabled: start the server with --admin-key or RLKJAX_ADMIN_KEY")
+        if request.headers.get("Authorization") != f"Bearer {self.admin_key}":
+            return _error(401, "missing or wrong admin key (Authorization: Bearer <key>)")
+        body = _fields(await _json(request), {"path"}, {"path"})
+        if not isinstance(body["path"], str):
+            raise BadRequest("path must be a string")
+        try:
+            cfg, params = await asyncio.to_thread(load_model, body["path"])
+        except (ValueError, OSError) as e:
+            raise BadRequest(f"cannot load {body['path']!r}: {e}") from None
+        if cfg.replace_dtype(self.cfg.dtype) != self.cfg:
+            raise BadRequest(f"checkpoint shapes {cfg} do not match the served model {self.cfg}")
+        swapped = self.engine.update_weights(params)
+        self._kick()
+        await asyncio.to_thread(swapped.wait)
+        return web.json_response({"policy_version": self.engine.policy_version})
+
+    async def health(self, request):
+        return web.json_response({"status": "ok", "policy_version": self.engine.policy_version})
+
+    async def metrics(self, request):
+        return web.Response(body=generate_latest(self.registry), content_type="text/plain", charset="utf-8")
+
+    def collect(self):
+        """Prometheus collector: read the engine's counters at scrape time."""
+        m = self.engine.metrics()
+        uptime = max(time.time() - self.started, 1e-9)
+        for name, value, doc in [
+            ("rlkjax_requests_total", m["requests"], "requests submitted"),
+            ("rlkjax_requests_finished_total", m["finished"], "requests finished"),
+            ("rlkjax_generated_tokens_total", m["decode_tokens"], "tokens sampled"),
+            ("rlkjax_prefill_tokens_total", m["prefill_tokens"], "prompt tokens prefilled"),
+            ("rlkjax_tokens_per_second", m["decode_tokens"] / uptime, "sampled tokens per second since start"),
+            ("rlkjax_queue_depth", m["queue_depth"], "sequences waiting for admission"),
+            ("rlkjax_running_sequences", m["running"], "sequences in flight"),
+            ("rlkjax_kv_pages_used", m["pages_used"], "KV pages in use"),
+            ("rlkjax_kv_pages_total", m["pages_total"], "KV pages available"),
+            ("rlkjax_preemptions_total", m["preemptions"], "sequences preempted for pages"),
+            ("rlkjax_compilations", m["compilations"], "step-function shapes compiled"),
+            ("rlkjax_policy_version", m["policy_version"], "weights version"),
+        ]:
+            yield GaugeMetricFamily(name, doc, value=value)
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[_errors])
+        app.add_routes([web.post("/generate", self.generate), web.post("/v1/completions", self.completions),
+                        web.post("/update_weights", self.update_weights), web.get("/health", self.health),
+                        web.get("/metrics", self.metrics)])
+        app.on_startup.append(lambda app: self.thread.start() or _noop())
+        app.on_cleanup.append(self._shutdown)
+        return app
+
+    async def _shutdown(self, app):
+        with self.wake:
+            self.stopping = True
+            self.wake.notify()
+        await asyncio.to_thread(self.thread.join)
+
+
+async def _noop():
+    return None
+
+
+async def _json(request: web.Request) -> dict:
+    try:
+        body = await request.json()
+    except json.JSONDecodeError as e:
+        raise BadRequest(f"malformed JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    return body
+
+
+def _error(status: int, message: str):
+    return web.json_response({"error": message}, status=status)
+
+
+@web.middleware
+async def _errors(request, handler):
+    try:
+        return await handler(request)
+    except BadRequest as e:
+        return _error(400, str(e))
+    except web.HTTPRequestEntityTooLarge as e:
+        return _error(413, f"request body over the limit of {e.max_size} bytes")
+    except web.HTTPException as e:
+        return _error(e.status, e.reason)
+
+
+def main(config: ServerConfig) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    server = Server(config)
+    log.info("serving %s (%s numerics) on http://%s:%d", config.model, config.numerics, config.host, config.port)
+    web.run_app(server.app(), host=config.host, port=config.port, shutdown_timeout=300, print=None)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(ServerConfig, description=__doc__))

@@ -1,0 +1,148 @@
+"""The rollout engine: continuous batching, chunked prefill under a token budget, shared prompt
+pages with copy-on-write, preemption, stop tokens, cancellation, weight swaps, and no recompiles
+after warm-up, all under the bitwise contract (completion logprobs == rlkjax.score, exactly)."""
+import numpy as np
+import pytest
+
+import rlkjax
+from serve.engine import Engine, EngineConfig, sample_seed
+from tests.conftest import assert_bits_equal
+
+CONFIG = EngineConfig(num_pages=96, max_batch=8, prefill_chunk=16, token_budget=32, max_context=256)
+
+
+def check_exact(params, cfg, req, completion, temperature):
+    scored = rlkjax.score(params, cfg, [req.prompt + completion.tokens], [len(req.prompt)], temperature=temperature)[0]
+    assert_bits_equal(completion.logprobs, scored, f"request {req.id}")
+
+
+def random_workload(rng, cfg, count, max_new=8):
+    for _ in range(count):
+        yield dict(prompt=rng.integers(0, cfg.vocab_size, int(rng.integers(1, 60))).tolist(), n=int(rng.integers(1, 4)),
+                   max_new_tokens=int(rng.integers(1, max_new + 1)), temperature=float(rng.choice([0.7, 1.0, 1.3])),
+                   seed=int(rng.integers(0, 2**32)))
+
+
+@pytest.mark.parametrize("config", [CONFIG, EngineConfig(num_pages=12, max_batch=4, prefill_chunk=8, token_budget=8, max_context=256)],
+                         ids=["roomy", "tight-pages-preempt"])
+def test_random_schedules_keep_the_contract(tiny, config):
+    """Requests arrive between steps in random order; in strict mode every completion equals score()
+    bit for bit and has the tokens the same request gets alone (generate with the sample's seed)."""
+    cfg, params = tiny
+    rng = np.random.default_rng(config.num_pages)
+    engine = Engine(params, cfg, config=config)
+    tight = config.num_pages == 12  # 11 pages of 16 tokens: sequences must grow into each other
+    pending = list(random_workload(rng, cfg, 10, max_new=40 if tight else 8))
+    submitted = []
+    while pending or engine.busy:
+        for _ in range(int(rng.integers(0, 3))):
+            if pending:
+                kw = pending.pop()
+                submitted.append((engine.submit(**kw), kw))
+        engine.step()
+    if tight:
+        assert engine.stats["preemptions"] > 0, "the tight config must force preemption"
+    assert engine.pages.used == 0, "every page is returned"
+    for req, kw in submitted:
+        assert req.done.is_set()
+        for j, comp in enumerate(req.results):
+            assert comp.finish_reason == "length" and len(comp.tokens) == kw["max_new_tokens"]
+            check_exact(params, cfg, req, comp, kw["temperature"])
+        j = int(rng.integers(0, kw["n"]))
+        alone = rlkjax.generate(params, cfg, [kw["prompt"]], max_new_tokens=kw["max_new_tokens"],
+                                temperature=kw["temperature"], seeds=sample_seed(kw["seed"], j), prefill_chunk_size=16)[0]
+        assert alone.tokens == req.results[j].tokens
+        assert_bits_equal(alone.logprobs, req.results[j].logprobs, "alone vs scheduled")
+
+
+def test_shared_prompt_pages_equal_unshared(tiny):
+    """n=3 samples sharing a 37-token prompt's pages (2 full pages shared, the partial one copied)
+    == three separate requests with the samples' seeds."""
+    cfg, params = tiny
+    prompt = list(range(100, 137))
+    engine = Engine(params, cfg, config=CONFIG)
+    shared = engine.submit(prompt, n=3, max_new_tokens=6, seed=11)
+    for _ in range(3):  # prefill 16 + 16 + 4 of the 36 cached prompt tokens, then fork
+        engine.step()
+    assert max(engine.pages.refs) == 3
+    engine.run_until_done()
+    apart = [engine.submit(prompt, max_new_tokens=6, seed=sample_seed(11, j)) for j in range(3)]
+    engine.run_until_done()
+    for j in range(3):
+        assert shared.results[j].tokens == apart[j].results[0].tokens
+        assert_bits_equal(shared.results[j].logprobs, apart[j].results[0].logprobs, f"sample {j}")
+    assert len({tuple(r.tokens) for r in shared.results}) == 3, "samples of one request differ"
+    assert engine.pages.used == 0
+
+
+def test_stop_tokens_and_cancellation(tiny):
+    cfg, params = tiny
+    engine = Engine(params, cfg, config=CONFIG)
+    probe = engine.submit([1, 2, 3], max_new_tokens=8, seed=5)
+    engine.run_until_done()
+    stop_at = probe.results[0].tokens[2]
+    stopped = engine.submit([1, 2, 3], max_new_tokens=8, seed=5, stop_token_ids=[stop_at])
+    long = engine.submit([4, 5, 6], n=2, max_new_tokens=200, seed=1)
+    for _ in range(4):
+        engine.step()
+    engine.cancel(long)
+    engine.run_until_done()
+    first = probe.results[0].tokens.index(stop_at)
+    assert stopped.results[0].finish_reason == "stop" and stopped.results[0].tokens == probe.results[0].tokens[: first + 1]
+    assert [r.finish_reason for r in long.results] == ["cancelled", "cancelled"] and long.done.is_set()
+    assert engine.pages.used == 0 and not engine.busy
+
+
+def test_no_recompiles_after_warmup(tiny):
+    """A long mixed workload compiles each step function once per batch bucket, then never again."""
+    cfg, params = tiny
+    engine = Engine(params, cfg, config=CONFIG)
+    rng = np.random.default_rng(3)
+    for kw in random_workload(rng, cfg, 12):  # warm-up: fills every bucket up to max_batch
+        engine.submit(**kw)
+    engine.run_until_done()
+    for rows in (1, 2, 4, 8):  # make sure every decode bucket has been seen
+        for _ in range(rows):
+            engine.submit([1, 2], max_new_tokens=1)
+        engine.run_until_done()
+    from serve import engine as eng
+    sizes = (eng.decode_step._cache_size(), eng.prefill_chunk._cache_size(), eng.copy_pages._cache_size())
+    seen = set(engine.shapes_seen)
+    pending = list(random_workload(rng, cfg, 25))
+    while pending or engine.busy:
+        if pending and rng.random() < 0.7:
+            engine.submit(**pending.pop())
+        engine.step()
+    assert engine.shapes_seen <= seen | {("copy_pages", 1), ("copy_pages", 2), ("copy_pages", 4)}
+    assert eng.decode_step._cache_size() == sizes[0] and eng.prefill_chunk._cache_size() == sizes[1]
+
+
+def test_weight_update_between_steps(tiny):
+    """A swap waits for in-flight sequences (they finish on version 0), then new requests run on
+    version 1 and are exact under the new weights."""
+    cfg, params = tiny
+    new_params = rlkjax.init_params(cfg, seed=1)
+    engine = Engine(params, cfg, config=CONFIG)
+    old = engine.submit([9, 8, 7], max_new_tokens=6, seed=2)
+    engine.step()
+    engine.update_weights(new_params)
+    queued = engine.submit([9, 8, 7], max_new_tokens=6, seed=2)
+    engine.run_until_done()
+    assert old.results[0].policy_version == 0 and queued.results[0].policy_version == 1
+    check_exact(params, cfg, old, old.results[0], 1.0)
+    check_exact(new_params, cfg, queued, queued.results[0], 1.0)
+    assert old.results[0].tokens != queued.results[0].tokens
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(prompt=[]), "non-empty"), (dict(prompt=[1, 600]), "outside"), (dict(prompt=[1.5]), "integer"),
+    (dict(n=0), "n="), (dict(n=99), "n="), (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(max_new_tokens=10**6), "context"), (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=0), "temperature"), (dict(seed=-3), "seed"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
+])
+def test_submit_rejects_bad_requests(tiny, kwargs, match):
+    cfg, params = tiny
+    engine = Engine(params, cfg, config=CONFIG)
+    with pytest.raises(ValueError, match=match):
+        engine.submit(**(dict(prompt=[1, 2]) | kwargs))
+    assert not engine.busy
