@@ -312,8 +312,8 @@ async def _errors(request, handler):
         return await handler(request)
     except BadRequest as e:
         return _error(400, str(e))
-    except web.HTTPRequestEntityTooLarge as e:
-        return _error(413, f"request body over the limit of {e.max_size} bytes")
+    except web.HTTPRequestEntityTooLarge:
+        return _error(413, f"request body over the limit of {request.client_max_size} bytes")
     except web.HTTPException as e:
         return _error(e.status, e.reason)
 

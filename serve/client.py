@@ -1,0 +1,60 @@
+"""A small synchronous client for `serve.rollout`, as the learner uses it.
+
+    client = RolloutClient("http://127.0.0.1:8000", admin_key="...")
+    results = client.generate([[1, 2, 3]], n=4, max_new_tokens=64, temperature=1.0, seed=0)
+    results[0][j]["tokens"], np.float32(results[0][j]["logprobs"])   # sample j of prompt 0
+    client.update_weights("/path/to/checkpoint")                     # -> new policy version
+"""
+import json
+import urllib.error
+import urllib.request
+
+import numpy as np
+
+
+class RolloutError(RuntimeError):
+    def __init__(self, status: int, message: str):
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+class RolloutClient:
+    def __init__(self, url: str, admin_key: str | None = None, timeout: float = 3600.0):
+        self.url, self.admin_key, self.timeout = url.rstrip("/"), admin_key, timeout
+
+    def _call(self, method: str, path: str, body: dict | None = None, auth: bool = False):
+        headers = {"Content-Type": "application/json"}
+        if auth and self.admin_key:
+            headers["Authorization"] = f"Bearer {self.admin_key}"
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                payload = resp.read()
+        except urllib.error.HTTPError as e:
+            text = e.read().decode(errors="replace")
+            try:
+                text = json.loads(text)["error"]
+            except (ValueError, KeyError, TypeError):
+                pass
+            raise RolloutError(e.code, text) from None
+        return payload if path == "/metrics" else json.loads(payload)
+
+    def generate(self, prompts, *, n=1, max_new_tokens=16, temperature=1.0, seed=0, stop_token_ids=()):
+        """prompts: list of token-id lists. Returns, per prompt, n samples with logprobs as float32 arrays."""
+        out = self._call("POST", "/generate", {"prompt": [list(map(int, p)) for p in prompts], "n": n,
+                                               "max_new_tokens": max_new_tokens, "temperature": temperature,
+                                               "seed": seed, "stop_token_ids": list(stop_token_ids)})
+        for samples in out["results"]:
+            for s in samples:
+                s["logprobs"] = np.asarray(s["logprobs"], np.float64).astype(np.float32)  # exact: they are float32 values
+        return out["results"]
+
+    def update_weights(self, path: str) -> int:
+        return self._call("POST", "/update_weights", {"path": str(path)}, auth=True)["policy_version"]
+
+    def health(self) -> dict:
+        return self._call("GET", "/health")
+
+    def metrics(self) -> str:
+        return self._call("GET", "/metrics").decode()
