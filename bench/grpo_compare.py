@@ -1,0 +1,69 @@
+"""GRPO step time, strict vs fast, side by side in one run (GPU).
+
+For each model shape runs a few GRPO steps with `--verify-logprobs` in both numerics and reports
+the step split (rollout / learn / sync), learner tokens/s, learner MFU (6 x params x trained
+tokens per update over learn time, against the dense bf16 peak) and the sampler/learner
+mismatch (strict must be 0).
+
+    python -m bench.grpo_compare --models qwen3-0.6b,qwen3-1.7b --steps 3 --out bench/results/grpo.json
+"""
+import argparse
+import dataclasses
+import datetime
+import json
+
+import jax
+import numpy as np
+
+from train import grpo
+
+PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16 datasheet
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="qwen3-0.6b,qwen3-1.7b", help="comma-separated presets (random weights)")
+    ap.add_argument("--steps", type=int, default=3, help="GRPO steps per run; the first (compilation) is not averaged")
+    ap.add_argument("--prompts", type=int, default=16, help="P prompts per step")
+    ap.add_argument("--group", type=int, default=8, help="G completions per prompt")
+    ap.add_argument("--new-tokens", type=int, default=128, help="tokens per completion")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args()
+    report = {"command": "python -m bench.grpo_compare " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "hardware": jax.devices()[0].device_kind, "jax": jax.__version__, "results": []}
+    for name in args.models.split(","):
+        for numerics in ("fast", "strict"):
+            config = grpo.GRPOConfig(model=name, numerics=numerics, steps=args.steps, prompts_per_step=args.prompts,
+                                     group_size=args.group, max_new_tokens=args.new_tokens, verify_logprobs=True,
+                                     micro_batch=32, learning_rate=1e-6, out=f"/tmp/grpo_{name}_{numerics}", progress=False,
+                                     checkpoint_every=10**6)
+            result = grpo.train(config)
+            n_params = sum(x.size for x in jax.tree.leaves(result["master"]))
+            rows = result["history"][1:] or result["history"]
+            mean = lambda k: float(np.mean([r[k] for r in rows]))  # noqa: E731
+            trained = args.prompts * args.group * args.new_tokens
+            row = {"model": name, "numerics": numerics, "params": n_params,
+                   "step_s": mean("rollout_s") + mean("learn_s") + mean("sync_s"), "rollout_s": mean("rollout_s"),
+                   "learn_s": mean("learn_s"), "sync_s": mean("sync_s"), "learner_tokens_per_s": trained / mean("learn_s"),
+                   "learner_mfu": 6 * n_params * trained / mean("learn_s") / PEAK_BF16_FLOPS,
+                   "mismatch_tokens": int(sum(r["mismatch_tokens"] for r in result["history"])),
+                   "tokens_compared": trained * len(result["history"]),
+                   "mismatch_max": max(r["mismatch_max"] for r in result["history"]),
+                   "mismatch_mean": float(np.mean([r["mismatch_mean"] for r in result["history"]])),
+                   "mismatch_k3": float(np.mean([r["mismatch_k3"] for r in result["history"]])),
+                   "first_ratio_min": min(r["ratio_min"] for r in result["history"]),
+                   "first_ratio_max": max(r["ratio_max"] for r in result["history"])}
+            report["results"].append(row)
+            print(json.dumps(row), flush=True)
+    print(f"\n{'model':11} {'numerics':8} {'step s':>7} {'rollout':>8} {'learn':>7} {'sync':>6} {'learn tok/s':>11} {'MFU':>6} {'bits differ':>11} {'max|d|':>8}")
+    for r in report["results"]:
+        print(f"{r['model']:11} {r['numerics']:8} {r['step_s']:7.2f} {r['rollout_s']:8.2f} {r['learn_s']:7.2f} {r['sync_s']:6.3f} "
+              f"{r['learner_tokens_per_s']:11.0f} {100 * r['learner_mfu']:5.1f}% {r['mismatch_tokens']:5d}/{r['tokens_compared']:<6d} {r['mismatch_max']:8.3g}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

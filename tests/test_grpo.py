@@ -1,0 +1,138 @@
+"""GRPO learner: the loss and advantages on hand-computed examples, micro-batch invariance of the
+learner's logprobs, a subprocess smoke run, resume and same-seed bit identity, the remote-server
+mode, and clear errors for bad flags."""
+import dataclasses
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rlkjax
+from rlkjax import model
+from rlkjax.tasks import ArithmeticTask, Example, GSM8KTask, LowercaseTask, group_advantages
+from tests.conftest import assert_bits_equal
+from train import grpo
+
+SMALL = dict(prompts_per_step=2, group_size=4, max_new_tokens=4, max_prompt_tokens=16, progress=False)
+
+
+def test_group_advantages_by_hand():
+    # group 1: rewards 1, 0, 0, 1 -> mean 0.5, std 0.5 -> +1, -1, -1, +1; Dr. GRPO: +0.5, -0.5, ...
+    # group 2: all equal -> zero advantage whatever the scaling
+    r = np.array([[1.0, 0.0, 0.0, 1.0], [0.3, 0.3, 0.3, 0.3]])
+    np.testing.assert_allclose(group_advantages(r, scale=True)[0], [1, -1, -1, 1], rtol=1e-5)
+    np.testing.assert_allclose(group_advantages(r, scale=False)[0], [0.5, -0.5, -0.5, 0.5])
+    assert np.all(group_advantages(r)[1] == 0)
+
+
+def test_loss_by_hand(tiny, monkeypatch):
+    """Two completion tokens with logp_new - logp_old = log 1.5 and log 0.5, advantages +1 and -1,
+    eps 0.2: terms min(1.5*1, 1.2*1) = 1.2 and min(0.5*-1, 0.8*-1) = -0.8; loss = -(1.2 - 0.8) / 2 = -0.2.
+    Both ratios are outside [0.8, 1.2]: clip fraction 1."""
+    cfg, _ = tiny
+    logp_new = jnp.array([[0.0, -1.0, -2.0]])
+    monkeypatch.setattr(grpo, "policy_logprobs", lambda *a: jnp.concatenate([logp_new, logp_new]))
+    batch = {"tokens": None, "positions": None, "temps": None,
+             "logp_old": jnp.array([[0.0, -1.0 - np.log(1.5), -2.0], [0.0, -1.0, -2.0 - np.log(0.5)]]),
+             "mask": jnp.array([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]), "adv": jnp.array([1.0, -1.0]), "tis": jnp.ones((2, 3))}
+    loss, stats = grpo.grpo_loss(None, batch, None, None, cfg, "strict", 0.2, 0.0, 2.0)
+    np.testing.assert_allclose(float(loss), -0.2, rtol=1e-6)
+    assert float(stats["clipped"]) == 2
+    # k3 KL: ref - new = log 2 on both tokens -> exp(log 2) - log 2 - 1 = 1 - log 2 per token, beta 0.5
+    loss_kl, _ = grpo.grpo_loss(None, batch, logp_new + np.log(2.0), None, cfg, "strict", 0.2, 0.5, 2.0)
+    np.testing.assert_allclose(float(loss_kl), -0.2 + 0.5 * (1 - np.log(2.0)), rtol=1e-6)
+
+
+def test_learner_logprobs_do_not_depend_on_micro_batch(tiny):
+    cfg, params = tiny
+    master = jax.tree.map(lambda w: w.astype(jnp.float32), params)
+    rng = np.random.default_rng(0)
+    samples = [{"prompt": rng.integers(0, 256, int(rng.integers(2, 20))).tolist(), "tokens": rng.integers(0, 256, 6).tolist(),
+                "logprobs": np.zeros(6, np.float32), "adv": 0.0, "temperature": 1.0} for _ in range(6)]
+    batch = grpo.pack(samples, cfg)
+    rope = model.rope_tables(cfg)
+    whole = np.asarray(grpo.score_fn(master, batch["tokens"], batch["positions"], batch["temps"], rope, cfg, "strict"))
+    for size in (1, 4):
+        parts = [np.asarray(grpo.score_fn(master, mb["tokens"], mb["positions"], mb["temps"], rope, cfg, "strict"))
+                 for mb in grpo.micro_batches(batch, size)]
+        assert_bits_equal(np.concatenate(parts), whole, f"micro-batch {size}")
+
+
+def test_smoke_subprocess(tmp_path):
+    """`python -m train.grpo` for 3 steps: finite loss, mismatch 0 and first-update ratio exactly 1
+    every step, every parameter changed, plot and HF export written."""
+    out = tmp_path / "run"
+    subprocess.run([sys.executable, "-m", "train.grpo", "--steps", "3", "--prompts-per-step", "2", "--group-size", "4",
+                    "--max-new-tokens", "4", "--verify-logprobs", "--learning-rate", "1e-2", "--out", str(out), "--no-progress"],
+                   check=True, timeout=600)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3
+    for r in rows:
+        assert np.isfinite(r["loss"]) and r["mismatch_tokens"] == 0 and r["mismatch_max"] == 0.0
+        assert r["ratio_min"] == 1.0 and r["ratio_max"] == 1.0
+    assert (out / "plot.png").stat().st_size > 10_000
+    cfg0 = rlkjax.ModelConfig.preset("qwen3-tiny")
+    before = rlkjax.init_params(cfg0, seed=0)
+    cfg, after = rlkjax.load_hf_checkpoint(out / "final_hf")
+    assert cfg == cfg0
+    for path, a, b in zip(jax.tree_util.tree_leaves_with_path(before), jax.tree.leaves(before), jax.tree.leaves(after)):
+        changed = np.asarray(a.astype(jnp.float32)) != np.asarray(b.astype(jnp.float32))
+        assert changed.any(), f"{jax.tree_util.keystr(path[0])} did not change"
+
+
+def _params_bits(master):
+    return [np.asarray(x).view(np.uint32) for x in jax.tree.leaves(master)]
+
+
+def test_resume_and_same_seed_are_bit_identical(tmp_path):
+    base = grpo.GRPOConfig(steps=6, checkpoint_every=3, **SMALL)
+    straight = grpo.train(dataclasses.replace(base, out=str(tmp_path / "a")))
+    again = grpo.train(dataclasses.replace(base, out=str(tmp_path / "b")))
+    grpo.train(dataclasses.replace(base, steps=3, out=str(tmp_path / "c")))
+    resumed = grpo.train(dataclasses.replace(base, out=str(tmp_path / "c"), resume=True))
+    for name, other in (("same seed", again), ("3 + resume 3", resumed)):
+        for x, y in zip(_params_bits(straight["master"]), _params_bits(other["master"])):
+            assert np.array_equal(x, y), name
+    rows = [json.loads(line) for line in (tmp_path / "c" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+
+
+def test_remote_rollout_server(tmp_path):
+    from tests.test_server import ADMIN, start_server
+    proc, client = start_server()
+    try:
+        result = grpo.train(grpo.GRPOConfig(steps=2, out=str(tmp_path / "r"), rollout_url=client.url, admin_key=ADMIN,
+                                            verify_logprobs=True, **SMALL))
+        assert all(r["mismatch_tokens"] == 0 for r in result["history"])
+        assert [r["policy_version"] for r in result["history"]] == [1, 2]  # pushed at start, then after step 1
+        assert client.health()["policy_version"] == 3
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--group-size", "1"], "--group-size=1"),
+    (["--learning-rate", "nan"], "--learning-rate=nan"),
+    (["--clip-eps", "1.5"], "--clip-eps=1.5"),
+    (["--tis-cap", "2"], "--tis-cap"),
+    (["--task", "gsm8k"], "--data"),
+    (["--model", "/nonexistent"], "/nonexistent"),
+])
+def test_bad_flags_name_the_bad_value(flags, match, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "train.grpo", "--out", str(tmp_path), *flags], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and match in r.stderr, r.stderr[-2000:]
+
+
+def test_tasks_reward_by_hand(tmp_path):
+    assert LowercaseTask().reward(Example("X:"), "ab1C") == 0.5
+    assert ArithmeticTask().reward(Example("2+3=", "5"), " 5 apples") == 1.0
+    assert ArithmeticTask().reward(Example("2+3=", "5"), "6") == 0.0
+    path = tmp_path / "gsm8k.jsonl"
+    path.write_text(json.dumps({"question": "1+1?", "answer": "so #### 1,000"}) + "\n")
+    task = GSM8KTask(path)
+    assert task.reward(task.examples[0], "the answer is 1,000.") == 1.0 and task.reward(task.examples[0], "999") == 0.0

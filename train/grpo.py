@@ -1,0 +1,365 @@
+"""`python -m train.grpo`: exact on-policy GRPO. With no flags it trains the embedded tiny model to
+answer in lowercase letters on a laptop CPU in a few minutes, with zero sampler/learner mismatch.
+
+The algorithm, per step:
+  1. Sample P prompts x G completions with the rollout engine (in process, or a `serve.rollout`
+     server via --rollout-url). Each token's logprob is recorded by the sampler.
+  2. Rewards from the task; group-normalised advantages A = (r - mean_group) / (std_group + eps)
+     (--no-scale-advantages drops the std division: Dr. GRPO).
+  3. `--updates-per-batch` optimiser steps on the batch, each over micro-batches with gradient
+     accumulation, minimising the PPO-clip surrogate
+        L = sum_tokens -min(rho A, clip(rho, 1-eps, 1+eps) A) [+ beta k3(ref, new)] / sum_tokens,
+     rho = exp(logp_new - logp_old). Aggregation is token-level over the whole batch (every token
+     weighs the same, as in DAPO), not a mean of per-sequence means.
+  4. AdamW (warmup + cosine schedule, global-norm clipping) on fp32 master weights; the policy
+     is their bf16 cast, pushed to the sampler (device to device, or through /update_weights).
+  5. Metrics (JSONL, progress bar, PNG plot at the end) and orbax checkpoints.
+
+Deviations from the GRPO paper (Shao et al., 2024), each on purpose:
+  - logp_old is the sampler's recorded logprob, not a learner recomputation: in strict numerics
+    they are the same bits, so the extra forward pass is skipped (--verify-logprobs recomputes it
+    and reports the mismatch, which must be 0, and checks the first update's ratio is exactly 1).
+  - Token-level loss aggregation (DAPO) instead of per-sequence means: long and short completions
+    weigh their tokens equally.
+  - KL to the reference is optional (--beta, default 0) and uses the k3 estimator in the loss.
+  - In --numerics fast the sampler and learner disagree, so truncated importance sampling
+    (--tis-cap, as in verl/OpenRLHF) can reweight tokens by min(p_learner_old / p_sampler, cap).
+"""
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import tyro
+from tqdm import tqdm
+
+import rlkjax
+from rlkjax import model
+from rlkjax.checkpoint import load_model, save_orbax_params
+from rlkjax.numerics import PAGE_SIZE
+from rlkjax.tasks import group_advantages, make_task
+from rlkjax.tokenizer import load_tokenizer
+from serve.engine import Engine, EngineConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    model: str = "qwen3-tiny"
+    """A preset (random weights from --seed), an HF checkpoint dir, or an orbax dir."""
+    task: Literal["lowercase", "arithmetic", "gsm8k"] = "lowercase"
+    """Prompts and reward: lowercase (default demo), arithmetic (a+b=), gsm8k (needs --data)."""
+    data: str | None = None
+    """GSM8K-format JSONL file for --task gsm8k."""
+    reward: str | None = None
+    """Optional user reward `module:function(prompt_text, completion_text) -> float`, replacing the task's."""
+    steps: int = 80
+    """GRPO steps (sample, then update)."""
+    prompts_per_step: int = 8
+    """P: prompts sampled per step."""
+    group_size: int = 8
+    """G: completions per prompt; advantages are normalised within each group."""
+    max_new_tokens: int = 8
+    """Tokens sampled per completion."""
+    max_prompt_tokens: int = 128
+    """Longest prompt accepted (sizes the in-process engine's KV cache)."""
+    temperature: float = 1.0
+    """Sampling temperature; the learner scores at the same temperature."""
+    learning_rate: float = 3e-3
+    """Peak AdamW learning rate."""
+    warmup_steps: int = 3
+    """Linear warmup optimiser steps, then cosine decay to 10% of the peak."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Global gradient-norm clip."""
+    clip_eps: float = 0.2
+    """PPO clip range: the ratio is clipped to [1 - eps, 1 + eps]."""
+    beta: float = 0.0
+    """Weight of the k3 KL to the frozen initial policy (0 = no reference model)."""
+    scale_advantages: bool = True
+    """Divide advantages by the group std (GRPO); --no-scale-advantages gives Dr. GRPO."""
+    updates_per_batch: int = 1
+    """Optimiser steps on each sampled batch (PPO epochs)."""
+    micro_batch: int = 16
+    """Sequences per gradient micro-batch (gradients are accumulated; the result does not depend on it)."""
+    numerics: Literal["strict", "fast"] = "strict"
+    """strict: sampler and learner logprobs agree bit for bit. fast: plain XLA, for comparison."""
+    tis_cap: float = 0.0
+    """Truncated importance sampling cap for --numerics fast (0 = off)."""
+    verify_logprobs: bool = False
+    """Recompute logp_old with the learner every step and report the sampler/learner mismatch."""
+    rollout_url: str | None = None
+    """Use a running `serve.rollout` server instead of the in-process engine (weights pushed each step)."""
+    admin_key: str | None = None
+    """Admin key of that server (or RLKJAX_ADMIN_KEY)."""
+    seed: int = 0
+    """Seeds the initial weights of a preset, the prompts and the sampling."""
+    out: str = "runs/grpo"
+    """Output directory: metrics.jsonl, plot.png, checkpoints/, final_hf/."""
+    checkpoint_every: int = 10
+    """Save an orbax checkpoint every this many steps (and at the end)."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept."""
+    resume: bool = False
+    """Continue from the latest checkpoint in --out."""
+    progress: bool = True
+    """Show a progress bar."""
+
+    def __post_init__(self):
+        positive = ("steps", "prompts_per_step", "group_size", "max_new_tokens", "max_prompt_tokens", "updates_per_batch", "micro_batch",
+                    "checkpoint_every", "keep_checkpoints")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be positive")
+        if self.group_size < 2:
+            raise ValueError(f"--group-size={self.group_size} must be >= 2 (advantages compare samples of one prompt)")
+        for name in ("temperature", "learning_rate"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be finite and > 0")
+        if not 0 < self.clip_eps < 1:
+            raise ValueError(f"--clip-eps={self.clip_eps} must be in (0, 1)")
+        if self.beta < 0 or self.tis_cap < 0 or self.weight_decay < 0 or self.max_grad_norm <= 0:
+            raise ValueError("--beta, --tis-cap and --weight-decay must be >= 0, --max-grad-norm > 0")
+        if self.tis_cap and self.numerics == "strict":
+            raise ValueError("--tis-cap is for --numerics fast: in strict mode the ratio needs no correction")
+
+
+# ----- the learner's loss -----
+def policy_logprobs(master, tokens, positions, temps, rope, cfg, numerics):
+    """The sampler's weights are the bf16 cast of the fp32 master weights; the learner scores with them."""
+    policy = jax.tree.map(lambda w: w.astype(cfg.dtype), master)
+    return model.sequence_logprobs(policy, tokens, positions, temps, rope, cfg, numerics)
+
+
+def grpo_loss(master, batch, ref_logp, rope, cfg, numerics, clip_eps, beta, total_tokens):
+    """Token-level PPO-clip (+ k3 KL) summed over this micro-batch, divided by the whole batch's
+    token count, so summing micro-batch gradients gives the full-batch gradient."""
+    logp = policy_logprobs(master, batch["tokens"], batch["positions"], batch["temps"], rope, cfg, numerics)
+    mask, adv = batch["mask"], batch["adv"][:, None]
+    ratio = jnp.exp(logp - batch["logp_old"])
+    surrogate = jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - clip_eps, 1 + clip_eps) * adv) * batch["tis"]
+    per_token = -surrogate
+    if beta:
+        per_token = per_token + beta * (jnp.exp(ref_logp - logp) - (ref_logp - logp) - 1)
+    loss = jnp.sum(per_token * mask) / total_tokens
+    clipped = (jnp.abs(ratio - 1) > clip_eps) & (mask > 0)
+    stats = {"ratio_min": jnp.min(jnp.where(mask > 0, ratio, jnp.inf)), "ratio_max": jnp.max(jnp.where(mask > 0, ratio, -jnp.inf)),
+             "ratio_sum": jnp.sum(ratio * mask), "clipped": jnp.sum(clipped)}
+    return loss, stats
+
+
+grad_fn = jax.jit(jax.value_and_grad(grpo_loss, has_aux=True), static_argnames=("cfg", "numerics", "clip_eps", "beta"))
+score_fn = jax.jit(policy_logprobs, static_argnames=("cfg", "numerics"))
+
+
+# ----- batching -----
+def pack(samples, cfg):
+    """Sequences -> padded [B, T] arrays; logprob index t predicts token t + 1; mask covers completions."""
+    t = max(PAGE_SIZE, 1 << (max(len(s["prompt"]) + len(s["tokens"]) for s in samples) - 1).bit_length())
+    b = len(samples)
+    tokens, positions = np.zeros((b, t), np.int32), np.full((b, t), -1, np.int32)
+    logp_old, mask = np.zeros((b, t - 1), np.float32), np.zeros((b, t - 1), np.float32)
+    for i, s in enumerate(samples):
+        seq = s["prompt"] + s["tokens"]
+        tokens[i, : len(seq)] = seq
+        positions[i, : len(seq)] = np.arange(len(seq))
+        p, n = len(s["prompt"]), len(s["tokens"])
+        logp_old[i, p - 1 : p - 1 + n] = s["logprobs"]
+        mask[i, p - 1 : p - 1 + n] = 1
+    return {"tokens": tokens, "positions": positions, "logp_old": logp_old, "mask": mask,
+            "adv": np.array([s["adv"] for s in samples], np.float32), "temps": np.array([s["temperature"] for s in samples], np.float32),
+            "tis": np.ones((b, t - 1), np.float32)}
+
+
+def micro_batches(batch, size):
+    b = batch["tokens"].shape[0]
+    for i in range(0, b, size):
+        yield {k: v[i : i + size] for k, v in batch.items()}
+
+
+# ----- rollout backends -----
+class LocalRollout:
+    def __init__(self, params, cfg, config: GRPOConfig):
+        # A cache for exactly one step's P x G sequences: nothing is preempted, nothing idles.
+        context = config.max_prompt_tokens + config.max_new_tokens
+        rows = config.prompts_per_step * config.group_size
+        self.engine = Engine(params, cfg, config.numerics, EngineConfig(
+            num_pages=1 + rows * -(-context // PAGE_SIZE), max_batch=min(rows, 256), prefill_chunk=64,
+            token_budget=64 * config.prompts_per_step, max_context=context))
+
+    def sample(self, prompts, group, max_new_tokens, temperature, seeds):
+        reqs = [self.engine.submit(p, n=group, max_new_tokens=max_new_tokens, temperature=temperature, seed=s) for p, s in zip(prompts, seeds)]
+        self.engine.run_until_done()
+        return [[{"tokens": c.tokens, "logprobs": c.logprobs, "policy_version": c.policy_version} for c in r.results] for r in reqs]
+
+    def push(self, params, cfg, out_dir):
+        self.engine.update_weights(params)  # device to device; live before the next request is admitted
+
+
+class RemoteRollout:
+    def __init__(self, url, admin_key):
+        import os
+        from serve.client import RolloutClient
+        self.client = RolloutClient(url, admin_key=admin_key or os.environ.get("RLKJAX_ADMIN_KEY"))
+
+    def sample(self, prompts, group, max_new_tokens, temperature, seeds):
+        return self.client.generate(prompts, n=group, max_new_tokens=max_new_tokens, temperature=temperature, seed=seeds)
+
+    def push(self, params, cfg, out_dir):
+        path = Path(out_dir) / "sync"
+        save_orbax_params(path, cfg, params)
+        self.client.update_weights(str(path.absolute()))
+
+
+def mismatch_stats(sampled: np.ndarray, learner: np.ndarray) -> dict:
+    delta = learner.astype(np.float64) - sampled.astype(np.float64)
+    return {"mismatch_tokens": int((sampled.view(np.uint32) != learner.view(np.uint32)).sum()),
+            "mismatch_max": float(np.abs(delta).max()) if delta.size else 0.0,
+            "mismatch_mean": float(np.abs(delta).mean()) if delta.size else 0.0,
+            "mismatch_k3": float(np.mean(np.expm1(delta) - delta)) if delta.size else 0.0}
+
+
+# ----- the loop -----
+def train(config: GRPOConfig) -> dict:
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg, params = load_model(config.model, seed=config.seed)
+    tokenizer = load_tokenizer(config.model if Path(config.model).is_dir() else None)
+    task = make_task(config.task, config.data, config.reward)
+    rope = model.rope_tables(cfg)
+    master = jax.tree.map(lambda w: w.astype(jnp.float32), params)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, config.warmup_steps,
+                                                  max(config.steps * config.updates_per_batch, config.warmup_steps + 1), end_value=0.1 * config.learning_rate)
+    optimizer = optax.chain(optax.clip_by_global_norm(config.max_grad_norm), optax.adamw(schedule, weight_decay=config.weight_decay))
+    opt_state = optimizer.init(master)
+    update = jax.jit(lambda g, s, p: (lambda u, s: (optax.apply_updates(p, u), s))(*optimizer.update(g, s, p)))
+    data_rng = np.random.default_rng(config.seed)
+    start = 0
+
+    manager = ocp.CheckpointManager((out / "checkpoints").absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints))
+    if config.resume and manager.latest_step() is not None:
+        step = manager.latest_step()
+        restored = manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore({"master": master, "opt_state": opt_state}), meta=ocp.args.JsonRestore()))
+        master, opt_state = restored["state"]["master"], restored["state"]["opt_state"]
+        data_rng.bit_generator.state = restored["meta"]["data_rng"]
+        start = restored["meta"]["step"]
+    elif config.resume:
+        raise ValueError(f"--resume: no checkpoint in {out / 'checkpoints'}")
+
+    policy = jax.tree.map(lambda w: w.astype(cfg.dtype), master)
+    ref_policy = policy if config.beta else None
+    rollout = RemoteRollout(config.rollout_url, config.admin_key) if config.rollout_url else LocalRollout(policy, cfg, config)
+    if config.rollout_url or start:
+        rollout.push(policy, cfg, out)
+    metrics_path = out / "metrics.jsonl"
+    if not config.resume and metrics_path.exists():
+        metrics_path.unlink()
+    history = []
+    bar = tqdm(range(start, config.steps), initial=start, total=config.steps, disable=not config.progress, desc="grpo")
+    for step in bar:
+        # 1. Rollout.
+        t0 = time.perf_counter()
+        examples = task.sample(data_rng, config.prompts_per_step)
+        prompts = [tokenizer.encode(e.prompt) for e in examples]
+        seeds = [int(s) for s in data_rng.integers(0, 2**32, config.prompts_per_step)]
+        groups = rollout.sample(prompts, config.group_size, config.max_new_tokens, config.temperature, seeds)
+        t1 = time.perf_counter()
+        # 2. Rewards and advantages.
+        rewards = np.array([[task.reward(e, tokenizer.decode(s["tokens"])) for s in g] for e, g in zip(examples, groups)], np.float64)
+        adv = group_advantages(rewards, config.scale_advantages)
+        samples = [{"prompt": p, "tokens": s["tokens"], "logprobs": np.asarray(s["logprobs"], np.float32), "adv": float(a),
+                    "temperature": config.temperature} for p, g, ar in zip(prompts, groups, adv) for s, a in zip(g, ar)]
+        batch = pack(samples, cfg)
+        total_tokens = float(batch["mask"].sum())
+        row = {"step": step + 1, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+               "entropy_estimate": float(-(batch["logp_old"] * batch["mask"]).sum() / total_tokens)}
+        # Optional recomputation of logp_old by the learner (TIS needs it; --verify-logprobs reports it).
+        if config.verify_logprobs or config.tis_cap:
+            learner_old = np.concatenate([np.asarray(score_fn(master, mb["tokens"], mb["positions"], mb["temps"], rope, cfg, config.numerics))
+                                          for mb in micro_batches(batch, config.micro_batch)])
+            sel = batch["mask"] > 0
+            row |= mismatch_stats(batch["logp_old"][sel], learner_old[sel])
+            if config.tis_cap:
+                batch["tis"] = np.minimum(np.exp(learner_old - batch["logp_old"]), config.tis_cap).astype(np.float32) * batch["mask"]
+        # 3. Updates.
+        t2 = time.perf_counter()
+        ref_logp = None
+        for u in range(config.updates_per_batch):
+            grads, stats = None, []
+            for mb in micro_batches(batch, config.micro_batch):
+                if config.beta:
+                    ref_logp = score_fn(jax.tree.map(lambda w: w.astype(jnp.float32), ref_policy), mb["tokens"], mb["positions"], mb["temps"], rope, cfg, config.numerics)
+                (loss, st), g = grad_fn(master, mb, ref_logp, rope, cfg, config.numerics, config.clip_eps, config.beta, total_tokens)
+                grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+                stats.append(jax.device_get(st) | {"loss": float(loss)})
+            grad_norm = float(optax.tree.norm(grads))
+            master, opt_state = update(grads, opt_state, master)
+            if u == 0:
+                row |= {"ratio_min": float(min(s["ratio_min"] for s in stats)), "ratio_max": float(max(s["ratio_max"] for s in stats)),
+                        "ratio_mean": float(sum(s["ratio_sum"] for s in stats) / total_tokens),
+                        "clip_fraction": float(sum(s["clipped"] for s in stats) / total_tokens),
+                        "loss": float(sum(s["loss"] for s in stats)), "grad_norm": grad_norm}
+        # 4. Weight sync.
+        t3 = time.perf_counter()
+        policy = jax.tree.map(lambda w: w.astype(cfg.dtype), master)
+        jax.block_until_ready(policy)
+        rollout.push(policy, cfg, out)
+        t4 = time.perf_counter()
+        row |= {"tokens_per_s": total_tokens / (t4 - t0), "rollout_s": t1 - t0, "learn_s": t3 - t2, "sync_s": t4 - t3,
+                "policy_version": int(groups[0][0]["policy_version"])}
+        history.append(row)
+        with metrics_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        bar.set_postfix(reward=f"{row['reward_mean']:.3f}", mismatch=row.get("mismatch_tokens", "-"))
+        # 5. Checkpoints.
+        if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
+            manager.save(step + 1, args=ocp.args.Composite(
+                state=ocp.args.StandardSave({"master": master, "opt_state": opt_state}),
+                meta=ocp.args.JsonSave({"step": step + 1, "data_rng": data_rng.bit_generator.state, "config": dataclasses.asdict(config)})))
+    manager.wait_until_finished()
+    manager.close()
+    rlkjax.save_hf_checkpoint(out / "final_hf", cfg, jax.tree.map(lambda w: w.astype(cfg.dtype), master))
+    plot(out)
+    return {"master": master, "history": history}
+
+
+def plot(out: Path) -> None:
+    """reward, mismatch, ratio/KL and throughput over steps -> out/plot.png (all steps in metrics.jsonl)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(2, 2, figsize=(11, 7))
+    ax[0, 0].plot(steps, [r["reward_mean"] for r in rows])
+    ax[0, 0].set_title("reward (mean over P x G)")
+    if "mismatch_tokens" in rows[0]:
+        ax[0, 1].plot(steps, [r["mismatch_tokens"] for r in rows], label="tokens whose bits differ")
+        ax[0, 1].plot(steps, [r["mismatch_max"] for r in rows], label="max |delta logprob|")
+        ax[0, 1].legend()
+    ax[0, 1].set_title("sampler vs learner mismatch")
+    ax[1, 0].plot(steps, [r["ratio_min"] for r in rows], label="ratio min (1st update)")
+    ax[1, 0].plot(steps, [r["ratio_max"] for r in rows], label="ratio max (1st update)")
+    ax[1, 0].plot(steps, [r["clip_fraction"] for r in rows], label="clip fraction")
+    ax[1, 0].legend()
+    ax[1, 0].set_title("importance ratio")
+    ax[1, 1].plot(steps, [r["tokens_per_s"] for r in rows])
+    ax[1, 1].set_title("trained tokens / s")
+    for a in ax.flat:
+        a.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(out / "plot.png", dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    train(tyro.cli(GRPOConfig, description=__doc__))
