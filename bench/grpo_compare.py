@@ -27,6 +27,7 @@ def main():
     ap.add_argument("--prompts", type=int, default=16, help="P prompts per step")
     ap.add_argument("--group", type=int, default=8, help="G completions per prompt")
     ap.add_argument("--new-tokens", type=int, default=128, help="tokens per completion")
+    ap.add_argument("--micro-batch", type=int, default=32, help="sequences per gradient micro-batch")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     report = {"command": "python -m bench.grpo_compare " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
@@ -36,7 +37,7 @@ def main():
         for numerics in ("fast", "strict"):
             config = grpo.GRPOConfig(model=name, numerics=numerics, steps=args.steps, prompts_per_step=args.prompts,
                                      group_size=args.group, max_new_tokens=args.new_tokens, verify_logprobs=True,
-                                     micro_batch=32, learning_rate=1e-6, out=f"/tmp/grpo_{name}_{numerics}", progress=False,
+                                     micro_batch=args.micro_batch, learning_rate=1e-6, out=f"/tmp/grpo_{name}_{numerics}", progress=False,
                                      checkpoint_every=10**6)
             result = grpo.train(config)
             n_params = sum(x.size for x in jax.tree.leaves(result["master"]))
