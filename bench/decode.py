@@ -9,7 +9,6 @@ the device-to-device copy bandwidth measured in the same run.
     python -m bench.decode --models qwen3-0.6b,qwen3-8b --batches 1,16,64,256 --out bench/results/decode.json
 """
 import argparse
-import datetime
 import functools
 import json
 import time
@@ -19,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import rlkjax
+from bench._report import new_report, save_report
 from rlkjax import model
 from rlkjax.numerics import PAGE_SIZE
 from serve.engine import prefill_chunk
@@ -84,9 +84,7 @@ def main():
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     bw = copy_bandwidth()
-    report = {"command": "python -m bench.decode " + " ".join(f"--{k} {v}" for k, v in vars(args).items() if v is not None),
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "hardware": jax.devices()[0].device_kind, "jax": jax.__version__, "copy_bandwidth_GBps": bw / 1e9, "results": []}
+    report = new_report("bench.decode") | {"copy_bandwidth_GBps": bw / 1e9}
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     for name in args.models.split(","):
         cfg = rlkjax.ModelConfig.preset(name)
@@ -105,9 +103,7 @@ def main():
     for r in report["results"]:
         print(f"{r['model']:11} {r['batch']:5d} {r['fast_tokens_per_s']:10.0f} {r['strict_tokens_per_s']:12.0f} {r['fast_ms_per_step']:8.2f} "
               f"{r['strict_ms_per_step']:9.2f} {r['strict_over_fast_time']:11.2f} {100 * r['strict_hbm_fraction']:10.1f}%")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    save_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -8,13 +8,12 @@ mismatch (strict must be 0).
     python -m bench.grpo_compare --models qwen3-0.6b,qwen3-1.7b --steps 3 --out bench/results/grpo.json
 """
 import argparse
-import dataclasses
-import datetime
 import json
 
 import jax
 import numpy as np
 
+from bench._report import new_report, save_report
 from train import grpo
 
 PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16 datasheet
@@ -30,9 +29,7 @@ def main():
     ap.add_argument("--micro-batch", type=int, default=32, help="sequences per gradient micro-batch")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
-    report = {"command": "python -m bench.grpo_compare " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "hardware": jax.devices()[0].device_kind, "jax": jax.__version__, "results": []}
+    report = new_report("bench.grpo_compare")
     for name in args.models.split(","):
         for numerics in ("fast", "strict"):
             config = grpo.GRPOConfig(model=name, numerics=numerics, steps=args.steps, prompts_per_step=args.prompts,
@@ -48,11 +45,11 @@ def main():
                    "step_s": mean("rollout_s") + mean("learn_s") + mean("sync_s"), "rollout_s": mean("rollout_s"),
                    "learn_s": mean("learn_s"), "sync_s": mean("sync_s"), "learner_tokens_per_s": trained / mean("learn_s"),
                    "learner_mfu": 6 * n_params * trained / mean("learn_s") / PEAK_BF16_FLOPS,
-                   "mismatch_tokens": int(sum(r["mismatch_tokens"] for r in result["history"])),
+                   "mismatch_tokens": int(sum(r["tokens_bits_differ"] for r in result["history"])),
                    "tokens_compared": trained * len(result["history"]),
-                   "mismatch_max": max(r["mismatch_max"] for r in result["history"]),
-                   "mismatch_mean": float(np.mean([r["mismatch_mean"] for r in result["history"]])),
-                   "mismatch_k3": float(np.mean([r["mismatch_k3"] for r in result["history"]])),
+                   "mismatch_max": max(r["max_abs_delta"] for r in result["history"]),
+                   "mismatch_mean": float(np.mean([r["mean_abs_delta"] for r in result["history"]])),
+                   "mismatch_k3": float(np.mean([r["k3_kl"] for r in result["history"]])),
                    "first_ratio_min": min(r["ratio_min"] for r in result["history"]),
                    "first_ratio_max": max(r["ratio_max"] for r in result["history"])}
             report["results"].append(row)
@@ -61,9 +58,7 @@ def main():
     for r in report["results"]:
         print(f"{r['model']:11} {r['numerics']:8} {r['step_s']:7.2f} {r['rollout_s']:8.2f} {r['learn_s']:7.2f} {r['sync_s']:6.3f} "
               f"{r['learner_tokens_per_s']:11.0f} {100 * r['learner_mfu']:5.1f}% {r['mismatch_tokens']:5d}/{r['tokens_compared']:<6d} {r['mismatch_max']:8.3g}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    save_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -9,25 +9,14 @@ plus wall times.
     python -m bench.mismatch --models qwen3-0.6b,qwen3-8b --batch 64 --new-tokens 256 --out bench/results/x.json
 """
 import argparse
-import datetime
 import json
-import platform
 import time
 
 import numpy as np
 
 import rlkjax
-
-
-def mismatch(sampled: np.ndarray, scored: np.ndarray) -> dict:
-    delta = scored.astype(np.float64) - sampled.astype(np.float64)
-    return {
-        "tokens_compared": int(sampled.size),
-        "tokens_bits_differ": int((sampled.view(np.uint32) != scored.view(np.uint32)).sum()),
-        "max_abs_delta": float(np.abs(delta).max()),
-        "mean_abs_delta": float(np.abs(delta).mean()),
-        "k3_kl": float(np.mean(np.expm1(delta) - delta)),
-    }
+from bench._report import new_report, save_report
+from rlkjax.mismatch import mismatch_stats
 
 
 def run(cfg, params, prompts, new_tokens, temperature, numerics, chunk):
@@ -38,7 +27,7 @@ def run(cfg, params, prompts, new_tokens, temperature, numerics, chunk):
     scored = rlkjax.score(params, cfg, [p + c.tokens for p, c in zip(prompts, comps)], [len(p) for p in prompts],
                           temperature=temperature, numerics=numerics)
     t2 = time.perf_counter()
-    stats = mismatch(np.concatenate([c.logprobs for c in comps]), np.concatenate(scored))
+    stats = mismatch_stats(np.concatenate([c.logprobs for c in comps]), np.concatenate(scored))
     return stats | {"generate_s": t1 - t0, "score_s": t2 - t1}
 
 
@@ -55,14 +44,7 @@ def main():
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
 
-    import jax
-    report = {
-        "command": "python -m bench.mismatch " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "hardware": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
-        "versions": {"jax": jax.__version__, "python": platform.python_version()},
-        "results": [],
-    }
+    report = new_report("bench.mismatch")
     rng = np.random.default_rng(0)
     for name in args.models.split(","):
         cfg = rlkjax.ModelConfig.preset(name)
@@ -81,9 +63,7 @@ def main():
         if r["repeat"] == args.repeats - 1:
             print(f"{r['model']:12} {r['numerics']:8} {r['tokens_compared']:9d} {r['tokens_bits_differ']:11d} {r['max_abs_delta']:10.3g} "
                   f"{r['mean_abs_delta']:10.3g} {r['k3_kl']:10.3g} {r['generate_s']:7.2f} {r['score_s']:7.2f}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    save_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ and count the tokens whose logprob bits differ (strict must be 0).
 """
 import argparse
 import concurrent.futures
-import datetime
 import json
 import os
 import subprocess
@@ -29,6 +28,8 @@ def main():
     env = os.environ | {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.45"}  # server and scorer share one GPU
     os.environ.update(env)
     import rlkjax
+    from bench._report import new_report, save_report
+    from rlkjax.mismatch import mismatch_stats
     from serve.client import RolloutClient
 
     proc = subprocess.Popen([sys.executable, "-m", "serve.rollout", "--model", args.model, "--numerics", args.numerics,
@@ -67,19 +68,12 @@ def main():
     scored = []
     for i in range(0, len(seqs), 32):
         scored += rlkjax.score(params, cfg, seqs[i : i + 32], plens[i : i + 32], numerics=args.numerics)
-    a, b = np.concatenate(sampled), np.concatenate(scored)
-    report = {
-        "command": "python -m bench.server_e2e " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "requests": args.requests, "completions": len(seqs), "tokens_generated": int(a.size), "wall_s": wall,
-        "tokens_per_s": a.size / wall, "tokens_bits_differ": int((a.view(np.uint32) != b.view(np.uint32)).sum()),
-        "max_abs_delta": float(np.abs(a.astype(np.float64) - b).max()),
-        "server_metrics": [l for l in metrics.splitlines() if l.startswith("rlkjax_")],
-    }
+    stats = mismatch_stats(np.concatenate(sampled), np.concatenate(scored))
+    report = new_report("bench.server_e2e") | stats | {
+        "requests": args.requests, "completions": len(seqs), "wall_s": wall, "tokens_per_s": stats["tokens_compared"] / wall,
+        "server_metrics": [line for line in metrics.splitlines() if line.startswith("rlkjax_")]}
     print(json.dumps(report, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+    save_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ def test_smoke_subprocess(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3
     for r in rows:
-        assert np.isfinite(r["loss"]) and r["mismatch_tokens"] == 0 and r["mismatch_max"] == 0.0
+        assert np.isfinite(r["loss"]) and r["tokens_bits_differ"] == 0 and r["max_abs_delta"] == 0.0 and r["tokens_compared"] == 32
         assert r["ratio_min"] == 1.0 and r["ratio_max"] == 1.0
     assert (out / "plot.png").stat().st_size > 10_000
     cfg0 = rlkjax.ModelConfig.preset("qwen3-tiny")
@@ -107,7 +107,7 @@ def test_remote_rollout_server(tmp_path):
     try:
         result = grpo.train(grpo.GRPOConfig(steps=2, out=str(tmp_path / "r"), rollout_url=client.url, admin_key=ADMIN,
                                             verify_logprobs=True, **SMALL))
-        assert all(r["mismatch_tokens"] == 0 for r in result["history"])
+        assert all(r["tokens_bits_differ"] == 0 and r["tokens_compared"] > 0 for r in result["history"])
         assert [r["policy_version"] for r in result["history"]] == [1, 2]  # pushed at start, then after step 1
         assert client.health()["policy_version"] == 3
     finally:

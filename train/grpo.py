@@ -43,6 +43,7 @@ from tqdm import tqdm
 import rlkjax
 from rlkjax import model
 from rlkjax.checkpoint import load_model, save_orbax_params
+from rlkjax.mismatch import mismatch_stats
 from rlkjax.numerics import PAGE_SIZE
 from rlkjax.tasks import group_advantages, make_task
 from rlkjax.tokenizer import load_tokenizer
@@ -93,8 +94,9 @@ class GRPOConfig:
     """strict: sampler and learner logprobs agree bit for bit. fast: plain XLA, for comparison."""
     tis_cap: float = 0.0
     """Truncated importance sampling cap for --numerics fast (0 = off)."""
-    verify_logprobs: bool = False
-    """Recompute logp_old with the learner every step and report the sampler/learner mismatch."""
+    verify_logprobs: bool = True
+    """Recompute logp_old with the learner every step and report the sampler/learner mismatch (one extra
+    forward pass per step; --no-verify-logprobs skips it once you trust the setup)."""
     rollout_url: str | None = None
     """Use a running `serve.rollout` server instead of the in-process engine (weights pushed each step)."""
     admin_key: str | None = None
@@ -218,14 +220,6 @@ class RemoteRollout:
         self.client.update_weights(str(path.absolute()))
 
 
-def mismatch_stats(sampled: np.ndarray, learner: np.ndarray) -> dict:
-    delta = learner.astype(np.float64) - sampled.astype(np.float64)
-    return {"mismatch_tokens": int((sampled.view(np.uint32) != learner.view(np.uint32)).sum()),
-            "mismatch_max": float(np.abs(delta).max()) if delta.size else 0.0,
-            "mismatch_mean": float(np.abs(delta).mean()) if delta.size else 0.0,
-            "mismatch_k3": float(np.mean(np.expm1(delta) - delta)) if delta.size else 0.0}
-
-
 # ----- the loop -----
 def train(config: GRPOConfig) -> dict:
     out = Path(config.out)
@@ -318,7 +312,7 @@ def train(config: GRPOConfig) -> dict:
         history.append(row)
         with metrics_path.open("a") as f:
             f.write(json.dumps(row) + "\n")
-        bar.set_postfix(reward=f"{row['reward_mean']:.3f}", mismatch=row.get("mismatch_tokens", "-"))
+        bar.set_postfix(reward=f"{row['reward_mean']:.3f}", mismatch=row.get("tokens_bits_differ", "-"))
         # 5. Checkpoints.
         if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
             manager.save(step + 1, args=ocp.args.Composite(
@@ -342,9 +336,9 @@ def plot(out: Path) -> None:
     fig, ax = plt.subplots(2, 2, figsize=(11, 7))
     ax[0, 0].plot(steps, [r["reward_mean"] for r in rows])
     ax[0, 0].set_title("reward (mean over P x G)")
-    if "mismatch_tokens" in rows[0]:
-        ax[0, 1].plot(steps, [r["mismatch_tokens"] for r in rows], label="tokens whose bits differ")
-        ax[0, 1].plot(steps, [r["mismatch_max"] for r in rows], label="max |delta logprob|")
+    if "tokens_bits_differ" in rows[0]:
+        ax[0, 1].plot(steps, [r["tokens_bits_differ"] for r in rows], label="tokens whose bits differ")
+        ax[0, 1].plot(steps, [r["max_abs_delta"] for r in rows], label="max |delta logprob|")
         ax[0, 1].legend()
     ax[0, 1].set_title("sampler vs learner mismatch")
     ax[1, 0].plot(steps, [r["ratio_min"] for r in rows], label="ratio min (1st update)")
