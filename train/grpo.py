@@ -48,6 +48,7 @@ from rlkjax.numerics import PAGE_SIZE
 from rlkjax.tasks import group_advantages, make_task
 from rlkjax.tokenizer import load_tokenizer
 from serve.engine import Engine, EngineConfig
+from train import fsdp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +98,10 @@ class GRPOConfig:
     verify_logprobs: bool = True
     """Recompute logp_old with the learner every step and report the sampler/learner mismatch (one extra
     forward pass per step; --no-verify-logprobs skips it once you trust the setup)."""
+    learner_devices: int = 1
+    """Devices of the FSDP learner mesh (parameters, gradients and optimiser state sharded over them)."""
+    sampler_replicas: int = 1
+    """In-process sampler engines, one per device (the last devices), each with a full copy of the weights."""
     rollout_url: str | None = None
     """Use a running `serve.rollout` server instead of the in-process engine (weights pushed each step)."""
     admin_key: str | None = None
@@ -116,6 +121,7 @@ class GRPOConfig:
 
     def __post_init__(self):
         positive = ("steps", "prompts_per_step", "group_size", "max_new_tokens", "max_prompt_tokens", "updates_per_batch", "micro_batch",
+                    "learner_devices", "sampler_replicas",
                     "checkpoint_every", "keep_checkpoints")
         for name in positive:
             if getattr(self, name) <= 0:
@@ -157,8 +163,6 @@ def grpo_loss(master, batch, ref_logp, rope, cfg, numerics, clip_eps, beta, tota
     return loss, stats
 
 
-grad_fn = jax.jit(jax.value_and_grad(grpo_loss, has_aux=True), static_argnames=("cfg", "numerics", "clip_eps", "beta"))
-score_fn = jax.jit(policy_logprobs, static_argnames=("cfg", "numerics"))
 
 
 # ----- batching -----
@@ -180,29 +184,39 @@ def pack(samples, cfg):
             "tis": np.ones((b, t - 1), np.float32)}
 
 
-def micro_batches(batch, size):
+def micro_batches(batch, size, devices=1):
+    """Slices of `size` rows, each padded with empty rows to a multiple of the learner's devices."""
     b = batch["tokens"].shape[0]
     for i in range(0, b, size):
-        yield {k: v[i : i + size] for k, v in batch.items()}
+        yield fsdp.pad_rows({k: v[i : i + size] for k, v in batch.items()}, devices)
 
 
 # ----- rollout backends -----
 class LocalRollout:
+    """One engine per sampler device, each with a full copy of the weights; prompts round robin."""
+
     def __init__(self, params, cfg, config: GRPOConfig):
-        # A cache for exactly one step's P x G sequences: nothing is preempted, nothing idles.
+        # Caches for exactly one step's P x G sequences: nothing is preempted, nothing idles.
         context = config.max_prompt_tokens + config.max_new_tokens
-        rows = config.prompts_per_step * config.group_size
-        self.engine = Engine(params, cfg, config.numerics, EngineConfig(
-            num_pages=1 + rows * -(-context // PAGE_SIZE), max_batch=min(rows, 256), prefill_chunk=64,
-            token_budget=64 * config.prompts_per_step, max_context=context))
+        rows = -(-config.prompts_per_step // config.sampler_replicas) * config.group_size
+        self.devices = fsdp.replica_devices(config.sampler_replicas)
+        self.engines = []
+        for device in self.devices:
+            with jax.default_device(device):
+                self.engines.append(Engine(jax.device_put(params, device), cfg, config.numerics, EngineConfig(
+                    num_pages=1 + rows * -(-context // PAGE_SIZE), max_batch=min(rows, 256), prefill_chunk=64,
+                    token_budget=64 * config.prompts_per_step, max_context=context)))
 
     def sample(self, prompts, group, max_new_tokens, temperature, seeds):
-        reqs = [self.engine.submit(p, n=group, max_new_tokens=max_new_tokens, temperature=temperature, seed=s) for p, s in zip(prompts, seeds)]
-        self.engine.run_until_done()
+        reqs = [self.engines[i % len(self.engines)].submit(p, n=group, max_new_tokens=max_new_tokens, temperature=temperature, seed=s)
+                for i, (p, s) in enumerate(zip(prompts, seeds))]
+        for engine in self.engines:
+            engine.run_until_done()
         return [[{"tokens": c.tokens, "logprobs": c.logprobs, "policy_version": c.policy_version} for c in r.results] for r in reqs]
 
     def push(self, params, cfg, out_dir):
-        self.engine.update_weights(params)  # device to device; live before the next request is admitted
+        for engine, device in zip(self.engines, self.devices):  # device to device, no disk
+            engine.update_weights(jax.device_put(params, device))  # live before the next request is admitted
 
 
 class RemoteRollout:
@@ -228,7 +242,11 @@ def train(config: GRPOConfig) -> dict:
     tokenizer = load_tokenizer(config.model if Path(config.model).is_dir() else None)
     task = make_task(config.task, config.data, config.reward)
     rope = model.rope_tables(cfg)
-    master = jax.tree.map(lambda w: w.astype(jnp.float32), params)
+    mesh = fsdp.make_mesh(config.learner_devices)
+    specs = fsdp.param_specs(params, config.learner_devices)
+    master = fsdp.shard(jax.tree.map(lambda w: w.astype(jnp.float32), params), mesh, specs)
+    grad_fn = fsdp.sharded_value_and_grad(grpo_loss, mesh, specs, cfg=cfg, numerics=config.numerics, clip_eps=config.clip_eps, beta=config.beta)
+    score_fn = fsdp.sharded_logprobs(policy_logprobs, mesh, specs, cfg=cfg, numerics=config.numerics)
     schedule = optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, config.warmup_steps,
                                                   max(config.steps * config.updates_per_batch, config.warmup_steps + 1), end_value=0.1 * config.learning_rate)
     optimizer = optax.chain(optax.clip_by_global_norm(config.max_grad_norm), optax.adamw(schedule, weight_decay=config.weight_decay))
@@ -249,7 +267,7 @@ def train(config: GRPOConfig) -> dict:
         raise ValueError(f"--resume: no checkpoint in {out / 'checkpoints'}")
 
     policy = jax.tree.map(lambda w: w.astype(cfg.dtype), master)
-    ref_policy = policy if config.beta else None
+    ref_master = master if config.beta else None  # frozen initial policy for the KL term
     rollout = RemoteRollout(config.rollout_url, config.admin_key) if config.rollout_url else LocalRollout(policy, cfg, config)
     if config.rollout_url or start:
         rollout.push(policy, cfg, out)
@@ -277,8 +295,8 @@ def train(config: GRPOConfig) -> dict:
                "entropy_estimate": float(-(batch["logp_old"] * batch["mask"]).sum() / total_tokens)}
         # Optional recomputation of logp_old by the learner (TIS needs it; --verify-logprobs reports it).
         if config.verify_logprobs or config.tis_cap:
-            learner_old = np.concatenate([np.asarray(score_fn(master, mb["tokens"], mb["positions"], mb["temps"], rope, cfg, config.numerics))
-                                          for mb in micro_batches(batch, config.micro_batch)])
+            learner_old = np.concatenate([np.asarray(score_fn(master, mb["tokens"], mb["positions"], mb["temps"], rope))
+                                          for mb in micro_batches(batch, config.micro_batch, config.learner_devices)])[: len(samples)]
             sel = batch["mask"] > 0
             row |= mismatch_stats(batch["logp_old"][sel], learner_old[sel])
             if config.tis_cap:
@@ -288,10 +306,9 @@ def train(config: GRPOConfig) -> dict:
         ref_logp = None
         for u in range(config.updates_per_batch):
             grads, stats = None, []
-            for mb in micro_batches(batch, config.micro_batch):
-                if config.beta:
-                    ref_logp = score_fn(jax.tree.map(lambda w: w.astype(jnp.float32), ref_policy), mb["tokens"], mb["positions"], mb["temps"], rope, cfg, config.numerics)
-                (loss, st), g = grad_fn(master, mb, ref_logp, rope, cfg, config.numerics, config.clip_eps, config.beta, total_tokens)
+            for mb in micro_batches(batch, config.micro_batch, config.learner_devices):
+                ref_logp = score_fn(ref_master, mb["tokens"], mb["positions"], mb["temps"], rope) if config.beta else np.zeros_like(mb["logp_old"])
+                (loss, st), g = grad_fn(master, mb, ref_logp, rope, np.float32(total_tokens))
                 grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
                 stats.append(jax.device_get(st) | {"loss": float(loss)})
             grad_norm = float(optax.tree.norm(grads))
