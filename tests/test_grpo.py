@@ -137,3 +137,33 @@ def test_tasks_reward_by_hand(tmp_path):
     path.write_text(json.dumps({"question": "1+1?", "answer": "so #### 1,000"}) + "\n")
     task = GSM8KTask(path)
     assert task.reward(task.examples[0], "the answer is 1,000.") == 1.0 and task.reward(task.examples[0], "999") == 0.0
+
+
+def length_reward(prompt: str, completion: str) -> float:
+    """A user reward for the --reward test: longer completions score higher."""
+    return len(completion) / 100
+
+
+def test_fast_numerics_with_tis_and_a_user_reward(tmp_path):
+    """--numerics fast runs end to end with truncated importance sampling, and --reward replaces
+    the task's reward with a user function."""
+    result = grpo.train(grpo.GRPOConfig(steps=2, numerics="fast", tis_cap=2.0, reward="tests.test_grpo:length_reward",
+                                        out=str(tmp_path), **SMALL))
+    for row in result["history"]:
+        assert np.isfinite(row["loss"]) and row["tokens_compared"] == 32
+        assert 0 <= row["reward_mean"] <= 0.04  # at most 4 tokens of text -> <= 4 bytes / 100
+
+
+def test_hf_tokenizer_json(tmp_path):
+    """A checkpoint's tokenizer.json (built here with the `tokenizers` library) and its eos token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from rlkjax.tokenizer import ByteTokenizer, load_tokenizer
+    vocab = {"<|im_end|>": 0, "hello": 1, "world": 2, "[UNK]": 3}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    hf = load_tokenizer(tmp_path)
+    assert hf.encode("hello world") == [1, 2] and hf.eos_token_id == 0 and "hello" in hf.decode([1, 2])
+    assert isinstance(load_tokenizer(None), ByteTokenizer) and load_tokenizer(None).decode(list(b"ok")) == "ok"

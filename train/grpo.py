@@ -102,6 +102,8 @@ class GRPOConfig:
     """Devices of the FSDP learner mesh (parameters, gradients and optimiser state sharded over them)."""
     sampler_replicas: int = 1
     """In-process sampler engines, one per device (the last devices), each with a full copy of the weights."""
+    distributed: bool = False
+    """Call jax.distributed.initialize() first (one process per host; the launcher's environment names the peers)."""
     rollout_url: str | None = None
     """Use a running `serve.rollout` server instead of the in-process engine (weights pushed each step)."""
     admin_key: str | None = None
@@ -236,6 +238,8 @@ class RemoteRollout:
 
 # ----- the loop -----
 def train(config: GRPOConfig) -> dict:
+    if config.distributed:
+        jax.distributed.initialize()
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg, params = load_model(config.model, seed=config.seed)
