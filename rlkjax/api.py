@@ -6,7 +6,6 @@ import dataclasses
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from rlkjax.config import ModelConfig

@@ -22,7 +22,6 @@ import threading
 from collections import deque
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from rlkjax.api import Completion

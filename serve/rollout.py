@@ -277,19 +277,18 @@ class Server:
         app.add_routes([web.post("/generate", self.generate), web.post("/v1/completions", self.completions),
                         web.post("/update_weights", self.update_weights), web.get("/health", self.health),
                         web.get("/metrics", self.metrics)])
-        app.on_startup.append(lambda app: self.thread.start() or _noop())
+        app.on_startup.append(self._startup)
         app.on_cleanup.append(self._shutdown)
         return app
+
+    async def _startup(self, app):
+        self.thread.start()
 
     async def _shutdown(self, app):
         with self.wake:
             self.stopping = True
             self.wake.notify()
         await asyncio.to_thread(self.thread.join)
-
-
-async def _noop():
-    return None
 
 
 async def _json(request: web.Request) -> dict:

@@ -12,7 +12,6 @@ robin. New weights reach them device to device (`jax.device_put`), never through
 One process per host; on several hosts call `jax.distributed.initialize()` first (see README).
 """
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
