@@ -52,6 +52,10 @@ def server():
     proc.wait(timeout=60)
 
 
+def metric(client, name: str) -> float:
+    return next(float(line.split()[-1]) for line in client.metrics().splitlines() if line.startswith(name + " "))
+
+
 def post_raw(client, path, data: bytes, headers=None):
     req = urllib.request.Request(client.url + path, data=data, headers={"Content-Type": "application/json"} | (headers or {}), method="POST")
     try:
@@ -127,7 +131,10 @@ def test_200_concurrent_requests_and_a_weight_update_mid_load(tiny, tmp_path):
         with concurrent.futures.ThreadPoolExecutor(64) as pool:
             futures = [pool.submit(client.generate, [j["prompt"]], n=j["n"], max_new_tokens=j["max_new_tokens"],
                                    temperature=j["temperature"], seed=j["seed"]) for j in jobs]
-            time.sleep(1.0)
+            deadline = time.time() + 300
+            while metric(client, "rlkjax_requests_finished_total") < 1:  # version 0 has answered someone
+                assert time.time() < deadline, "no request finished within 300 s"
+                time.sleep(0.05)
             version = client.update_weights(str(tmp_path / "v1"))
             results = [f.result() for f in futures]
         assert version == 1
@@ -149,13 +156,20 @@ def test_200_concurrent_requests_and_a_weight_update_mid_load(tiny, tmp_path):
 
 
 def test_sigterm_drains_in_flight_requests(tiny):
+    """SIGTERM once the server holds all 8 requests (polled from /metrics, so a slow machine cannot
+    send the signal before a request has arrived): every one completes, then the process exits 0."""
     proc, client = start_server()
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(client.generate, [[i + 1, 2, 3]], max_new_tokens=24, seed=i) for i in range(8)]
-        time.sleep(1.5)
+        futures = [pool.submit(client.generate, [[i + 1, 2, 3]], max_new_tokens=32, seed=i) for i in range(8)]
+        deadline = time.time() + 300
+        while metric(client, "rlkjax_requests_total") < 8:
+            assert time.time() < deadline, "the server never received all 8 requests"
+            time.sleep(0.05)
+        finished_at_signal = metric(client, "rlkjax_requests_finished_total")
         proc.send_signal(signal.SIGTERM)
         results = [f.result() for f in futures]
-    assert all(len(r[0][0]["tokens"]) == 24 for r in results)
+    assert finished_at_signal < 8, "every request finished before SIGTERM: nothing was drained"
+    assert all(len(r[0][0]["tokens"]) == 32 for r in results)
     assert proc.wait(timeout=120) == 0
     with pytest.raises((OSError, RolloutError)):
         client.health()
