@@ -21,7 +21,7 @@ import rlkjax
 from bench._report import new_report, save_report
 from rlkjax import model
 from rlkjax.numerics import PAGE_SIZE
-from serve.engine import prefill_chunk
+from rlkjax.engine import prefill_chunk
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "numerics", "steps"), donate_argnames=("cache",))

@@ -16,6 +16,7 @@ import numpy as np
 
 from rlkjax.config import ModelConfig
 from rlkjax.numerics import PAGE_SIZE, Numerics, ops
+from rlkjax.shapes import cdiv, fresh_page_table
 
 
 def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -125,8 +126,8 @@ def sequence_logprobs(params, tokens, positions, temperature, rope, cfg: ModelCo
     """The learner's pass: whole sequences [B, T] into fresh pages; returns logp [B, T - 1] where
     [b, t] is log p(tokens[b, t + 1] | tokens[b, :t + 1]). temperature [B]. Differentiable."""
     b, t = tokens.shape
-    pages_per_row = -(-t // PAGE_SIZE)
-    page_table = 1 + jnp.arange(b * pages_per_row, dtype=jnp.int32).reshape(b, pages_per_row)
+    pages_per_row = cdiv(t, PAGE_SIZE)
+    page_table = fresh_page_table(b, pages_per_row)
     cache = init_kv_cache(cfg, 1 + b * pages_per_row)
     hidden, _ = forward(params, tokens, positions, cache, page_table, rope, cfg, numerics)
     h = hidden[:, :-1].reshape(b * (t - 1), -1)

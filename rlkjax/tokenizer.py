@@ -1,11 +1,13 @@
 """Tokenizers: HF `tokenizer.json` for real checkpoints, a byte tokenizer for the tiny model.
 
-Both expose encode(text) -> list[int], decode(ids) -> str, eos_token_id and apply_chat_template.
+Both expose encode(text) -> list[int], decode(ids) -> str and eos_token_id.
 """
 import json
 from pathlib import Path
 
 from tokenizers import Tokenizer
+
+from rlkjax.config import PRESETS
 
 
 class ByteTokenizer:
@@ -19,12 +21,9 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, user_message: str) -> list[int]:
-        return self.encode(f"Q: {user_message}\nA: ")
-
 
 class HFTokenizer:
-    """A checkpoint's tokenizer.json (+ the Qwen chat format when tokenizer_config.json has one)."""
+    """A checkpoint's tokenizer.json, with the eos token named in tokenizer_config.json if present."""
 
     def __init__(self, directory):
         directory = Path(directory)
@@ -40,13 +39,20 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         return self.tok.decode(list(ids))
 
-    def apply_chat_template(self, user_message: str) -> list[int]:
-        # Qwen3's ChatML turn format (the Jinja template reduces to this for one user message).
-        return self.encode(f"<|im_start|>user\n{user_message}<|im_end|>\n<|im_start|>assistant\n")
 
+def load_tokenizer(model: str | Path | None, tokenizer: str | Path | None = None):
+    """The tokenizer for `model` (a preset name or a checkpoint directory).
 
-def load_tokenizer(model_dir=None):
-    """The checkpoint's tokenizer.json if there is one, else the byte tokenizer."""
-    if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
-        return HFTokenizer(model_dir)
-    return ByteTokenizer()
+    tokenizer: "bytes", or a directory holding tokenizer.json; None picks the byte tokenizer for a
+    preset and the checkpoint's own tokenizer.json otherwise. A checkpoint without one is an error,
+    not a silent byte tokenizer that would turn its prompts into the wrong ids.
+    """
+    if tokenizer == "bytes" or (tokenizer is None and (model is None or str(model) in PRESETS)):
+        return ByteTokenizer()
+    directory = Path(tokenizer if tokenizer is not None else model)
+    if directory.is_file() and directory.name == "tokenizer.json":
+        directory = directory.parent
+    if not (directory / "tokenizer.json").is_file():
+        hint = "" if tokenizer is not None else " (name one with --tokenizer DIR, or --tokenizer bytes for the byte tokenizer)"
+        raise ValueError(f"{directory} has no tokenizer.json{hint}")
+    return HFTokenizer(directory)

@@ -17,11 +17,10 @@ import asyncio
 import dataclasses
 import json
 import logging
-import math
 import os
 import threading
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
 import tyro
 from aiohttp import web
@@ -29,8 +28,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from rlkjax.checkpoint import load_model
+from rlkjax.engine import Engine, EngineConfig
+from rlkjax.requests import check_seed, sample_seed
 from rlkjax.tokenizer import load_tokenizer
-from serve.engine import Engine, EngineConfig
 
 log = logging.getLogger("serve.rollout")
 
@@ -39,6 +39,9 @@ log = logging.getLogger("serve.rollout")
 class ServerConfig:
     model: str = "qwen3-tiny"
     """A preset (random weights from --seed), an HF checkpoint dir, or an orbax dir (config.json + params/)."""
+    tokenizer: str | None = None
+    """'bytes' (the tiny model's byte tokenizer) or a directory with tokenizer.json. Default: the byte tokenizer for
+    a preset, the checkpoint's own tokenizer.json otherwise (a checkpoint without one is an error)."""
     host: str = "127.0.0.1"
     """Interface to bind. The default serves this machine only; 0.0.0.0 exposes it to the network."""
     port: int = 8000
@@ -49,23 +52,15 @@ class ServerConfig:
     """Seed of the random weights when --model is a preset."""
     numerics: Literal["strict", "fast"] = "strict"
     """strict: our Pallas kernels, logprobs equal the learner's bit for bit. fast: plain XLA."""
-    num_pages: int = 2048
-    """KV cache size in pages of 16 tokens (page 0 reserved)."""
-    max_batch: int = 64
-    """Most sequences in one decode step; also the largest n per request."""
-    prefill_chunk: int = 128
-    """Prompt tokens per sequence per prefill call."""
-    token_budget: int = 1024
-    """Prompt tokens prefilled per engine step (across sequences)."""
-    max_context: int = 4096
-    """Longest prompt + max_new_tokens accepted."""
+    engine: Annotated[EngineConfig, tyro.conf.OmitArgPrefixes] = EngineConfig(max_context=4096)
+    """The rollout engine: KV cache, batch and prefill sizes."""
     max_prompts: int = 256
     """Most prompts in one request."""
     max_body_bytes: int = 4 * 2**20
     """Larger request bodies get 413."""
 
     def __post_init__(self):
-        for name in ("port", "num_pages", "max_batch", "prefill_chunk", "token_budget", "max_context", "max_prompts", "max_body_bytes"):
+        for name in ("port", "max_prompts", "max_body_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be positive")
 
@@ -84,20 +79,6 @@ def _fields(body: dict, allowed: set[str], required: set[str]) -> dict:
     return body
 
 
-def _int(body, name, default, lo, hi):
-    value = body.get(name, default)
-    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
-        raise BadRequest(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
-    return value
-
-
-def _temperature(body, name="temperature"):
-    t = body.get(name, 1.0)
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t > 0):
-        raise BadRequest(f"{name} must be a finite number > 0, got {t!r}")
-    return float(t)
-
-
 def _prompts(value, name="prompt"):
     """One prompt (list of ids) or a batch (list of lists) -> list of lists."""
     if isinstance(value, list) and value and all(isinstance(p, list) for p in value):
@@ -112,10 +93,8 @@ class Server:
         self.config = config
         self.admin_key = config.admin_key or os.environ.get("RLKJAX_ADMIN_KEY")
         self.cfg, params = load_model(config.model, seed=config.seed)
-        self.tokenizer = load_tokenizer(config.model if os.path.isdir(config.model) else None)
-        self.engine = Engine(params, self.cfg, config.numerics, EngineConfig(
-            num_pages=config.num_pages, max_batch=config.max_batch, prefill_chunk=config.prefill_chunk,
-            token_budget=config.token_budget, max_context=config.max_context))
+        self.tokenizer = load_tokenizer(config.model, config.tokenizer)
+        self.engine = Engine(params, self.cfg, config.numerics, config.engine)
         self.wake = threading.Condition()
         self.stopping = False
         self.started = time.time()
@@ -127,7 +106,7 @@ class Server:
     def _loop(self):
         while True:
             with self.wake:
-                while not (self.engine.busy or self.engine._pending_params is not None or self.stopping):
+                while not (self.engine.busy or self.engine.weights_pending or self.stopping):
                     self.wake.wait()
                 if self.stopping and not self.engine.busy:
                     return
@@ -167,15 +146,20 @@ class Server:
             raise
         return requests
 
-    def _seeds(self, body, count):
+    @staticmethod
+    def _seeds(body, prompts: int, n: int) -> list:
+        """A list: one seed per prompt, taken as given. An int s: prompt i starts at sample_seed(s, i * n),
+        so every sequence of the batch draws its own noise."""
         seed = body.get("seed", 0)
         if isinstance(seed, list):
-            if len(seed) != count or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**32 for s in seed):
-                raise BadRequest(f"seed must be an integer or a list of {count} integers in [0, 2**32)")
+            if len(seed) != prompts:
+                raise BadRequest(f"seed must be an integer or a list of {prompts} integers (one per prompt)")
             return seed
-        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
-            raise BadRequest(f"seed must be an integer in [0, 2**32), got {seed!r}")
-        return [(seed + i) % 2**32 for i in range(count)]  # prompt i of a batch: seed + i
+        try:
+            seed = check_seed("seed", seed)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+        return [sample_seed(seed, i * n) for i in range(prompts)]
 
     # ----- handlers -----
     async def generate(self, request: web.Request):
@@ -183,12 +167,9 @@ class Server:
         prompts = _prompts(body["prompt"])
         if len(prompts) > self.config.max_prompts:
             raise BadRequest(f"at most {self.config.max_prompts} prompts per request, got {len(prompts)}")
-        stops = body.get("stop_token_ids", [])
-        if not isinstance(stops, list):
-            raise BadRequest("stop_token_ids must be a list of token ids")
-        n = _int(body, "n", 1, 1, self.config.max_batch)
-        max_new = _int(body, "max_new_tokens", 16, 1, self.config.max_context)
-        reqs = await self._run(prompts, n, max_new, _temperature(body), self._seeds(body, len(prompts)), stops)
+        n = body.get("n", 1)
+        reqs = await self._run(prompts, n, body.get("max_new_tokens", 16), body.get("temperature", 1.0),
+                               self._seeds(body, len(prompts), n if isinstance(n, int) else 1), body.get("stop_token_ids", []))
         return web.json_response({"results": [[dataclasses.asdict(c) | {"logprobs": c.logprobs.tolist()} for c in r.results] for r in reqs]})
 
     async def completions(self, request: web.Request):
@@ -208,10 +189,13 @@ class Server:
         logprobs = body.get("logprobs")
         if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= 1):
             raise BadRequest("logprobs must be null, 0 or 1 (only the sampled token's logprob is returned)")
-        n = _int(body, "n", 1, 1, self.config.max_batch)
-        max_new = _int(body, "max_tokens", 16, 1, self.config.max_context)
+        n = body.get("n", 1)
         eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id < self.cfg.vocab_size else []
-        reqs = await self._run(prompts, n, max_new, _temperature(body), self._seeds(body, len(prompts)), eos)
+        try:
+            reqs = await self._run(prompts, n, body.get("max_tokens", 16), body.get("temperature", 1.0),
+                                   self._seeds(body, len(prompts), n if isinstance(n, int) else 1), eos)
+        except BadRequest as e:  # the engine names its own field; this route calls it max_tokens
+            raise BadRequest(str(e).replace("max_new_tokens", "max_tokens")) from None
         choices, completion_tokens = [], 0
         for r in reqs:
             for c in r.results:
@@ -223,8 +207,8 @@ class Server:
         return web.json_response({
             "id": f"cmpl-{reqs[0].id}", "object": "text_completion", "created": int(time.time()), "model": self.config.model,
             "choices": choices,
-            "usage": {"prompt_tokens": sum(map(len, prompts)) * n, "completion_tokens": completion_tokens,
-                      "total_tokens": sum(map(len, prompts)) * n + completion_tokens},
+            "usage": {"prompt_tokens": sum(map(len, prompts)), "completion_tokens": completion_tokens,
+                      "total_tokens": sum(map(len, prompts)) + completion_tokens},
         })
 
     async def update_weights(self, request: web.Request):

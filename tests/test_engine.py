@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 import rlkjax
-from serve.engine import Engine, EngineConfig, sample_seed
+from rlkjax.engine import Engine, EngineConfig
+from rlkjax.requests import sample_seed
 from tests.conftest import assert_bits_equal
 
 CONFIG = EngineConfig(num_pages=96, max_batch=8, prefill_chunk=16, token_budget=32, max_context=256)
@@ -105,7 +106,7 @@ def test_no_recompiles_after_warmup(tiny):
         for _ in range(rows):
             engine.submit([1, 2], max_new_tokens=1)
         engine.run_until_done()
-    from serve import engine as eng
+    from rlkjax import engine as eng
     sizes = (eng.decode_step._cache_size(), eng.prefill_chunk._cache_size(), eng.copy_pages._cache_size())
     seen = set(engine.shapes_seen)
     pending = list(random_workload(rng, cfg, 25))
@@ -136,7 +137,7 @@ def test_weight_update_between_steps(tiny):
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(prompt=[]), "non-empty"), (dict(prompt=[1, 600]), "outside"), (dict(prompt=[1.5]), "integer"),
-    (dict(n=0), "n="), (dict(n=99), "n="), (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(n=0), "n must be"), (dict(n=99), "n must be"), (dict(max_new_tokens=0), "max_new_tokens"),
     (dict(max_new_tokens=10**6), "context"), (dict(temperature=float("nan")), "temperature"),
     (dict(temperature=0), "temperature"), (dict(seed=-3), "seed"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
 ])

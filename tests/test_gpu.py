@@ -7,7 +7,7 @@ import pytest
 
 import rlkjax
 from rlkjax import audit, model
-from serve.engine import decode_step
+from rlkjax.engine import decode_step
 from tests.contract import check_case, random_case
 
 pytestmark = pytest.mark.gpu

@@ -166,4 +166,11 @@ def test_hf_tokenizer_json(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
     hf = load_tokenizer(tmp_path)
     assert hf.encode("hello world") == [1, 2] and hf.eos_token_id == 0 and "hello" in hf.decode([1, 2])
-    assert isinstance(load_tokenizer(None), ByteTokenizer) and load_tokenizer(None).decode(list(b"ok")) == "ok"
+    assert isinstance(load_tokenizer("qwen3-tiny"), ByteTokenizer) and load_tokenizer(None).decode(list(b"ok")) == "ok"
+    # A checkpoint without tokenizer.json must not silently get byte ids: an error, unless named explicitly.
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    with pytest.raises(ValueError, match="no tokenizer.json.*--tokenizer"):
+        load_tokenizer(bare)
+    assert isinstance(load_tokenizer(bare, "bytes"), ByteTokenizer)
+    assert load_tokenizer(bare, tmp_path).encode("hello") == [1]

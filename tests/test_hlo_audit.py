@@ -7,7 +7,7 @@ import pytest
 
 import rlkjax
 from rlkjax import audit, model, numerics
-from serve import engine
+from rlkjax import engine
 
 
 @pytest.fixture

@@ -43,11 +43,12 @@ from tqdm import tqdm
 import rlkjax
 from rlkjax import model
 from rlkjax.checkpoint import load_model, save_orbax_params
+from rlkjax.engine import Engine, EngineConfig
 from rlkjax.mismatch import mismatch_stats
 from rlkjax.numerics import PAGE_SIZE
+from rlkjax.shapes import cdiv
 from rlkjax.tasks import group_advantages, make_task
 from rlkjax.tokenizer import load_tokenizer
-from serve.engine import Engine, EngineConfig
 from train import fsdp
 
 
@@ -55,6 +56,8 @@ from train import fsdp
 class GRPOConfig:
     model: str = "qwen3-tiny"
     """A preset (random weights from --seed), an HF checkpoint dir, or an orbax dir."""
+    tokenizer: str | None = None
+    """'bytes' or a directory with tokenizer.json. Default: bytes for a preset, the checkpoint's tokenizer.json otherwise."""
     task: Literal["lowercase", "arithmetic", "gsm8k"] = "lowercase"
     """Prompts and reward: lowercase (default demo), arithmetic (a+b=), gsm8k (needs --data)."""
     data: str | None = None
@@ -199,15 +202,13 @@ class LocalRollout:
 
     def __init__(self, params, cfg, config: GRPOConfig):
         # Caches for exactly one step's P x G sequences: nothing is preempted, nothing idles.
-        context = config.max_prompt_tokens + config.max_new_tokens
-        rows = -(-config.prompts_per_step // config.sampler_replicas) * config.group_size
+        rows = cdiv(config.prompts_per_step, config.sampler_replicas) * config.group_size
+        sizing = EngineConfig.for_batch([config.max_prompt_tokens + config.max_new_tokens] * rows)
         self.devices = fsdp.replica_devices(config.sampler_replicas)
         self.engines = []
         for device in self.devices:
             with jax.default_device(device):
-                self.engines.append(Engine(jax.device_put(params, device), cfg, config.numerics, EngineConfig(
-                    num_pages=1 + rows * -(-context // PAGE_SIZE), max_batch=min(rows, 256), prefill_chunk=64,
-                    token_budget=64 * config.prompts_per_step, max_context=context)))
+                self.engines.append(Engine(jax.device_put(params, device), cfg, config.numerics, sizing))
 
     def sample(self, prompts, group, max_new_tokens, temperature, seeds):
         reqs = [self.engines[i % len(self.engines)].submit(p, n=group, max_new_tokens=max_new_tokens, temperature=temperature, seed=s)
@@ -243,7 +244,7 @@ def train(config: GRPOConfig) -> dict:
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg, params = load_model(config.model, seed=config.seed)
-    tokenizer = load_tokenizer(config.model if Path(config.model).is_dir() else None)
+    tokenizer = load_tokenizer(config.model, config.tokenizer)
     task = make_task(config.task, config.data, config.reward)
     rope = model.rope_tables(cfg)
     mesh = fsdp.make_mesh(config.learner_devices)

@@ -1,10 +1,10 @@
 """Continuous-batching rollout engine over the paged KV cache.
 
-Each engine step (a) admits waiting requests while pages last, (b) runs one prefill call over up
-to `token_budget` prompt tokens (chunks of `prefill_chunk` per sequence), and (c) one decode call
-over every sequence whose prefix is cached, sampling its next token. Requests join and leave
-between steps. The n samples of a request share its prompt's KV pages: one leader prefills, the
-others fork from it, sharing every full page and copying the partial last one (copy-on-write).
+Each engine step (a) admits waiting requests while pages and batch slots last, (b) runs one prefill
+call over up to `token_budget` prompt tokens (chunks of `prefill_chunk` per sequence), and (c) one
+decode call over every sequence whose prefix is cached, sampling its next token. Requests join and
+leave between steps. The n samples of a request share its prompt's KV pages: one leader prefills,
+the others fork from it, sharing every full page and copying the partial last one (copy-on-write).
 When pages run out, the newest sequence is preempted (its pages freed) and recomputed later.
 
 Every call goes through the one model function, so in strict mode a completion's logprobs equal
@@ -13,30 +13,46 @@ preempted, and a request's tokens depend only on its prompt, seed and temperatur
 
 Shapes (compiled once per bucket): prefill tokens [B, prefill_chunk], decode tokens [B, 1], page
 table [B, pages_per_seq]; B is a power of two up to max_batch.
+
+The public surface for a server or a learner: `submit`, `cancel`, `update_weights`, `step`,
+`run_until_done`, and the read-only `busy`, `weights_pending`, `policy_version` and `metrics()`.
 """
 import dataclasses
 import functools
 import itertools
-import math
 import threading
 from collections import deque
 
 import jax
 import numpy as np
 
-from rlkjax.api import Completion
 from rlkjax.config import ModelConfig
 from rlkjax.model import forward, init_kv_cache, rope_tables, sample
 from rlkjax.numerics import PAGE_SIZE, Numerics, ops
+from rlkjax.requests import check_int, check_seed, check_temperature, check_tokens, sample_seed
+from rlkjax.shapes import bucket, cdiv, pad_sequences
+
+
+@dataclasses.dataclass
+class Completion:
+    tokens: list[int]
+    logprobs: np.ndarray  # float32, one per token: log p(token | prefix) at the sampling temperature
+    finish_reason: str = "length"  # "length" | "stop" | "cancelled"
+    policy_version: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    num_pages: int = 1024  # KV pages of PAGE_SIZE tokens, page 0 reserved
-    max_batch: int = 64  # sequences per decode call
-    prefill_chunk: int = 64  # tokens per sequence per prefill call
-    token_budget: int = 512  # prompt tokens per step
-    max_context: int | None = None  # default: the model's max_position
+    num_pages: int = 2048
+    """KV cache size in pages of 16 tokens (page 0 reserved)."""
+    max_batch: int = 64
+    """Most sequences in flight (and in one decode step); also the largest n per request."""
+    prefill_chunk: int = 128
+    """Prompt tokens per sequence per prefill call."""
+    token_budget: int = 1024
+    """Prompt tokens prefilled per engine step (across sequences)."""
+    max_context: int | None = None
+    """Longest prompt + max_new_tokens accepted (default: the model's max_position)."""
 
     def __post_init__(self):
         for name in ("num_pages", "max_batch", "prefill_chunk", "token_budget"):
@@ -46,6 +62,17 @@ class EngineConfig:
             raise ValueError(f"num_pages={self.num_pages} must be >= 2 (page 0 is reserved)")
         if self.token_budget < self.prefill_chunk:
             raise ValueError(f"token_budget={self.token_budget} must be >= prefill_chunk={self.prefill_chunk}")
+        if self.max_context is not None and self.max_context <= 0:
+            raise ValueError(f"max_context={self.max_context} must be positive")
+
+    @staticmethod
+    def for_batch(lengths, prefill_chunk: int = 64) -> "EngineConfig":
+        """An engine that runs a fixed batch of sequences at once, nothing preempted, nothing idle:
+        `lengths` holds each sequence's prompt + new tokens (what `generate` and the learner's
+        rollout size their engines with)."""
+        rows = bucket(len(lengths))
+        return EngineConfig(num_pages=1 + sum(cdiv(n, PAGE_SIZE) for n in lengths), max_batch=rows,
+                            prefill_chunk=prefill_chunk, token_budget=prefill_chunk * rows, max_context=max(lengths))
 
 
 class PageAllocator:
@@ -118,11 +145,6 @@ class Request:
             callback()
 
 
-def sample_seed(seed: int, index: int) -> int:
-    """Sample j of a request with seed s draws with seed s + j * golden (mod 2**32); sample 0 uses s."""
-    return (seed + index * 0x9E3779B9) % 2**32
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "numerics"), donate_argnames=("kv_cache",))
 def prefill_chunk(params, tokens, positions, kv_cache, page_table, rope, cfg, numerics):
     """Write a chunk of prompt tokens [B, C] into the cache (their hidden states are not needed)."""
@@ -143,16 +165,12 @@ def copy_pages(kv_cache, src, dst):
     return tuple(c.at[:, :, dst].set(c[:, :, src]) for c in kv_cache)
 
 
-def _bucket(n: int) -> int:
-    return 1 << (max(n, 1) - 1).bit_length()
-
-
 class Engine:
     def __init__(self, params, cfg: ModelConfig, numerics: Numerics = "strict", config: EngineConfig = EngineConfig()):
         ops(numerics)  # validates the mode before any work
         self.cfg, self.numerics, self.config = cfg, numerics, config
         self.max_context = min(config.max_context or cfg.max_position, cfg.max_position)
-        self.pages_per_seq = _bucket(-(-self.max_context // PAGE_SIZE))
+        self.pages_per_seq = bucket(cdiv(self.max_context, PAGE_SIZE))
         self.params, self.policy_version = params, 0
         self.cache = init_kv_cache(cfg, config.num_pages)
         self.rope = rope_tables(cfg)
@@ -162,45 +180,33 @@ class Engine:
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
         self._admissions = itertools.count()
-        self._pending_params = None
+        self._pending_params, self._swap_events = None, []
         self.lock = threading.RLock()
         self.shapes_seen: set = set()  # (step function, batch bucket): one compilation each
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "preemptions": 0, "requests": 0, "finished": 0}
 
     # ----- requests -----
     def submit(self, prompt, *, n=1, max_new_tokens=16, temperature=1.0, seed=0, stop_token_ids=()) -> Request:
-        """Validate and queue a request; raises ValueError naming the bad field."""
-        prompt = list(prompt) if isinstance(prompt, (list, tuple)) else prompt
-        if not isinstance(prompt, list) or not prompt:
-            raise ValueError("prompt must be a non-empty list of token ids")
-        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
-            raise ValueError("prompt must hold integer token ids")
-        bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise ValueError(f"prompt has token id {bad[0]} outside [0, {self.cfg.vocab_size})")
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= self.config.max_batch:
-            raise ValueError(f"n={n!r} must be an integer in [1, {self.config.max_batch}]")
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
+        """Validate and queue a request; raises ValueError naming the bad field (rlkjax.requests)."""
+        prompt = check_tokens("prompt", prompt, self.cfg.vocab_size)
+        n = check_int("n", n, 1, self.config.max_batch)
+        max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
         if len(prompt) + max_new_tokens > self.max_context:
             raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds the context of {self.max_context} tokens")
-        if -(-(len(prompt) + max_new_tokens) // PAGE_SIZE) > self.config.num_pages - 1:
+        if cdiv(len(prompt) + max_new_tokens, PAGE_SIZE) > self.config.num_pages - 1:
             raise ValueError(f"prompt + max_new_tokens needs more KV pages than the cache holds ({self.config.num_pages - 1})")
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (math.isfinite(temperature) and temperature > 0):
-            raise ValueError(f"temperature={temperature!r} must be finite and > 0")
-        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
-            raise ValueError(f"seed={seed!r} must be an integer in [0, 2**32)")
-        stops = list(stop_token_ids)
-        if not all(isinstance(t, int) and 0 <= t < self.cfg.vocab_size for t in stops):
-            raise ValueError(f"stop_token_ids must be token ids in [0, {self.cfg.vocab_size})")
+        temperature = check_temperature("temperature", temperature)
+        seed = check_seed("seed", seed)
+        if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, (list, tuple, set, frozenset)):
+            raise ValueError("stop_token_ids must be a list of token ids")
+        stops = [check_int("stop_token_ids[]", t, 0, self.cfg.vocab_size - 1) for t in stop_token_ids]
         with self.lock:
-            req = Request(next(self._ids), [int(t) for t in prompt], n, max_new_tokens, float(temperature), seed, frozenset(stops))
+            req = Request(next(self._ids), prompt, n, max_new_tokens, temperature, seed, frozenset(stops))
             req.results = [None] * n
             self.requests[req.id] = req
-            leader = Sequence(req, 0, sample_seed(seed, 0), list(req.prompt))
             if n > 1 and len(req.prompt) > 1:
                 req.pending_forks = n - 1  # they fork from the leader once its prompt is cached
-                self.waiting.append(leader)
+                self.waiting.append(Sequence(req, 0, seed, list(req.prompt)))
             else:
                 self.waiting.extend(Sequence(req, j, sample_seed(seed, j), list(req.prompt)) for j in range(n))
             self.stats["requests"] += 1
@@ -212,15 +218,23 @@ class Engine:
 
     def update_weights(self, params) -> threading.Event:
         """Swap weights between steps, once no sequence is in flight (no completion mixes versions).
-        Admission pauses until then. The returned event is set when the new version is live."""
+        Admission pauses until then. The returned event is set when the new version is live. Calls
+        before the swap all complete at that swap; the last call's weights are the ones served."""
         with self.lock:
+            event = threading.Event()
             self._pending_params = params
-            self._swapped = threading.Event()
-            return self._swapped
+            self._swap_events.append(event)
+            return event
 
     @property
     def busy(self) -> bool:
+        """Sequences are waiting or running."""
         return bool(self.waiting or self.running)
+
+    @property
+    def weights_pending(self) -> bool:
+        """A weight update waits for the in-flight sequences to finish."""
+        return self._pending_params is not None
 
     # ----- the step -----
     def step(self) -> list[Request]:
@@ -230,7 +244,9 @@ class Engine:
             if self._pending_params is not None and not self.running:
                 self.params, self._pending_params = self._pending_params, None
                 self.policy_version += 1
-                self._swapped.set()
+                for event in self._swap_events:
+                    event.set()
+                self._swap_events = []
             if self._pending_params is None:
                 self._admit()
             prefilling = [s for s in self.running if not s.decoding]
@@ -243,18 +259,20 @@ class Engine:
             return finished
 
     def run_until_done(self) -> None:
-        while self.busy:
+        while self.busy or self.weights_pending:
             self.step()
 
     def _admit(self):
+        """Admit waiting sequences in order while batch slots and pages last. A forked sample that
+        found no free slot waits holding its pages (cached = its prompt) and needs no new ones."""
         while self.waiting and len(self.running) < self.config.max_batch:
             seq = self.waiting[0]
-            need = -(-len(seq.tokens) // PAGE_SIZE)
-            pages = self.pages.alloc(need)
+            need = cdiv(len(seq.tokens), PAGE_SIZE) - len(seq.pages)
+            pages = self.pages.alloc(need) if need > 0 else []
             if pages is None:
                 return
             self.waiting.popleft()
-            seq.pages, seq.cached, seq.admitted = pages, 0, next(self._admissions)
+            seq.pages, seq.admitted = seq.pages + pages, next(self._admissions)
             self.running.append(seq)
 
     def _grow(self, seq: Sequence, positions_needed: int) -> bool:
@@ -262,20 +280,28 @@ class Engine:
         while len(seq.pages) * PAGE_SIZE < positions_needed:
             page = self.pages.alloc(1)
             if page is None:
-                victim = max((s for s in self.running if s is not seq), key=lambda s: s.admitted, default=None)
-                if victim is None:
-                    raise RuntimeError("KV cache too small for a single sequence")
-                self._preempt(victim)
+                self._preempt(self._victim(seq))
                 continue
             seq.pages += page
         return True
+
+    def _victim(self, keep: Sequence) -> Sequence:
+        """Who gives up its pages: a waiting fork holding pages first, else the newest running one."""
+        holding = [s for s in self.waiting if s.pages]
+        if holding:
+            return holding[-1]
+        victim = max((s for s in self.running if s is not keep), key=lambda s: s.admitted, default=None)
+        if victim is None:
+            raise RuntimeError("KV cache too small for a single sequence")
+        return victim
 
     def _preempt(self, seq: Sequence):
         """Free a sequence's pages; it is recomputed from its tokens when readmitted (same bits)."""
         self.pages.release(seq.pages)
         seq.pages, seq.cached = [], 0
-        self.running.remove(seq)
-        self.waiting.appendleft(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+            self.waiting.appendleft(seq)
         self.stats["preemptions"] += 1
 
     def _page_table(self, seqs, rows):
@@ -294,7 +320,7 @@ class Engine:
             if len(batch) * chunk >= budget:
                 break
             batch.append(s)
-        rows = _bucket(len(batch))
+        rows = bucket(len(batch))
         tokens = np.zeros((rows, chunk), np.int32)
         positions = np.full((rows, chunk), -1, np.int32)
         for i, s in enumerate(batch):
@@ -317,7 +343,7 @@ class Engine:
         req = leader.request
         full = leader.cached // PAGE_SIZE
         shared, tail = leader.pages[:full], leader.pages[full:]
-        src, dst = [], []
+        src, dst, parked = [], [], []
         for j in range(1, req.n):
             own = self.pages.alloc(len(tail))
             if own is None:  # no room to fork now: recompute this sample from scratch later
@@ -327,12 +353,16 @@ class Engine:
             if leader.cached % PAGE_SIZE:
                 src.append(tail[0])
                 dst.append(own[0])
-            child = Sequence(req, j, sample_seed(req.seed, j), list(req.prompt), pages=shared + own,
-                             cached=leader.cached, admitted=next(self._admissions))
-            self.running.append(child)
+            child = Sequence(req, j, sample_seed(req.seed, j), list(req.prompt), pages=shared + own, cached=leader.cached)
+            if len(self.running) < self.config.max_batch:
+                child.admitted = next(self._admissions)
+                self.running.append(child)
+            else:  # no batch slot: wait at the front, holding its pages (admitted without new ones)
+                parked.append(child)
+        self.waiting.extendleft(reversed(parked))
         req.pending_forks = 0
         if src:
-            k = _bucket(len(src))  # pad with trash-page self copies so the shape is bucketed
+            k = bucket(len(src))  # pad with trash-page self copies so the shape is bucketed
             src_a = np.array(src + [0] * (k - len(src)), np.int32)
             dst_a = np.array(dst + [0] * (k - len(dst)), np.int32)
             self._note_shape("copy_pages", k)
@@ -342,8 +372,9 @@ class Engine:
         for s in seqs:  # the token fed now is written at position len(tokens) - 1
             if s in self.running:  # growing an earlier one may have preempted it
                 self._grow(s, len(s.tokens))
-        seqs = [s for s in seqs if s in self.running][: self.config.max_batch]
-        rows = _bucket(len(seqs))
+        seqs = [s for s in seqs if s in self.running]
+        assert len(seqs) <= self.config.max_batch, "admission and forks keep the batch within max_batch"
+        rows = bucket(len(seqs))
         tokens = np.zeros((rows, 1), np.int32)
         positions = np.full((rows, 1), -1, np.int32)
         seeds = np.zeros(rows, np.uint32)

@@ -1,0 +1,78 @@
+"""Request validation, in one place: `rlkjax.generate`, `rlkjax.score`, the engine's `submit` and
+the HTTP server (which only translates HTTP to these calls) all check their inputs here, so a bad
+value gets the same clear `ValueError` whichever door it came through."""
+import math
+
+import numpy as np
+
+SEED_LIMIT = 2**32
+# Smallest temperature accepted. Logits are divided by T in float32 inside the kernels: at T = 1e-4
+# a logit of 1e30 would still be finite, while float32 underflow (1e-46 -> 0) or overflow near
+# T ~ 1e-38 would give NaN logprobs. Below this, ask for greedy decoding instead (not offered yet).
+MIN_TEMPERATURE = 1e-4
+_GOLDEN = 0x9E3779B9
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """Seed of sample `index` of a request with seed `seed`: seed + index * golden (mod 2**32).
+    Sample 0 uses the request's seed. Linear on purpose: sample_seed(sample_seed(s, a), b) ==
+    sample_seed(s, a + b), so prompt i of a batch request with n samples each can start at
+    sample_seed(s, i * n) and every sequence of the batch gets a distinct seed."""
+    return (seed + index * _GOLDEN) % SEED_LIMIT
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def check_int(name: str, value, lo: int, hi: int | None = None) -> int:
+    if not _is_int(value) or value < lo or (hi is not None and value > hi):
+        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValueError(f"{name} must be an integer {bound}, got {value!r}")
+    return int(value)
+
+
+def check_tokens(name: str, tokens, vocab_size: int) -> list[int]:
+    """One non-empty sequence of token ids in [0, vocab_size)."""
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, (list, tuple, np.ndarray)):
+        raise ValueError(f"{name} must be a non-empty list of token ids, got {type(tokens).__name__}")
+    arr = np.asarray(tokens) if len(tokens) else np.zeros(0, np.int64)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ValueError(f"{name} must be a non-empty 1-D list of token ids, got shape {arr.shape}")
+    if not all(_is_int(t) for t in tokens):
+        raise ValueError(f"{name} must hold integer token ids, got {next(t for t in tokens if not _is_int(t))!r}")
+    arr = arr.astype(np.int64)
+    bad = arr[(arr < 0) | (arr >= vocab_size)]
+    if bad.size:
+        raise ValueError(f"{name} has token id {int(bad[0])} outside [0, {vocab_size})")
+    return [int(t) for t in arr]
+
+
+def check_batch(name: str, sequences, vocab_size: int) -> list[list[int]]:
+    """A non-empty list of token-id sequences."""
+    if not isinstance(sequences, (list, tuple)) or not sequences:
+        raise ValueError(f"{name} must be a non-empty list of token-id lists")
+    return [check_tokens(f"{name}[{i}]", s, vocab_size) for i, s in enumerate(sequences)]
+
+
+def check_temperature(name: str, value) -> float:
+    """A finite number >= MIN_TEMPERATURE, checked as the float32 the kernels divide by (1e-46
+    passes a float64 `> 0` check, becomes 0 in float32 and would give NaN logprobs)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    t32 = np.float32(value) if math.isfinite(float(value)) else np.float32("nan")
+    if not (np.isfinite(t32) and t32 >= np.float32(MIN_TEMPERATURE)):
+        raise ValueError(f"{name} must be finite and >= {MIN_TEMPERATURE}, got {value!r}")
+    return float(value)
+
+
+def check_seed(name: str, value) -> int:
+    return check_int(name, value, 0, SEED_LIMIT - 1)
+
+
+def per_row(name: str, value, n: int) -> list:
+    """A scalar broadcast to n rows, or a list of exactly n values."""
+    values = list(value) if isinstance(value, (list, tuple, np.ndarray)) else [value] * n
+    if len(values) != n:
+        raise ValueError(f"{name} has {len(values)} entries for {n} sequences")
+    return values
