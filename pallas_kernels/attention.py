@@ -15,6 +15,14 @@ positions [j*ps, (j+1)*ps)), in ascending order, with an fp32 online softmax. A 
 is only updated by blocks in which it sees at least one key (a select, so later blocks are exact
 no-ops), and every program handles `block_q` tokens of one row and one KV head, so a token's bits
 depend on its own keys only: not on the chunking, the batch, or the other queries in its tile.
+
+KV splits (flash-decoding): the positions are cut into fixed absolute ranges of `kv_split` keys
+(split s holds [s*kv_split, (s+1)*kv_split)); one program per (query tile, split) runs the online
+softmax above over its range from a fresh state, and a second kernel merges the splits' (acc, max,
+sum) in ascending order. Every pass (decode, prefill, the learner's) splits and merges the same
+way, so a decode step of one token gets batch x KV heads x splits programs, not batch x KV heads.
+A split a row does not reach is an exact no-op in the merge (a select); a split past a tile's last
+position is skipped (its program exits at once, the merge stops before it).
 """
 import dataclasses
 import functools
@@ -31,13 +39,17 @@ from pallas_kernels._common import F32, acc_dtype, check_block, compiler_params,
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
     page_size: int = 16  # = the KV block of the online softmax; changing it changes the bits
-    block_q: int = 16
+    block_q: int = 16  # query tokens per program (free: a row's bits do not depend on it)
+    kv_split: int = 256  # keys per split, merged in order afterwards; changing it changes the bits
     num_warps: int = 4
     num_stages: int = 2
 
     def __post_init__(self):
         check_block("page_size", self.page_size)
         check_block("block_q", self.block_q, minimum=1)
+        check_block("kv_split", self.kv_split)
+        if self.kv_split % self.page_size:
+            raise ValueError(f"kv_split={self.kv_split} must be a multiple of page_size={self.page_size}")
 
 
 def write_kv(pages, new, layer, page_table, positions):
@@ -53,11 +65,13 @@ def write_kv(pages, new, layer, page_table, positions):
     return pages.at[layer, :, page.reshape(-1), slot.reshape(-1)].set(new.reshape(b * t, hkv, dh).astype(pages.dtype))
 
 
-def _kernel(layer_ref, pt_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *, page_size, scale):
+def _kernel(layer_ref, pt_ref, pos_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, page_size, kv_split, scale):
+    """One (query tile, KV split): the online softmax over the split's blocks that the tile sees."""
     q = q_ref[...]  # [bq*G, Dh], rows token-major
     pos = pos_ref[...]  # [bq*G]
     rows = q.shape[0]
-    num_blocks = jnp.max(pos) // page_size + 1  # 0 when the whole tile is padding
+    first = pl.program_id(3) * (kv_split // page_size)
+    last = jnp.minimum(first + kv_split // page_size, jnp.max(pos) // page_size + 1)  # max(pos) = -1: padding tile
     layer = layer_ref[0]
 
     def body(j, carry):
@@ -76,8 +90,31 @@ def _kernel(layer_ref, pt_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *, page_size
         acc_new = alpha[:, None] * acc + dot_nn(p.astype(v.dtype), v)
         return jnp.where(sees[:, None], acc_new, acc), jnp.where(sees, m_new, m), jnp.where(sees, l_new, l)
 
-    init = (jnp.zeros(q.shape, F32), jnp.full((rows,), -jnp.inf, F32), jnp.zeros((rows,), F32))
-    acc, _, l = jax.lax.fori_loop(0, num_blocks, body, init)
+    @pl.when(first < last)  # splits past the tile's last position are never read by the merge
+    def _():
+        init = (jnp.zeros(q.shape, F32), jnp.full((rows,), -jnp.inf, F32), jnp.zeros((rows,), F32))
+        acc, m, l = jax.lax.fori_loop(first, last, body, init)
+        acc_ref[...], m_ref[...], l_ref[...] = acc, m, l
+
+
+def _merge_kernel(pos_ref, acc_ref, m_ref, l_ref, o_ref, *, kv_split):
+    """Merge the splits a tile reaches, in ascending order; a split a row does not see (l = 0) is
+    skipped by a select, so it changes nothing."""
+    num_splits = jnp.maximum(jnp.max(pos_ref[...]), -1) // kv_split + 1
+
+    def body(s, carry):
+        acc, m, l = carry
+        m_s, l_s = m_ref[s], l_ref[s]
+        sees = l_s > 0
+        m_new = jnp.maximum(m, m_s)
+        alpha, beta = _math.exp(m - m_new), _math.exp(m_s - m_new)
+        l_new = alpha * l + beta * l_s
+        acc_new = alpha[:, None] * acc + beta[:, None] * acc_ref[s]
+        return jnp.where(sees[:, None], acc_new, acc), jnp.where(sees, m_new, m), jnp.where(sees, l_new, l)
+
+    rows = o_ref.shape[0]
+    init = (jnp.zeros(o_ref.shape, F32), jnp.full((rows,), -jnp.inf, F32), jnp.zeros((rows,), F32))
+    acc, _, l = jax.lax.fori_loop(0, num_splits, body, init)
     seen = l > 0
     o_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0).astype(o_ref.dtype)
 
@@ -95,22 +132,35 @@ def _pallas_attention(q, k_pages, v_pages, layer, page_table, positions, config,
     pos = pad_dim(positions, 1, bq, value=-1)
     row_pos = jnp.repeat(pos, g, axis=1)
     pt = pad_dim(page_table, 1, 16)
-    out = pl.pallas_call(
-        functools.partial(_kernel, page_size=ps, scale=1.0 / math.sqrt(dh)),
-        grid=(b, hkv, tp // bq),
+    splits = -(-pt.shape[1] * ps // config.kv_split)
+    rows = bq * g
+    part = lambda *blk: pl.BlockSpec((None, None, None, rows, *blk), lambda i, h, j, s: (i, h, s, j, *[0] * len(blk)))  # noqa: E731
+    acc, m, l = pl.pallas_call(
+        functools.partial(_kernel, page_size=ps, kv_split=config.kv_split, scale=1.0 / math.sqrt(dh)),
+        grid=(b, hkv, tp // bq, splits),
         in_specs=[
-            pl.BlockSpec((1,), lambda i, h, j: (0,)),
-            pl.BlockSpec((None, pt.shape[1]), lambda i, h, j: (i, 0)),
-            pl.BlockSpec((None, bq * g), lambda i, h, j: (i, j)),
-            pl.BlockSpec((None, None, bq * g, dh), lambda i, h, j: (i, h, j, 0)),
-            pl.BlockSpec((num_layers, None, num_pages, ps, dh), lambda i, h, j: (0, h, 0, 0, 0)),
-            pl.BlockSpec((num_layers, None, num_pages, ps, dh), lambda i, h, j: (0, h, 0, 0, 0)),
+            pl.BlockSpec((1,), lambda i, h, j, s: (0,)),
+            pl.BlockSpec((None, pt.shape[1]), lambda i, h, j, s: (i, 0)),
+            pl.BlockSpec((None, rows), lambda i, h, j, s: (i, j)),
+            pl.BlockSpec((None, None, rows, dh), lambda i, h, j, s: (i, h, j, 0)),
+            pl.BlockSpec((num_layers, None, num_pages, ps, dh), lambda i, h, j, s: (0, h, 0, 0, 0)),
+            pl.BlockSpec((num_layers, None, num_pages, ps, dh), lambda i, h, j, s: (0, h, 0, 0, 0)),
         ],
-        out_specs=pl.BlockSpec((None, None, bq * g, dh), lambda i, h, j: (i, h, j, 0)),
-        out_shape=jax.ShapeDtypeStruct(qh.shape, q.dtype),
+        out_specs=[part(dh), part(), part()],
+        out_shape=[jax.ShapeDtypeStruct((b, hkv, splits, tp * g, dh), F32)] + [jax.ShapeDtypeStruct((b, hkv, splits, tp * g), F32)] * 2,
         compiler_params=compiler_params(config.num_warps, config.num_stages),
         interpret=interpret,
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), pt, row_pos, qh, k_pages, v_pages)
+    whole = lambda *blk: pl.BlockSpec((None, None, splits, rows, *blk), lambda i, h, j: (i, h, 0, j, *[0] * len(blk)))  # noqa: E731
+    out = pl.pallas_call(
+        functools.partial(_merge_kernel, kv_split=config.kv_split),
+        grid=(b, hkv, tp // bq),
+        in_specs=[pl.BlockSpec((None, rows), lambda i, h, j: (i, j)), whole(dh), whole(), whole()],
+        out_specs=pl.BlockSpec((None, None, rows, dh), lambda i, h, j: (i, h, j, 0)),
+        out_shape=jax.ShapeDtypeStruct(qh.shape, q.dtype),
+        compiler_params=compiler_params(config.num_warps, 1),
+        interpret=interpret,
+    )(row_pos, acc, m, l)
     return out.reshape(b, hkv, tp, g, dh).transpose(0, 2, 1, 3, 4).reshape(b, tp, hq, dh)[:, :t]
 
 

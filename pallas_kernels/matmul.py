@@ -1,6 +1,9 @@
 """Matmul y = x @ w.T (+ residual): fixed ascending K order into one fp32 accumulator.
 
 x [M, K], w [N, K] (HF Linear layout, [out, in]), optional residual [M, N]; y [M, N] in x.dtype.
+`matmul_layer` takes every layer's weights stacked, w [L, N, K], and an int32 layer index, and
+reads that layer in place: inside a `lax.scan` over layers, slicing the stack first would copy
+each layer's weights before every call (measured 2.6x the weight traffic of a decode step).
 Each output tile walks K in `block_k` steps in ascending order, so a row's bits do not depend on
 M, on the row's place in its tile, or on what else is in the batch. The residual add (Qwen3's
 `x + o_proj(...)`, `x + down_proj(...)`) happens in the epilogue, after the product is rounded
@@ -34,12 +37,30 @@ class MatmulConfig:
             raise ValueError(f"num_stages={self.num_stages} must be >= 1")
 
 
-def _kernel(x_ref, w_ref, *refs, block_k, k_steps, has_residual):
+def _kernel(*refs, block_k, k_steps, has_residual, stacked, interpret):
+    if stacked:
+        layer_ref, x_ref, w_ref, *refs = refs
+        layer = layer_ref[0]
+        w_tile = lambda ks: w_ref[layer, :, ks]  # noqa: E731
+    else:
+        x_ref, w_ref, *refs = refs
+        w_tile = lambda ks: w_ref[:, ks]  # noqa: E731
     o_ref = refs[-1]
 
     def body(i, acc):
         ks = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
-        return acc + dot_nt(x_ref[:, ks], w_ref[:, ks])
+        x, w = x_ref[:, ks], w_tile(ks)
+        if interpret:
+            # XLA:CPU runs a 128-wide bf16 x bf16 -> fp32 dot through a runtime call that does not
+            # support it (seen under the 8-device shard_map of tests/test_sharding.py); 32-wide
+            # sub-steps, accumulated in order, stay on its inline emitter and keep a row's bits
+            # independent of the M/N tiles (an fp32 upcast would not: XLA:CPU's fp32 GEMM blocks
+            # by shape). Compiled, the tile is one dot: Triton accumulates its K steps in order.
+            for j in range(0, block_k, min(32, block_k)):
+                sub = slice(j, j + min(32, block_k))
+                acc = acc + dot_nt(x[:, sub], w[:, sub])
+            return acc
+        return acc + dot_nt(x, w)
 
     acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros(o_ref.shape, F32))
     y = acc.astype(o_ref.dtype)
@@ -48,23 +69,27 @@ def _kernel(x_ref, w_ref, *refs, block_k, k_steps, has_residual):
     o_ref[...] = y
 
 
-def _pallas_matmul(x, w, residual, config: MatmulConfig, interpret: bool):
-    m, n = x.shape[0], w.shape[0]
+def _pallas_matmul(x, w, residual, config: MatmulConfig, interpret: bool, layer=None):
+    """w [N, K], or w [L, N, K] with `layer` (N and K then tile multiples: the stack is not padded)."""
     c = config
+    m, n = x.shape[0], w.shape[-2]
     x = pad_dim(pad_dim(x, 0, c.block_m), 1, c.block_k)
-    w = pad_dim(pad_dim(w, 0, c.block_n), 1, c.block_k)
     mp, kp = x.shape
-    np_ = w.shape[0]
-    args = [x, w]
-    in_specs = [
-        pl.BlockSpec((c.block_m, kp), lambda i, j: (i, 0)),
-        pl.BlockSpec((c.block_n, kp), lambda i, j: (j, 0)),
-    ]
+    if layer is None:
+        w = pad_dim(pad_dim(w, 0, c.block_n), 1, c.block_k)
+        args = [x, w]
+        in_specs = [pl.BlockSpec((c.block_m, kp), lambda i, j: (i, 0)), pl.BlockSpec((c.block_n, kp), lambda i, j: (j, 0))]
+    else:
+        args = [jnp.reshape(layer, (1,)).astype(jnp.int32), x, w]
+        in_specs = [pl.BlockSpec((1,), lambda i, j: (0,)), pl.BlockSpec((c.block_m, kp), lambda i, j: (i, 0)),
+                    pl.BlockSpec((w.shape[0], c.block_n, kp), lambda i, j: (0, j, 0))]
+    np_ = w.shape[-2]
     if residual is not None:
         args.append(pad_dim(pad_dim(residual, 0, c.block_m), 1, c.block_n))
         in_specs.append(pl.BlockSpec((c.block_m, c.block_n), lambda i, j: (i, j)))
     y = pl.pallas_call(
-        functools.partial(_kernel, block_k=c.block_k, k_steps=kp // c.block_k, has_residual=residual is not None),
+        functools.partial(_kernel, block_k=c.block_k, k_steps=kp // c.block_k, has_residual=residual is not None,
+                          stacked=layer is not None, interpret=interpret),
         grid=(mp // c.block_m, np_ // c.block_n),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((c.block_m, c.block_n), lambda i, j: (i, j)),
@@ -96,6 +121,18 @@ def _bwd(config, interpret, saved, dy):
 
 
 matmul.defvjp(_fwd, _bwd)
+
+
+def matmul_layer(x, w, layer, residual, config: MatmulConfig, interpret: bool):
+    """x [M, K] @ w[layer].T (+ residual) for stacked weights w [L, N, K]: the same kernel and the
+    same bits as `matmul(x, w[layer], ...)`, without copying the layer out of the stack first.
+    Forward only (the sampler's path; the learner differentiates `matmul` on sliced layers).
+    Shapes that are not tile multiples take the slice (and pad) instead: same bits, a copy."""
+    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[2]:
+        raise ValueError(f"matmul_layer shapes do not match: x {x.shape}, w {w.shape}")
+    if w.shape[1] % config.block_n or w.shape[2] % config.block_k:
+        return _pallas_matmul(x, jax.lax.dynamic_index_in_dim(w, layer, keepdims=False), residual, config, interpret)
+    return _pallas_matmul(x, w, residual, config, interpret, layer)
 
 
 def matmul_reference(x, w, residual=None, config=None, interpret=None):

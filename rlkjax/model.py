@@ -79,9 +79,17 @@ def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int = PAGE_SIZE):
     return jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype)
 
 
-def forward(params, tokens, positions, kv_cache, page_table, rope, cfg: ModelConfig, numerics: Numerics):
+MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def forward(params, tokens, positions, kv_cache, page_table, rope, cfg: ModelConfig, numerics: Numerics,
+            weights_in_place: bool = True):
     """tokens, positions [B, T] (position -1 = padding), page_table [B, P] -> hidden [B, T, D] (final-normed)
-    and the cache with this call's K/V written in. Only data movement happens outside the ops."""
+    and the cache with this call's K/V written in. Only data movement happens outside the ops.
+
+    weights_in_place: the matmul kernels read layer i's weights out of the stacked [L, N, K] arrays
+    (no per-layer copy, which a scan's slice would make). Same kernels, same bits either way; the
+    learner passes False because it differentiates through per-layer slices."""
     op = ops(numerics)
     b, t = tokens.shape
     hq, hkv, dh, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
@@ -94,20 +102,25 @@ def forward(params, tokens, positions, kv_cache, page_table, rope, cfg: ModelCon
     def layer_step(carry, xs):
         x, k_pages, v_pages = carry
         layer, index = xs
+        if weights_in_place:
+            mm = lambda a, name, r=None: op.matmul_layer(a, params["layers"][name], index, r)  # noqa: E731
+        else:
+            mm = lambda a, name, r=None: op.matmul(a, layer[name], r)  # noqa: E731
         h = op.rmsnorm(x, layer["input_layernorm"], None, None, eps)
-        q = op.rmsnorm(op.matmul(h, layer["q_proj"]).reshape(-1, dh), layer["q_norm"], cos_q, sin_q, eps)
-        k = op.rmsnorm(op.matmul(h, layer["k_proj"]).reshape(-1, dh), layer["k_norm"], cos_k, sin_k, eps)
-        v = op.matmul(h, layer["v_proj"])
+        q = op.rmsnorm(mm(h, "q_proj").reshape(-1, dh), layer["q_norm"], cos_q, sin_q, eps)
+        k = op.rmsnorm(mm(h, "k_proj").reshape(-1, dh), layer["k_norm"], cos_k, sin_k, eps)
+        v = mm(h, "v_proj")
         attn, k_pages, v_pages = op.attention(
             q.reshape(b, t, hq, dh), k.reshape(b, t, hkv, dh), v.reshape(b, t, hkv, dh),
             k_pages, v_pages, index, page_table, positions)
-        x = op.matmul(attn.reshape(b * t, hq * dh), layer["o_proj"], x)
+        x = mm(attn.reshape(b * t, hq * dh), "o_proj", x)
         h = op.rmsnorm(x, layer["post_attention_layernorm"], None, None, eps)
-        x = op.matmul(op.swiglu(op.matmul(h, layer["gate_proj"]), op.matmul(h, layer["up_proj"])), layer["down_proj"], x)
+        x = mm(op.swiglu(mm(h, "gate_proj"), mm(h, "up_proj")), "down_proj", x)
         return (x, k_pages, v_pages), None
 
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, k_pages, v_pages), _ = jax.lax.scan(layer_step, (x, *kv_cache), (params["layers"], layer_ids))
+    scanned = {n: w for n, w in params["layers"].items() if not (weights_in_place and n in MATRICES)}
+    (x, k_pages, v_pages), _ = jax.lax.scan(layer_step, (x, *kv_cache), (scanned, layer_ids))
     x = op.rmsnorm(x, params["norm"], None, None, eps)
     return x.reshape(b, t, -1), (k_pages, v_pages)
 
@@ -129,7 +142,7 @@ def sequence_logprobs(params, tokens, positions, temperature, rope, cfg: ModelCo
     pages_per_row = cdiv(t, PAGE_SIZE)
     page_table = fresh_page_table(b, pages_per_row)
     cache = init_kv_cache(cfg, 1 + b * pages_per_row)
-    hidden, _ = forward(params, tokens, positions, cache, page_table, rope, cfg, numerics)
+    hidden, _ = forward(params, tokens, positions, cache, page_table, rope, cfg, numerics, weights_in_place=False)
     h = hidden[:, :-1].reshape(b * (t - 1), -1)
     temps = jnp.repeat(temperature, t - 1)
     return token_logprobs(params, h, tokens[:, 1:].reshape(-1), temps, numerics).reshape(b, t - 1)

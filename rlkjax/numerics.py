@@ -24,11 +24,33 @@ PRECISION = {
     "logprob": ("act hidden + lm_head", "fp32 logits / T, fp32 running max/sum over vocab tiles ascending", "fp32"),
 }
 
-MATMUL = matmul.MatmulConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
+# Matmul tiles per shape class. block_k sets each output's K grouping (it changes bits in CPU
+# interpret mode), so every class shares it; block_m/block_n/warps/stages only change which
+# program computes a row, and a row's bits were found not to depend on them (tests/test_kernels.py
+# `test_matmul_tile_configs_agree`, also run compiled on the H200; bench.speed's sweep). Decode rows get
+# GEMV-like tiles (16 rows, narrow N tiles so even a 1024-wide output spreads over the GPU);
+# prefill and the learner get tensor-core sized ones.
+MATMUL_BLOCK_K = 128
+MATMUL_DECODE = matmul.MatmulConfig(block_m=16, block_n=32, block_k=MATMUL_BLOCK_K, num_warps=4, num_stages=4)
+MATMUL_SMALL = matmul.MatmulConfig(block_m=64, block_n=32, block_k=MATMUL_BLOCK_K, num_warps=4, num_stages=4)
+MATMUL_MEDIUM = matmul.MatmulConfig(block_m=64, block_n=64, block_k=MATMUL_BLOCK_K, num_warps=4, num_stages=4)
+MATMUL = matmul.MatmulConfig(block_m=128, block_n=128, block_k=MATMUL_BLOCK_K, num_warps=8, num_stages=3)
+
+
+def matmul_config(rows: int) -> matmul.MatmulConfig:
+    """The tile config for a call with `rows` rows (a static shape, so chosen at trace time)."""
+    return MATMUL_DECODE if rows <= 16 else MATMUL_SMALL if rows <= 64 else MATMUL_MEDIUM if rows <= 256 else MATMUL
+
+
 RMSNORM = rmsnorm.RMSNormConfig(block_rows=16, block_d=256, num_warps=4)
 SWIGLU = swiglu.SwiGLUConfig(block_rows=16, block_cols=128, num_warps=4)
-ATTENTION = attention.AttentionConfig(page_size=16, block_q=16, num_warps=4, num_stages=2)
+ATTENTION = attention.AttentionConfig(page_size=16, block_q=16, kv_split=256, num_warps=4, num_stages=2)
 LOGPROB = logprob.LogprobConfig(block_rows=64, block_vocab=128, block_k=64, vocab_splits=128, num_warps=4, num_stages=2)
+# One LOGPROB config for every row count: block_rows changes the layout of the [rows, vocab tile]
+# reductions (max, sum of exp) and with it their order, so a row's bits depend on it (measured on
+# the H200 and in interpret mode: 16- vs 64-row programs differ in the last bit for some rows).
+# A decode step reads the lm_head once anyway: row blocks of one vocab range run next to each
+# other (rows are the fastest grid axis) and share it through L2.
 PAGE_SIZE = ATTENTION.page_size  # the fast path uses the same cache layout
 
 # XLA must not keep excess precision between ops or drop roundings we asked for.
@@ -52,6 +74,7 @@ def check_xla_flags() -> None:
 
 class Ops(NamedTuple):
     matmul: Callable  # (x, w, residual=None)
+    matmul_layer: Callable  # (x, w_stacked [L, N, K], layer, residual=None): reads w[layer] in place
     rmsnorm: Callable  # (x, weight, cos, sin, eps)
     swiglu: Callable  # (gate, up)
     attention: Callable  # (q, k, v, k_pages, v_pages, layer, page_table, positions) -> (out, k_pages, v_pages)
@@ -64,6 +87,7 @@ def ops(numerics: Numerics) -> Ops:
     if numerics == "fast":
         return Ops(
             lambda x, w, r=None: matmul.matmul_reference(x, w, r),
+            lambda x, w, layer, r=None: matmul.matmul_reference(x, w[layer], r),
             rmsnorm.rmsnorm_reference,
             swiglu.swiglu_reference,
             attention.paged_attention_reference,
@@ -75,7 +99,8 @@ def ops(numerics: Numerics) -> Ops:
     check_xla_flags()
     interp = interpret_mode()
     return Ops(
-        lambda x, w, r=None: matmul.matmul(x, w, r, MATMUL, interp),
+        lambda x, w, r=None: matmul.matmul(x, w, r, matmul_config(x.shape[0]), interp),
+        lambda x, w, layer, r=None: matmul.matmul_layer(x, w, layer, r, matmul_config(x.shape[0]), interp),
         lambda x, w, cos, sin, eps: rmsnorm.rmsnorm(x, w, cos, sin, eps, RMSNORM, interp),
         lambda g, u: swiglu.swiglu(g, u, SWIGLU, interp),
         lambda *a: attention.paged_attention(*a, ATTENTION, interp),

@@ -218,3 +218,42 @@ def test_logprob_uneven_vocab_splits(splits):
     assert_bits_equal(lp, logprob.token_logprobs(h, w, tokens, temps, config, INTERPRET), "sample vs score")
     ref_tokens, _ = logprob.sample_tokens_reference(h, w, jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.int32), temps)
     assert (np.asarray(tokens) == np.asarray(ref_tokens)).mean() > 0.9
+
+
+MATMUL_CLASSES = [numerics.MATMUL_DECODE, numerics.MATMUL_SMALL, numerics.MATMUL_MEDIUM, numerics.MATMUL]
+
+
+def test_matmul_tile_configs_agree():
+    """Decode, prefill and the learner use different M/N tiles, warps and stages (one block_k);
+    a row's bits must not depend on which: otherwise sampler and learner logprobs would differ.
+    Also: reading layer i out of a stacked [L, N, K] array in place gives the sliced layer's bits."""
+    assert len({c.block_k for c in MATMUL_CLASSES}) == 1
+    x, r = randn(1, (300, 256), BF16), randn(3, (300, 128), BF16)
+    ws = randn(2, (3, 128, 256), BF16, 0.1)
+    ref = matmul.matmul(x, ws[1], r, numerics.MATMUL, INTERPRET)
+    for c in MATMUL_CLASSES:
+        for lo, hi in [(0, 1), (5, 21), (0, 300)]:
+            assert_bits_equal(matmul.matmul(x[lo:hi], ws[1], r[lo:hi], c, INTERPRET), ref[lo:hi], f"{c} rows {lo}:{hi}")
+            assert_bits_equal(matmul.matmul_layer(x[lo:hi], ws, jnp.int32(1), r[lo:hi], c, INTERPRET), ref[lo:hi], f"{c} stacked")
+
+
+
+@pytest.mark.parametrize("kv_split,t", [(16, 37), (32, 70)] + ([] if INTERPRET else [(numerics.ATTENTION.kv_split, 600)]))
+def test_attention_kv_splits(kv_split, t):
+    """Keys cut into fixed absolute splits, merged in order: values match dense attention, and a
+    prefill in two chunks followed by token-by-token decode (each call its own query tile and
+    split count) gives the whole pass's bits. Guards the sampler == learner contract past one split."""
+    import dataclasses
+    config = dataclasses.replace(numerics.ATTENTION, kv_split=kv_split)
+    q, k, v, pages, pt, pos = _attention_case(BF16, t=t, lens=(t, t // 2, 1))
+    run = lambda sl, kp, vp: attention.paged_attention(q[:, sl], k[:, sl], v[:, sl], kp, vp, jnp.int32(1), pt, pos[:, sl], config, INTERPRET)  # noqa: E731
+    check_against_truth(lambda q, k, v: attention.paged_attention(q, k, v, pages, pages, jnp.int32(1), pt, pos, config, INTERPRET)[0],
+                        lambda q, k, v: attention.dense_attention(q, k, v, pos), [q, k, v], "split attention vs dense")
+    whole, _, _ = run(slice(None), pages, pages)
+    a, kp, vp = run(slice(0, t // 3), pages, pages)
+    b, kp, vp = run(slice(t // 3, t - 3), kp, vp)
+    outs = [a, b]
+    for i in range(t - 3, t):
+        o, kp, vp = run(slice(i, i + 1), kp, vp)
+        outs.append(o)
+    assert_bits_equal(jnp.concatenate(outs, axis=1), whole, f"kv_split {kv_split}: chunked prefill + decode vs whole")
