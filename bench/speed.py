@@ -1,0 +1,484 @@
+"""One speed harness: strict vs fast side by side, with the ceilings measured in the same run.
+
+    python -m bench.speed                       # everything (one H200 device call)
+    python -m bench.speed --quick               # 0.6B + 8B decode at batch 1/64, small learner/score rows
+    python -m bench.speed --only decode,kernels --models qwen3-8b
+
+Sections (each row: fast, strict, strict/fast time, fraction of a ceiling):
+- ceilings: device-to-device copy bandwidth (bytes read + written) and `jnp.dot` bf16 at 8192^3;
+- decode: tokens/s at batch 1/16/64/256 x context 512/2048, `--steps` decode steps (forward + fused
+  sampling) inside ONE jitted fori_loop, so GPU time, not Python; HBM fraction = (weight bytes + KV
+  bytes read per step) / step time / copy bandwidth. The cache is filled with random values (the
+  time does not depend on them; prefilling 256 x 2048 tokens would take longer than the decode);
+- prefill: 16 x 2048 prompt tokens, one call;
+- learner: value and gradient of the GRPO loss (train.grpo.grpo_loss: bf16 policy from fp32 master
+  weights, token-level PPO-clip) on random sequences; MFU = (6 x matmul params x tokens + causal
+  attention 6 x L x Hq x Dh x T^2 per sequence) / time / 989 TFLOP/s; memory from XLA's compiled
+  memory analysis (arguments + outputs + temporaries: the peak of that call);
+- score: the learner's forward + logprobs (`rlkjax.score`'s jitted core, the verify pass);
+- kernels: each kernel alone against its XLA counterpart at decode and learner shapes.
+Times are medians of `--repeats` timed calls after a warm-up call. JSON to --out.
+"""
+import argparse
+import functools
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import rlkjax
+from bench._report import new_report, save_report
+from pallas_kernels import attention, logprob, matmul, swiglu
+from rlkjax import model, numerics
+from rlkjax.engine import prefill_chunk
+from rlkjax.numerics import PAGE_SIZE
+from train import grpo
+
+PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16 datasheet
+BF16, F32 = jnp.bfloat16, jnp.float32
+SIDES = ("fast", "strict")
+NAN = float("nan")
+
+
+def median_time(fn, repeats):
+    """Median seconds of `repeats` calls of fn() (which blocks), after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def rand(key, shape, dtype=BF16, scale=1.0):
+    return (scale * jax.random.normal(jax.random.key(key), shape, F32)).astype(dtype)
+
+
+# ----- ceilings -----
+def ceilings(repeats):
+    small = jax.default_backend() == "cpu"  # a smoke run of the harness, not a measurement
+    x = jnp.arange(2**20 if small else 2**30, dtype=F32)  # 4 GiB
+    copy = jax.jit(lambda x: x + 0)  # one read + one write per element
+
+    def ten_copies():
+        for _ in range(10):
+            y = copy(x)
+        y.block_until_ready()
+    bw = 2 * x.nbytes * 10 / median_time(ten_copies, repeats)
+    n = 256 if small else 8192
+    a, b = rand(1, (n, n)), rand(2, (n, n))
+    dot = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=F32).astype(BF16))
+
+    def ten_dots():
+        for _ in range(10):
+            y = dot(a, b)
+        y.block_until_ready()
+    rate = 2 * n**3 * 10 / median_time(ten_dots, repeats)
+    return {"copy_bandwidth_Bps": bw, "dot_bf16_flops": rate, "dot_size": n}
+
+
+# ----- model rows -----
+def matmul_params(cfg):
+    per_layer = sum(int(np.prod(s)) for n, s in model.layer_shapes(cfg).items() if n in model.MATRICES)
+    return cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size
+
+
+def weight_bytes(params):
+    """What a decode step reads: every weight once (the embedding gather reads B rows, so a tied
+    embedding counts once, as the lm_head)."""
+    total = sum(x.nbytes for x in jax.tree.leaves(params))
+    return total - (params["embed_tokens"].nbytes if "lm_head" in params else 0)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "numerics", "steps"), donate_argnames=("cache",))
+def decode_loop(params, tokens, start, cache, page_table, seeds, temps, rope, cfg, numerics, steps):
+    """`steps` decode steps feeding each sampled token back in: the engine's decode_step, in one loop."""
+    def body(i, carry):
+        tok, cache, _ = carry
+        hidden, cache = model.forward(params, tok, (start + i)[:, None], cache, page_table, rope, cfg, numerics)
+        nxt, lp = model.sample(params, hidden[:, 0], seeds, jnp.full_like(seeds, i), temps, numerics)
+        return nxt[:, None], cache, lp
+    tok, cache, lp = jax.lax.fori_loop(0, steps, body, (tokens, cache, jnp.zeros(tokens.shape[0], F32)))
+    return tok, lp, cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "num_pages"))
+def random_cache(cfg, num_pages):
+    """KV pages filled with random bf16 values (a random block tiled, so no fp32 temporary)."""
+    block = rand(5, (cfg.num_layers, cfg.num_kv_heads, 16, PAGE_SIZE, cfg.head_dim))
+    reps = -(-num_pages // 16)
+    k = jnp.tile(block, (1, 1, reps, 1, 1))[:, :, :num_pages]
+    return k, jnp.flip(k, axis=2)
+
+
+def decode_rows(cfg, params, batches, contexts, steps, repeats, bw, name):
+    rows = []
+    rope = model.rope_tables(cfg)
+    wbytes = weight_bytes(params)
+    max_ctx = max(contexts)
+    for batch in batches:
+        pages_per_row = -(-(max_ctx + steps) // PAGE_SIZE)
+        page_table = jnp.asarray(1 + np.arange(batch * pages_per_row, dtype=np.int32).reshape(batch, pages_per_row))
+        cache = random_cache(cfg, 1 + batch * pages_per_row)
+        seeds, temps = jnp.arange(batch, dtype=jnp.uint32), jnp.ones((batch,), F32)
+        tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, 1)), jnp.int32)
+        for ctx in contexts:
+            row = {"section": "decode", "model": name, "batch": batch, "context": ctx, "steps": steps}
+            start = jnp.full((batch,), ctx - 1, jnp.int32)
+            table = page_table[:, : -(-(ctx + steps) // PAGE_SIZE)]  # the fast path's attention reads every listed page
+            for side in SIDES:
+                def run():
+                    nonlocal cache
+                    _, lp, cache = decode_loop(params, tokens, start, cache, table, seeds, temps, rope, cfg, side, steps)
+                    lp.block_until_ready()
+                dt = median_time(run, repeats) / steps
+                kv = batch * (ctx + steps / 2) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+                row[f"{side}_tokens_per_s"] = batch / dt
+                row[f"{side}_ms_per_step"] = 1e3 * dt
+                row[f"{side}_hbm_fraction"] = (wbytes + kv) / dt / bw
+            row["strict_over_fast"] = row["strict_ms_per_step"] / row["fast_ms_per_step"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del cache
+    return rows
+
+
+def prefill_row(cfg, params, batch, length, repeats, rate, name):
+    rope = model.rope_tables(cfg)
+    pages_per_row = -(-length // PAGE_SIZE)
+    page_table = jnp.asarray(1 + np.arange(batch * pages_per_row, dtype=np.int32).reshape(batch, pages_per_row))
+    cache = model.init_kv_cache(cfg, 1 + batch * pages_per_row)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, length)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+    row = {"section": "prefill", "model": name, "batch": batch, "length": length}
+    flops = 2 * matmul_params(cfg) * batch * length + 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * length**2 * batch
+    for side in SIDES:
+        def run():
+            nonlocal cache
+            cache = prefill_chunk(params, tokens, positions, cache, page_table, rope, cfg, side)
+            jax.block_until_ready(cache)
+        dt = median_time(run, repeats)
+        row[f"{side}_tokens_per_s"] = batch * length / dt
+        row[f"{side}_mfu"] = flops / dt / PEAK_BF16_FLOPS
+        row[f"{side}_dot_fraction"] = flops / dt / rate
+    row["strict_over_fast"] = row["fast_tokens_per_s"] / row["strict_tokens_per_s"]
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def compiled_bytes(compiled):
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+
+
+def learner_row(cfg, name, seq, tokens_per_call, repeats, rate):
+    b = max(1, tokens_per_call // seq)
+    rng = np.random.default_rng(0)
+    master = model.init_params(cfg, seed=0, dtype=F32)
+    batch = {"tokens": jnp.asarray(rng.integers(0, cfg.vocab_size, (b, seq)), jnp.int32),
+             "positions": jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (b, seq)),
+             "logp_old": jnp.asarray(-rng.random((b, seq - 1)) * 3, F32), "mask": jnp.ones((b, seq - 1), F32),
+             "adv": jnp.asarray(rng.standard_normal(b), F32), "temps": jnp.ones((b,), F32), "tis": jnp.ones((b, seq - 1), F32)}
+    rope = model.rope_tables(cfg)
+    ref = jnp.zeros((b, seq - 1), F32)
+    flops = 6 * matmul_params(cfg) * b * seq + 6 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq**2 * b
+    row = {"section": "learner", "model": name, "seq": seq, "batch": b}
+    for side in SIDES:
+        fn = jax.jit(jax.value_and_grad(grpo.grpo_loss, has_aux=True), static_argnums=(4, 5, 6, 7))
+        args = (master, batch, ref, rope, cfg, side, 0.2, 0.0, jnp.float32(b * seq))
+        try:
+            compiled = fn.lower(*args).compile()
+            dt = median_time(lambda: jax.block_until_ready(compiled(*args[:4], args[8])), repeats)
+        except jax.errors.JaxRuntimeError as e:  # running out of memory is a result too
+            row[f"{side}_error"] = str(e)[:160]
+            continue
+        row[f"{side}_tokens_per_s"] = b * seq / dt
+        row[f"{side}_mfu"] = flops / dt / PEAK_BF16_FLOPS
+        row[f"{side}_dot_fraction"] = flops / dt / rate
+        row[f"{side}_memory_GiB"] = compiled_bytes(compiled) / 2**30
+    if "fast_tokens_per_s" in row and "strict_tokens_per_s" in row:
+        row["strict_over_fast"] = row["fast_tokens_per_s"] / row["strict_tokens_per_s"]
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def score_row(cfg, params, name, b, seq, repeats):
+    rope = model.rope_tables(cfg)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (b, seq)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (b, seq))
+    temps = jnp.ones((b,), F32)
+    row = {"section": "score", "model": name, "batch": b, "seq": seq}
+    for side in SIDES:
+        fn = jax.jit(model.sequence_logprobs, static_argnames=("cfg", "numerics"))
+        compiled = fn.lower(params, tokens, positions, temps, rope, cfg=cfg, numerics=side).compile()
+        dt = median_time(lambda: jax.block_until_ready(compiled(params, tokens, positions, temps, rope)), repeats)
+        row[f"{side}_tokens_per_s"] = b * seq / dt
+        row[f"{side}_memory_GiB"] = compiled_bytes(compiled) / 2**30
+    row["strict_over_fast"] = row["fast_tokens_per_s"] / row["strict_tokens_per_s"]
+    print(json.dumps(row), flush=True)
+    return row
+
+
+# ----- kernels alone -----
+def attention_only(q, pages, pt, pos, config, side):
+    """Attention over a filled cache without the KV write (a write into an undonated cache would
+    time a copy of the whole cache): the strict kernel, or the fast path's XLA attention."""
+    if side == "strict":
+        return attention._pallas_attention(q, pages, pages, jnp.int32(0), pt, pos, config, False)
+    _, hkv, _, ps, dh = pages.shape
+    b, p = pt.shape
+    keys = pages[0][:, pt].reshape(hkv, b, p * ps, dh).transpose(1, 2, 0, 3)
+    mask = (jnp.arange(p * ps)[None, None, :] <= pos[:, :, None])[:, None]
+    return jax.nn.dot_product_attention(q, keys, keys, mask=mask, implementation="xla")
+
+
+
+def _loop_time(step, init, consts, iters, repeats):
+    """Seconds per iteration of step(i, carry, consts) run `iters` times in one jitted fori_loop.
+    Arrays go in as arguments: a closed-over array would become an HLO constant."""
+    f = jax.jit(lambda c, consts: jax.lax.fori_loop(0, iters, lambda i, c: step(i, c, consts), c))
+    return median_time(lambda: jax.block_until_ready(f(init, consts)), repeats) / iters, f
+
+
+def matmul_stacked_time(m, k, n, layers, config, repeats, which="strict"):
+    """Per-matmul time of x [m, k] @ w[i].T over `layers` stacked weights (each read from HBM)."""
+    ws = rand(2, (layers, n, k), scale=0.02)
+    x0 = rand(1, (m, k))
+    interp = False
+
+    def step(i, x, ws):
+        if which == "strict":
+            y = matmul.matmul_layer(x, ws, i, None, config, interp)
+        elif which == "sliced":
+            y = matmul.matmul(x, ws[i], None, config, interp)
+        else:
+            y = jnp.dot(x, ws[i].T, preferred_element_type=F32).astype(BF16)
+        return jnp.tile(y, (1, -(-k // n)))[:, :k] if n < k else y[:, :k]
+    t, _ = _loop_time(step, x0, ws, layers, repeats)
+    return t, n * k * 2 / t
+
+
+def kernel_rows(bw, rate, repeats):
+    rows = []
+    interp = False
+    # Decode-shaped matmuls: 8B gate/up (K 4096 -> N 12288) and down (12288 -> 4096), weights streamed.
+    for k, n in ((4096, 12288), (12288, 4096), (1024, 1024)):
+        for m in (1, 16, 64, 256):
+            cfg = numerics.matmul_config(m)
+            tf, _ = matmul_stacked_time(m, k, n, 36, cfg, repeats, "xla")
+            ts, _ = matmul_stacked_time(m, k, n, 36, cfg, repeats, "strict")
+            row = {"section": "kernel", "kernel": "matmul (decode, stacked weights)", "shape": f"M={m} K={k} N={n}",
+                   "fast_us": 1e6 * tf, "strict_us": 1e6 * ts, "strict_over_fast": ts / tf,
+                   "strict_fraction": (n * k * 2 + m * (k + n) * 2) / ts / bw, "ceiling": "copy bandwidth"}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    # Learner/prefill matmul.
+    m, k, n = 8192, 4096, 12288
+    x, w = rand(1, (m, k)), rand(2, (n, k), scale=0.02)
+    xla = jax.jit(lambda x, w: jnp.dot(x, w.T, preferred_element_type=F32).astype(BF16))
+    pal = jax.jit(lambda x, w: matmul.matmul(x, w, None, numerics.matmul_config(m), interp))
+    tf = median_time(lambda: xla(x, w).block_until_ready(), repeats)
+    ts = median_time(lambda: pal(x, w).block_until_ready(), repeats)
+    rows.append({"section": "kernel", "kernel": "matmul (learner)", "shape": f"M={m} K={k} N={n}", "fast_us": 1e6 * tf, "strict_us": 1e6 * ts,
+                 "strict_over_fast": ts / tf, "strict_fraction": 2 * m * n * k / ts / rate, "ceiling": "jnp.dot rate"})
+    print(json.dumps(rows[-1]), flush=True)
+    # SwiGLU at the learner's shape.
+    g, u = rand(3, (m, n)), rand(4, (m, n))
+    fs = jax.jit(lambda g, u: swiglu.swiglu(g, u, numerics.SWIGLU, interp))
+    fx = jax.jit(swiglu.swiglu_reference)
+    tf = median_time(lambda: fx(g, u).block_until_ready(), repeats)
+    ts = median_time(lambda: fs(g, u).block_until_ready(), repeats)
+    rows.append({"section": "kernel", "kernel": "swiglu", "shape": f"{m}x{n}", "fast_us": 1e6 * tf, "strict_us": 1e6 * ts,
+                 "strict_over_fast": ts / tf, "strict_fraction": 3 * m * n * 2 / ts / bw, "ceiling": "copy bandwidth"})
+    print(json.dumps(rows[-1]), flush=True)
+    # Attention, decode (8B heads, batch 64, context 2048) and prefill (one 4096-token sequence).
+    hq, hkv, dh = 32, 8, 128
+    for b, t, ctx in ((1, 1, 2048), (64, 1, 2048), (1, 4096, 4096)):
+        ppr = -(-ctx // PAGE_SIZE)
+        pages = rand(6, (1, hkv, 1 + b * ppr, PAGE_SIZE, dh))
+        pt = jnp.asarray(1 + np.arange(b * ppr, dtype=np.int32).reshape(b, ppr))
+        pos = jnp.broadcast_to(jnp.arange(ctx - t, ctx, dtype=jnp.int32), (b, t))
+        q = rand(7, (b, t, hq, dh))
+        fs = jax.jit(functools.partial(attention_only, config=numerics.ATTENTION, side="strict"))
+        fx = jax.jit(functools.partial(attention_only, config=None, side="fast"))
+        tf = median_time(lambda: fx(q, pages, pt, pos).block_until_ready(), repeats)
+        ts = median_time(lambda: fs(q, pages, pt, pos).block_until_ready(), repeats)
+        kv_bytes = 2 * b * ctx * hkv * dh * 2
+        rows.append({"section": "kernel", "kernel": "attention", "shape": f"B={b} T={t} ctx={ctx} Hq={hq} Hkv={hkv}",
+                     "fast_us": 1e6 * tf, "strict_us": 1e6 * ts, "strict_over_fast": ts / tf,
+                     "strict_fraction": kv_bytes / ts / bw, "ceiling": "copy bandwidth (KV bytes)"})
+        print(json.dumps(rows[-1]), flush=True)
+    # Logprob head, 8B lm_head: a decode step of 16 rows, and the learner's 8192 rows.
+    vocab, d = 151936, 4096
+    w = rand(10, (vocab, d), scale=0.02)
+    for n_rows in (1, 16, 256, 8192):
+        h = rand(11, (n_rows, d))
+        tg = jnp.zeros((n_rows,), jnp.int32)
+        tp = jnp.ones((n_rows,), F32)
+        fs = jax.jit(lambda h, w: logprob.token_logprobs(h, w, tg, tp, numerics.LOGPROB, interp))
+        fx = jax.jit(lambda h, w: logprob.token_logprobs_reference(h, w, tg, tp))
+        tf = median_time(lambda: fx(h, w).block_until_ready(), repeats)
+        ts = median_time(lambda: fs(h, w).block_until_ready(), repeats)
+        rows.append({"section": "kernel", "kernel": "logprob head", "shape": f"N={n_rows} V={vocab} D={d}", "fast_us": 1e6 * tf, "strict_us": 1e6 * ts,
+                     "strict_over_fast": ts / tf, "strict_fraction": max(w.nbytes / ts / bw, 2 * n_rows * vocab * d / ts / rate),
+                     "ceiling": "max(copy bandwidth, jnp.dot rate)"})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+# ----- tile sweep (re-tuning on another GPU; --only sweep) -----
+def sweep_rows(bw, rate, repeats):
+    """Tile configs side by side at decode and learner shapes; 'same_bits' compares row 0 of each
+    result with the first config's (a row's bits must not depend on the M/N tiles)."""
+    rows = []
+    mc = matmul.MatmulConfig
+
+    def add(row):
+        rows.append(row | {"section": "sweep"})
+        print(json.dumps(rows[-1]), flush=True)
+
+    def attempt(what, shape, config, fn):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 (a config Triton cannot compile is a result too)
+            add({"what": what, "shape": shape, "config": str(config), "error": str(e)[:200]})
+    decode = {1: [(16, 32, 128, 4, 4), (16, 32, 64, 4, 4), (16, 64, 128, 4, 4), (16, 32, 128, 4, 6), (16, 32, 128, 2, 4), (16, 32, 256, 4, 3),
+                  (16, 16, 128, 4, 4)],
+              64: [(64, 32, 128, 4, 4), (64, 64, 128, 4, 4), (64, 64, 64, 4, 4), (32, 32, 128, 4, 4)],
+              256: [(64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (128, 128, 128, 8, 3)]}
+    for k, n, ms in ((4096, 12288, (1, 64, 256)), (4096, 1024, (1,))):
+        ws = rand(2, (36, n, k), scale=0.02)
+        for m in ms:
+            x0 = rand(1, (m, k))
+            ref = None
+            for c in [mc(*t) for t in decode[m]] + [mc(64, 64, 32, 4, 3)]:  # the last: every matmul's tile before
+                for how in ("stacked", "sliced") if c.block_k == 32 else ("stacked",):
+                    def step(i, carry, ws, c=c, how=how):
+                        x, _ = carry
+                        if how == "stacked":
+                            y = matmul.matmul_layer(x, ws, i, None, c, False)
+                        else:
+                            y = matmul.matmul(x, ws[i], None, c, False)
+                        return (jnp.tile(y, (1, -(-k // n)))[:, :k] if n < k else y[:, :k]), y[0, :64]
+                    init = (x0, jnp.zeros(64, BF16))
+                    r = attempt("matmul", f"M={m} K={k} N={n}", c, lambda: _loop_time(step, init, ws, 36, repeats))
+                    if r is None:
+                        continue
+                    t, f = r
+                    out = np.asarray(f(init, ws)[1].astype(F32))
+                    ref = out if ref is None else ref
+                    add({"what": "matmul", "shape": f"M={m} K={k} N={n}", "config": [c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages],
+                         "how": how, "us": 1e6 * t, "hbm_fraction": n * k * 2 / t / bw, "same_bits": bool(np.array_equal(out, ref))})
+    m, k, n = 8192, 4096, 12288
+    x, w = rand(1, (m, k)), rand(2, (n, k), scale=0.02)
+    ref = None
+    for t in [(128, 128, 128, 8, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 256, 128, 8, 2), (64, 64, 32, 4, 3)]:
+        c = mc(*t)
+        f = jax.jit(lambda x, w, c=c: matmul.matmul(x, w, None, c, False))
+        dt = attempt("matmul", f"M={m} K={k} N={n}", c, lambda: median_time(lambda: f(x, w).block_until_ready(), repeats))
+        if dt is None:
+            continue
+        out = np.asarray(f(x[:16], w).astype(F32))
+        ref = out if ref is None else ref
+        add({"what": "matmul", "shape": f"M={m} K={k} N={n}", "config": list(t), "us": 1e6 * dt, "dot_fraction": 2 * m * n * k / dt / rate,
+             "same_bits": bool(np.array_equal(out, ref))})
+    hq, hkv, dh = 32, 8, 128
+    for b, t, ctx in ((1, 1, 2048), (64, 1, 2048), (2, 4096, 4096)):
+        ppr = -(-ctx // PAGE_SIZE)
+        pages = rand(6, (1, hkv, 1 + b * ppr, PAGE_SIZE, dh))
+        pt = jnp.asarray(1 + np.arange(b * ppr, dtype=np.int32).reshape(b, ppr))
+        pos = jnp.broadcast_to(jnp.arange(ctx - t, ctx, dtype=jnp.int32), (b, t))
+        q = rand(7, (b, t, hq, dh))
+        for split, warps, stages in ((128, 4, 2), (256, 4, 2), (8192, 4, 2), (256, 4, 3)):
+            c = attention.AttentionConfig(PAGE_SIZE, 16, split, warps, stages)
+            f = jax.jit(functools.partial(attention_only, config=c, side="strict"))
+            dt = attempt("attention", f"B={b} T={t} ctx={ctx}", c, lambda: median_time(lambda: f(q, pages, pt, pos).block_until_ready(), repeats))
+            if dt is not None:
+                add({"what": "attention", "shape": f"B={b} T={t} ctx={ctx}", "config": [split, warps, stages], "us": 1e6 * dt,
+                     "hbm_fraction": 2 * b * ctx * hkv * dh * 2 / dt / bw})
+    return rows
+
+
+# ----- report -----
+def print_table(report):
+    c = report["ceilings"]
+    print(f"\nceilings: copy {c['copy_bandwidth_Bps'] / 1e9:.0f} GB/s, jnp.dot bf16 {c.get('dot_size', 8192)}^3 {c['dot_bf16_flops'] / 1e12:.0f} TFLOP/s, "
+          f"MFU against {PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s")
+    print(f"{'section':8} {'model':11} {'shape':28} {'fast':>10} {'strict':>10} {'unit':9} {'strict/fast':>11} {'strict ceiling':>16}")
+    for r in report["results"]:
+        s = r["section"]
+        if s == "decode":
+            shape, unit = f"batch {r['batch']} ctx {r['context']}", "tok/s"
+            f, st, ceil = r["fast_tokens_per_s"], r["strict_tokens_per_s"], f"{100 * r['strict_hbm_fraction']:.0f}% HBM"
+        elif s in ("prefill", "learner", "score"):
+            shape = f"{r['batch']} x {r.get('length', r.get('seq'))}"
+            f, st, unit = r.get("fast_tokens_per_s", NAN), r.get("strict_tokens_per_s", NAN), "tok/s"
+            ceil = f"{100 * r['strict_mfu']:.0f}% MFU" if "strict_mfu" in r else ""
+            if "strict_memory_GiB" in r:
+                ceil += f" {r['strict_memory_GiB']:.0f}/{r.get('fast_memory_GiB', NAN):.0f} GiB"
+        else:
+            shape, unit = r["shape"][:28], "us"
+            f, st, ceil = r["fast_us"], r["strict_us"], f"{100 * r['strict_fraction']:.0f}%"
+        name = r.get("model", r.get("kernel", ""))[:11]
+        print(f"{s:8} {name:11} {shape:28} {f:10.1f} {st:10.1f} {unit:9} {r.get('strict_over_fast', NAN):11.2f} {ceil:>16}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="qwen3-0.6b,qwen3-4b,qwen3-8b", help="decode model shapes (random weights)")
+    ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--contexts", default="512,2048")
+    ap.add_argument("--steps", type=int, default=32, help="decode steps per timed loop")
+    ap.add_argument("--repeats", type=int, default=3, help="timed calls per row (median)")
+    ap.add_argument("--learner-models", default="qwen3-1.7b,qwen3-4b")
+    ap.add_argument("--learner-seqs", default="1024,4096")
+    ap.add_argument("--learner-tokens", type=int, default=8192, help="tokens per learner call (batch = tokens / seq)")
+    ap.add_argument("--prefill", default="16x2048", help="prefill rows x prompt tokens")
+    ap.add_argument("--score-model", default="qwen3-8b")
+    ap.add_argument("--score", default="16x1024", help="scored rows x tokens")
+    ap.add_argument("--only", default="decode,prefill,learner,score,kernels", help="sections to run (also: sweep)")
+    ap.add_argument("--quick", action="store_true", help="a subset that fits a short device call")
+    ap.add_argument("--out", default=None, help="JSON path (default bench/results/speed_<date>.json)")
+    args = ap.parse_args()
+    if args.quick:
+        args.models, args.batches, args.learner_models, args.learner_seqs = "qwen3-0.6b,qwen3-8b", "1,64", "qwen3-1.7b", "1024"
+    sections = set(args.only.split(","))
+    report = new_report("bench.speed")
+    out = args.out or f"bench/results/speed_{report['date'][:10]}.json"
+
+    def record(rows):  # saved after every row, so a run cut short keeps what it measured
+        report["results"].extend(rows)
+        save_report(report, out)
+    report["ceilings"] = c = ceilings(args.repeats)
+    print(json.dumps(c), flush=True)
+    bw, rate = c["copy_bandwidth_Bps"], c["dot_bf16_flops"]
+    if "sweep" in sections:
+        report["sweep"] = sweep_rows(bw, rate, args.repeats)
+        save_report(report, out)
+    for name in args.models.split(","):
+        if not sections & {"decode", "prefill", "score"}:
+            break
+        cfg = rlkjax.ModelConfig.preset(name)
+        params = rlkjax.init_params(cfg, seed=0)
+        if "decode" in sections:
+            record(decode_rows(cfg, params, [int(b) for b in args.batches.split(",")],
+                               [int(c) for c in args.contexts.split(",")], args.steps, args.repeats, bw, name))
+        if "score" in sections and name == args.score_model:
+            record([score_row(cfg, params, name, *map(int, args.score.split("x")), args.repeats)])
+        if "prefill" in sections:
+            record([prefill_row(cfg, params, *map(int, args.prefill.split("x")), args.repeats, rate, name)])
+        del params
+    if "learner" in sections:
+        for name in args.learner_models.split(","):
+            for seq in map(int, args.learner_seqs.split(",")):
+                record([learner_row(rlkjax.ModelConfig.preset(name), name, seq, args.learner_tokens, args.repeats, rate)])
+    if "kernels" in sections:
+        record(kernel_rows(bw, rate, args.repeats))
+    print_table(report)
+
+
+if __name__ == "__main__":
+    main()
