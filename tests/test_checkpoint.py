@@ -80,6 +80,27 @@ def test_load_rejects_bad_checkpoints(tmp_path):
         rlkjax.load_hf_checkpoint(tmp_path)
 
 
+def test_load_rejects_unexpected_tensors(tmp_path):
+    """A tensor the config does not explain (a bias, a LoRA leftover, a layer past num_hidden_layers)
+    is an error listing it, not silently dropped; a tied checkpoint may carry lm_head.weight only
+    if it equals the embedding."""
+    from safetensors.numpy import load_file, save_file
+
+    cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
+    rlkjax.save_hf_checkpoint(tmp_path, cfg, rlkjax.init_params(cfg))
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    save_file(tensors | {"lm_head.weight": tensors["model.embed_tokens.weight"]}, path)
+    rlkjax.load_hf_checkpoint(tmp_path)  # the tied copy, equal to the embedding: fine
+    extra = {"model.layers.0.self_attn.q_proj.bias": np.zeros(64, np.float32), "model.layers.7.mlp.up_proj.weight": np.zeros((2, 2), np.float32)}
+    save_file(tensors | extra, path)
+    with pytest.raises(ValueError, match=r"2 tensors.*model\.layers\.0\.self_attn\.q_proj\.bias.*model\.layers\.7\.mlp\.up_proj"):
+        rlkjax.load_hf_checkpoint(tmp_path)
+    save_file(tensors | {"lm_head.weight": np.zeros_like(tensors["model.embed_tokens.weight"])}, path)
+    with pytest.raises(ValueError, match="lm_head.weight differs"):
+        rlkjax.load_hf_checkpoint(tmp_path)
+
+
 def test_presets_have_the_real_qwen3_shapes():
     p = rlkjax.ModelConfig.preset
     assert (p("qwen3-0.6b").hidden_size, p("qwen3-0.6b").num_layers, p("qwen3-0.6b").tie_embeddings) == (1024, 28, True)

@@ -147,3 +147,45 @@ def test_submit_rejects_bad_requests(tiny, kwargs, match):
     with pytest.raises(ValueError, match=match):
         engine.submit(**(dict(prompt=[1, 2]) | kwargs))
     assert not engine.busy
+
+
+def test_two_weight_updates_before_a_swap_both_complete(tiny):
+    """Two updates queued while a sequence is in flight: both callers are released at the one swap
+    (the first used to wait forever), the last weights are served, and the version moves once."""
+    cfg, params = tiny
+    engine = Engine(params, cfg, config=CONFIG)
+    running = engine.submit([9, 8, 7], max_new_tokens=4, seed=2)
+    engine.step()
+    first = engine.update_weights(rlkjax.init_params(cfg, seed=1))
+    second_params = rlkjax.init_params(cfg, seed=2)
+    second = engine.update_weights(second_params)
+    assert engine.weights_pending and not first.is_set()
+    engine.run_until_done()
+    assert first.is_set() and second.is_set() and not engine.weights_pending
+    assert running.results[0].policy_version == 0 and engine.policy_version == 1
+    after = engine.submit([9, 8, 7], max_new_tokens=4, seed=2)
+    engine.run_until_done()
+    check_exact(second_params, cfg, after, after.results[0], 1.0)
+
+
+def test_forked_samples_respect_max_batch(tiny):
+    """n = 4 samples while another request holds 2 of 4 slots: the forks that find no slot wait
+    holding their pages, the batch never exceeds 4, and every sample is exact (a parked one draws
+    the tokens its seed draws alone)."""
+    cfg, params = tiny
+    engine = Engine(params, cfg, config=EngineConfig(num_pages=64, max_batch=4, prefill_chunk=16, token_budget=32, max_context=128))
+    other = engine.submit([5, 6, 7, 8], n=2, max_new_tokens=5, seed=3)
+    req = engine.submit(list(range(20, 57)), n=4, max_new_tokens=5, seed=7)
+    widest, parked = 0, False
+    while engine.busy:
+        engine.step()
+        widest = max(widest, len(engine.running))
+        parked = parked or any(s.pages for s in engine.waiting)
+    assert widest <= 4 and parked, (widest, parked)
+    for r in (other, req):
+        for comp in r.results:
+            assert len(comp.tokens) == 5
+            check_exact(params, cfg, r, comp, 1.0)
+    alone = rlkjax.generate(params, cfg, [req.prompt], max_new_tokens=5, seeds=sample_seed(7, 3))[0]
+    assert alone.tokens == req.results[3].tokens
+    assert engine.pages.used == 0

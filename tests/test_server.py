@@ -15,8 +15,10 @@ import numpy as np
 import pytest
 
 import rlkjax
-from serve.client import RolloutClient, RolloutError
+from rlkjax.client import RolloutClient, RolloutError
 from tests.conftest import assert_bits_equal
+
+pytestmark = pytest.mark.slow  # every test here starts a real server process
 
 ADMIN = "test-admin-key"
 

@@ -225,7 +225,7 @@ class LocalRollout:
 class RemoteRollout:
     def __init__(self, url, admin_key):
         import os
-        from serve.client import RolloutClient
+        from rlkjax.client import RolloutClient
         self.client = RolloutClient(url, admin_key=admin_key or os.environ.get("RLKJAX_ADMIN_KEY"))
 
     def sample(self, prompts, group, max_new_tokens, temperature, seeds):

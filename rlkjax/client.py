@@ -1,4 +1,4 @@
-"""A small synchronous client for `serve.rollout`, as the learner uses it.
+"""A small synchronous client for a `python -m serve.rollout` server (the learner and benchmarks use it).
 
     client = RolloutClient("http://127.0.0.1:8000", admin_key="...")
     results = client.generate([[1, 2, 3]], n=4, max_new_tokens=64, temperature=1.0, seed=0)
