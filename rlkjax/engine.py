@@ -24,6 +24,7 @@ import threading
 from collections import deque
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from rlkjax.config import ModelConfig
@@ -53,9 +54,11 @@ class EngineConfig:
     """Prompt tokens prefilled per engine step (across sequences)."""
     max_context: int | None = None
     """Longest prompt + max_new_tokens accepted (default: the model's max_position)."""
+    decode_steps: int = 8
+    """Decode steps per host round trip (a loop on the device; sequences join and leave between rounds)."""
 
     def __post_init__(self):
-        for name in ("num_pages", "max_batch", "prefill_chunk", "token_budget"):
+        for name in ("num_pages", "max_batch", "prefill_chunk", "token_budget", "decode_steps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
         if self.num_pages < 2:
@@ -157,6 +160,41 @@ def decode_step(params, tokens, positions, kv_cache, page_table, seeds, steps, t
     hidden, kv_cache = forward(params, tokens, positions, kv_cache, page_table, rope, cfg, numerics)
     next_tokens, logprobs = sample(params, hidden[:, 0], seeds, steps, temps, numerics)
     return next_tokens, logprobs, kv_cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "numerics", "num_steps"), donate_argnames=("kv_cache",))
+def decode_round(params, tokens, positions, kv_cache, page_table, seeds, steps, temps, budget, stop_ids, rope, cfg, numerics,
+                 num_steps):
+    """Up to `num_steps` decode steps on the device per host round trip.
+
+    tokens, positions, seeds, steps (tokens sampled so far), temps, budget (tokens the row may still
+    sample) [B]; stop_ids [B, S] (-1 pads). Every step is exactly `decode_step` (same forward, same
+    sample, keys (seed, steps + i)), so a round gives the bits single steps give. A row stops after
+    sampling one of its stop ids or its budget; from then on it is fed as padding (position -1:
+    written to the trash page, read by nobody). The loop ends early once every row has stopped.
+    Returns tokens [B, num_steps] (-1 after a row stopped), their logprobs, and the cache.
+    """
+    rows = tokens.shape[0]
+
+    def cond(carry):
+        i, _, _, active, *_ = carry
+        return (i < num_steps) & jnp.any(active)
+
+    def body(carry):
+        i, tok, pos, active, cache, out_tok, out_lp = carry
+        fed = jnp.where(active, pos, -1)
+        nxt, lp, cache = decode_step(params, tok[:, None], fed[:, None], cache, page_table, seeds, steps + i, temps, rope, cfg,
+                                     numerics)
+        nxt = jnp.where(active, nxt, -1)
+        out_tok = jax.lax.dynamic_update_index_in_dim(out_tok, nxt, i, axis=1)
+        out_lp = jax.lax.dynamic_update_index_in_dim(out_lp, jnp.where(active, lp, jnp.zeros_like(lp)), i, axis=1)
+        stop = jnp.any(nxt[:, None] == stop_ids, axis=1) | (i + 1 >= budget)
+        return i + 1, jnp.where(active, nxt, tok), pos + 1, active & ~stop, cache, out_tok, out_lp
+
+    init = (jnp.int32(0), tokens, positions, budget > 0, kv_cache,
+            jnp.full((rows, num_steps), -1, jnp.int32), jnp.zeros((rows, num_steps), jnp.float32))
+    _, _, _, _, kv_cache, out_tok, out_lp = jax.lax.while_loop(cond, body, init)
+    return out_tok, out_lp, kv_cache
 
 
 @functools.partial(jax.jit, donate_argnames=("kv_cache",))
@@ -369,34 +407,39 @@ class Engine:
             self.cache = copy_pages(self.cache, src_a, dst_a)
 
     def _decode(self, seqs) -> list[Request]:
-        for s in seqs:  # the token fed now is written at position len(tokens) - 1
+        """One decode round: up to `decode_steps` tokens per sequence, on the device."""
+        budget = {s: min(self.config.decode_steps, s.request.max_new_tokens - s.generated) for s in seqs}
+        for s in seqs:  # the round writes positions len(tokens) - 1 ... len(tokens) - 2 + budget
             if s in self.running:  # growing an earlier one may have preempted it
-                self._grow(s, len(s.tokens))
+                self._grow(s, len(s.tokens) - 1 + budget[s])
         seqs = [s for s in seqs if s in self.running]
         assert len(seqs) <= self.config.max_batch, "admission and forks keep the batch within max_batch"
         rows = bucket(len(seqs))
-        tokens = np.zeros((rows, 1), np.int32)
-        positions = np.full((rows, 1), -1, np.int32)
-        seeds = np.zeros(rows, np.uint32)
-        steps = np.zeros(rows, np.int32)
-        temps = np.ones(rows, np.float32)
+        stops = bucket(max(len(s.request.stop_token_ids) for s in seqs))
+        tokens, positions, remaining = np.zeros(rows, np.int32), np.full(rows, -1, np.int32), np.zeros(rows, np.int32)
+        seeds, steps, temps = np.zeros(rows, np.uint32), np.zeros(rows, np.int32), np.ones(rows, np.float32)
+        stop_ids = np.full((rows, stops), -1, np.int32)
         for i, s in enumerate(seqs):
-            tokens[i, 0], positions[i, 0] = s.tokens[-1], len(s.tokens) - 1
+            tokens[i], positions[i], remaining[i] = s.tokens[-1], len(s.tokens) - 1, budget[s]
             seeds[i], steps[i], temps[i] = s.seed, s.generated, s.request.temperature
-        self._note_shape("decode", rows)
-        nxt, lps, self.cache = decode_step(self.params, tokens, positions, self.cache, self._page_table(seqs, rows),
-                                           seeds, steps, temps, self.rope, self.cfg, self.numerics)
-        nxt, lps = np.asarray(nxt), np.asarray(lps)
+            stop_ids[i, : len(s.request.stop_token_ids)] = sorted(s.request.stop_token_ids)
+        self._note_shape("decode_round", (rows, stops))
+        out_tok, out_lp, self.cache = decode_round(
+            self.params, tokens, positions, self.cache, self._page_table(seqs, rows), seeds, steps, temps, remaining, stop_ids,
+            self.rope, self.cfg, self.numerics, self.config.decode_steps)
+        out_tok, out_lp = np.asarray(out_tok), np.asarray(out_lp)
         finished = []
         for i, s in enumerate(seqs):
-            s.tokens.append(int(nxt[i]))
-            s.logprobs.append(float(lps[i]))
-            s.cached += 1
-            self.stats["decode_tokens"] += 1
-            reason = "stop" if int(nxt[i]) in s.request.stop_token_ids else ("length" if s.generated >= s.request.max_new_tokens else None)
-            if reason:
-                if self._finish(s, reason):
-                    finished.append(s.request)
+            for tok, lp in zip(out_tok[i], out_lp[i]):
+                if tok < 0:
+                    break
+                s.tokens.append(int(tok))
+                s.logprobs.append(lp)
+                s.cached += 1
+                self.stats["decode_tokens"] += 1
+            reason = "stop" if s.tokens[-1] in s.request.stop_token_ids else ("length" if s.generated >= s.request.max_new_tokens else None)
+            if reason and self._finish(s, reason):  # its pages, those the round did not fill included, are freed now
+                finished.append(s.request)
         return finished
 
     def _finish(self, seq: Sequence, reason: str) -> bool:

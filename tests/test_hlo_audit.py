@@ -34,11 +34,15 @@ def lowered(cfg, fn, numerics_mode, b=2, t=16, pages=4):
     pt = jax.ShapeDtypeStruct((b, pages), jnp.int32)
     one = jax.ShapeDtypeStruct((b, 1), jnp.int32)
     vec = lambda dt: jax.ShapeDtypeStruct((b,), dt)  # noqa: E731
-    return audit.lower_for_gpu(engine.decode_step, params, one, one, cache, pt, vec(jnp.uint32), vec(jnp.int32),
-                               vec(jnp.float32), rope, cfg, numerics_mode)
+    if fn == "sampler":
+        return audit.lower_for_gpu(engine.decode_step, params, one, one, cache, pt, vec(jnp.uint32), vec(jnp.int32),
+                                   vec(jnp.float32), rope, cfg, numerics_mode)
+    stops = jax.ShapeDtypeStruct((b, 2), jnp.int32)
+    return audit.lower_for_gpu(engine.decode_round, params, vec(jnp.int32), vec(jnp.int32), cache, pt, vec(jnp.uint32),
+                               vec(jnp.int32), vec(jnp.float32), vec(jnp.int32), stops, rope, cfg, numerics_mode, num_steps=4)
 
 
-@pytest.mark.parametrize("fn", ["learner", "sampler"])
+@pytest.mark.parametrize("fn", ["learner", "sampler", "sampler_round"])
 def test_strict_path_has_no_xla_float_arithmetic(tiny, compiled_kernels, fn):
     cfg, _ = tiny
     text = lowered(cfg, fn, "strict")
