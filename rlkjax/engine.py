@@ -287,12 +287,15 @@ class Engine:
                 self._swap_events = []
             if self._pending_params is None:
                 self._admit()
+            # Dispatch the decode round first: the host then plans and dispatches the prefill while
+            # the device decodes (JAX runs both asynchronously), and only waits to read the round.
+            decoding = [s for s in self.running if s.decoding]
+            round_ = self._dispatch_decode(decoding) if decoding else None
             prefilling = [s for s in self.running if not s.decoding]
             if prefilling:
                 self._prefill(prefilling)
-            decoding = [s for s in self.running if s.decoding]
-            if decoding:
-                finished += self._decode(decoding)
+            if round_:
+                finished += self._collect_decode(*round_)
             self.stats["steps"] += 1
             return finished
 
@@ -406,8 +409,8 @@ class Engine:
             self._note_shape("copy_pages", k)
             self.cache = copy_pages(self.cache, src_a, dst_a)
 
-    def _decode(self, seqs) -> list[Request]:
-        """One decode round: up to `decode_steps` tokens per sequence, on the device."""
+    def _dispatch_decode(self, seqs):
+        """Start one decode round (up to `decode_steps` tokens per sequence) on the device."""
         budget = {s: min(self.config.decode_steps, s.request.max_new_tokens - s.generated) for s in seqs}
         for s in seqs:  # the round writes positions len(tokens) - 1 ... len(tokens) - 2 + budget
             if s in self.running:  # growing an earlier one may have preempted it
@@ -427,6 +430,10 @@ class Engine:
         out_tok, out_lp, self.cache = decode_round(
             self.params, tokens, positions, self.cache, self._page_table(seqs, rows), seeds, steps, temps, remaining, stop_ids,
             self.rope, self.cfg, self.numerics, self.config.decode_steps)
+        return seqs, out_tok, out_lp
+
+    def _collect_decode(self, seqs, out_tok, out_lp) -> list[Request]:
+        """Read a round's tokens (this waits for the device) and finish the sequences that stopped."""
         out_tok, out_lp = np.asarray(out_tok), np.asarray(out_lp)
         finished = []
         for i, s in enumerate(seqs):
