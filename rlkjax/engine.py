@@ -126,6 +126,11 @@ class Sequence:
     def decoding(self) -> bool:
         return self.cached == len(self.tokens) - 1
 
+    @property
+    def started(self) -> bool:
+        """Its pages or tokens came from the current weights: it must finish before a swap."""
+        return bool(self.pages) or self.generated > 0
+
 
 @dataclasses.dataclass(eq=False)
 class Request:
@@ -279,14 +284,14 @@ class Engine:
         """One scheduling step. Returns the requests that finished in it."""
         with self.lock:
             finished = self._reap_cancelled()
-            if self._pending_params is not None and not self.running:
+            in_flight = self.running or any(seq.started for seq in self.waiting)  # preempted or parked ones too
+            if self._pending_params is not None and not in_flight:
                 self.params, self._pending_params = self._pending_params, None
                 self.policy_version += 1
                 for event in self._swap_events:
                     event.set()
                 self._swap_events = []
-            if self._pending_params is None:
-                self._admit()
+            self._admit(fresh=self._pending_params is None)
             # Dispatch the decode round first: the host then plans and dispatches the prefill while
             # the device decodes (JAX runs both asynchronously), and only waits to read the round.
             decoding = [s for s in self.running if s.decoding]
@@ -303,16 +308,21 @@ class Engine:
         while self.busy or self.weights_pending:
             self.step()
 
-    def _admit(self):
+    def _admit(self, fresh: bool = True):
         """Admit waiting sequences in order while batch slots and pages last. A forked sample that
-        found no free slot waits holding its pages (cached = its prompt) and needs no new ones."""
-        while self.waiting and len(self.running) < self.config.max_batch:
-            seq = self.waiting[0]
+        found no free slot waits holding its pages (cached = its prompt) and needs no new ones.
+        While a weight swap waits (fresh=False) only sequences already started are admitted, so
+        they finish on the weights they began with and the swap can happen."""
+        for seq in list(self.waiting):
+            if len(self.running) >= self.config.max_batch:
+                return
+            if not (fresh or seq.started):
+                continue
             need = cdiv(len(seq.tokens), PAGE_SIZE) - len(seq.pages)
             pages = self.pages.alloc(need) if need > 0 else []
             if pages is None:
                 return
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.pages, seq.admitted = seq.pages + pages, next(self._admissions)
             self.running.append(seq)
 

@@ -1,6 +1,7 @@
 """`python -m serve.rollout`: the rollout engine behind an HTTP server.
 
-Endpoints (JSON in and out; errors are 4xx with {"error": "..."} and the server keeps serving):
+Endpoints (JSON in and out; errors are 4xx with OpenAI's {"error": {"message", "type", "param", "code"}}
+and the server keeps serving; a request without a seed gets a fresh one, reported as "seed"):
   POST /generate         token ids in; per sample: tokens, logprobs, finish_reason, policy_version
   POST /v1/completions   OpenAI-compatible subset (prompt text or ids, max_tokens, temperature, n,
                          seed, logprobs), using the model's tokenizer
@@ -18,10 +19,14 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
 import threading
 import time
+from pathlib import Path
 from typing import Annotated, Literal
 
+import jax
+import jax.numpy as jnp
 import tyro
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
@@ -147,19 +152,23 @@ class Server:
         return requests
 
     @staticmethod
-    def _seeds(body, prompts: int, n: int) -> list:
-        """A list: one seed per prompt, taken as given. An int s: prompt i starts at sample_seed(s, i * n),
-        so every sequence of the batch draws its own noise."""
-        seed = body.get("seed", 0)
+    def _seeds(body, prompts: int, n: int) -> tuple[list, int | list]:
+        """(one seed per prompt, the seed to report). A list: one seed per prompt, taken as given. An int
+        s: prompt i starts at sample_seed(s, i * n), so every sequence of the batch draws its own noise.
+        None or absent: a fresh seed from the OS, reported in the response so the sample can be redone
+        (a fixed default would give every unseeded request the same completion)."""
+        seed = body.get("seed")
+        if seed is None:
+            seed = secrets.randbits(32)
         if isinstance(seed, list):
             if len(seed) != prompts:
                 raise BadRequest(f"seed must be an integer or a list of {prompts} integers (one per prompt)")
-            return seed
+            return seed, seed
         try:
             seed = check_seed("seed", seed)
         except ValueError as e:
             raise BadRequest(str(e)) from None
-        return [sample_seed(seed, i * n) for i in range(prompts)]
+        return [sample_seed(seed, i * n) for i in range(prompts)], seed
 
     # ----- handlers -----
     async def generate(self, request: web.Request):
@@ -168,9 +177,11 @@ class Server:
         if len(prompts) > self.config.max_prompts:
             raise BadRequest(f"at most {self.config.max_prompts} prompts per request, got {len(prompts)}")
         n = body.get("n", 1)
-        reqs = await self._run(prompts, n, body.get("max_new_tokens", 16), body.get("temperature", 1.0),
-                               self._seeds(body, len(prompts), n if isinstance(n, int) else 1), body.get("stop_token_ids", []))
-        return web.json_response({"results": [[dataclasses.asdict(c) | {"logprobs": c.logprobs.tolist()} for c in r.results] for r in reqs]})
+        seeds, seed = self._seeds(body, len(prompts), n if isinstance(n, int) else 1)
+        reqs = await self._run(prompts, n, body.get("max_new_tokens", 16), body.get("temperature", 1.0), seeds,
+                               body.get("stop_token_ids", []))
+        return web.json_response({"seed": seed, "results": [[dataclasses.asdict(c) | {"logprobs": c.logprobs.tolist()} for c in r.results]
+                                                            for r in reqs]})
 
     async def completions(self, request: web.Request):
         allowed = {"model", "prompt", "max_tokens", "temperature", "n", "seed", "logprobs", "stream", "user"}
@@ -191,9 +202,9 @@ class Server:
             raise BadRequest("logprobs must be null, 0 or 1 (only the sampled token's logprob is returned)")
         n = body.get("n", 1)
         eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id < self.cfg.vocab_size else []
+        seeds, seed = self._seeds(body, len(prompts), n if isinstance(n, int) else 1)
         try:
-            reqs = await self._run(prompts, n, body.get("max_tokens", 16), body.get("temperature", 1.0),
-                                   self._seeds(body, len(prompts), n if isinstance(n, int) else 1), eos)
+            reqs = await self._run(prompts, n, body.get("max_tokens", 16), body.get("temperature", 1.0), seeds, eos)
         except BadRequest as e:  # the engine names its own field; this route calls it max_tokens
             raise BadRequest(str(e).replace("max_new_tokens", "max_tokens")) from None
         choices, completion_tokens = [], 0
@@ -206,7 +217,7 @@ class Server:
                                 "finish_reason": c.finish_reason, "policy_version": c.policy_version})
         return web.json_response({
             "id": f"cmpl-{reqs[0].id}", "object": "text_completion", "created": int(time.time()), "model": self.config.model,
-            "choices": choices,
+            "choices": choices, "seed": seed,
             "usage": {"prompt_tokens": sum(map(len, prompts)), "completion_tokens": completion_tokens,
                       "total_tokens": sum(map(len, prompts)) + completion_tokens},
         })
@@ -219,16 +230,33 @@ class Server:
         body = _fields(await _json(request), {"path"}, {"path"})
         if not isinstance(body["path"], str):
             raise BadRequest("path must be a string")
-        try:
-            cfg, params = await asyncio.to_thread(load_model, body["path"])
-        except (ValueError, OSError) as e:
-            raise BadRequest(f"cannot load {body['path']!r}: {e}") from None
-        if cfg.replace_dtype(self.cfg.dtype) != self.cfg:
-            raise BadRequest(f"checkpoint shapes {cfg} do not match the served model {self.cfg}")
+        params = await asyncio.to_thread(self._load_update, body["path"])
         swapped = self.engine.update_weights(params)
         self._kick()
         await asyncio.to_thread(swapped.wait)
         return web.json_response({"policy_version": self.engine.policy_version})
+
+    def _load_update(self, path: str):
+        """New weights for the served model, or BadRequest naming why not; the old weights stay.
+        Refused: anything but a checkpoint directory (a preset name would build a random model), a
+        checkpoint that does not load (corrupt safetensors or config.json, extra or missing
+        tensors), other shapes, another dtype (float32 weights served in bfloat16's place would
+        break sampler == learner), and non-finite values."""
+        if not Path(path).is_dir():
+            raise BadRequest(f"path {path!r} is not a checkpoint directory (HF: config.json + *.safetensors, or orbax: "
+                             "config.json + params/)")
+        try:
+            cfg, params = load_model(path)
+        except Exception as e:  # whatever a damaged upload raises is the caller's input problem, not a 500
+            raise BadRequest(f"cannot load {path!r}: {type(e).__name__}: {e}") from None
+        if cfg.replace_dtype(self.cfg.dtype) != self.cfg:
+            raise BadRequest(f"checkpoint shapes {cfg} do not match the served model {self.cfg}")
+        if cfg.dtype != self.cfg.dtype or any(leaf.dtype != jnp.dtype(self.cfg.dtype) for leaf in jax.tree.leaves(params)):
+            raise BadRequest(f"checkpoint dtype {cfg.dtype} is not the served dtype {self.cfg.dtype}: cast it when saving")
+        bad = [jax.tree_util.keystr(k) for k, leaf in jax.tree_util.tree_leaves_with_path(params) if not bool(jnp.isfinite(leaf).all())]
+        if bad:
+            raise BadRequest(f"checkpoint has non-finite values in {', '.join(bad[:10])}")
+        return params
 
     async def health(self, request):
         return web.json_response({"status": "ok", "policy_version": self.engine.policy_version})
@@ -285,8 +313,13 @@ async def _json(request: web.Request) -> dict:
     return body
 
 
+_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 413: "invalid_request_error"}
+
+
 def _error(status: int, message: str):
-    return web.json_response({"error": message}, status=status)
+    """OpenAI's error shape, so its clients show the message (not just the status code)."""
+    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": None}}, status=status)
 
 
 @web.middleware
@@ -305,7 +338,8 @@ def main(config: ServerConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     server = Server(config)
     log.info("serving %s (%s numerics) on http://%s:%d", config.model, config.numerics, config.host, config.port)
-    web.run_app(server.app(), host=config.host, port=config.port, shutdown_timeout=300, print=None)
+    # handler_cancellation: a client that disconnects cancels its handler, which cancels its sequences.
+    web.run_app(server.app(), host=config.host, port=config.port, shutdown_timeout=300, print=None, handler_cancellation=True)
 
 
 if __name__ == "__main__":

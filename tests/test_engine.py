@@ -218,3 +218,32 @@ def test_decode_rounds_equal_single_steps(tiny):
         for a, b in zip(one, five):
             assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
             assert_bits_equal(a.logprobs, b.logprobs, "round of 5 vs single steps")
+
+
+@pytest.mark.parametrize("case", ["parked-fork", "preempted"])
+def test_weight_swap_waits_for_parked_and_preempted_sequences(tiny, case):
+    """A sequence waiting with work done under the old weights (a fork parked for a batch slot
+    holding its prompt's pages, or a preempted one with sampled tokens) finishes on those weights
+    before the swap: swapping as soon as the running list emptied would have decoded it on the
+    new weights over a cache (or tokens) from the old ones, a completion of two versions."""
+    cfg, params = tiny
+    new_params = rlkjax.init_params(cfg, seed=1)
+    if case == "parked-fork":
+        engine = Engine(params, cfg, config=EngineConfig(num_pages=64, max_batch=3, prefill_chunk=16, token_budget=32,
+                                                         max_context=128, decode_steps=2))
+        reqs = [engine.submit([1, 2, 3], max_new_tokens=12, seed=0), engine.submit(list(range(30, 50)), n=3, max_new_tokens=4, seed=5)]
+        while not any(s.pages for s in engine.waiting):
+            engine.step()
+    else:
+        engine = Engine(params, cfg, config=EngineConfig(num_pages=6, max_batch=4, prefill_chunk=16, token_budget=32,
+                                                         max_context=128, decode_steps=2))
+        reqs = [engine.submit(list(range(1, 30)), max_new_tokens=40, seed=j) for j in range(2)]
+        while not any(s.generated for s in engine.waiting):
+            engine.step()
+    engine.update_weights(new_params)
+    engine.run_until_done()
+    assert engine.policy_version == 1
+    for r in reqs:
+        for comp in r.results:
+            assert comp.policy_version == 0 and len(comp.tokens) == r.max_new_tokens
+            check_exact(params, cfg, r, comp, 1.0)

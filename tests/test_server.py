@@ -11,6 +11,7 @@ import sys
 import time
 import urllib.request
 
+import jax
 import numpy as np
 import pytest
 
@@ -99,15 +100,15 @@ def post_raw(client, path, data: bytes, headers=None):
 ])
 def test_bad_input_gets_a_clear_4xx_and_the_server_keeps_serving(server, body, status, match):
     got, payload = post_raw(server, "/generate", body)
-    assert got == status and match in payload["error"], payload
+    assert got == status and match in payload["error"]["message"], payload
     assert server.generate([[1, 2, 3]], max_new_tokens=2)[0][0]["finish_reason"] == "length"
 
 
 def test_update_weights_needs_the_admin_key(server, tmp_path):
     got, payload = post_raw(server, "/update_weights", json.dumps({"path": str(tmp_path)}).encode())
-    assert got == 401 and "admin key" in payload["error"]
+    assert got == 401 and "admin key" in payload["error"]["message"]
     got, payload = post_raw(server, "/update_weights", json.dumps({"path": str(tmp_path)}).encode(), {"Authorization": f"Bearer {ADMIN}"})
-    assert got == 400 and "cannot load" in payload["error"]
+    assert got == 400 and "cannot load" in payload["error"]["message"]
 
 
 def test_openai_completions_and_metrics(server, tiny):
@@ -177,3 +178,87 @@ def test_sigterm_drains_in_flight_requests(tiny):
     assert proc.wait(timeout=120) == 0
     with pytest.raises((OSError, RolloutError)):
         client.health()
+
+
+def test_unseeded_requests_differ_and_report_their_seed(server, tiny):
+    """Without a seed each request draws fresh noise from the OS (a GRPO group sent as separate
+    requests used to get identical samples, zero advantage, no error); the response names the
+    seed, and sending it back reproduces the sample bit for bit."""
+    bodies = [post_raw(server, "/generate", json.dumps({"prompt": [5, 6, 7], "max_new_tokens": 8}).encode())[1] for _ in range(4)]
+    assert len({tuple(b["results"][0][0]["tokens"]) for b in bodies}) > 1 and len({b["seed"] for b in bodies}) == 4
+    again = post_raw(server, "/generate", json.dumps({"prompt": [5, 6, 7], "max_new_tokens": 8, "seed": bodies[0]["seed"]}).encode())[1]
+    assert again["results"][0][0]["tokens"] == bodies[0]["results"][0][0]["tokens"]
+    assert_bits_equal(np.float32(again["results"][0][0]["logprobs"]), np.float32(bodies[0]["results"][0][0]["logprobs"]), "reseeded")
+    got, out = post_raw(server, "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2, "seed": None}).encode())
+    assert got == 200 and isinstance(out["seed"], int)
+
+
+def test_errors_have_openai_shape(server):
+    got, payload = post_raw(server, "/generate", json.dumps({"prompt": [1, 2], "n": 0}).encode())
+    assert got == 400 and set(payload["error"]) == {"message", "type", "param", "code"}
+    assert payload["error"]["type"] == "invalid_request_error" and "n must be" in payload["error"]["message"]
+
+
+def test_a_disconnected_client_frees_its_pages(server):
+    """A client that gives up mid-generation: its sequences are cancelled and their KV pages freed
+    (aiohttp cancels the handler only with handler_cancellation; before, the server went on
+    generating for minutes). Pages are read from /metrics before, during and after."""
+    assert metric(server, "rlkjax_kv_pages_used") == 0
+    body = json.dumps({"prompt": list(range(1, 60)), "n": 4, "max_new_tokens": 190, "seed": 1}).encode()
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        wait_for_metric(server, "rlkjax_kv_pages_used", 1)
+        during = metric(server, "rlkjax_kv_pages_used")
+    deadline = time.time() + 60
+    while metric(server, "rlkjax_kv_pages_used") > 0:
+        assert time.time() < deadline, "pages still held a minute after the client left"
+        time.sleep(0.1)
+    generated = metric(server, "rlkjax_generated_tokens_total")
+    time.sleep(1.0)
+    assert during > 0 and metric(server, "rlkjax_generated_tokens_total") == generated, "still generating for nobody"
+    assert metric(server, "rlkjax_running_sequences") == 0
+
+
+def test_update_weights_refuses_what_would_change_the_served_model_silently(server, tiny, tmp_path):
+    """Each refused with a 4xx naming the reason, the old weights kept (policy version unchanged):
+    a preset name (used to build a random model), float32 weights (used to be served in float32,
+    breaking sampler == learner), a NaN, an extra tensor, corrupt safetensors and config.json
+    (used to be a bare 500)."""
+    from safetensors.numpy import load_file, save_file
+
+    cfg, params = tiny
+    version = server.health()["policy_version"]
+
+    def checkpoint(name, edit=None, dtype=None):
+        path = tmp_path / name
+        rlkjax.save_hf_checkpoint(path, cfg.replace_dtype(dtype) if dtype else cfg,
+                                  jax.tree.map(lambda w: w.astype(dtype), params) if dtype else params)
+        if edit:
+            edit(path)
+        return str(path)
+
+    def add_nan(path):
+        t = load_file(path / "model.safetensors")
+        t["model.norm.weight"] = t["model.norm.weight"].copy()
+        t["model.norm.weight"][3] = np.nan
+        save_file(t, path / "model.safetensors")
+
+    def add_tensor(path):
+        save_file(load_file(path / "model.safetensors") | {"model.layers.0.mlp.gate_proj.bias": np.zeros(4, np.float32)},
+                  path / "model.safetensors")
+
+    cases = {
+        "qwen3-tiny": "not a checkpoint directory",
+        checkpoint("f32", dtype="float32"): "dtype float32 is not the served dtype bfloat16",
+        checkpoint("nan", add_nan): "non-finite values in ['norm']",
+        checkpoint("extra", add_tensor): "gate_proj.bias",
+        checkpoint("bad_safetensors", lambda p: (p / "model.safetensors").write_bytes(b"\x00" * 100)): "cannot load",
+        checkpoint("bad_config", lambda p: (p / "config.json").write_text('{"vocab_size": ')): "cannot load",
+    }
+    for path, match in cases.items():
+        got, payload = post_raw(server, "/update_weights", json.dumps({"path": path}).encode(), {"Authorization": f"Bearer {ADMIN}"})
+        assert got == 400 and match in payload["error"]["message"], (path, payload)
+    assert server.health()["policy_version"] == version
+    assert server.generate([[1, 2, 3]], max_new_tokens=2)[0][0]["policy_version"] == version
