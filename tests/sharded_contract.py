@@ -9,6 +9,7 @@ import rlkjax
 from rlkjax import model
 from tests.conftest import assert_bits_equal
 from train import fsdp, grpo
+from train.batch import pack, pad_rows
 
 assert len(jax.devices()) == 8, jax.devices()
 cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
@@ -18,14 +19,14 @@ prompts = [rng.integers(0, 256, int(rng.integers(1, 40))).tolist() for _ in rang
 with jax.default_device(jax.devices()[7]):  # a sampler replica on its own device
     comps = rlkjax.generate(jax.device_put(params, jax.devices()[7]), cfg, prompts, max_new_tokens=6, seeds=list(range(6)))
 samples = [{"prompt": p, "tokens": c.tokens, "logprobs": c.logprobs, "adv": 0.0, "temperature": 1.0} for p, c in zip(prompts, comps)]
-batch = grpo.pack(samples, cfg)
+batch = pack(samples)
 master = jax.tree.map(lambda w: w.astype(jnp.float32), params)
 for devices in (8, 4, 2, 1):
     mesh = fsdp.make_mesh(devices)
     specs = fsdp.param_specs(master, devices)
     score = fsdp.sharded_logprobs(grpo.policy_logprobs, mesh, specs, cfg=cfg, numerics="strict")
-    mb = fsdp.pad_rows(batch, devices)
-    logp = np.asarray(score(fsdp.shard(master, mesh, specs), mb["tokens"], mb["positions"], mb["temps"], model.rope_tables(cfg)))
-    sel = batch["mask"] > 0
-    assert_bits_equal(logp[: len(samples)][sel], batch["logp_old"][sel], f"learner on {devices} devices vs sampler")
+    mb = pad_rows(batch, devices)
+    logp = np.asarray(score(fsdp.shard(master, mesh, specs), mb.tokens, mb.positions, mb.temps, model.rope_tables(cfg)))
+    sel = batch.mask > 0
+    assert_bits_equal(logp[: len(samples)][sel], batch.logp_old[sel], f"learner on {devices} devices vs sampler")
     print(f"learner on {devices} devices: {int(sel.sum())} logprobs, 0 differing bits", flush=True)

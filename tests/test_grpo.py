@@ -1,6 +1,6 @@
-"""GRPO learner: the loss and advantages on hand-computed examples, micro-batch invariance of the
-learner's logprobs, a subprocess smoke run, resume and same-seed bit identity, the remote-server
-mode, and clear errors for bad flags."""
+"""GRPO learner: the loss and advantages on hand-computed examples, the typed batch's padding,
+micro-batch invariance of the learner's logprobs, a subprocess smoke run, resume and same-seed bit
+identity, the remote-server mode, and clear errors for bad flags."""
 import dataclasses
 import json
 import subprocess
@@ -13,9 +13,11 @@ import pytest
 
 import rlkjax
 from rlkjax import model
-from rlkjax.tasks import ArithmeticTask, Example, GSM8KTask, LowercaseTask, group_advantages
+from rlkjax.tasks import ArithmeticTask, Example, GSM8KTask, LowercaseTask
 from tests.conftest import assert_bits_equal
 from train import grpo
+from train.batch import PAD, Batch, LossStats, micro_batches, pack, pad_rows, reduce_stats
+from train.grpo import group_advantages
 
 SMALL = dict(prompts_per_step=2, group_size=4, max_new_tokens=4, max_prompt_tokens=16, progress=False)
 
@@ -36,15 +38,35 @@ def test_loss_by_hand(tiny, monkeypatch):
     cfg, _ = tiny
     logp_new = jnp.array([[0.0, -1.0, -2.0]])
     monkeypatch.setattr(grpo, "policy_logprobs", lambda *a: jnp.concatenate([logp_new, logp_new]))
-    batch = {"tokens": None, "positions": None, "temps": None,
-             "logp_old": jnp.array([[0.0, -1.0 - np.log(1.5), -2.0], [0.0, -1.0, -2.0 - np.log(0.5)]]),
-             "mask": jnp.array([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]), "adv": jnp.array([1.0, -1.0]), "tis": jnp.ones((2, 3))}
+    batch = Batch(tokens=None, positions=None, temps=None,
+                  logp_old=jnp.array([[0.0, -1.0 - np.log(1.5), -2.0], [0.0, -1.0, -2.0 - np.log(0.5)]]),
+                  mask=jnp.array([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]), adv=jnp.array([1.0, -1.0]), tis=jnp.ones((2, 3)))
     loss, stats = grpo.grpo_loss(None, batch, None, None, cfg, "strict", 0.2, 0.0, 2.0)
     np.testing.assert_allclose(float(loss), -0.2, rtol=1e-6)
-    assert float(stats["clipped"]) == 2
+    assert float(stats.clipped) == 2
+    np.testing.assert_allclose([float(stats.ratio_min), float(stats.ratio_max)], [0.5, 1.5], rtol=1e-6)
     # k3 KL: ref - new = log 2 on both tokens -> exp(log 2) - log 2 - 1 = 1 - log 2 per token, beta 0.5
     loss_kl, _ = grpo.grpo_loss(None, batch, logp_new + np.log(2.0), None, cfg, "strict", 0.2, 0.5, 2.0)
     np.testing.assert_allclose(float(loss_kl), -0.2 + 0.5 * (1 - np.log(2.0)), rtol=1e-6)
+
+
+def test_batch_padding_and_stat_reductions():
+    """pack: T is a power-of-two bucket of at least a page, logp column t scores token t + 1. Padding
+    rows carry the PAD values (positions -1, temperature 1, the rest 0). Stats combine by their declared
+    reduction: min of mins, max of maxes, sums added."""
+    samples = [{"prompt": [5, 6, 7], "tokens": [8, 9], "logprobs": np.float32([-0.5, -1.5]), "adv": 2.0, "temperature": 0.7}]
+    batch = pack(samples)
+    assert batch.tokens.shape == (1, 16) and batch.logp_old.shape == (1, 15)
+    assert batch.tokens[0, :6].tolist() == [5, 6, 7, 8, 9, 0] and batch.positions[0, :6].tolist() == [0, 1, 2, 3, 4, -1]
+    assert batch.logp_old[0, :5].tolist() == [0, 0, -0.5, -1.5, 0] and batch.mask[0, :5].tolist() == [0, 0, 1, 1, 0]
+    padded = pad_rows(batch, 4)
+    for field, fill in zip(Batch._fields, PAD):
+        values = getattr(padded, field)
+        assert len(values) == 4 and np.array_equal(values[:1], getattr(batch, field)) and np.all(values[1:] == fill), field
+    assert pad_rows(padded, 4) is padded
+    a = LossStats(ratio_min=np.float32(0.9), ratio_max=np.float32(1.1), ratio_sum=np.float32(3.0), clipped=np.int32(1))
+    b = LossStats(ratio_min=np.float32(0.8), ratio_max=np.float32(1.0), ratio_sum=np.float32(2.0), clipped=np.int32(2))
+    assert reduce_stats([a, b]) == LossStats(np.float32(0.8), np.float32(1.1), np.float32(5.0), 3)
 
 
 def test_learner_logprobs_do_not_depend_on_micro_batch(tiny):
@@ -53,13 +75,13 @@ def test_learner_logprobs_do_not_depend_on_micro_batch(tiny):
     rng = np.random.default_rng(0)
     samples = [{"prompt": rng.integers(0, 256, int(rng.integers(2, 20))).tolist(), "tokens": rng.integers(0, 256, 6).tolist(),
                 "logprobs": np.zeros(6, np.float32), "adv": 0.0, "temperature": 1.0} for _ in range(6)]
-    batch = grpo.pack(samples, cfg)
+    batch = pack(samples)
     rope = model.rope_tables(cfg)
     score_fn = jax.jit(grpo.policy_logprobs, static_argnames=("cfg", "numerics"))
-    whole = np.asarray(score_fn(master, batch["tokens"], batch["positions"], batch["temps"], rope, cfg, "strict"))
+    whole = np.asarray(score_fn(master, batch.tokens, batch.positions, batch.temps, rope, cfg, "strict"))
     for size in (1, 4):
-        parts = [np.asarray(score_fn(master, mb["tokens"], mb["positions"], mb["temps"], rope, cfg, "strict"))
-                 for mb in grpo.micro_batches(batch, size)]
+        parts = [np.asarray(score_fn(master, mb.tokens, mb.positions, mb.temps, rope, cfg, "strict"))
+                 for mb in micro_batches(batch, size)]
         assert_bits_equal(np.concatenate(parts), whole, f"micro-batch {size}")
 
 
