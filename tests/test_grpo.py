@@ -1,8 +1,10 @@
 """GRPO learner: the loss and advantages on hand-computed examples, the typed batch's padding,
-micro-batch invariance of the learner's logprobs, a subprocess smoke run, resume and same-seed bit
-identity, the remote-server mode, and clear errors for bad flags."""
+micro-batch invariance of the learner's logprobs, the contract enforced (a corrupted logprob stops the
+run, naming step, sequence and token), a subprocess smoke run, resume and same-seed bit identity, the
+remote-server mode, and clear errors for bad flags."""
 import dataclasses
 import json
+import logging
 import subprocess
 import sys
 
@@ -41,7 +43,7 @@ def test_loss_by_hand(tiny, monkeypatch):
     batch = Batch(tokens=None, positions=None, temps=None,
                   logp_old=jnp.array([[0.0, -1.0 - np.log(1.5), -2.0], [0.0, -1.0, -2.0 - np.log(0.5)]]),
                   mask=jnp.array([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]), adv=jnp.array([1.0, -1.0]), tis=jnp.ones((2, 3)))
-    loss, stats = grpo.grpo_loss(None, batch, None, None, cfg, "strict", 0.2, 0.0, 2.0)
+    loss, (stats, _) = grpo.grpo_loss(None, batch, None, None, cfg, "strict", 0.2, 0.0, 2.0)
     np.testing.assert_allclose(float(loss), -0.2, rtol=1e-6)
     assert float(stats.clipped) == 2
     np.testing.assert_allclose([float(stats.ratio_min), float(stats.ratio_max)], [0.5, 1.5], rtol=1e-6)
@@ -83,6 +85,61 @@ def test_learner_logprobs_do_not_depend_on_micro_batch(tiny):
         parts = [np.asarray(score_fn(master, mb.tokens, mb.positions, mb.temps, rope, cfg, "strict"))
                  for mb in micro_batches(batch, size)]
         assert_bits_equal(np.concatenate(parts), whole, f"micro-batch {size}")
+
+
+def corrupt_one_logprob(monkeypatch, at_step: int, sequence: int, token: int) -> dict:
+    """At the `at_step`-th rollout, move one recorded logprob (completion token `token` of batch
+    sequence `sequence`) one float32 ulp down: a sampler that broke the contract by the least amount.
+    Returns what the error must name (filled in when it happens)."""
+    original, calls, seen = grpo.LocalRollout.sample, [], {}
+
+    def sample(self, prompts, group, *args):
+        groups = original(self, prompts, group, *args)
+        calls.append(None)
+        if len(calls) == at_step:
+            s = groups[sequence // group][sequence % group]
+            logprobs = np.array(s["logprobs"], np.float32)
+            true, logprobs[token] = logprobs[token], np.nextafter(logprobs[token], np.float32(-np.inf))
+            s["logprobs"] = logprobs
+            seen.update(position=len(prompts[sequence // group]) + token, id=s["tokens"][token],
+                        sampler=f"{float(logprobs[token])!r} (0x{int(logprobs[token:token + 1].view(np.uint32)[0]):08x})",
+                        learner=f"{float(true)!r} (0x{int(np.float32(true).view(np.uint32)):08x})")
+        return groups
+    monkeypatch.setattr(grpo.LocalRollout, "sample", sample)
+    return seen
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_broken_contract_stops_the_run(tmp_path, monkeypatch, verify):
+    """One logprob one ulp off stops strict training before any update, naming the step, the sequence
+    (batch row 5 = prompt 1, sample 1 with G = 4) and the token with both values and their bits. With
+    --verify-logprobs the sampler/learner comparison catches it; without, the first update's own
+    logp_new (its ratio must be exactly 1) does."""
+    seen = corrupt_one_logprob(monkeypatch, at_step=1, sequence=5, token=1)
+    with pytest.raises(grpo.ContractError) as error:
+        grpo.train(grpo.GRPOConfig(steps=1, verify_logprobs=verify, out=str(tmp_path), **SMALL))
+    message = str(error.value)
+    what = "sampler vs learner logprobs" if verify else "first update's logp_new vs logp_old"
+    assert message.startswith(f"step 1: {what}: 1 of "), message
+    for part in ("sequence 5 of the batch (prompt 1, sample 1)", f"token position {seen['position']} (id {seen['id']})",
+                 f"sampler {seen['sampler']}", f"learner {seen['learner']}", "--on-mismatch warn"):
+        assert part in message, (part, message)
+    assert not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text()
+
+
+def test_broken_contract_warn_keeps_training(tmp_path, monkeypatch, caplog):
+    """--on-mismatch warn: the same corruption at step 2 is logged by both checks, and the update is
+    still applied and the run finishes (final checkpoint written); the metrics record the one token."""
+    seen = corrupt_one_logprob(monkeypatch, at_step=2, sequence=6, token=0)
+    with caplog.at_level(logging.WARNING, logger="train.grpo"):
+        result = grpo.train(grpo.GRPOConfig(steps=2, on_mismatch="warn", out=str(tmp_path), **SMALL))
+    assert [r["tokens_bits_differ"] for r in result["history"]] == [0, 1]
+    assert (tmp_path / "checkpoints" / "2").is_dir()
+    warnings = [r.getMessage() for r in caplog.records if r.name == "train.grpo"]
+    assert len(warnings) == 2, warnings
+    for what, message in zip(("sampler vs learner logprobs", "first update's logp_new vs logp_old"), warnings):
+        assert f"step 2: {what}: 1 of " in message and "sequence 6 of the batch (prompt 1, sample 2)" in message, message
+        assert f"token position {seen['position']}" in message and seen["sampler"] in message and seen["learner"] in message
 
 
 def test_smoke_subprocess(tmp_path):

@@ -59,17 +59,17 @@ def sharded_logprobs(fn, mesh, specs, **static):
 
 
 def sharded_value_and_grad(loss_fn, mesh, specs, **static):
-    """loss_fn(params, batch, ref_logp, rope, total_tokens, **static) -> (loss, stats), the loss and
-    LossStats over this device's rows; returns the global loss, the stats merged by their declared
-    REDUCTION, and FSDP-sharded gradients."""
+    """loss_fn(params, batch, ref_logp, rope, total_tokens, **static) -> (loss, (stats, logp)), the
+    loss and LossStats over this device's rows and logp [rows, T-1]; returns the global loss, the
+    stats merged by their declared REDUCTION, every row's logp, and FSDP-sharded gradients."""
     def body(params, batch, ref_logp, rope, total_tokens):
         def local(p):
             return loss_fn(gather(p, specs), batch, ref_logp, rope, total_tokens=total_tokens, **static)
-        (loss, stats), grads = jax.value_and_grad(local, has_aux=True)(params)
+        (loss, (stats, logp)), grads = jax.value_and_grad(local, has_aux=True)(params)
         merged = jax.tree.map(lambda v, how: COLLECTIVES[how](v, AXIS), stats, REDUCTION)
-        return (jax.lax.psum(loss, AXIS), merged), grads
+        return (jax.lax.psum(loss, AXIS), (merged, logp)), grads
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, BATCH_SPECS, ROWS, P(), P()),
-                                 out_specs=((P(), P()), specs), check_vma=False))
+                                 out_specs=((P(), (P(), ROWS)), specs), check_vma=False))
 
 
 def replica_devices(count: int):
