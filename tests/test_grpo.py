@@ -127,6 +127,7 @@ def test_broken_contract_stops_the_run(tmp_path, monkeypatch, verify):
     assert not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text()
 
 
+@pytest.mark.slow
 def test_broken_contract_warn_keeps_training(tmp_path, monkeypatch, caplog):
     """--on-mismatch warn: the same corruption at step 2 is logged by both checks, and the update is
     still applied and the run finishes (final checkpoint written); the metrics record the one token."""
@@ -142,6 +143,7 @@ def test_broken_contract_warn_keeps_training(tmp_path, monkeypatch, caplog):
         assert f"token position {seen['position']}" in message and seen["sampler"] in message and seen["learner"] in message
 
 
+@pytest.mark.slow
 def test_smoke_subprocess(tmp_path):
     """`python -m train.grpo` for 3 steps: finite loss, mismatch 0 and first-update ratio exactly 1
     every step, every parameter changed, plot and HF export written."""
@@ -168,6 +170,7 @@ def _params_bits(master):
     return [np.asarray(x).view(np.uint32) for x in jax.tree.leaves(master)]
 
 
+@pytest.mark.slow
 def test_resume_and_same_seed_are_bit_identical(tmp_path):
     base = grpo.GRPOConfig(steps=6, checkpoint_every=3, **SMALL)
     straight = grpo.train(dataclasses.replace(base, out=str(tmp_path / "a")))
@@ -181,6 +184,7 @@ def test_resume_and_same_seed_are_bit_identical(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.slow
 def test_remote_rollout_server(tmp_path):
     from tests.test_server import ADMIN, start_server
     proc, client = start_server()
@@ -195,6 +199,7 @@ def test_remote_rollout_server(tmp_path):
         proc.wait(timeout=120)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags,match", [
     (["--group-size", "1"], "--group-size=1"),
     (["--learning-rate", "nan"], "--learning-rate=nan"),

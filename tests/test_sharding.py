@@ -9,6 +9,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 import rlkjax
 from tests.sharded_contract import GRPO_RUN
@@ -17,6 +18,7 @@ from train.grpo import GRPOConfig
 ENV = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 
 
+@pytest.mark.slow
 def test_sampler_replica_vs_fsdp_learner_on_any_mesh():
     r = subprocess.run([sys.executable, "-m", "tests.sharded_contract", "contract"], env=ENV, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -24,6 +26,7 @@ def test_sampler_replica_vs_fsdp_learner_on_any_mesh():
         assert f"learner on {devices} devices" in r.stdout
 
 
+@pytest.mark.slow
 def test_grpo_fsdp_learner_follows_the_single_device_trajectory(tmp_path):
     """The same 2-step GRPO run with an 8-device FSDP learner + 2 sampler replicas and on 1 device.
 
