@@ -11,8 +11,6 @@ import json
 import re
 from pathlib import Path
 
-import numpy as np
-
 
 @dataclasses.dataclass(frozen=True)
 class Example:
@@ -102,9 +100,3 @@ def make_task(name: str, data: str | None = None, reward: str | None = None):
         raise ValueError(f"unknown task {name!r}: choose lowercase, arithmetic or gsm8k")
     return CustomReward(task, reward) if reward else task
 
-
-def group_advantages(rewards: np.ndarray, scale: bool = True, eps: float = 1e-6) -> np.ndarray:
-    """rewards [P, G] -> advantages [P, G]: reward minus its group's mean, divided by the group's
-    std when `scale` (GRPO) or not (Dr. GRPO)."""
-    adv = rewards - rewards.mean(axis=1, keepdims=True)
-    return adv / (rewards.std(axis=1, keepdims=True) + eps) if scale else adv

@@ -15,10 +15,15 @@ The algorithm, per step:
      is their bf16 cast, pushed to the sampler (device to device, or through /update_weights).
   5. Metrics (JSONL, progress bar, PNG plot at the end) and orbax checkpoints.
 
+The contract is enforced, not only logged: in strict numerics a sampler/learner mismatch (with
+--verify-logprobs) or a first update whose ratio is not exactly 1 (the loss's own logp_new must have
+logp_old's bits; checked every step at no extra cost) stops the run with a ContractError naming the
+step, the sequence and the first differing token. --on-mismatch warn logs it and keeps training.
+
 Deviations from the GRPO paper (Shao et al., 2024), each on purpose:
   - logp_old is the sampler's recorded logprob, not a learner recomputation: in strict numerics
-    they are the same bits, so the extra forward pass is skipped (--verify-logprobs recomputes it
-    and reports the mismatch, which must be 0, and checks the first update's ratio is exactly 1).
+    they are the same bits, so no extra forward pass is needed (--verify-logprobs, on by default,
+    recomputes it anyway and reports the mismatch).
   - Token-level loss aggregation (DAPO) instead of per-sequence means: long and short completions
     weigh their tokens equally.
   - KL to the reference is optional (--beta, default 0) and uses the k3 estimator in the loss.
@@ -27,6 +32,7 @@ Deviations from the GRPO paper (Shao et al., 2024), each on purpose:
 """
 import dataclasses
 import json
+import logging
 import math
 import time
 from pathlib import Path
@@ -45,11 +51,13 @@ from rlkjax import model
 from rlkjax.checkpoint import load_model, save_orbax_params
 from rlkjax.engine import Engine, EngineConfig
 from rlkjax.mismatch import mismatch_stats
-from rlkjax.numerics import PAGE_SIZE
 from rlkjax.shapes import cdiv
-from rlkjax.tasks import group_advantages, make_task
+from rlkjax.tasks import make_task
 from rlkjax.tokenizer import load_tokenizer
 from train import fsdp
+from train.batch import Batch, LossStats, micro_batches, pack, reduce_stats
+
+log = logging.getLogger("train.grpo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +109,9 @@ class GRPOConfig:
     verify_logprobs: bool = True
     """Recompute logp_old with the learner every step and report the sampler/learner mismatch (one extra
     forward pass per step; --no-verify-logprobs skips it once you trust the setup)."""
+    on_mismatch: Literal["error", "warn"] = "error"
+    """Strict numerics broken (bits differ, or the first update's ratio is not exactly 1): stop with an
+    error, or warn (log it and keep training, for investigation)."""
     learner_devices: int = 1
     """Devices of the FSDP learner mesh (parameters, gradients and optimiser state sharded over them)."""
     sampler_replicas: int = 1
@@ -144,56 +155,79 @@ class GRPOConfig:
             raise ValueError("--tis-cap is for --numerics fast: in strict mode the ratio needs no correction")
 
 
-# ----- the learner's loss -----
+# ----- the algorithm: advantages and the learner's loss -----
+def group_advantages(rewards: np.ndarray, scale: bool = True, eps: float = 1e-6) -> np.ndarray:
+    """rewards [P, G] -> advantages [P, G]: reward minus its group's mean, divided by the group's
+    std when `scale` (GRPO) or not (Dr. GRPO)."""
+    adv = rewards - rewards.mean(axis=1, keepdims=True)
+    return adv / (rewards.std(axis=1, keepdims=True) + eps) if scale else adv
+
+
+def to_policy(master, cfg):
+    """fp32 master weights -> the policy (cfg.dtype): what the sampler runs and the learner scores with."""
+    return jax.tree.map(lambda w: w.astype(cfg.dtype), master)
+
+
 def policy_logprobs(master, tokens, positions, temps, rope, cfg, numerics):
-    """The sampler's weights are the bf16 cast of the fp32 master weights; the learner scores with them."""
-    policy = jax.tree.map(lambda w: w.astype(cfg.dtype), master)
-    return model.sequence_logprobs(policy, tokens, positions, temps, rope, cfg, numerics)
+    return model.sequence_logprobs(to_policy(master, cfg), tokens, positions, temps, rope, cfg, numerics)
 
 
-def grpo_loss(master, batch, ref_logp, rope, cfg, numerics, clip_eps, beta, total_tokens):
+def grpo_loss(master, batch: Batch, ref_logp, rope, cfg, numerics, clip_eps, beta, total_tokens):
     """Token-level PPO-clip (+ k3 KL) summed over this micro-batch, divided by the whole batch's
-    token count, so summing micro-batch gradients gives the full-batch gradient."""
-    logp = policy_logprobs(master, batch["tokens"], batch["positions"], batch["temps"], rope, cfg, numerics)
-    mask, adv = batch["mask"], batch["adv"][:, None]
-    ratio = jnp.exp(logp - batch["logp_old"])
-    surrogate = jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - clip_eps, 1 + clip_eps) * adv) * batch["tis"]
+    token count, so summing micro-batch gradients gives the full-batch gradient.
+    Returns (loss, (LossStats, logp_new [B, T-1])); logp_new lets the first update check the contract."""
+    logp = policy_logprobs(master, batch.tokens, batch.positions, batch.temps, rope, cfg, numerics)
+    mask, adv = batch.mask, batch.adv[:, None]
+    ratio = jnp.exp(logp - batch.logp_old)
+    surrogate = jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - clip_eps, 1 + clip_eps) * adv) * batch.tis
     per_token = -surrogate
     if beta:
         per_token = per_token + beta * (jnp.exp(ref_logp - logp) - (ref_logp - logp) - 1)
     loss = jnp.sum(per_token * mask) / total_tokens
-    clipped = (jnp.abs(ratio - 1) > clip_eps) & (mask > 0)
-    stats = {"ratio_min": jnp.min(jnp.where(mask > 0, ratio, jnp.inf)), "ratio_max": jnp.max(jnp.where(mask > 0, ratio, -jnp.inf)),
-             "ratio_sum": jnp.sum(ratio * mask), "clipped": jnp.sum(clipped)}
-    return loss, stats
+    stats = LossStats(ratio_min=jnp.min(jnp.where(mask > 0, ratio, jnp.inf)),
+                      ratio_max=jnp.max(jnp.where(mask > 0, ratio, -jnp.inf)),
+                      ratio_sum=jnp.sum(ratio * mask),
+                      clipped=jnp.sum((jnp.abs(ratio - 1) > clip_eps) & (mask > 0)))
+    return loss, (stats, logp)
 
 
+# ----- the contract, enforced -----
+class ContractError(RuntimeError):
+    """Strict numerics promise the learner the sampler's logprob bits, and they differ."""
 
 
-# ----- batching -----
-def pack(samples, cfg):
-    """Sequences -> padded [B, T] arrays; logprob index t predicts token t + 1; mask covers completions."""
-    t = max(PAGE_SIZE, 1 << (max(len(s["prompt"]) + len(s["tokens"]) for s in samples) - 1).bit_length())
-    b = len(samples)
-    tokens, positions = np.zeros((b, t), np.int32), np.full((b, t), -1, np.int32)
-    logp_old, mask = np.zeros((b, t - 1), np.float32), np.zeros((b, t - 1), np.float32)
-    for i, s in enumerate(samples):
-        seq = s["prompt"] + s["tokens"]
-        tokens[i, : len(seq)] = seq
-        positions[i, : len(seq)] = np.arange(len(seq))
-        p, n = len(s["prompt"]), len(s["tokens"])
-        logp_old[i, p - 1 : p - 1 + n] = s["logprobs"]
-        mask[i, p - 1 : p - 1 + n] = 1
-    return {"tokens": tokens, "positions": positions, "logp_old": logp_old, "mask": mask,
-            "adv": np.array([s["adv"] for s in samples], np.float32), "temps": np.array([s["temperature"] for s in samples], np.float32),
-            "tis": np.ones((b, t - 1), np.float32)}
+def _float(x) -> str:
+    return f"{float(x)!r} (0x{int(np.float32(x).view(np.uint32)):08x})"
 
 
-def micro_batches(batch, size, devices=1):
-    """Slices of `size` rows, each padded with empty rows to a multiple of the learner's devices."""
-    b = batch["tokens"].shape[0]
-    for i in range(0, b, size):
-        yield fsdp.pad_rows({k: v[i : i + size] for k, v in batch.items()}, devices)
+def contract_violation(step: int, what: str, batch: Batch, learner: np.ndarray, group_size: int) -> str | None:
+    """None when `learner` [B, T-1] has logp_old's bits on every completion token; otherwise a
+    message naming the step, the sequence and the first differing token."""
+    differ = (batch.logp_old.view(np.uint32) != np.asarray(learner, np.float32).view(np.uint32)) & (batch.mask > 0)
+    if not differ.any():
+        return None
+    row, col = (int(i) for i in np.argwhere(differ)[0])  # the first in batch order, then position
+    return (f"step {step}: {what}: {int(differ.sum())} of {int(batch.mask.sum())} completion tokens differ in their bits; "
+            f"first in sequence {row} of the batch (prompt {row // group_size}, sample {row % group_size}), "
+            f"token position {col + 1} (id {int(batch.tokens[row, col + 1])}): "
+            f"sampler {_float(batch.logp_old[row, col])}, learner {_float(learner[row, col])}")
+
+
+def first_update_violation(step: int, batch: Batch, logp_new: np.ndarray, stats: LossStats, group_size: int) -> str | None:
+    """The first update scores at the weights that sampled the batch, so its logp_new must have
+    logp_old's bits and every ratio must be exactly 1 (checked on the stats too: NaN has equal bits)."""
+    problem = contract_violation(step, "first update's logp_new vs logp_old", batch, logp_new, group_size)
+    if problem is None and not stats.ratio_min == stats.ratio_max == 1.0:
+        problem = f"step {step}: first update's ratio in [{float(stats.ratio_min)!r}, {float(stats.ratio_max)!r}], not exactly 1"
+    return problem
+
+
+def enforce(problem: str | None, on_mismatch: str) -> None:
+    if problem is None:
+        return
+    if on_mismatch == "error":
+        raise ContractError(problem + " (strict numerics; --on-mismatch warn keeps training to investigate)")
+    log.warning("strict numerics contract broken: %s", problem)
 
 
 # ----- rollout backends -----
@@ -271,7 +305,7 @@ def train(config: GRPOConfig) -> dict:
     elif config.resume:
         raise ValueError(f"--resume: no checkpoint in {out / 'checkpoints'}")
 
-    policy = jax.tree.map(lambda w: w.astype(cfg.dtype), master)
+    policy = to_policy(master, cfg)
     ref_master = master if config.beta else None  # frozen initial policy for the KL term
     rollout = RemoteRollout(config.rollout_url, config.admin_key) if config.rollout_url else LocalRollout(policy, cfg, config)
     if config.rollout_url or start:
@@ -280,6 +314,7 @@ def train(config: GRPOConfig) -> dict:
     if not config.resume and metrics_path.exists():
         metrics_path.unlink()
     history = []
+    strict = config.numerics == "strict"  # the contract is checked (and enforced) only where it is promised
     bar = tqdm(range(start, config.steps), initial=start, total=config.steps, disable=not config.progress, desc="grpo")
     for step in bar:
         # 1. Rollout.
@@ -294,38 +329,44 @@ def train(config: GRPOConfig) -> dict:
         adv = group_advantages(rewards, config.scale_advantages)
         samples = [{"prompt": p, "tokens": s["tokens"], "logprobs": np.asarray(s["logprobs"], np.float32), "adv": float(a),
                     "temperature": config.temperature} for p, g, ar in zip(prompts, groups, adv) for s, a in zip(g, ar)]
-        batch = pack(samples, cfg)
-        total_tokens = float(batch["mask"].sum())
+        batch = pack(samples)
+        total_tokens = float(batch.mask.sum())
         row = {"step": step + 1, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
-               "entropy_estimate": float(-(batch["logp_old"] * batch["mask"]).sum() / total_tokens)}
-        # Optional recomputation of logp_old by the learner (TIS needs it; --verify-logprobs reports it).
+               "entropy_estimate": float(-(batch.logp_old * batch.mask).sum() / total_tokens)}
+        # Optional recomputation of logp_old by the learner (TIS needs it; --verify-logprobs checks it).
         if config.verify_logprobs or config.tis_cap:
-            learner_old = np.concatenate([np.asarray(score_fn(master, mb["tokens"], mb["positions"], mb["temps"], rope))
+            learner_old = np.concatenate([np.asarray(score_fn(master, mb.tokens, mb.positions, mb.temps, rope))
                                           for mb in micro_batches(batch, config.micro_batch, config.learner_devices)])[: len(samples)]
-            sel = batch["mask"] > 0
-            row |= mismatch_stats(batch["logp_old"][sel], learner_old[sel])
+            sel = batch.mask > 0
+            row |= mismatch_stats(batch.logp_old[sel], learner_old[sel])
+            if strict:  # before any update, so a broken contract never trains
+                enforce(contract_violation(step + 1, "sampler vs learner logprobs", batch, learner_old, config.group_size),
+                        config.on_mismatch)
             if config.tis_cap:
-                batch["tis"] = np.minimum(np.exp(learner_old - batch["logp_old"]), config.tis_cap).astype(np.float32) * batch["mask"]
+                batch = batch._replace(tis=np.minimum(np.exp(learner_old - batch.logp_old), config.tis_cap).astype(np.float32) * batch.mask)
         # 3. Updates.
         t2 = time.perf_counter()
-        ref_logp = None
         for u in range(config.updates_per_batch):
-            grads, stats = None, []
+            grads, losses, stats, logp_new = None, [], [], []
             for mb in micro_batches(batch, config.micro_batch, config.learner_devices):
-                ref_logp = score_fn(ref_master, mb["tokens"], mb["positions"], mb["temps"], rope) if config.beta else np.zeros_like(mb["logp_old"])
-                (loss, st), g = grad_fn(master, mb, ref_logp, rope, np.float32(total_tokens))
+                ref_logp = score_fn(ref_master, mb.tokens, mb.positions, mb.temps, rope) if config.beta else np.zeros_like(mb.logp_old)
+                (loss, (st, logp)), g = grad_fn(master, mb, ref_logp, rope, np.float32(total_tokens))
                 grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
-                stats.append(jax.device_get(st) | {"loss": float(loss)})
-            grad_norm = float(optax.tree.norm(grads))
-            master, opt_state = update(grads, opt_state, master)
+                losses.append(float(loss))
+                stats.append(jax.device_get(st))
+                logp_new.append(logp)
             if u == 0:
-                row |= {"ratio_min": float(min(s["ratio_min"] for s in stats)), "ratio_max": float(max(s["ratio_max"] for s in stats)),
-                        "ratio_mean": float(sum(s["ratio_sum"] for s in stats) / total_tokens),
-                        "clip_fraction": float(sum(s["clipped"] for s in stats) / total_tokens),
-                        "loss": float(sum(s["loss"] for s in stats)), "grad_norm": grad_norm}
+                st = reduce_stats(stats)
+                row |= {"ratio_min": float(st.ratio_min), "ratio_max": float(st.ratio_max),
+                        "ratio_mean": float(st.ratio_sum / total_tokens), "clip_fraction": float(st.clipped / total_tokens),
+                        "loss": sum(losses), "grad_norm": float(optax.tree.norm(grads))}
+                if strict:  # before the update is applied
+                    logp_new = np.concatenate([np.asarray(x) for x in logp_new])[: len(samples)]
+                    enforce(first_update_violation(step + 1, batch, logp_new, st, config.group_size), config.on_mismatch)
+            master, opt_state = update(grads, opt_state, master)
         # 4. Weight sync.
         t3 = time.perf_counter()
-        policy = jax.tree.map(lambda w: w.astype(cfg.dtype), master)
+        policy = to_policy(master, cfg)
         jax.block_until_ready(policy)
         rollout.push(policy, cfg, out)
         t4 = time.perf_counter()
@@ -342,7 +383,7 @@ def train(config: GRPOConfig) -> dict:
                 meta=ocp.args.JsonSave({"step": step + 1, "data_rng": data_rng.bit_generator.state, "config": dataclasses.asdict(config)})))
     manager.wait_until_finished()
     manager.close()
-    rlkjax.save_hf_checkpoint(out / "final_hf", cfg, jax.tree.map(lambda w: w.astype(cfg.dtype), master))
+    rlkjax.save_hf_checkpoint(out / "final_hf", cfg, to_policy(master, cfg))
     plot(out)
     return {"master": master, "history": history}
 
