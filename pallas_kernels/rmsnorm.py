@@ -38,14 +38,14 @@ def _norm(x, inv, w, dtype):
     return (w.astype(acc) * n.astype(acc)).astype(dtype)
 
 
-def _kernel(x_ref, w_ref, *refs, eps, block_d, d, rope):
+def _kernel(x_ref, w_ref, *refs, eps, block_d, d, rope, width):
     o_ref = refs[-1]
     chunks = [pl.ds(i, block_d) for i in range(0, d, block_d)]
     sumsq = jnp.zeros((x_ref.shape[0],), F32)
     for c in chunks:  # ascending, fixed width: the reduction order is part of the contract
         xc = x_ref[:, c].astype(F32)
         sumsq = sumsq + jnp.sum(xc * xc, axis=1)
-    inv = _math.rsqrt(sumsq / d + eps)[:, None]
+    inv = _math.rsqrt(sumsq / width + eps)[:, None]  # width: the true feature count (d may be padded)
     if not rope:
         for c in chunks:
             o_ref[:, c] = _norm(x_ref[:, c], inv, w_ref[c], o_ref.dtype)
@@ -58,10 +58,28 @@ def _kernel(x_ref, w_ref, *refs, eps, block_d, d, rope):
     o_ref[:, hi] = (x2 * cos + x1 * sin).astype(o_ref.dtype)
 
 
+def _pad_halves(a, half_width):
+    """[..., 2h] -> [..., 2 * half_width] laid out [a1, 0, a2, 0]: RoPE's halves stay aligned."""
+    h = a.shape[-1] // 2
+    if h == half_width:
+        return a
+    return jnp.concatenate([pad_dim(a[..., :h], a.ndim - 1, half_width), pad_dim(a[..., h:], a.ndim - 1, half_width)], axis=-1)
+
+
 def _pallas_rmsnorm(x, w, cos, sin, eps, config, interpret):
-    n, d = x.shape
+    n, width = x.shape
     rope = cos is not None
-    block_d = d // 2 if rope else min(config.block_d, d)
+    # Triton blocks are powers of two: widths that are not get zero features (which add exact zeros
+    # to the sum of squares; the mean divides by the true width) and lose them again below. With
+    # RoPE each half is padded on its own, so x1, x2, cos and sin stay lined up.
+    if rope:
+        block_d = pl.next_power_of_2(width // 2)
+        x, w = _pad_halves(x, block_d), _pad_halves(w, block_d)
+        cos, sin = pad_dim(cos, 1, block_d), pad_dim(sin, 1, block_d)
+    else:
+        block_d = min(config.block_d, pl.next_power_of_2(width))
+        x, w = pad_dim(x, 1, block_d), pad_dim(w, 0, block_d)
+    d = x.shape[1]
     check_block("feature chunk", block_d, minimum=1)
     if d % block_d:
         raise ValueError(f"rmsnorm width {d} is not a multiple of block_d={block_d}")
@@ -72,7 +90,7 @@ def _pallas_rmsnorm(x, w, cos, sin, eps, config, interpret):
         args += [pad_dim(cos, 0, br), pad_dim(sin, 0, br)]
         specs += [pl.BlockSpec((br, d // 2), lambda i: (i, 0))] * 2
     y = pl.pallas_call(
-        functools.partial(_kernel, eps=eps, block_d=block_d, d=d, rope=rope),
+        functools.partial(_kernel, eps=eps, block_d=block_d, d=d, rope=rope, width=width),
         grid=(args[0].shape[0] // br,),
         in_specs=specs,
         out_specs=pl.BlockSpec((br, d), lambda i: (i, 0)),
@@ -80,7 +98,11 @@ def _pallas_rmsnorm(x, w, cos, sin, eps, config, interpret):
         compiler_params=compiler_params(config.num_warps, 1),
         interpret=interpret,
     )(*args)
-    return y[:n]
+    if d == width:
+        return y[:n]
+    if rope:
+        return jnp.concatenate([y[:n, :width // 2], y[:n, block_d:block_d + width // 2]], axis=1)
+    return y[:n, :width]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
