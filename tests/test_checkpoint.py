@@ -80,6 +80,26 @@ def test_load_rejects_bad_checkpoints(tmp_path):
         rlkjax.load_hf_checkpoint(tmp_path)
 
 
+def test_hf_config_layouts_and_refusals():
+    """RoPE's base read from both config.json layouts (v4 top-level, v5 `rope_parameters`), HF's
+    defaults where a key is absent, and features we do not implement refused by name, never run."""
+    base = rlkjax.ModelConfig.preset("qwen3-tiny").to_hf_config()
+    del base["rope_theta"], base["head_dim"]
+    old = rlkjax.ModelConfig.from_hf_config({**base, "rope_theta": 5e5, "rope_scaling": None})
+    new = rlkjax.ModelConfig.from_hf_config({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}})
+    assert old == new and old.rope_theta == 5e5 and old.head_dim == 128  # Qwen3Config's default head_dim
+    assert rlkjax.ModelConfig.from_hf_config(base).rope_theta == 10_000.0  # Qwen3Config's default theta
+    for bad, match in [({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn'"),
+                       ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "'linear'"),
+                       ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e6}}, "'dynamic'"),
+                       ({"attention_bias": True}, "attention_bias"),
+                       ({"use_sliding_window": True}, "sliding"),
+                       ({"layer_types": ["full_attention", "sliding_attention"]}, "sliding"),
+                       ({"hidden_act": "gelu"}, "gelu")]:
+        with pytest.raises(ValueError, match=match):
+            rlkjax.ModelConfig.from_hf_config({**base, **bad})
+
+
 def test_presets_have_the_real_qwen3_shapes():
     p = rlkjax.ModelConfig.preset
     assert (p("qwen3-0.6b").hidden_size, p("qwen3-0.6b").num_layers, p("qwen3-0.6b").tie_embeddings) == (1024, 28, True)
