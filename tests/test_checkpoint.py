@@ -27,9 +27,13 @@ def our_logits(cfg, params, ids):
     return np.asarray(matmul.matmul(hidden.reshape(b * t, -1), model.lm_head(params), None, numerics.MATMUL, interpret)).reshape(b, t, -1)
 
 
-@pytest.mark.parametrize("name", ["hf_qwen3_tied", "hf_qwen3_untied"])
+@pytest.mark.parametrize("name", ["hf_qwen3_tied", "hf_qwen3_untied", "hf_qwen3_odd_tied", "hf_qwen3_odd_untied_old_rope"])
 def test_hf_parity(name):
-    """Our float32 logits vs transformers' float64 logits of the same checkpoint.
+    """Our float32 logits vs transformers' float64 logits of the same checkpoint. The `odd` ones
+    have the shapes of tiny Hub test models (group sizes 3 and 5, head dims 24 and 8, widths 48 and
+    40, FFN 100 and 37, vocabularies 300 and 200) and both config.json RoPE layouts: every kernel
+    pads them, and a padding that leaked into a real value (a mean over the padded width, RoPE
+    halves out of line, a padded vocab id in the log-sum-exp) would be a 1e-2+ error.
 
     Tolerance: transformers' own float32 logits are e_hf away from its float64 ones (relative
     L2, ~2.5e-7, stored in the fixture). Ours are a different but equally float32 evaluation, so
@@ -38,7 +42,7 @@ def test_hf_parity(name):
     """
     ref = np.load(FIXTURES / name / "reference.npz")
     cfg, params = rlkjax.load_hf_checkpoint(FIXTURES / name)
-    assert cfg.dtype == "float32" and cfg.tie_embeddings == (name == "hf_qwen3_tied")
+    assert cfg.dtype == "float32" and cfg.tie_embeddings == ("untied" not in name)
     ids, truth, hf32 = ref["input_ids"], ref["logits_f64"], ref["logits_f32"]
     e_hf = np.linalg.norm(hf32 - truth) / np.linalg.norm(truth)
     ours = our_logits(cfg, params, ids)
