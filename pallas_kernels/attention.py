@@ -82,21 +82,30 @@ def _kernel(layer_ref, pt_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *, page_size
     o_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0).astype(o_ref.dtype)
 
 
-def _pallas_attention(q, k_pages, v_pages, layer, page_table, positions, config, interpret):
-    b, t, hq_true, dh_true = q.shape
+def _padded_attention(q, k_pages, v_pages, layer, page_table, positions, config, interpret):
+    """Triton tiles are powers of two: a head dim that is not one (or is < 16, the smallest dot)
+    gets zero features on q, k and v (exact zero products; the zero output columns are sliced
+    away), with the scale from the true head dim; a group size that is not one gets zero query
+    heads, computed and dropped (each query row's softmax is its own). Only the layer being read
+    is copied and padded. Power-of-two shapes go straight through."""
+    b, t, hq, dh = q.shape
+    hkv = k_pages.shape[1]
+    g = hq // hkv
+    dh_p, g_p = max(16, pl.next_power_of_2(dh)), pl.next_power_of_2(g)
+    if (dh_p, g_p) == (dh, g):
+        return _pallas_attention(q, k_pages, v_pages, layer, page_table, positions, config, interpret)
+    if dh_p != dh:
+        k_pages, v_pages = (pad_dim(jax.lax.dynamic_index_in_dim(p, layer, 0), 4, dh_p) for p in (k_pages, v_pages))
+        layer = jnp.int32(0)
+    q = pad_dim(pad_dim(q.reshape(b, t, hkv, g, dh), 3, g_p), 4, dh_p).reshape(b, t, hkv * g_p, dh_p)
+    out = _pallas_attention(q, k_pages, v_pages, layer, page_table, positions, config, interpret, scale=1.0 / math.sqrt(dh))
+    return out.reshape(b, t, hkv, g_p, dh_p)[:, :, :, :g, :dh].reshape(b, t, hq, dh)
+
+
+def _pallas_attention(q, k_pages, v_pages, layer, page_table, positions, config, interpret, scale=None):
+    b, t, hq, dh = q.shape
     num_layers, hkv, num_pages, ps, _ = k_pages.shape
-    g_true = hq_true // hkv
-    scale = 1.0 / math.sqrt(dh_true)
-    # Triton tiles are powers of two: a head dim that is not one (or < 16, the smallest dot) gets
-    # zero features on q, k and v (exact zero products; the zero output columns are sliced away),
-    # and a group size that is not one gets empty query heads at position -1, which see no key and
-    # leave every real row's work unchanged. Only the layer being read is copied and padded.
-    dh, g = max(16, pl.next_power_of_2(dh_true)), pl.next_power_of_2(g_true)
-    hq = hkv * g
-    if dh != dh_true:
-        k_pages, v_pages = (pad_dim(jax.lax.dynamic_index_in_dim(p, layer, 0), 4, dh) for p in (k_pages, v_pages))
-        num_layers, layer = 1, jnp.int32(0)
-    q = pad_dim(pad_dim(q.reshape(b, t, hkv, g_true, dh_true), 3, g), 4, dh).reshape(b, t, hq, dh)
+    g = hq // hkv
     bq = config.block_q
     tp = round_up(t, bq)
     check_block("block_q * group size", bq * g)
@@ -104,10 +113,10 @@ def _pallas_attention(q, k_pages, v_pages, layer, page_table, positions, config,
     # [B, T, Hkv*G, Dh] -> [B, Hkv, T*G, Dh]: the G query heads of a KV head share its key loads.
     qh = pad_dim(q, 1, bq).reshape(b, tp, hkv, g, dh).transpose(0, 2, 1, 3, 4).reshape(b, hkv, tp * g, dh)
     pos = pad_dim(positions, 1, bq, value=-1)
-    row_pos = pad_dim(jnp.broadcast_to(pos[:, :, None], (b, tp, g_true)), 2, g, value=-1).reshape(b, tp * g)
+    row_pos = jnp.repeat(pos, g, axis=1)
     pt = pad_dim(page_table, 1, 16)
     out = pl.pallas_call(
-        functools.partial(_kernel, page_size=ps, scale=scale),
+        functools.partial(_kernel, page_size=ps, scale=scale or 1.0 / math.sqrt(dh)),
         grid=(b, hkv, tp // bq),
         in_specs=[
             pl.BlockSpec((1,), lambda i, h, j: (0,)),
@@ -122,8 +131,7 @@ def _pallas_attention(q, k_pages, v_pages, layer, page_table, positions, config,
         compiler_params=compiler_params(config.num_warps, config.num_stages),
         interpret=interpret,
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), pt, row_pos, qh, k_pages, v_pages)
-    out = out.reshape(b, hkv, tp, g, dh).transpose(0, 2, 1, 3, 4)[:, :t, :, :g_true, :dh_true]
-    return out.reshape(b, t, hq_true, dh_true)
+    return out.reshape(b, hkv, tp, g, dh).transpose(0, 2, 1, 3, 4).reshape(b, tp, hq, dh)[:, :t]
 
 
 def _check(q, k, v, k_pages, v_pages, page_table, positions):
@@ -145,7 +153,7 @@ def paged_attention(q, k, v, k_pages, v_pages, layer, page_table, positions, con
     _check(q, k, v, k_pages, v_pages, page_table, positions)
     k_pages = write_kv(k_pages, k, layer, page_table, positions)
     v_pages = write_kv(v_pages, v, layer, page_table, positions)
-    return _pallas_attention(q, k_pages, v_pages, layer, page_table, positions, config, interpret), k_pages, v_pages
+    return _padded_attention(q, k_pages, v_pages, layer, page_table, positions, config, interpret), k_pages, v_pages
 
 
 def _fwd(q, k, v, k_pages, v_pages, layer, page_table, positions, config, interpret):

@@ -61,25 +61,30 @@ def _kernel(x_ref, w_ref, *refs, eps, block_d, d, rope, width):
 def _pad_halves(a, half_width):
     """[..., 2h] -> [..., 2 * half_width] laid out [a1, 0, a2, 0]: RoPE's halves stay aligned."""
     h = a.shape[-1] // 2
-    if h == half_width:
-        return a
     return jnp.concatenate([pad_dim(a[..., :h], a.ndim - 1, half_width), pad_dim(a[..., h:], a.ndim - 1, half_width)], axis=-1)
 
 
-def _pallas_rmsnorm(x, w, cos, sin, eps, config, interpret):
-    n, width = x.shape
+def _padded_rmsnorm(x, w, cos, sin, eps, config, interpret):
+    """Triton blocks are powers of two: a width that is not a whole number of them gets zero
+    features (exact zeros in the sum of squares; the mean divides by the true width), sliced away
+    after. With RoPE each half is padded on its own, so x1, x2, cos and sin stay lined up."""
+    width = x.shape[1]
+    if cos is not None and width // 2 != pl.next_power_of_2(width // 2):
+        half = pl.next_power_of_2(width // 2)
+        x, w, cos, sin = _pad_halves(x, half), _pad_halves(w, half), pad_dim(cos, 1, half), pad_dim(sin, 1, half)
+        y = _pallas_rmsnorm(x, w, cos, sin, eps, config, interpret, width)
+        return jnp.concatenate([y[:, :width // 2], y[:, half:half + width // 2]], axis=1)
+    chunk = min(config.block_d, pl.next_power_of_2(width))
+    if cos is None and width % chunk:
+        x, w = pad_dim(x, 1, chunk), pad_dim(w, 0, chunk)
+        return _pallas_rmsnorm(x, w, cos, sin, eps, config, interpret, width)[:, :width]
+    return _pallas_rmsnorm(x, w, cos, sin, eps, config, interpret)
+
+
+def _pallas_rmsnorm(x, w, cos, sin, eps, config, interpret, width=None):
+    n, d = x.shape
     rope = cos is not None
-    # Triton blocks are powers of two: widths that are not get zero features (which add exact zeros
-    # to the sum of squares; the mean divides by the true width) and lose them again below. With
-    # RoPE each half is padded on its own, so x1, x2, cos and sin stay lined up.
-    if rope:
-        block_d = pl.next_power_of_2(width // 2)
-        x, w = _pad_halves(x, block_d), _pad_halves(w, block_d)
-        cos, sin = pad_dim(cos, 1, block_d), pad_dim(sin, 1, block_d)
-    else:
-        block_d = min(config.block_d, pl.next_power_of_2(width))
-        x, w = pad_dim(x, 1, block_d), pad_dim(w, 0, block_d)
-    d = x.shape[1]
+    block_d = d // 2 if rope else min(config.block_d, d)
     check_block("feature chunk", block_d, minimum=1)
     if d % block_d:
         raise ValueError(f"rmsnorm width {d} is not a multiple of block_d={block_d}")
@@ -90,7 +95,7 @@ def _pallas_rmsnorm(x, w, cos, sin, eps, config, interpret):
         args += [pad_dim(cos, 0, br), pad_dim(sin, 0, br)]
         specs += [pl.BlockSpec((br, d // 2), lambda i: (i, 0))] * 2
     y = pl.pallas_call(
-        functools.partial(_kernel, eps=eps, block_d=block_d, d=d, rope=rope, width=width),
+        functools.partial(_kernel, eps=eps, block_d=block_d, d=d, rope=rope, width=width or d),
         grid=(args[0].shape[0] // br,),
         in_specs=specs,
         out_specs=pl.BlockSpec((br, d), lambda i: (i, 0)),
@@ -98,11 +103,7 @@ def _pallas_rmsnorm(x, w, cos, sin, eps, config, interpret):
         compiler_params=compiler_params(config.num_warps, 1),
         interpret=interpret,
     )(*args)
-    if d == width:
-        return y[:n]
-    if rope:
-        return jnp.concatenate([y[:n, :width // 2], y[:n, block_d:block_d + width // 2]], axis=1)
-    return y[:n, :width]
+    return y[:n]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
@@ -110,7 +111,7 @@ def rmsnorm(x, weight, cos, sin, eps: float, config: RMSNormConfig, interpret: b
     """RMSNorm(x) * weight, then RoPE if cos/sin are given (else pass None for both)."""
     if x.ndim != 2 or weight.shape != (x.shape[1],):
         raise ValueError(f"rmsnorm shapes do not match: x {x.shape}, weight {weight.shape}")
-    return _pallas_rmsnorm(x, weight, cos, sin, eps, config, interpret)
+    return _padded_rmsnorm(x, weight, cos, sin, eps, config, interpret)
 
 
 def _fwd(x, weight, cos, sin, eps, config, interpret):
