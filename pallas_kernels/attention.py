@@ -98,7 +98,8 @@ def _padded_attention(q, k_pages, v_pages, layer, page_table, positions, config,
         k_pages, v_pages = (pad_dim(jax.lax.dynamic_index_in_dim(p, layer, 0), 4, dh_p) for p in (k_pages, v_pages))
         layer = jnp.int32(0)
     q = pad_dim(pad_dim(q.reshape(b, t, hkv, g, dh), 3, g_p), 4, dh_p).reshape(b, t, hkv * g_p, dh_p)
-    out = _pallas_attention(q, k_pages, v_pages, layer, page_table, positions, config, interpret, scale=1.0 / math.sqrt(dh))
+    scale = 1.0 / math.sqrt(dh)
+    out = _pallas_attention(q, k_pages, v_pages, layer, page_table, positions, config, interpret, scale=scale)
     return out.reshape(b, t, hkv, g_p, dh_p)[:, :, :, :g, :dh].reshape(b, t, hq, dh)
 
 

@@ -118,6 +118,7 @@ def _fused(h, w, targets, temperature, keys, config: LogprobConfig, interpret: b
     """Returns (target_logprobs, sampled_tokens, sampled_logprobs, lse), each [N]."""
     n, vocab = h.shape[0], w.shape[0]
     c = config
+    masked_vocab = vocab if vocab % c.block_vocab else None
     # Odd shapes: D gets zero features (exact zero products) up to whole K steps, and the vocabulary
     # zero rows up to whole tiles, whose ids the kernel masks to -inf. Tile multiples copy nothing.
     h, w = pad_dim(h, 1, c.block_k), pad_dim(pad_dim(w, 1, c.block_k), 0, c.block_vocab)
@@ -136,7 +137,7 @@ def _fused(h, w, targets, temperature, keys, config: LogprobConfig, interpret: b
     part_types = (F32, F32, F32, F32, jnp.int32, F32)
     parts = pl.pallas_call(
         functools.partial(_split_kernel, block_vocab=c.block_vocab, block_k=c.block_k, k_steps=d // c.block_k,
-                          tiles_per_split=tiles_per_split, num_tiles=num_tiles, vocab=vocab if vocab % c.block_vocab else None),
+                          tiles_per_split=tiles_per_split, num_tiles=num_tiles, vocab=masked_vocab),
         grid=(rows_p // br, splits),
         in_specs=[pl.BlockSpec((br, d), lambda i, j: (i, 0)), pl.BlockSpec(w.shape, lambda i, j: (0, 0)), row, row, row],
         out_specs=[part] * 6,

@@ -61,7 +61,7 @@ def _kernel(x_ref, w_ref, *refs, eps, block_d, d, rope, width):
 def _pad_halves(a, half_width):
     """[..., 2h] -> [..., 2 * half_width] laid out [a1, 0, a2, 0]: RoPE's halves stay aligned."""
     h = a.shape[-1] // 2
-    return jnp.concatenate([pad_dim(a[..., :h], a.ndim - 1, half_width), pad_dim(a[..., h:], a.ndim - 1, half_width)], axis=-1)
+    return jnp.concatenate([pad_dim(a[..., :h], -1, half_width), pad_dim(a[..., h:], -1, half_width)], axis=-1)
 
 
 def _padded_rmsnorm(x, w, cos, sin, eps, config, interpret):

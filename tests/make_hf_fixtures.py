@@ -29,7 +29,8 @@ def build(name: str, tied: bool, seed: int, seq_len: int = 37, old_rope_layout: 
     torch.manual_seed(seed)
     shape = dict(dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, rope_theta=1_000_000.0), **shape)
-    config = Qwen3Config(**shape, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=tied, torch_dtype="float32")
+    config = Qwen3Config(**shape, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=tied,
+                         torch_dtype="float32")
     model = Qwen3ForCausalLM(config).eval()
     with torch.no_grad():  # HF initialises norms to 1; perturb them so a missed norm weight shows
         for n, p in model.named_parameters():
@@ -59,7 +60,8 @@ if __name__ == "__main__":
         "hf_qwen3_untied": dict(tied=False, seed=1),
         # Group size 3, head dim 24 (RoPE halves of 12), width 48, FFN 100, vocab 300; v5 config layout.
         "hf_qwen3_odd_tied": dict(tied=True, seed=2, seq_len=21, vocab_size=300, hidden_size=48, intermediate_size=100,
-                                  num_hidden_layers=1, num_attention_heads=6, num_key_value_heads=2, head_dim=24, rope_theta=10_000.0),
+                                  num_hidden_layers=1, num_attention_heads=6, num_key_value_heads=2, head_dim=24,
+                                  rope_theta=10_000.0),
         # Group size 5, head dim 8 (below Triton's smallest dot), width 40, FFN 37, vocab 200; v4 config layout.
         "hf_qwen3_odd_untied_old_rope": dict(tied=False, seed=3, old_rope_layout=True, vocab_size=200, hidden_size=40,
                                              intermediate_size=37, num_hidden_layers=2, num_attention_heads=5,

@@ -27,7 +27,10 @@ def our_logits(cfg, params, ids):
     return np.asarray(matmul.matmul(hidden.reshape(b * t, -1), model.lm_head(params), None, numerics.MATMUL, interpret)).reshape(b, t, -1)
 
 
-@pytest.mark.parametrize("name", ["hf_qwen3_tied", "hf_qwen3_untied", "hf_qwen3_odd_tied", "hf_qwen3_odd_untied_old_rope"])
+FIXTURE_NAMES = ["hf_qwen3_tied", "hf_qwen3_untied", "hf_qwen3_odd_tied", "hf_qwen3_odd_untied_old_rope"]
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
 def test_hf_parity(name):
     """Our float32 logits vs transformers' float64 logits of the same checkpoint. The `odd` ones
     have the shapes of tiny Hub test models (group sizes 3 and 5, head dims 24 and 8, widths 48 and

@@ -146,20 +146,25 @@ def test_attention_values_and_grads():
 
 @pytest.mark.parametrize("hq,hkv,dh", [(6, 2, 24), (5, 1, 8)])
 def test_attention_odd_shapes(hq, hkv, dh):
-    """Group sizes 3 and 5 (padded with empty query heads) and head dims 24 and 8 (zero features,
+    """Group sizes 3 and 5 (padded with zero query heads) and head dims 24 and 8 (zero features,
     scale from the true head dim): values and gradients as the dense reference's, and chunked
     prefill gives the whole pass's bits (the padded copy of the cache is the layer's own)."""
     case = dict(t=21, hq=hq, hkv=hkv, dh=dh, lens=(21, 9, 1))
     q, k, v, pages, pt, pos = _attention_case(BF16, **case)
-    run = lambda q, k, v, sl, kp, vp: attention.paged_attention(q[:, sl], k[:, sl], v[:, sl], kp, vp, jnp.int32(1), pt, pos[:, sl], numerics.ATTENTION, INTERPRET)  # noqa: E731
+
+    def run(q, k, v, sl, kp, vp):
+        return attention.paged_attention(q[:, sl], k[:, sl], v[:, sl], kp, vp, jnp.int32(1), pt, pos[:, sl],
+                                         numerics.ATTENTION, INTERPRET)
+
     dense = lambda q, k, v: attention.dense_attention(q, k, v, pos)  # noqa: E731
-    check_against_truth(lambda q, k, v: run(q, k, v, slice(None), pages, pages)[0], dense, [q, k, v], "odd attention vs dense")
+    whole_pass = lambda q, k, v: run(q, k, v, slice(None), pages, pages)[0]  # noqa: E731
+    check_against_truth(whole_pass, dense, [q, k, v], "odd attention vs dense")
     whole, _, _ = run(q, k, v, slice(None), pages, pages)
     a, kp, vp = run(q, k, v, slice(0, 12), pages, pages)
     b, _, _ = run(q, k, v, slice(12, None), kp, vp)
     assert_bits_equal(jnp.concatenate([a, b], axis=1), whole, "odd shapes: chunked prefill")
     q, k, v, pages, pt, pos = _attention_case(F32, **case)
-    check_grads(lambda q, k, v: run(q, k, v, slice(None), pages, pages)[0], dense, [q, k, v], (0, 1, 2), "odd attention")
+    check_grads(whole_pass, dense, [q, k, v], (0, 1, 2), "odd attention")
 
 
 def test_attention_chunked_equals_whole_and_decode():
