@@ -82,7 +82,28 @@ def _kernel(layer_ref, pt_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *, page_size
     o_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0).astype(o_ref.dtype)
 
 
-def _pallas_attention(q, k_pages, v_pages, layer, page_table, positions, config, interpret):
+def _padded_attention(q, k_pages, v_pages, layer, page_table, positions, config, interpret):
+    """Triton tiles are powers of two: a head dim that is not one (or is < 16, the smallest dot)
+    gets zero features on q, k and v (exact zero products; the zero output columns are sliced
+    away), with the scale from the true head dim; a group size that is not one gets zero query
+    heads, computed and dropped (each query row's softmax is its own). Only the layer being read
+    is copied and padded. Power-of-two shapes go straight through."""
+    b, t, hq, dh = q.shape
+    hkv = k_pages.shape[1]
+    g = hq // hkv
+    dh_p, g_p = max(16, pl.next_power_of_2(dh)), pl.next_power_of_2(g)
+    if (dh_p, g_p) == (dh, g):
+        return _pallas_attention(q, k_pages, v_pages, layer, page_table, positions, config, interpret)
+    if dh_p != dh:
+        k_pages, v_pages = (pad_dim(jax.lax.dynamic_index_in_dim(p, layer, 0), 4, dh_p) for p in (k_pages, v_pages))
+        layer = jnp.int32(0)
+    q = pad_dim(pad_dim(q.reshape(b, t, hkv, g, dh), 3, g_p), 4, dh_p).reshape(b, t, hkv * g_p, dh_p)
+    scale = 1.0 / math.sqrt(dh)
+    out = _pallas_attention(q, k_pages, v_pages, layer, page_table, positions, config, interpret, scale=scale)
+    return out.reshape(b, t, hkv, g_p, dh_p)[:, :, :, :g, :dh].reshape(b, t, hq, dh)
+
+
+def _pallas_attention(q, k_pages, v_pages, layer, page_table, positions, config, interpret, scale=None):
     b, t, hq, dh = q.shape
     num_layers, hkv, num_pages, ps, _ = k_pages.shape
     g = hq // hkv
@@ -96,7 +117,7 @@ def _pallas_attention(q, k_pages, v_pages, layer, page_table, positions, config,
     row_pos = jnp.repeat(pos, g, axis=1)
     pt = pad_dim(page_table, 1, 16)
     out = pl.pallas_call(
-        functools.partial(_kernel, page_size=ps, scale=1.0 / math.sqrt(dh)),
+        functools.partial(_kernel, page_size=ps, scale=scale or 1.0 / math.sqrt(dh)),
         grid=(b, hkv, tp // bq),
         in_specs=[
             pl.BlockSpec((1,), lambda i, h, j: (0,)),
@@ -133,7 +154,7 @@ def paged_attention(q, k, v, k_pages, v_pages, layer, page_table, positions, con
     _check(q, k, v, k_pages, v_pages, page_table, positions)
     k_pages = write_kv(k_pages, k, layer, page_table, positions)
     v_pages = write_kv(v_pages, v, layer, page_table, positions)
-    return _pallas_attention(q, k_pages, v_pages, layer, page_table, positions, config, interpret), k_pages, v_pages
+    return _padded_attention(q, k_pages, v_pages, layer, page_table, positions, config, interpret), k_pages, v_pages
 
 
 def _fwd(q, k, v, k_pages, v_pages, layer, page_table, positions, config, interpret):
