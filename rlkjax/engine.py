@@ -224,7 +224,9 @@ class Engine:
         self._ids = itertools.count()
         self._admissions = itertools.count()
         self._pending_params, self._swap_events = None, []
-        self.lock = threading.RLock()
+        self.lock = threading.RLock()  # held by step(); submit, cancel, update_weights and metrics never wait on it
+        self._inbox: deque = deque()  # submitted (request, sequences), moved to `waiting` at the next step
+        self._mailbox = threading.Lock()  # guards the pending weights and their events
         self.shapes_seen: set = set()  # (step function, batch bucket): one compilation each
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "preemptions": 0, "requests": 0, "finished": 0}
 
@@ -243,27 +245,26 @@ class Engine:
         if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, (list, tuple, set, frozenset)):
             raise ValueError("stop_token_ids must be a list of token ids")
         stops = [check_int("stop_token_ids[]", t, 0, self.cfg.vocab_size - 1) for t in stop_token_ids]
-        with self.lock:
-            req = Request(next(self._ids), prompt, n, max_new_tokens, temperature, seed, frozenset(stops))
-            req.results = [None] * n
-            self.requests[req.id] = req
-            if n > 1 and len(req.prompt) > 1:
-                req.pending_forks = n - 1  # they fork from the leader once its prompt is cached
-                self.waiting.append(Sequence(req, 0, seed, list(req.prompt)))
-            else:
-                self.waiting.extend(Sequence(req, j, sample_seed(seed, j), list(req.prompt)) for j in range(n))
-            self.stats["requests"] += 1
-            return req
+        req = Request(next(self._ids), prompt, n, max_new_tokens, temperature, seed, frozenset(stops))
+        req.results = [None] * n
+        if n > 1 and len(req.prompt) > 1:
+            req.pending_forks = n - 1  # they fork from the leader once its prompt is cached
+            seqs = [Sequence(req, 0, seed, list(req.prompt))]
+        else:
+            seqs = [Sequence(req, j, sample_seed(seed, j), list(req.prompt)) for j in range(n)]
+        self._inbox.append((req, seqs))  # deque.append is thread-safe: no waiting for a step to end
+        self.stats["requests"] += 1
+        return req
 
     def cancel(self, request: Request):
-        with self.lock:
-            request.cancelled = True
+        """Cancel a request (from any thread); its sequences and pages are released at the next step."""
+        request.cancelled = True
 
     def update_weights(self, params) -> threading.Event:
         """Swap weights between steps, once no sequence is in flight (no completion mixes versions).
         Admission pauses until then. The returned event is set when the new version is live. Calls
         before the swap all complete at that swap; the last call's weights are the ones served."""
-        with self.lock:
+        with self._mailbox:  # held for two assignments, never across a step
             event = threading.Event()
             self._pending_params = params
             self._swap_events.append(event)
@@ -271,8 +272,8 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        """Sequences are waiting or running."""
-        return bool(self.waiting or self.running)
+        """Requests are queued, or sequences waiting or running."""
+        return bool(self._inbox or self.waiting or self.running)
 
     @property
     def weights_pending(self) -> bool:
@@ -283,14 +284,19 @@ class Engine:
     def step(self) -> list[Request]:
         """One scheduling step. Returns the requests that finished in it."""
         with self.lock:
+            while self._inbox:
+                req, seqs = self._inbox.popleft()
+                self.requests[req.id] = req
+                self.waiting.extend(seqs)
             finished = self._reap_cancelled()
             in_flight = self.running or any(seq.started for seq in self.waiting)  # preempted or parked ones too
-            if self._pending_params is not None and not in_flight:
-                self.params, self._pending_params = self._pending_params, None
-                self.policy_version += 1
-                for event in self._swap_events:
-                    event.set()
-                self._swap_events = []
+            with self._mailbox:
+                if self._pending_params is not None and not in_flight:
+                    self.params, self._pending_params = self._pending_params, None
+                    self.policy_version += 1
+                    for event in self._swap_events:
+                        event.set()
+                    self._swap_events = []
             self._admit(fresh=self._pending_params is None)
             # Dispatch the decode round first: the host then plans and dispatches the prefill while
             # the device decodes (JAX runs both asynchronously), and only waits to read the round.
@@ -493,9 +499,9 @@ class Engine:
         return finished
 
     def metrics(self) -> dict:
-        with self.lock:
-            return self.stats | {
-                "queue_depth": len(self.waiting), "running": len(self.running),
-                "pages_used": self.pages.used, "pages_total": self.config.num_pages - 1,
-                "compilations": len(self.shapes_seen), "policy_version": self.policy_version,
-            }
+        """Counters, read without the step lock (a scrape never waits for a step; values may be a step old)."""
+        return dict(self.stats) | {
+            "queue_depth": len(self._inbox) + len(self.waiting), "running": len(self.running),
+            "pages_used": self.pages.used, "pages_total": self.config.num_pages - 1,
+            "compilations": len(self.shapes_seen), "policy_version": self.policy_version,
+        }

@@ -168,13 +168,13 @@ def test_sigterm_drains_in_flight_requests(tiny):
     send the signal before a request has arrived): every one completes, then the process exits 0."""
     proc, client = start_server()
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(client.generate, [[i + 1, 2, 3]], max_new_tokens=32, seed=i) for i in range(8)]
+        futures = [pool.submit(client.generate, [[i + 1, 2, 3]], max_new_tokens=200, seed=i) for i in range(8)]
         wait_for_metric(client, "rlkjax_requests_total", 8)
         finished_at_signal = metric(client, "rlkjax_requests_finished_total")
         proc.send_signal(signal.SIGTERM)
         results = [f.result() for f in futures]
     assert finished_at_signal < 8, "every request finished before SIGTERM: nothing was drained"
-    assert all(len(r[0][0]["tokens"]) == 32 for r in results)
+    assert all(len(r[0][0]["tokens"]) == 200 for r in results)
     assert proc.wait(timeout=120) == 0
     with pytest.raises((OSError, RolloutError)):
         client.health()
