@@ -7,7 +7,9 @@ and the server keeps serving; a request without a seed gets a fresh one, reporte
                          seed, logprobs), using the model's tokenizer
   POST /update_weights   {"path": checkpoint dir}; needs `Authorization: Bearer <admin key>`;
                          swapped between engine steps once in-flight sequences finish
+  GET  /v1/models       the served model (OpenAI list shape)
   GET  /health, GET /metrics (Prometheus text format)
+Optional fields may be absent or null (= the default).
 
 HTTP stack: aiohttp. One mature, asyncio-native package gives the server with request-size limits
 and graceful shutdown on SIGTERM (stop accepting, let in-flight handlers finish); the engine runs in
@@ -15,7 +17,9 @@ one background thread and resolves each request's future through the event loop.
 doubles written by Python's shortest round-trip repr, so float32(json value) has the sampler's bits.
 """
 import asyncio
+import collections
 import dataclasses
+import hmac
 import json
 import logging
 import os
@@ -52,7 +56,10 @@ class ServerConfig:
     port: int = 8000
     """TCP port."""
     admin_key: str | None = None
-    """Key for POST /update_weights (or set RLKJAX_ADMIN_KEY). With neither, weight updates are refused."""
+    """Key for POST /update_weights. Prefer --admin-key-file or RLKJAX_ADMIN_KEY: a flag is visible in `ps`. With
+    none of the three, weight updates are refused."""
+    admin_key_file: str | None = None
+    """File holding the admin key (its first line)."""
     seed: int = 0
     """Seed of the random weights when --model is a preset."""
     numerics: Literal["strict", "fast"] = "strict"
@@ -70,6 +77,18 @@ class ServerConfig:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be positive")
 
 
+AUTH_WINDOW_S, AUTH_MAX_FAILURES = 60.0, 5  # failed admin-key attempts allowed per client address per window
+
+
+def _admin_key(config: ServerConfig) -> str | None:
+    if config.admin_key_file:
+        lines = Path(config.admin_key_file).read_text().splitlines()
+        if not lines or not lines[0].strip():
+            raise ValueError(f"--admin-key-file {config.admin_key_file} is empty")
+        return lines[0].strip()
+    return config.admin_key or os.environ.get("RLKJAX_ADMIN_KEY") or None
+
+
 class BadRequest(ValueError):
     pass
 
@@ -84,6 +103,12 @@ def _fields(body: dict, allowed: set[str], required: set[str]) -> dict:
     return body
 
 
+def _opt(body: dict, name: str, default):
+    """An optional field: absent or an explicit null mean the default (as OpenAI's API reads them)."""
+    value = body.get(name)
+    return default if value is None else value
+
+
 def _prompts(value, name="prompt"):
     """One prompt (list of ids) or a batch (list of lists) -> list of lists."""
     if isinstance(value, list) and value and all(isinstance(p, list) for p in value):
@@ -96,7 +121,8 @@ def _prompts(value, name="prompt"):
 class Server:
     def __init__(self, config: ServerConfig):
         self.config = config
-        self.admin_key = config.admin_key or os.environ.get("RLKJAX_ADMIN_KEY")
+        self.admin_key = _admin_key(config)
+        self.auth_failures: dict[str, collections.deque] = collections.defaultdict(collections.deque)
         self.cfg, params = load_model(config.model, seed=config.seed)
         self.tokenizer = load_tokenizer(config.model, config.tokenizer)
         self.engine = Engine(params, self.cfg, config.numerics, config.engine)
@@ -176,10 +202,10 @@ class Server:
         prompts = _prompts(body["prompt"])
         if len(prompts) > self.config.max_prompts:
             raise BadRequest(f"at most {self.config.max_prompts} prompts per request, got {len(prompts)}")
-        n = body.get("n", 1)
+        n = _opt(body, "n", 1)
         seeds, seed = self._seeds(body, len(prompts), n if isinstance(n, int) else 1)
-        reqs = await self._run(prompts, n, body.get("max_new_tokens", 16), body.get("temperature", 1.0), seeds,
-                               body.get("stop_token_ids", []))
+        reqs = await self._run(prompts, n, _opt(body, "max_new_tokens", 16), _opt(body, "temperature", 1.0), seeds,
+                               _opt(body, "stop_token_ids", []))
         return web.json_response({"seed": seed, "results": [[dataclasses.asdict(c) | {"logprobs": c.logprobs.tolist()} for c in r.results]
                                                             for r in reqs]})
 
@@ -200,11 +226,11 @@ class Server:
         logprobs = body.get("logprobs")
         if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= 1):
             raise BadRequest("logprobs must be null, 0 or 1 (only the sampled token's logprob is returned)")
-        n = body.get("n", 1)
+        n = _opt(body, "n", 1)
         eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id < self.cfg.vocab_size else []
         seeds, seed = self._seeds(body, len(prompts), n if isinstance(n, int) else 1)
         try:
-            reqs = await self._run(prompts, n, body.get("max_tokens", 16), body.get("temperature", 1.0), seeds, eos)
+            reqs = await self._run(prompts, n, _opt(body, "max_tokens", 16), _opt(body, "temperature", 1.0), seeds, eos)
         except BadRequest as e:  # the engine names its own field; this route calls it max_tokens
             raise BadRequest(str(e).replace("max_new_tokens", "max_tokens")) from None
         choices, completion_tokens = [], 0
@@ -224,8 +250,17 @@ class Server:
 
     async def update_weights(self, request: web.Request):
         if not self.admin_key:
-            return _error(403, "weight updates are disabled: start the server with --admin-key or RLKJAX_ADMIN_KEY")
-        if request.headers.get("Authorization") != f"Bearer {self.admin_key}":
+            return _error(403, "weight updates are disabled: start the server with --admin-key-file or RLKJAX_ADMIN_KEY")
+        peer, now = request.remote or "?", time.monotonic()
+        failures = self.auth_failures[peer]
+        while failures and now - failures[0] > AUTH_WINDOW_S:
+            failures.popleft()
+        if len(failures) >= AUTH_MAX_FAILURES:
+            return _error(429, f"too many failed admin-key attempts from {peer}; retry in {AUTH_WINDOW_S:.0f} s")
+        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.admin_key.encode()):
+            failures.append(now)
+            log.warning("rejected admin key from %s (%d failures in the last %.0f s)", peer, len(failures), AUTH_WINDOW_S)
             return _error(401, "missing or wrong admin key (Authorization: Bearer <key>)")
         body = _fields(await _json(request), {"path"}, {"path"})
         if not isinstance(body["path"], str):
@@ -258,6 +293,12 @@ class Server:
             raise BadRequest(f"checkpoint has non-finite values in {', '.join(bad[:10])}")
         return params
 
+    async def models(self, request):
+        """GET /v1/models: the one served model, in OpenAI's list shape."""
+        return web.json_response({"object": "list", "data": [
+            {"id": self.config.model, "object": "model", "created": int(self.started), "owned_by": "rlkjax",
+             "policy_version": self.engine.policy_version}]})
+
     async def health(self, request):
         return web.json_response({"status": "ok", "policy_version": self.engine.policy_version})
 
@@ -288,6 +329,7 @@ class Server:
         app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[_errors])
         app.add_routes([web.post("/generate", self.generate), web.post("/v1/completions", self.completions),
                         web.post("/update_weights", self.update_weights), web.get("/health", self.health),
+                        web.get("/v1/models", self.models),
                         web.get("/metrics", self.metrics)])
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._shutdown)
@@ -313,7 +355,8 @@ async def _json(request: web.Request) -> dict:
     return body
 
 
-_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 413: "invalid_request_error"}
+_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 413: "invalid_request_error",
+                429: "rate_limit_error"}
 
 
 def _error(status: int, message: str):

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -31,10 +32,14 @@ def free_port():
 
 
 def start_server(*flags):
+    """The server in a subprocess; its log goes to a file (proc.log), not a pipe nobody reads, whose
+    full buffer would block the server mid-test once it has logged 64 KiB of access lines."""
     port = free_port()
+    log = tempfile.NamedTemporaryFile("w+", prefix="rlkjax-server-", suffix=".log", delete=False)
     proc = subprocess.Popen([sys.executable, "-m", "serve.rollout", "--port", str(port), "--num-pages", "512", "--max-batch", "16",
                              "--prefill-chunk", "32", "--token-budget", "128", "--max-context", "256", *flags],
-                            env=os.environ | {"RLKJAX_ADMIN_KEY": ADMIN}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            env=os.environ | {"RLKJAX_ADMIN_KEY": ADMIN}, stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc.log = log.name
     client = RolloutClient(f"http://127.0.0.1:{port}", admin_key=ADMIN, timeout=600)
     for _ in range(600):
         try:
@@ -42,7 +47,7 @@ def start_server(*flags):
             return proc, client
         except OSError:
             if proc.poll() is not None:
-                raise RuntimeError(proc.stdout.read())
+                raise RuntimeError(open(proc.log).read())
             time.sleep(0.2)
     raise TimeoutError("server did not start")
 
@@ -262,3 +267,36 @@ def test_update_weights_refuses_what_would_change_the_served_model_silently(serv
         assert got == 400 and match in payload["error"]["message"], (path, payload)
     assert server.health()["policy_version"] == version
     assert server.generate([[1, 2, 3]], max_new_tokens=2)[0][0]["policy_version"] == version
+
+
+def test_admin_key_from_a_file_case_insensitive_scheme_and_rate_limited(tmp_path):
+    """The key read from --admin-key-file (a flag would show in `ps`) wins over the environment;
+    `bearer` is accepted in any case (RFC 7235); after 5 wrong keys in a minute the address gets
+    429 even with the right key, and every failure is logged."""
+    (tmp_path / "key").write_text("file-key\n")
+    proc, client = start_server("--admin-key-file", str(tmp_path / "key"))
+    try:
+        body = json.dumps({"path": str(tmp_path)}).encode()
+        got, payload = post_raw(client, "/update_weights", body, {"Authorization": "bEaReR file-key"})
+        assert got == 400 and "cannot load" in payload["error"]["message"]  # authenticated; the path is empty
+        for _ in range(5):
+            assert post_raw(client, "/update_weights", body, {"Authorization": f"Bearer {ADMIN}"})[0] == 401
+        got, payload = post_raw(client, "/update_weights", body, {"Authorization": "Bearer file-key"})
+        assert got == 429 and payload["error"]["type"] == "rate_limit_error"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+    assert open(proc.log).read().count("rejected admin key from 127.0.0.1") == 5
+
+
+def test_null_means_default_and_models(server):
+    """OpenAI clients send explicit nulls for unset optional fields: they mean the default."""
+    body = {"prompt": "Hi", "max_tokens": None, "temperature": None, "n": None, "seed": None, "logprobs": None, "user": None}
+    got, out = post_raw(server, "/v1/completions", json.dumps(body).encode())
+    assert got == 200 and len(out["choices"]) == 1 and out["usage"]["completion_tokens"] <= 16
+    got, out = post_raw(server, "/generate", json.dumps({"prompt": [1, 2], "n": None, "max_new_tokens": None,
+                                                         "stop_token_ids": None}).encode())
+    assert got == 200 and len(out["results"][0][0]["tokens"]) == 16
+    with urllib.request.urlopen(server.url + "/v1/models", timeout=60) as r:
+        models = json.loads(r.read())
+    assert models["object"] == "list" and models["data"][0]["id"] == "qwen3-tiny"
