@@ -22,7 +22,9 @@ import dataclasses
 import hmac
 import json
 import logging
+import math
 import os
+import signal
 import secrets
 import threading
 import time
@@ -37,7 +39,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from rlkjax.checkpoint import load_model
-from rlkjax.engine import Engine, EngineConfig
+from rlkjax.engine import Engine, EngineConfig, Request
 from rlkjax.requests import check_seed, sample_seed
 from rlkjax.tokenizer import load_tokenizer
 
@@ -70,11 +72,16 @@ class ServerConfig:
     """Most prompts in one request."""
     max_body_bytes: int = 4 * 2**20
     """Larger request bodies get 413."""
+    shutdown_timeout: float = 300.0
+    """On SIGTERM/SIGINT: stop accepting work, finish what is in flight for up to this many seconds, then cancel
+    the rest (their clients get 503) and exit 0. A second signal ends the wait at once."""
 
     def __post_init__(self):
         for name in ("port", "max_prompts", "max_body_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be positive")
+        if not (math.isfinite(self.shutdown_timeout) and self.shutdown_timeout >= 0):
+            raise ValueError(f"--shutdown-timeout={self.shutdown_timeout} must be a finite number >= 0")
 
 
 AUTH_WINDOW_S, AUTH_MAX_FAILURES = 60.0, 5  # failed admin-key attempts allowed per client address per window
@@ -91,6 +98,10 @@ def _admin_key(config: ServerConfig) -> str | None:
 
 class BadRequest(ValueError):
     pass
+
+
+class ShuttingDown(Exception):
+    """The server is draining for shutdown: 503."""
 
 
 def _fields(body: dict, allowed: set[str], required: set[str]) -> dict:
@@ -127,7 +138,9 @@ class Server:
         self.tokenizer = load_tokenizer(config.model, config.tokenizer)
         self.engine = Engine(params, self.cfg, config.numerics, config.engine)
         self.wake = threading.Condition()
-        self.stopping = False
+        self.stopping = False  # the engine thread exits once idle
+        self.draining, self.deadline_passed, self.deadline = False, False, math.inf
+        self.in_flight: set[Request] = set()  # engine requests of open handlers, cancelled at the shutdown deadline
         self.started = time.time()
         self.registry = CollectorRegistry()
         self.registry.register(self)
@@ -149,6 +162,8 @@ class Server:
 
     async def _run(self, prompts, n, max_new_tokens, temperature, seeds, stop_token_ids):
         """Submit every prompt (validated first, so a bad one submits nothing) and await them all."""
+        if self.draining:
+            raise ShuttingDown("the server is shutting down; retry on another replica")
         loop = asyncio.get_running_loop()
         requests = []
         try:
@@ -160,6 +175,7 @@ class Server:
                 self.engine.cancel(r)
             self._kick()
             raise BadRequest(str(e)) from None
+        self.in_flight.update(requests)
         futures = []
         for r in requests:
             fut = loop.create_future()
@@ -171,10 +187,14 @@ class Server:
         try:
             await asyncio.gather(*futures)
         except asyncio.CancelledError:  # client went away: free its pages
+            self.in_flight.difference_update(requests)
             for r in requests:
                 self.engine.cancel(r)
             self._kick()
             raise
+        self.in_flight.difference_update(requests)
+        if self.deadline_passed and any(r.cancelled for r in requests):
+            raise ShuttingDown("the server shut down before this request finished (--shutdown-timeout)")
         return requests
 
     @staticmethod
@@ -344,6 +364,27 @@ class Server:
             self.wake.notify()
         await asyncio.to_thread(self.thread.join)
 
+    def on_signal(self):
+        """First signal: drain (new work gets 503) until idle or --shutdown-timeout. Another: stop waiting."""
+        if self.draining:
+            log.info("second signal: cancelling what is still in flight now")
+            self.deadline = 0.0
+            return
+        log.info("signal: draining for up to %.0f s", self.config.shutdown_timeout)
+        self.draining, self.deadline = True, time.monotonic() + self.config.shutdown_timeout
+
+    async def wait_until_drained(self):
+        """Return once a signal came and every request has been answered (finished, or cancelled at
+        the deadline: its handler answers 503)."""
+        while not (self.draining and not self.in_flight):
+            if self.draining and time.monotonic() >= self.deadline and not self.deadline_passed:
+                self.deadline_passed = True
+                for r in list(self.in_flight):
+                    self.engine.cancel(r)
+                self._kick()
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)  # let the last handlers write their responses
+
 
 async def _json(request: web.Request) -> dict:
     try:
@@ -371,18 +412,33 @@ async def _errors(request, handler):
         return await handler(request)
     except BadRequest as e:
         return _error(400, str(e))
+    except ShuttingDown as e:
+        return _error(503, str(e))
     except web.HTTPRequestEntityTooLarge:
         return _error(413, f"request body over the limit of {request.client_max_size} bytes")
     except web.HTTPException as e:
         return _error(e.status, e.reason)
 
 
+async def serve(server: Server) -> None:
+    config = server.config
+    # handler_cancellation: a client that disconnects cancels its handler, which cancels its sequences.
+    runner = web.AppRunner(server.app(), handler_cancellation=True, handle_signals=False)
+    await runner.setup()
+    await web.TCPSite(runner, config.host, config.port).start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, server.on_signal)
+    log.info("serving %s (%s numerics) on http://%s:%d", config.model, config.numerics, config.host, config.port)
+    try:
+        await server.wait_until_drained()
+    finally:
+        await runner.cleanup()
+
+
 def main(config: ServerConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    server = Server(config)
-    log.info("serving %s (%s numerics) on http://%s:%d", config.model, config.numerics, config.host, config.port)
-    # handler_cancellation: a client that disconnects cancels its handler, which cancels its sequences.
-    web.run_app(server.app(), host=config.host, port=config.port, shutdown_timeout=300, print=None, handler_cancellation=True)
+    asyncio.run(serve(Server(config)))
 
 
 if __name__ == "__main__":

@@ -300,3 +300,31 @@ def test_null_means_default_and_models(server):
     with urllib.request.urlopen(server.url + "/v1/models", timeout=60) as r:
         models = json.loads(r.read())
     assert models["object"] == "list" and models["data"][0]["id"] == "qwen3-tiny"
+
+
+@pytest.mark.parametrize("how", ["deadline", "second-signal"])
+def test_shutdown_with_a_deadline(how):
+    """SIGTERM drains only up to --shutdown-timeout (here 1 s), or until a second SIGTERM: what is
+    unfinished then is cancelled and answered 503 (a JSON error, not a dropped connection), new
+    requests get 503 meanwhile, and the process exits 0 (a second signal used to drop every answer
+    and exit 1)."""
+    timeout = "1" if how == "deadline" else "300"
+    proc, client = start_server("--shutdown-timeout", timeout)
+    body = json.dumps({"prompt": [1, 2, 3], "max_new_tokens": 240, "seed": 0}).encode()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(post_raw, client, "/generate", body) for _ in range(4)]
+        wait_for_metric(client, "rlkjax_generated_tokens_total", 1)
+        signalled = time.time()
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        late = post_raw(client, "/generate", body)
+        if how == "second-signal":
+            proc.send_signal(signal.SIGTERM)
+        answers = [f.result() for f in futures]
+    assert late[0] == 503 and "shutting down" in late[1]["error"]["message"]
+    assert proc.wait(timeout=120) == 0
+    assert time.time() - signalled < 60, "the deadline was not kept"
+    for code, payload in answers:  # finished in time, or cancelled with a clear 503
+        assert (code == 200 and len(payload["results"][0][0]["tokens"]) == 240) or (
+            code == 503 and "--shutdown-timeout" in payload["error"]["message"]), (code, payload)
+    assert any(code == 503 for code, _ in answers), "nothing was cut off: the test did not exercise the deadline"
