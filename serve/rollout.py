@@ -17,6 +17,7 @@ one background thread and resolves each request's future through the event loop.
 doubles written by Python's shortest round-trip repr, so float32(json value) has the sampler's bits.
 """
 import asyncio
+import codecs
 import collections
 import dataclasses
 import hmac
@@ -235,10 +236,8 @@ class Server:
         if body.get("stream"):
             raise BadRequest("stream=true is not supported")
         prompt = body["prompt"]
-        if isinstance(prompt, str):
-            prompts = [self.tokenizer.encode(prompt)]
-        elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            prompts = [self.tokenizer.encode(p) for p in prompt]
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
+            prompts = [self._encode(p) for p in ([prompt] if isinstance(prompt, str) else prompt)]
         else:
             prompts = _prompts(prompt)
         if len(prompts) > self.config.max_prompts:
@@ -267,6 +266,13 @@ class Server:
             "usage": {"prompt_tokens": sum(map(len, prompts)), "completion_tokens": completion_tokens,
                       "total_tokens": sum(map(len, prompts)) + completion_tokens},
         })
+
+    def _encode(self, text: str) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # JSON can carry lone surrogates ("\ud800"), which are not text
+            raise BadRequest(f"prompt is not valid Unicode: {e.reason} at character {e.start}") from None
+        return self.tokenizer.encode(text)
 
     async def update_weights(self, request: web.Request):
         if not self.admin_key:
@@ -387,9 +393,29 @@ class Server:
 
 
 async def _json(request: web.Request) -> dict:
+    """The body as a JSON object, or BadRequest saying what is wrong with it: whatever the bytes
+    (bad compression, an unknown charset, invalid UTF-8, nesting deep enough to exhaust the parser,
+    integers longer than Python will parse) the answer is a 4xx, never a 500."""
     try:
-        body = await request.json()
-    except json.JSONDecodeError as e:
+        raw = await request.read()
+    except web.HTTPException:
+        raise
+    except Exception as e:  # e.g. a corrupt gzip/deflate body
+        raise BadRequest(f"cannot read the body ({request.headers.get('Content-Encoding', 'identity')}): {e}") from None
+    charset = request.charset or "utf-8"
+    try:
+        codecs.lookup(charset)
+    except LookupError:
+        raise BadRequest(f"unknown charset {charset!r}; send UTF-8") from None
+    try:
+        text = raw.decode(charset)
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"the body is not valid {charset}: {e.reason} at byte {e.start}") from None
+    try:
+        body = json.loads(text)
+    except RecursionError:
+        raise BadRequest("malformed JSON: nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, and integers over Python's digit limit
         raise BadRequest(f"malformed JSON: {e}") from None
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
@@ -418,6 +444,11 @@ async def _errors(request, handler):
         return _error(413, f"request body over the limit of {request.client_max_size} bytes")
     except web.HTTPException as e:
         return _error(e.status, e.reason)
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # a bug of ours: logged with its traceback, answered as JSON, the server keeps serving
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return _error(500, "internal error (logged on the server)")
 
 
 async def serve(server: Server) -> None:

@@ -328,3 +328,20 @@ def test_shutdown_with_a_deadline(how):
         assert (code == 200 and len(payload["results"][0][0]["tokens"]) == 240) or (
             code == 503 and "--shutdown-timeout" in payload["error"]["message"]), (code, payload)
     assert any(code == 503 for code, _ in answers), "nothing was cut off: the test did not exercise the deadline"
+
+
+@pytest.mark.parametrize("data,headers,match", [
+    (b'{"prompt": [1, 2], "x": "\xff\xfe"}', {}, "not valid utf-8"),
+    (b'{"prompt": [1, 2]}', {"Content-Type": "application/json; charset=klingon"}, "unknown charset"),
+    (b'{"prompt": "\\ud800abc", "max_tokens": 2}', {}, "not valid Unicode"),
+    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", {}, "nested too deeply"),
+    (b'{"prompt": [1, 2], "n": ' + b"9" * 5000 + b"}", {}, "malformed JSON"),
+    (b'{"prompt": [1, 2], "n": 1e999}', {}, "n must be"),
+    (b"\x1f\x8b\x08\x00garbage-not-gzip", {"Content-Encoding": "gzip"}, "cannot read the body"),
+], ids=["invalid-utf8", "unknown-charset", "lone-surrogate", "deep-nesting", "huge-integer", "huge-float", "corrupt-gzip"])
+def test_every_bad_body_is_a_4xx(server, data, headers, match):
+    """One case per category of hostile bytes; each used to end in a 500. The server then still serves."""
+    path = "/v1/completions" if b'"\\ud800' in data else "/generate"
+    got, payload = post_raw(server, path, data, headers)
+    assert 400 <= got < 500 and match in payload["error"]["message"], (got, payload)
+    assert server.generate([[1, 2, 3]], max_new_tokens=2)[0][0]["finish_reason"] == "length"
