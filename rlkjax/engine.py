@@ -141,6 +141,7 @@ class Request:
     temperature: float
     seed: int
     stop_token_ids: frozenset
+    group: object = None  # admission takes turns between groups (the server: one per HTTP request); None = its own
     results: list = dataclasses.field(default_factory=list)  # Completion per sample index, None until done
     pending_forks: int = 0  # samples waiting for the leader's prompt pages
     cancelled: bool = False
@@ -231,8 +232,9 @@ class Engine:
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "preemptions": 0, "requests": 0, "finished": 0}
 
     # ----- requests -----
-    def submit(self, prompt, *, n=1, max_new_tokens=16, temperature=1.0, seed=0, stop_token_ids=()) -> Request:
-        """Validate and queue a request; raises ValueError naming the bad field (rlkjax.requests)."""
+    def submit(self, prompt, *, n=1, max_new_tokens=16, temperature=1.0, seed=0, stop_token_ids=(), group=None) -> Request:
+        """Validate and queue a request; raises ValueError naming the bad field (rlkjax.requests).
+        Requests with the same `group` (e.g. the prompts of one HTTP request) share one turn in admission."""
         prompt = check_tokens("prompt", prompt, self.cfg.vocab_size)
         n = check_int("n", n, 1, self.config.max_batch)
         max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
@@ -245,7 +247,8 @@ class Engine:
         if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, (list, tuple, set, frozenset)):
             raise ValueError("stop_token_ids must be a list of token ids")
         stops = [check_int("stop_token_ids[]", t, 0, self.cfg.vocab_size - 1) for t in stop_token_ids]
-        req = Request(next(self._ids), prompt, n, max_new_tokens, temperature, seed, frozenset(stops))
+        req = Request(next(self._ids), prompt, n, max_new_tokens, temperature, seed, frozenset(stops), group)
+        req.group = ("request", req.id) if group is None else group
         req.results = [None] * n
         if n > 1 and len(req.prompt) > 1:
             req.pending_forks = n - 1  # they fork from the leader once its prompt is cached
@@ -319,7 +322,7 @@ class Engine:
         found no free slot waits holding its pages (cached = its prompt) and needs no new ones.
         While a weight swap waits (fresh=False) only sequences already started are admitted, so
         they finish on the weights they began with and the swap can happen."""
-        for seq in list(self.waiting):
+        for seq in self._admission_order():
             if len(self.running) >= self.config.max_batch:
                 return
             if not (fresh or seq.started):
@@ -331,6 +334,19 @@ class Engine:
             self.waiting.remove(seq)
             seq.pages, seq.admitted = seq.pages + pages, next(self._admissions)
             self.running.append(seq)
+
+    def _admission_order(self) -> list[Sequence]:
+        """Started sequences (preempted, parked forks) first, then the groups take turns: the first
+        waiting sequence of every group in arrival order, then the second of each, ... so a request
+        of 256 sequences does not hold back a request of one that came after it."""
+        started = [s for s in self.waiting if s.started]
+        turn: dict = {}
+        fresh = []
+        for s in self.waiting:
+            if not s.started:
+                turn[s.request.group] = turn.get(s.request.group, -1) + 1
+                fresh.append((turn[s.request.group], s))
+        return started + [s for _, s in sorted(fresh, key=lambda pair: pair[0])]  # stable: arrival order within a turn
 
     def _grow(self, seq: Sequence, positions_needed: int) -> bool:
         """Make sure seq owns pages for positions [0, positions_needed); preempt others if needed."""

@@ -41,7 +41,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from rlkjax.checkpoint import load_model
 from rlkjax.engine import Engine, EngineConfig, Request
-from rlkjax.requests import check_seed, sample_seed
+from rlkjax.requests import check_int, check_seed, sample_seed
 from rlkjax.tokenizer import load_tokenizer
 
 log = logging.getLogger("serve.rollout")
@@ -71,6 +71,11 @@ class ServerConfig:
     """The rollout engine: KV cache, batch and prefill sizes."""
     max_prompts: int = 256
     """Most prompts in one request."""
+    max_sequences: int = 256
+    """Most sequences (prompts x n) in one request; requests also take turns in admission, so a big one cannot
+    hold back a small one that came after it."""
+    read_timeout: float = 30.0
+    """Seconds a client has to send its whole request body (a slow client gets 408)."""
     max_body_bytes: int = 4 * 2**20
     """Larger request bodies get 413."""
     shutdown_timeout: float = 300.0
@@ -78,11 +83,13 @@ class ServerConfig:
     the rest (their clients get 503) and exit 0. A second signal ends the wait at once."""
 
     def __post_init__(self):
-        for name in ("port", "max_prompts", "max_body_bytes"):
+        for name in ("port", "max_prompts", "max_sequences", "max_body_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be positive")
         if not (math.isfinite(self.shutdown_timeout) and self.shutdown_timeout >= 0):
             raise ValueError(f"--shutdown-timeout={self.shutdown_timeout} must be a finite number >= 0")
+        if not (math.isfinite(self.read_timeout) and self.read_timeout > 0):
+            raise ValueError(f"--read-timeout={self.read_timeout} must be a finite number > 0")
 
 
 AUTH_WINDOW_S, AUTH_MAX_FAILURES = 60.0, 5  # failed admin-key attempts allowed per client address per window
@@ -99,6 +106,10 @@ def _admin_key(config: ServerConfig) -> str | None:
 
 class BadRequest(ValueError):
     pass
+
+
+class ReadTimeout(Exception):
+    """The client was too slow sending its body: 408."""
 
 
 class ShuttingDown(Exception):
@@ -165,12 +176,19 @@ class Server:
         """Submit every prompt (validated first, so a bad one submits nothing) and await them all."""
         if self.draining:
             raise ShuttingDown("the server is shutting down; retry on another replica")
+        try:
+            n = check_int("n", n, 1, self.engine.config.max_batch)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+        if len(prompts) * n > self.config.max_sequences:
+            raise BadRequest(f"{len(prompts)} prompts x n={n} = {len(prompts) * n} sequences, over the limit of "
+                             f"{self.config.max_sequences} per request (--max-sequences)")
         loop = asyncio.get_running_loop()
-        requests = []
+        requests, group = [], object()  # this HTTP request's prompts take one turn together in admission
         try:
             for p, s in zip(prompts, seeds):
                 requests.append(self.engine.submit(p, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
-                                                   seed=s, stop_token_ids=stop_token_ids))
+                                                   seed=s, stop_token_ids=stop_token_ids, group=group))
         except ValueError as e:
             for r in requests:
                 self.engine.cancel(r)
@@ -219,7 +237,7 @@ class Server:
 
     # ----- handlers -----
     async def generate(self, request: web.Request):
-        body = _fields(await _json(request), {"prompt", "n", "max_new_tokens", "temperature", "seed", "stop_token_ids"}, {"prompt"})
+        body = _fields(await _json(request, self.config.read_timeout), {"prompt", "n", "max_new_tokens", "temperature", "seed", "stop_token_ids"}, {"prompt"})
         prompts = _prompts(body["prompt"])
         if len(prompts) > self.config.max_prompts:
             raise BadRequest(f"at most {self.config.max_prompts} prompts per request, got {len(prompts)}")
@@ -232,7 +250,7 @@ class Server:
 
     async def completions(self, request: web.Request):
         allowed = {"model", "prompt", "max_tokens", "temperature", "n", "seed", "logprobs", "stream", "user"}
-        body = _fields(await _json(request), allowed, {"prompt"})
+        body = _fields(await _json(request, self.config.read_timeout), allowed, {"prompt"})
         if body.get("stream"):
             raise BadRequest("stream=true is not supported")
         prompt = body["prompt"]
@@ -288,7 +306,7 @@ class Server:
             failures.append(now)
             log.warning("rejected admin key from %s (%d failures in the last %.0f s)", peer, len(failures), AUTH_WINDOW_S)
             return _error(401, "missing or wrong admin key (Authorization: Bearer <key>)")
-        body = _fields(await _json(request), {"path"}, {"path"})
+        body = _fields(await _json(request, self.config.read_timeout), {"path"}, {"path"})
         if not isinstance(body["path"], str):
             raise BadRequest("path must be a string")
         params = await asyncio.to_thread(self._load_update, body["path"])
@@ -392,12 +410,14 @@ class Server:
         await asyncio.sleep(0.2)  # let the last handlers write their responses
 
 
-async def _json(request: web.Request) -> dict:
+async def _json(request: web.Request, read_timeout: float) -> dict:
     """The body as a JSON object, or BadRequest saying what is wrong with it: whatever the bytes
     (bad compression, an unknown charset, invalid UTF-8, nesting deep enough to exhaust the parser,
     integers longer than Python will parse) the answer is a 4xx, never a 500."""
     try:
-        raw = await request.read()
+        raw = await asyncio.wait_for(request.read(), read_timeout)
+    except TimeoutError:
+        raise ReadTimeout(f"the request body did not arrive within {read_timeout:g} s") from None
     except web.HTTPException:
         raise
     except Exception as e:  # e.g. a corrupt gzip/deflate body
@@ -440,6 +460,8 @@ async def _errors(request, handler):
         return _error(400, str(e))
     except ShuttingDown as e:
         return _error(503, str(e))
+    except ReadTimeout as e:
+        return _error(408, str(e))
     except web.HTTPRequestEntityTooLarge:
         return _error(413, f"request body over the limit of {request.client_max_size} bytes")
     except web.HTTPException as e:

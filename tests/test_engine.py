@@ -247,3 +247,19 @@ def test_weight_swap_waits_for_parked_and_preempted_sequences(tiny, case):
         for comp in r.results:
             assert comp.policy_version == 0 and len(comp.tokens) == r.max_new_tokens
             check_exact(params, cfg, r, comp, 1.0)
+
+
+def test_admission_takes_turns_between_groups(tiny):
+    """A group of 12 one-sample requests (one HTTP request's prompts) arrives first, then a lone
+    request: with 2 batch slots, the lone one is admitted in the second turn, not after all 12
+    (before, a 2-token request waited minutes behind a 256-sequence one). Every result exact."""
+    cfg, params = tiny
+    engine = Engine(params, cfg, config=dataclasses.replace(CONFIG, max_batch=2, decode_steps=4))
+    big = [engine.submit([3, i + 1], max_new_tokens=8, seed=i, group="big") for i in range(12)]
+    small = engine.submit([7, 7, 7], max_new_tokens=2, seed=99)
+    while not small.done.is_set():
+        engine.step()
+    assert sum(r.done.is_set() for r in big) <= 2, "the lone request waited behind the whole group"
+    engine.run_until_done()
+    for r in big + [small]:
+        check_exact(params, cfg, r, r.results[0], 1.0)

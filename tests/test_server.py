@@ -54,7 +54,7 @@ def start_server(*flags):
 
 @pytest.fixture(scope="module")
 def server():
-    proc, client = start_server()
+    proc, client = start_server("--read-timeout", "2")
     yield client
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=60)
@@ -101,6 +101,7 @@ def post_raw(client, path, data: bytes, headers=None):
     (json.dumps({"prompt": [1, 2], "temperature": "hot"}).encode(), 400, "temperature"),
     (json.dumps({"prompt": [1, 2], "seed": -1}).encode(), 400, "seed"),
     (json.dumps({"prompt": [[1, 2], [3, 600]]}).encode(), 400, "outside"),
+    (json.dumps({"prompt": [[1, 2]] * 20, "n": 16}).encode(), 400, "over the limit of 256 per request"),
     (json.dumps({"prompt": [1] * (5 * 2**20)}).encode(), 413, "over the limit"),
 ])
 def test_bad_input_gets_a_clear_4xx_and_the_server_keeps_serving(server, body, status, match):
@@ -345,3 +346,15 @@ def test_every_bad_body_is_a_4xx(server, data, headers, match):
     got, payload = post_raw(server, path, data, headers)
     assert 400 <= got < 500 and match in payload["error"]["message"], (got, payload)
     assert server.generate([[1, 2, 3]], max_new_tokens=2)[0][0]["finish_reason"] == "length"
+
+
+def test_a_slow_client_gets_a_read_timeout(server):
+    """A client that sends half its body and stalls gets 408 after --read-timeout (2 s here) instead
+    of holding a handler open forever."""
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+        start = time.time()
+        reply = sock.recv(65536).decode(errors="replace")
+    assert reply.startswith("HTTP/1.1 408") and "did not arrive within 2 s" in reply, reply[:300]
+    assert time.time() - start < 20
