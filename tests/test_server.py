@@ -358,3 +358,25 @@ def test_a_slow_client_gets_a_read_timeout(server):
         reply = sock.recv(65536).decode(errors="replace")
     assert reply.startswith("HTTP/1.1 408") and "did not arrive within 2 s" in reply, reply[:300]
     assert time.time() - start < 20
+
+
+def test_health_and_metrics_answer_while_the_engine_compiles():
+    """/health and /metrics are polled while a fresh server compiles and runs its first request:
+    every answer comes within 0.5 s (they used to take the engine's lock on the event loop and wait
+    out a whole step or compilation: seconds)."""
+    proc, client = start_server()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            first = pool.submit(client.generate, [list(range(1, 50))], n=3, max_new_tokens=40, seed=0)
+            slowest = 0.0
+            while not first.done():
+                for call in (client.health, client.metrics):
+                    start = time.perf_counter()
+                    call()
+                    slowest = max(slowest, time.perf_counter() - start)
+                time.sleep(0.02)
+            assert len(first.result()[0]) == 3
+        assert slowest < 0.5, f"slowest /health or /metrics answer: {slowest:.2f} s"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
