@@ -20,6 +20,7 @@ import asyncio
 import codecs
 import collections
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -92,6 +93,11 @@ class ServerConfig:
             raise ValueError(f"--read-timeout={self.read_timeout} must be a finite number > 0")
 
 
+def _non_finite(params) -> list[str]:
+    """Paths of the parameters holding NaN or Inf."""
+    return [jax.tree_util.keystr(k) for k, leaf in jax.tree_util.tree_leaves_with_path(params) if not bool(jnp.isfinite(leaf).all())]
+
+
 AUTH_WINDOW_S, AUTH_MAX_FAILURES = 60.0, 5  # failed admin-key attempts allowed per client address per window
 
 
@@ -147,6 +153,9 @@ class Server:
         self.admin_key = _admin_key(config)
         self.auth_failures: dict[str, collections.deque] = collections.defaultdict(collections.deque)
         self.cfg, params = load_model(config.model, seed=config.seed)
+        bad = _non_finite(params)
+        if bad:
+            raise ValueError(f"--model {config.model}: non-finite values in {', '.join(bad[:10])}; refusing to serve them")
         self.tokenizer = load_tokenizer(config.model, config.tokenizer)
         self.engine = Engine(params, self.cfg, config.numerics, config.engine)
         self.wake = threading.Condition()
@@ -245,7 +254,7 @@ class Server:
         seeds, seed = self._seeds(body, len(prompts), n if isinstance(n, int) else 1)
         reqs = await self._run(prompts, n, _opt(body, "max_new_tokens", 16), _opt(body, "temperature", 1.0), seeds,
                                _opt(body, "stop_token_ids", []))
-        return web.json_response({"seed": seed, "results": [[dataclasses.asdict(c) | {"logprobs": c.logprobs.tolist()} for c in r.results]
+        return _json_response({"seed": seed, "results": [[dataclasses.asdict(c) | {"logprobs": c.logprobs.tolist()} for c in r.results]
                                                             for r in reqs]})
 
     async def completions(self, request: web.Request):
@@ -278,7 +287,7 @@ class Server:
                     "tokens": [self.tokenizer.decode([t]) for t in c.tokens], "token_logprobs": c.logprobs.tolist(), "token_ids": c.tokens}
                 choices.append({"index": len(choices), "text": self.tokenizer.decode(c.tokens), "logprobs": lp,
                                 "finish_reason": c.finish_reason, "policy_version": c.policy_version})
-        return web.json_response({
+        return _json_response({
             "id": f"cmpl-{reqs[0].id}", "object": "text_completion", "created": int(time.time()), "model": self.config.model,
             "choices": choices, "seed": seed,
             "usage": {"prompt_tokens": sum(map(len, prompts)), "completion_tokens": completion_tokens,
@@ -313,7 +322,7 @@ class Server:
         swapped = self.engine.update_weights(params)
         self._kick()
         await asyncio.to_thread(swapped.wait)
-        return web.json_response({"policy_version": self.engine.policy_version})
+        return _json_response({"policy_version": self.engine.policy_version})
 
     def _load_update(self, path: str):
         """New weights for the served model, or BadRequest naming why not; the old weights stay.
@@ -332,19 +341,19 @@ class Server:
             raise BadRequest(f"checkpoint shapes {cfg} do not match the served model {self.cfg}")
         if cfg.dtype != self.cfg.dtype or any(leaf.dtype != jnp.dtype(self.cfg.dtype) for leaf in jax.tree.leaves(params)):
             raise BadRequest(f"checkpoint dtype {cfg.dtype} is not the served dtype {self.cfg.dtype}: cast it when saving")
-        bad = [jax.tree_util.keystr(k) for k, leaf in jax.tree_util.tree_leaves_with_path(params) if not bool(jnp.isfinite(leaf).all())]
+        bad = _non_finite(params)
         if bad:
             raise BadRequest(f"checkpoint has non-finite values in {', '.join(bad[:10])}")
         return params
 
     async def models(self, request):
         """GET /v1/models: the one served model, in OpenAI's list shape."""
-        return web.json_response({"object": "list", "data": [
+        return _json_response({"object": "list", "data": [
             {"id": self.config.model, "object": "model", "created": int(self.started), "owned_by": "rlkjax",
              "policy_version": self.engine.policy_version}]})
 
     async def health(self, request):
-        return web.json_response({"status": "ok", "policy_version": self.engine.policy_version})
+        return _json_response({"status": "ok", "policy_version": self.engine.policy_version})
 
     async def metrics(self, request):
         return web.Response(body=generate_latest(self.registry), content_type="text/plain", charset="utf-8")
@@ -442,6 +451,12 @@ async def _json(request: web.Request, read_timeout: float) -> dict:
     return body
 
 
+def _json_response(data, status: int = 200) -> web.Response:
+    """JSON that is JSON: NaN or Infinity (which json.dumps writes by default, and no parser accepts)
+    raise here, so a non-finite value becomes a logged 500, never a 200 with invalid JSON."""
+    return web.json_response(data, status=status, dumps=functools.partial(json.dumps, allow_nan=False))
+
+
 _ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 413: "invalid_request_error",
                 429: "rate_limit_error"}
 
@@ -449,7 +464,7 @@ _ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_
 def _error(status: int, message: str):
     """OpenAI's error shape, so its clients show the message (not just the status code)."""
     kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": None}}, status=status)
+    return _json_response({"error": {"message": message, "type": kind, "param": None, "code": None}}, status=status)
 
 
 @web.middleware
