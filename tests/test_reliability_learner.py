@@ -5,10 +5,36 @@ resume bit-identically or not at all."""
 import json
 
 import pytest
+import tyro
 
+from rlkjax.requests import MIN_TEMPERATURE
 from rlkjax.tasks import GSM8KTask
+from train import grpo
 
 SMALL = dict(prompts_per_step=2, group_size=4, max_new_tokens=4, max_prompt_tokens=16, progress=False)
+
+
+# ----- 1. flags -----
+@pytest.mark.parametrize("name,value", [
+    ("weight_decay", float("nan")), ("weight_decay", float("inf")), ("max_grad_norm", float("nan")),
+    ("max_grad_norm", float("inf")), ("beta", float("nan")), ("beta", float("inf")), ("tis_cap", float("nan")),
+    ("clip_eps", float("nan")), ("learning_rate", 1e39),  # finite as a float64, inf as the float32 it is used as
+    ("warmup_steps", -1), ("temperature", 1e-46), ("temperature", float("nan")), ("seed", -1), ("seed", 2**32),
+])
+def test_flags_are_checked_as_they_are_used(name, value):
+    """NaN passes every comparison (`nan < 0` is False), so `--beta nan` trained today; 1e-46 passes a
+    float64 `> 0` check and becomes 0 in float32 (NaN logprobs). Each error names the flag and the value."""
+    with pytest.raises(ValueError) as error:
+        grpo.GRPOConfig(**{name: value})
+    message = str(error.value)
+    assert f"--{name.replace('_', '-')}" in message and repr(value) in message, message
+
+
+def test_help_names_the_smallest_temperature(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")
+    with pytest.raises(SystemExit):
+        tyro.cli(grpo.GRPOConfig, args=["--help"])
+    assert f"at least {MIN_TEMPERATURE}" in capsys.readouterr().out
 
 
 # ----- 8. data files -----

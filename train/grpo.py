@@ -33,7 +33,6 @@ Deviations from the GRPO paper (Shao et al., 2024), each on purpose:
 import dataclasses
 import json
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Literal
@@ -51,6 +50,7 @@ from rlkjax import model
 from rlkjax.checkpoint import load_model, save_orbax_params
 from rlkjax.engine import Engine, EngineConfig
 from rlkjax.mismatch import mismatch_stats
+from rlkjax.requests import check_seed, check_temperature
 from rlkjax.shapes import cdiv
 from rlkjax.tasks import make_task
 from rlkjax.tokenizer import load_tokenizer
@@ -83,7 +83,7 @@ class GRPOConfig:
     max_prompt_tokens: int = 128
     """Longest prompt accepted (sizes the in-process engine's KV cache)."""
     temperature: float = 1.0
-    """Sampling temperature; the learner scores at the same temperature."""
+    """Sampling temperature, at least 0.0001 (smaller ones underflow float32 in the kernels); the learner scores at the same temperature."""
     learning_rate: float = 3e-3
     """Peak AdamW learning rate."""
     warmup_steps: int = 3
@@ -144,13 +144,21 @@ class GRPOConfig:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be positive")
         if self.group_size < 2:
             raise ValueError(f"--group-size={self.group_size} must be >= 2 (advantages compare samples of one prompt)")
-        for name in ("temperature", "learning_rate"):
-            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
-                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be finite and > 0")
-        if not 0 < self.clip_eps < 1:
-            raise ValueError(f"--clip-eps={self.clip_eps} must be in (0, 1)")
-        if self.beta < 0 or self.tis_cap < 0 or self.weight_decay < 0 or self.max_grad_norm <= 0:
-            raise ValueError("--beta, --tis-cap and --weight-decay must be >= 0, --max-grad-norm > 0")
+        if self.warmup_steps < 0:
+            raise ValueError(f"--warmup-steps={self.warmup_steps} must be >= 0")
+        check_seed("--seed", self.seed)
+        check_temperature("--temperature", self.temperature)  # as the float32 the kernels divide by
+        # Float flags must be finite as the float32 they are used as: NaN passes every comparison, and
+        # 1e39 is a finite Python float but inf in float32.
+        bounds = {"learning_rate": "> 0", "max_grad_norm": "> 0", "clip_eps": "> 0", "weight_decay": ">= 0", "beta": ">= 0", "tis_cap": ">= 0"}
+        for name, bound in bounds.items():
+            value = getattr(self, name)
+            with np.errstate(over="ignore"):
+                finite = bool(np.isfinite(np.float32(value)))
+            if not finite or (value <= 0 if bound == "> 0" else value < 0):
+                raise ValueError(f"--{name.replace('_', '-')}={value!r} must be finite (as a float32) and {bound}")
+        if not self.clip_eps < 1:
+            raise ValueError(f"--clip-eps={self.clip_eps!r} must be in (0, 1)")
         if self.tis_cap and self.numerics == "strict":
             raise ValueError("--tis-cap is for --numerics fast: in strict mode the ratio needs no correction")
 
