@@ -166,7 +166,7 @@ def test_restore_verifies_and_falls_back_past_a_corrupt_checkpoint(tmp_path, cap
     checkpoints.close()
 
 
-@pytest.mark.parametrize("damage", ["truncate meta", "garble meta", "truncate array file", "delete meta"])
+@pytest.mark.parametrize("damage", ["truncate meta", "garble meta", "truncate array file", "delete meta", "renamed step"])
 def test_damaged_checkpoint_is_named_in_one_line(tmp_path, damage):
     checkpoints = save_two(tmp_path / "checkpoints")
     step_dir = tmp_path / "checkpoints" / "2"
@@ -177,6 +177,9 @@ def test_damaged_checkpoint_is_named_in_one_line(tmp_path, damage):
         meta_file.write_text(meta_file.read_text().replace('"data_rng": 2', '"data_rng": 3'))
     elif damage == "delete meta":
         meta_file.unlink()
+    elif damage == "renamed step":  # a whole, valid checkpoint in the wrong step's directory
+        step_dir = step_dir.rename(step_dir.parent / "5")
+        meta_file = step_dir / "meta" / "metadata"
     else:
         data = max((p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
         data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
@@ -191,7 +194,7 @@ def test_damaged_checkpoint_is_named_in_one_line(tmp_path, damage):
 
 # ----- 2. resume: refused when the trajectory would change; metrics and versions continue -----
 def test_resume_refuses_changed_flags_and_a_fresh_run_over_old_checkpoints(tmp_path):
-    base = grpo.GRPOConfig(steps=1, out=str(tmp_path), admin_key="secret", **SMALL)
+    base = grpo.GRPOConfig(steps=1, verify_logprobs=False, out=str(tmp_path), admin_key="secret", **SMALL)
     grpo.train(base)
     meta = json.loads((tmp_path / "checkpoints" / "1" / "meta" / "metadata").read_text())
     assert meta["config"]["learning_rate"] == base.learning_rate and "admin_key" not in meta["config"]

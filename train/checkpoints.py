@@ -15,7 +15,9 @@ stops, listing why each failed.
 Checksums are computed on the device, not on the host: per array, the sum and the position-weighted
 sum of its raw bits as uint32, mod 2**32. Integer addition is associative, so the value does not depend
 on how an FSDP array is sharded, and only 8 bytes per array leave the device (no host gather of the
-weights, which also keeps it working with several hosts). It detects corruption, not tampering.
+weights, which also keeps it working with several hosts). It detects corruption, not tampering. On
+an H200, 9.7 GB of fp32 arrays (qwen3-8b's stacked layers and embedding) took 2.7 ms (3.6 TB/s), fused
+into one pass with no memory beyond the arrays; the per-step all(isfinite) check took 2.5 ms.
 """
 import dataclasses
 import hashlib
@@ -35,8 +37,9 @@ FORMAT = 1
 # weights move), only how long it runs, where it is written, what is reported, or how it is reached.
 # --steps stretches the cosine learning-rate schedule to the new horizon (logged when it changes); a
 # --data path may change as long as the file's contents (their sha256, checked separately) do not.
-RESUMABLE_CHANGES = frozenset({"steps", "out", "data", "progress", "checkpoint_every", "keep_checkpoints", "verify_logprobs",
-                               "on_mismatch", "resume", "resume_allow_changes", "rollout_url", "admin_key", "distributed"})
+RESUMABLE_CHANGES = frozenset({"steps", "out", "data", "progress", "checkpoint_every", "keep_checkpoints",
+                               "verify_logprobs", "on_mismatch", "resume", "resume_allow_changes", "rollout_url",
+                               "admin_key", "distributed"})
 SECRETS = frozenset({"admin_key"})  # never written to disk
 
 
@@ -48,7 +51,8 @@ class CheckpointError(ValueError):
 def _array_sums(leaves):
     sums = []
     for x in leaves:
-        bits = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]).astype(jnp.uint32)
+        unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+        bits = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
         index, stride = jnp.uint32(1), 1  # 1 + the element's row-major index, built per dimension so sharding is kept
         for d in reversed(range(x.ndim)):
             index = index + jax.lax.broadcasted_iota(jnp.uint32, x.shape, d) * np.uint32(stride % 2**32)
@@ -117,13 +121,16 @@ class Checkpoints:
         try:
             meta = json.loads(path.read_bytes())
         except (OSError, ValueError) as e:  # missing, unreadable, truncated, not UTF-8, not JSON
-            raise CheckpointError(f"{path}: unreadable checkpoint metadata ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            raise CheckpointError(f"{path}: unreadable checkpoint metadata ({why})") from None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise CheckpointError(f"{path}: not a format-{FORMAT} train.grpo checkpoint (written by an older version "
                                   "without checksums, or not by train.grpo)")
         seal = meta.pop("meta_sha256", None)
         if seal != _sealed(meta):
             raise CheckpointError(f"{path}: its contents do not match their recorded sha256 (edited or corrupted)")
+        if meta["step"] != step:
+            raise CheckpointError(f"{path}: records step {meta['step']}, but sits in the directory of step {step}")
         return meta
 
     def restore(self, step: int, target: dict, meta: dict) -> dict:
@@ -159,11 +166,13 @@ class Checkpoints:
             for bad, _ in skipped:
                 self._set_aside(bad)
             if skipped:
-                log.warning("resuming from checkpoint %d, the newest that verifies (skipped %s)", step, [s for s, _ in skipped])
+                log.warning("resuming from checkpoint %d, the newest that verifies (skipped %s)",
+                            step, [s for s, _ in skipped])
             return state, meta
         if not skipped:
             raise ValueError(f"--resume: no checkpoint in {self.directory}")
-        raise CheckpointError(f"--resume: no usable checkpoint in {self.directory}: " + "; ".join(why for _, why in skipped))
+        raise CheckpointError(f"--resume: no usable checkpoint in {self.directory}: "
+                              + "; ".join(why for _, why in skipped))
 
     def _set_aside(self, step: int) -> None:
         """Move an unusable checkpoint out of the manager's directory, kept for inspection."""

@@ -94,7 +94,8 @@ class GRPOConfig:
     max_prompt_tokens: int = 128
     """Longest prompt accepted (sizes the in-process engine's KV cache)."""
     temperature: float = 1.0
-    """Sampling temperature, at least 0.0001 (smaller ones underflow float32 in the kernels); the learner scores at the same temperature."""
+    """Sampling temperature, at least 0.0001 (smaller ones underflow float32 in the kernels);
+    the learner scores at the same temperature."""
     learning_rate: float = 3e-3
     """Peak AdamW learning rate."""
     warmup_steps: int = 3
@@ -163,7 +164,8 @@ class GRPOConfig:
         check_temperature("--temperature", self.temperature)  # as the float32 the kernels divide by
         # Float flags must be finite as the float32 they are used as: NaN passes every comparison, and
         # 1e39 is a finite Python float but inf in float32.
-        bounds = {"learning_rate": "> 0", "max_grad_norm": "> 0", "clip_eps": "> 0", "weight_decay": ">= 0", "beta": ">= 0", "tis_cap": ">= 0"}
+        bounds = {"learning_rate": "> 0", "max_grad_norm": "> 0", "clip_eps": "> 0",
+                  "weight_decay": ">= 0", "beta": ">= 0", "tis_cap": ">= 0"}
         for name, bound in bounds.items():
             value = getattr(self, name)
             with np.errstate(over="ignore"):
@@ -326,7 +328,8 @@ def check_prompt_lengths(task, tokenizer, limit: int) -> None:
     for example in getattr(task, "examples", ()):
         length = len(tokenizer.encode(example.prompt))
         if not 0 < length <= limit:
-            raise ValueError(f"{example.source}: the prompt is {length} tokens; --max-prompt-tokens={limit} accepts 1 to {limit}")
+            raise ValueError(f"{example.source}: the prompt is {length} tokens; "
+                             f"--max-prompt-tokens={limit} accepts 1 to {limit}")
 
 
 def check_resume(meta: dict, config: GRPOConfig, data_sha256: str | None) -> None:
@@ -340,7 +343,8 @@ def check_resume(meta: dict, config: GRPOConfig, data_sha256: str | None) -> Non
     for change in changes:
         log.warning("--resume-allow-changes: %s", change)
     if meta["config"].get("steps") != config.steps:
-        log.warning("--steps %s -> %s: the learning-rate schedule now decays over the new horizon", meta["config"].get("steps"), config.steps)
+        log.warning("--steps %s -> %s: the learning-rate schedule now decays over the new horizon",
+                    meta["config"].get("steps"), config.steps)
 
 
 def keep_metrics_until(path: Path, step: int) -> None:
@@ -372,8 +376,8 @@ def train(config: GRPOConfig) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     cfg, params = load_model(config.model, seed=config.seed)
     if config.max_prompt_tokens + config.max_new_tokens > cfg.max_position:
-        raise ValueError(f"--max-prompt-tokens + --max-new-tokens = {config.max_prompt_tokens + config.max_new_tokens} exceeds "
-                         f"the model's context of {cfg.max_position} tokens")
+        raise ValueError(f"--max-prompt-tokens + --max-new-tokens = {config.max_prompt_tokens + config.max_new_tokens} "
+                         f"exceeds the model's context of {cfg.max_position} tokens")
     tokenizer = load_tokenizer(config.model, config.tokenizer)
     task = make_task(config.task, config.data, config.reward)
     check_prompt_lengths(task, tokenizer, config.max_prompt_tokens)
@@ -393,7 +397,8 @@ def train(config: GRPOConfig) -> dict:
         """The optimiser step, plus what the non-finite check needs (a few bytes leave the device)."""
         updates, opt_state = optimizer.update(grads, opt_state, master)
         master = optax.apply_updates(master, updates)
-        finite = {"gradient": finite_leaves(grads), "parameter": finite_leaves(master), "optimiser state": finite_leaves(opt_state)}
+        finite = {"gradient": finite_leaves(grads), "parameter": finite_leaves(master),
+                  "optimiser state": finite_leaves(opt_state)}
         return master, opt_state, optax.tree.norm(grads), finite
 
     data_rng = np.random.default_rng(config.seed)
@@ -403,7 +408,8 @@ def train(config: GRPOConfig) -> dict:
     checkpoints = Checkpoints(out / "checkpoints", config.keep_checkpoints)
     data_sha256 = file_sha256(config.data)
     if config.resume:
-        state, meta = checkpoints.restore_newest(checkpoint_state(master, opt_state, ref), lambda meta: check_resume(meta, config, data_sha256))
+        state, meta = checkpoints.restore_newest(checkpoint_state(master, opt_state, ref),
+                                                 lambda meta: check_resume(meta, config, data_sha256))
         master, opt_state, ref = state["master"], state["opt_state"], state.get("ref")
         data_rng.bit_generator.state = meta["data_rng"]
         start = meta["step"]
@@ -478,10 +484,10 @@ def train(config: GRPOConfig) -> dict:
                 problem = nonfinite(step + 1, sum(losses), float(grad_norm), jax.device_get(finite),
                                     {"gradient": grads, "parameter": new_master, "optimiser state": new_opt_state})
                 if problem:  # before any sync, metrics row or checkpoint from this state
-                    last = checkpoints.latest()
-                    raise NonFiniteError(f"{problem} (update {u + 1} of {config.updates_per_batch}); stopped before any checkpoint, "
-                                         f"weight sync or final_hf from this state; the last good checkpoint is "
-                                         f"{f'step {last} in {checkpoints.directory}' if last else 'none (none was written yet)'}")
+                    good = checkpoints.latest()
+                    raise NonFiniteError(f"{problem} (update {u + 1} of {config.updates_per_batch}); stopped before any "
+                                         "checkpoint, weight sync or final_hf from this state; the last good checkpoint is "
+                                         + (f"step {good} in {checkpoints.directory}" if good else "none (none was written yet)"))
                 master, opt_state = new_master, new_opt_state
                 if u == 0:
                     row["grad_norm"] = float(grad_norm)
@@ -499,8 +505,8 @@ def train(config: GRPOConfig) -> dict:
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", mismatch=row.get("tokens_bits_differ", "-"))
             # 5. Checkpoints (with checksums, the config and the data state; see train/checkpoints.py).
             if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
-                checkpoints.save(step + 1, checkpoint_state(master, opt_state, ref),
-                                 {"data_rng": data_rng.bit_generator.state, "config": run_config(config), "data_sha256": data_sha256})
+                checkpoints.save(step + 1, checkpoint_state(master, opt_state, ref), {
+                    "data_rng": data_rng.bit_generator.state, "config": run_config(config), "data_sha256": data_sha256})
     finally:
         checkpoints.close()  # a save in flight completes, so the last good checkpoint is on disk whatever stopped the run
     rlkjax.save_hf_checkpoint(out / "final_hf", cfg, to_policy(master, cfg))
