@@ -308,6 +308,9 @@ class LocalRollout:
 
 
 class RemoteRollout:
+    """A `serve.rollout` server; its policy_version is the server's own count of weight updates (a
+    restarted server starts again from 0, also on --resume)."""
+
     def __init__(self, url, admin_key):
         import os
         from rlkjax.client import RolloutClient
