@@ -113,7 +113,12 @@ class CustomReward:
         module, _, name = spec.partition(":")
         if not name:
             raise ValueError(f"--reward {spec!r} must look like module:function")
-        self.base, self.fn = base, getattr(importlib.import_module(module), name)
+        try:
+            self.base, self.fn = base, getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"--reward {spec!r}: {e}") from None
+        if not callable(self.fn):
+            raise ValueError(f"--reward {spec!r} is not a function")
 
     def sample(self, rng, count):
         return self.base.sample(rng, count)

@@ -14,7 +14,7 @@ import pytest
 import tyro
 
 from rlkjax.requests import MIN_TEMPERATURE
-from rlkjax.tasks import GSM8KTask
+from rlkjax.tasks import GSM8KTask, make_task
 from train import grpo
 from train.checkpoints import CheckpointError, Checkpoints
 
@@ -108,6 +108,24 @@ def test_nonfinite_parameters_stop_the_run_before_anything_is_written(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1"]
     assert not (tmp_path / "final_hf").exists()
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+def nan_reward(prompt: str, completion: str) -> float:
+    """A user reward (--reward) that fails quietly."""
+    return float("nan") if len(completion) > 0 else 0.0
+
+
+def test_nonfinite_user_reward_stops_the_run(tmp_path):
+    """A NaN reward would make every advantage of its group NaN (and the loss); it is named at its source."""
+    with pytest.raises(grpo.NonFiniteError, match=r"^step 1: the reward of prompt 0, sample 0 is nan \('"):
+        grpo.train(grpo.GRPOConfig(steps=1, reward="tests.test_reliability_learner:nan_reward", verify_logprobs=False,
+                                   out=str(tmp_path), **SMALL))
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+    for spec, error in (("tests.nowhere:f", "No module named 'tests.nowhere'"),
+                        ("tests.test_reliability_learner:SMALL", "not a function"),
+                        ("tests.test_reliability_learner:nope", "has no attribute 'nope'")):
+        with pytest.raises(ValueError, match=f"--reward '{spec}'.*{error}"):
+            make_task("lowercase", None, spec)
 
 
 def test_nonfinite_names_what_came_first():

@@ -16,14 +16,14 @@ The algorithm, per step:
   5. Metrics (JSONL, progress bar, PNG plot at the end) and orbax checkpoints.
 
 Nothing silently wrong: flags are checked as they are used (temperatures as float32, every float
-finite); every prompt of a data file is tokenised and length-checked at start; loss, gradients,
-updated parameters and optimiser state are checked for non-finite values every update, and the first
-one stops the run (NonFiniteError naming the step and the tensor) before any checkpoint, weight sync
-or final_hf is written from that state. Checkpoints carry checksums of their arrays, the run's config
-and the data file's sha256 (train/checkpoints.py): --resume takes the newest one that verifies,
-refuses flags that would change the trajectory (--resume-allow-changes overrides), restores the KL
-reference with the policy, truncates metrics.jsonl to the restored step and continues the policy
-version, so a resumed run has the same bits as one that never stopped.
+finite); every prompt of a data file is tokenised and length-checked at start; rewards every step,
+and loss, gradients, updated parameters and optimiser state every update, are checked for non-finite
+values, and the first one stops the run (NonFiniteError naming the step and the tensor) before any
+checkpoint, weight sync or final_hf is written from that state. Checkpoints carry checksums of their
+arrays, the run's config and the data file's sha256 (train/checkpoints.py): --resume takes the
+newest one that verifies, refuses flags that would change the trajectory (--resume-allow-changes
+overrides), restores the KL reference with the policy, truncates metrics.jsonl to the restored step
+and continues the policy version, so a resumed run has the same bits as one that never stopped.
 
 The contract is enforced, not only logged: in strict numerics a sampler/learner mismatch (with
 --verify-logprobs) or a first update whose ratio is not exactly 1 (the loss's own logp_new must have
@@ -446,6 +446,10 @@ def train(config: GRPOConfig) -> dict:
             t1 = time.perf_counter()
             # 2. Rewards and advantages.
             rewards = np.array([[task.reward(e, tokenizer.decode(s["tokens"])) for s in g] for e, g in zip(examples, groups)], np.float64)
+            if not np.isfinite(rewards).all():  # a user reward's NaN would reach the loss as every token's advantage
+                prompt, sample = (int(i) for i in np.argwhere(~np.isfinite(rewards))[0])
+                raise NonFiniteError(f"step {step + 1}: the reward of prompt {prompt}, sample {sample} is "
+                                     f"{float(rewards[prompt, sample])!r} ({examples[prompt].prompt!r})")
             adv = group_advantages(rewards, config.scale_advantages)
             samples = [{"prompt": p, "tokens": s["tokens"], "logprobs": np.asarray(s["logprobs"], np.float32), "adv": float(a),
                         "temperature": config.temperature} for p, g, ar in zip(prompts, groups, adv) for s, a in zip(g, ar)]
