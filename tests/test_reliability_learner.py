@@ -37,6 +37,11 @@ def test_flags_are_checked_as_they_are_used(name, value):
     assert f"--{name.replace('_', '-')}" in message and repr(value) in message, message
 
 
+def test_data_for_a_task_that_ignores_it_is_refused():
+    with pytest.raises(ValueError, match="--data 'gsm8k.jsonl' is read only by --task gsm8k"):
+        grpo.GRPOConfig(data="gsm8k.jsonl")
+
+
 def test_help_names_the_smallest_temperature(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "400")
     with pytest.raises(SystemExit):

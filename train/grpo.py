@@ -176,6 +176,8 @@ class GRPOConfig:
             raise ValueError(f"--clip-eps={self.clip_eps!r} must be in (0, 1)")
         if self.tis_cap and self.numerics == "strict":
             raise ValueError("--tis-cap is for --numerics fast: in strict mode the ratio needs no correction")
+        if self.data is not None and self.task != "gsm8k":
+            raise ValueError(f"--data {self.data!r} is read only by --task gsm8k (--task {self.task} would ignore it)")
 
 
 # ----- the algorithm: advantages and the learner's loss -----
