@@ -58,8 +58,9 @@ def read_jsonl(path) -> list[tuple[int, dict]]:
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        raise ValueError(f"{path}:{data[:e.start].count(b'\n') + 1}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
-                         f"{e.start}); expected JSON lines") from None
+        line = data[: e.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+                         "expected JSON lines") from None
     rows = []
     for number, line in enumerate(text.split("\n"), 1):
         if not line.strip():
@@ -90,7 +91,8 @@ class GSM8KTask:
                                      f"{'nothing' if value is None else type(value).__name__}")
             final = answer.split("####")[-1].strip().replace(",", "")
             if not question.strip() or "####" not in answer or not re.fullmatch(r"-?\d+(\.\d+)?", final):
-                raise ValueError(f"{path}:{number}: need a non-empty 'question' and an 'answer' ending in '#### <number>'")
+                raise ValueError(f"{path}:{number}: need a non-empty 'question' and an 'answer' ending in "
+                                 "'#### <number>'")
             self.examples.append(Example(question, final, f"{path}:{number}"))
         if not self.examples:
             raise ValueError(f"{path}: no examples")

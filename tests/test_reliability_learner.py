@@ -59,7 +59,8 @@ def gsm8k(question="1+1?", answer="so #### 2"):
     ([gsm8k(), gsm8k(question=5)], ":2: 'question' must be a string, got int"),
     ([gsm8k(answer=["#### 2"])], ":1: 'answer' must be a string, got list"),
     ([json.dumps({"question": "q"})], ":1: 'answer' must be a string, got nothing"),
-    ([gsm8k(), gsm8k(answer="no final answer")], ":2: need a non-empty 'question' and an 'answer' ending in '#### <number>'"),
+    ([gsm8k(), gsm8k(answer="no final answer")],
+     ":2: need a non-empty 'question' and an 'answer' ending in '#### <number>'"),
     ([gsm8k(), gsm8k(answer="#### ")], ":2: need"),
     (["[1, 2]"], ":1: expected a JSON object, got list"),
     (["", ""], ": no examples"),
@@ -80,7 +81,7 @@ def test_binary_and_unicode_data_files(tmp_path):
     with pytest.raises(ValueError, match=r"model.safetensors:2: not UTF-8 text \(byte 0x89 at offset 3\)"):
         GSM8KTask(binary)
     text = tmp_path / "unicode.jsonl"
-    text.write_text(json.dumps({"question": "a\u2028b\x85c", "answer": "#### -3"}, ensure_ascii=False) + "\n" + "oops\n")
+    text.write_text(json.dumps({"question": "a\u2028b\x85c", "answer": "#### -3"}, ensure_ascii=False) + "\noops\n")
     with pytest.raises(ValueError, match="unicode.jsonl:2: not valid JSON"):
         GSM8KTask(text)
     text.write_text("\ufeff" + json.dumps({"question": "a\u2028b", "answer": "#### -3"}, ensure_ascii=False) + "\n")
@@ -138,7 +139,8 @@ def test_nonfinite_names_what_came_first():
     finite = {"gradient": np.array([True, False]), "parameter": np.array([False, False])}
     trees = {"gradient": grads, "parameter": grads}
     assert grpo.nonfinite(7, float("inf"), 1.0, finite, trees) == "step 7: the loss is inf"
-    assert grpo.nonfinite(7, 0.5, float("nan"), finite, trees).startswith("step 7: gradient ['b'] holds non-finite values (1 of 2")
+    assert grpo.nonfinite(7, 0.5, float("nan"), finite, trees).startswith(
+        "step 7: gradient ['b'] holds non-finite values (1 of 2")
     ok = {"gradient": np.array([True, True]), "parameter": np.array([True, True])}
     assert "the gradient norm is inf" in grpo.nonfinite(7, 0.5, float("inf"), ok, trees)
     assert grpo.nonfinite(7, 0.5, 1.0, ok, trees) is None
@@ -147,8 +149,8 @@ def test_nonfinite_names_what_came_first():
 # ----- 2. checkpoints that prove themselves -----
 def tree(seed):
     rng = np.random.default_rng(seed)
-    return {"w": jnp.asarray(rng.standard_normal((64, 96)), jnp.float32), "b": jnp.asarray(rng.standard_normal(96), jnp.bfloat16),
-            "count": jnp.int32(seed)}
+    return {"w": jnp.asarray(rng.standard_normal((64, 96)), jnp.float32),
+            "b": jnp.asarray(rng.standard_normal(96), jnp.bfloat16), "count": jnp.int32(seed)}
 
 
 def save_two(directory):
@@ -178,7 +180,7 @@ def test_restore_verifies_and_falls_back_past_a_corrupt_checkpoint(tmp_path, cap
     state, meta = checkpoints.restore_newest(tree(0), lambda meta: None)
     assert meta["step"] == 2 and bits_equal(state, tree(2))
     flip_64_bytes(tmp_path / "checkpoints" / "2")
-    with pytest.raises(CheckpointError, match=r"checkpoints/2/state: .* differ from their recorded checksums, first \['w'\]"):
+    with pytest.raises(CheckpointError, match=r"checkpoints/2/state: .* recorded checksums, first \['w'\]"):
         checkpoints.restore(2, tree(0), checkpoints.read_meta(2))
     with caplog.at_level(logging.WARNING, logger="train.grpo"):
         state, meta = checkpoints.restore_newest(tree(0), lambda meta: None)
@@ -189,7 +191,8 @@ def test_restore_verifies_and_falls_back_past_a_corrupt_checkpoint(tmp_path, cap
     checkpoints.close()
 
 
-@pytest.mark.parametrize("damage", ["truncate meta", "garble meta", "truncate array file", "delete meta", "renamed step"])
+@pytest.mark.parametrize("damage", ["truncate meta", "garble meta", "truncate array file", "delete meta",
+                                    "renamed step"])
 def test_damaged_checkpoint_is_named_in_one_line(tmp_path, damage):
     checkpoints = save_two(tmp_path / "checkpoints")
     step_dir = tmp_path / "checkpoints" / "2"
@@ -221,11 +224,13 @@ def test_resume_refuses_changed_flags_and_a_fresh_run_over_old_checkpoints(tmp_p
     grpo.train(base)
     meta = json.loads((tmp_path / "checkpoints" / "1" / "meta" / "metadata").read_text())
     assert meta["config"]["learning_rate"] == base.learning_rate and "admin_key" not in meta["config"]
-    changed = dataclasses.replace(base, resume=True, learning_rate=1e-2, group_size=2, temperature=0.5, keep_checkpoints=5)
+    changed = dataclasses.replace(base, resume=True, learning_rate=1e-2, group_size=2, temperature=0.5,
+                                  keep_checkpoints=5)
     with pytest.raises(ValueError) as error:
         grpo.train(changed)
     message = str(error.value)
-    for part in ("--learning-rate: 0.003 -> 0.01", "--group-size: 4 -> 2", "--temperature: 1.0 -> 0.5", "--resume-allow-changes"):
+    for part in ("--learning-rate: 0.003 -> 0.01", "--group-size: 4 -> 2", "--temperature: 1.0 -> 0.5",
+                 "--resume-allow-changes"):
         assert part in message, message
     assert "--keep-checkpoints" not in message
     grpo.train(dataclasses.replace(changed, resume_allow_changes=True))  # nothing left to run: restores and exports
@@ -263,7 +268,8 @@ def test_resume_past_a_corrupt_checkpoint_is_bit_identical(tmp_path, caplog):
         assert np.array_equal(x, y)
     rows = [json.loads(line) for line in (tmp_path / "c" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
-    assert [r["policy_version"] for r in rows] == [r["policy_version"] for r in straight["history"]] == [0, 1, 2, 3, 4, 5]
+    versions = [r["policy_version"] for r in rows]
+    assert versions == [r["policy_version"] for r in straight["history"]] == [0, 1, 2, 3, 4, 5]
 
 
 @pytest.mark.slow

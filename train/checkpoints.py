@@ -67,10 +67,10 @@ def tensor_paths(tree) -> list[str]:
 
 def checksums(tree) -> dict[str, str]:
     """{tensor path: "dtype[shape]:checksum"} for every array of `tree`."""
-    paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(tree)[0])
+    paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(tree)[0], strict=True)
     sums = jax.device_get(_array_sums(list(leaves)))
     return {jax.tree_util.keystr(p): f"{x.dtype}{list(x.shape)}:{int(s[0]):08x}{int(s[1]):08x}"
-            for p, x, s in zip(paths, leaves, sums)}
+            for p, x, s in zip(paths, leaves, sums, strict=True)}
 
 
 def run_config(config) -> dict:
@@ -114,7 +114,8 @@ class Checkpoints:
     def save(self, step: int, state: dict, meta: dict) -> None:
         meta = {"format": FORMAT, "step": step, **meta, "checksums": checksums(state)}
         meta["meta_sha256"] = _sealed(meta)
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+        items = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+        self.manager.save(step, args=items)
 
     def read_meta(self, step: int) -> dict:
         path = self.directory / str(step) / "meta" / "metadata"
