@@ -9,6 +9,7 @@ mismatch (strict must be 0).
 """
 import argparse
 import json
+import tempfile
 
 import jax
 import numpy as np
@@ -34,7 +35,7 @@ def main():
         for numerics in ("fast", "strict"):
             config = grpo.GRPOConfig(model=name, numerics=numerics, steps=args.steps, prompts_per_step=args.prompts,
                                      group_size=args.group, max_new_tokens=args.new_tokens, verify_logprobs=True,
-                                     micro_batch=args.micro_batch, learning_rate=1e-6, out=f"/tmp/grpo_{name}_{numerics}", progress=False,
+                                     micro_batch=args.micro_batch, learning_rate=1e-6, out=tempfile.mkdtemp(prefix=f"grpo_{name}_{numerics}_"), progress=False,
                                      checkpoint_every=10**6)
             result = grpo.train(config)
             n_params = sum(x.size for x in jax.tree.leaves(result["master"]))

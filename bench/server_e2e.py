@@ -30,7 +30,7 @@ def main():
     import rlkjax
     from bench._report import new_report, save_report
     from rlkjax.mismatch import mismatch_stats
-    from serve.client import RolloutClient
+    from rlkjax.client import RolloutClient
 
     proc = subprocess.Popen([sys.executable, "-m", "serve.rollout", "--model", args.model, "--numerics", args.numerics,
                              "--port", str(args.port), "--max-batch", "64", "--num-pages", "8192", "--max-context", "1024"], env=env)

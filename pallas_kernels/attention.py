@@ -119,7 +119,28 @@ def _merge_kernel(pos_ref, acc_ref, m_ref, l_ref, o_ref, *, kv_split):
     o_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0).astype(o_ref.dtype)
 
 
-def _pallas_attention(q, k_pages, v_pages, layer, page_table, positions, config, interpret):
+def _padded_attention(q, k_pages, v_pages, layer, page_table, positions, config, interpret):
+    """Triton tiles are powers of two: a head dim that is not one (or is < 16, the smallest dot)
+    gets zero features on q, k and v (exact zero products; the zero output columns are sliced
+    away), with the scale from the true head dim; a group size that is not one gets zero query
+    heads, computed and dropped (each query row's softmax is its own). Only the layer being read
+    is copied and padded. Power-of-two shapes go straight through."""
+    b, t, hq, dh = q.shape
+    hkv = k_pages.shape[1]
+    g = hq // hkv
+    dh_p, g_p = max(16, pl.next_power_of_2(dh)), pl.next_power_of_2(g)
+    if (dh_p, g_p) == (dh, g):
+        return _pallas_attention(q, k_pages, v_pages, layer, page_table, positions, config, interpret)
+    if dh_p != dh:
+        k_pages, v_pages = (pad_dim(jax.lax.dynamic_index_in_dim(p, layer, 0), 4, dh_p) for p in (k_pages, v_pages))
+        layer = jnp.int32(0)
+    q = pad_dim(pad_dim(q.reshape(b, t, hkv, g, dh), 3, g_p), 4, dh_p).reshape(b, t, hkv * g_p, dh_p)
+    scale = 1.0 / math.sqrt(dh)
+    out = _pallas_attention(q, k_pages, v_pages, layer, page_table, positions, config, interpret, scale=scale)
+    return out.reshape(b, t, hkv, g_p, dh_p)[:, :, :, :g, :dh].reshape(b, t, hq, dh)
+
+
+def _pallas_attention(q, k_pages, v_pages, layer, page_table, positions, config, interpret, scale=None):
     b, t, hq, dh = q.shape
     num_layers, hkv, num_pages, ps, _ = k_pages.shape
     g = hq // hkv
@@ -136,7 +157,7 @@ def _pallas_attention(q, k_pages, v_pages, layer, page_table, positions, config,
     rows = bq * g
     part = lambda *blk: pl.BlockSpec((None, None, None, rows, *blk), lambda i, h, j, s: (i, h, s, j, *[0] * len(blk)))  # noqa: E731
     acc, m, l = pl.pallas_call(
-        functools.partial(_kernel, page_size=ps, kv_split=config.kv_split, scale=1.0 / math.sqrt(dh)),
+        functools.partial(_kernel, page_size=ps, kv_split=config.kv_split, scale=scale or 1.0 / math.sqrt(dh)),
         grid=(b, hkv, tp // bq, splits),
         in_specs=[
             pl.BlockSpec((1,), lambda i, h, j, s: (0,)),
@@ -183,7 +204,7 @@ def paged_attention(q, k, v, k_pages, v_pages, layer, page_table, positions, con
     _check(q, k, v, k_pages, v_pages, page_table, positions)
     k_pages = write_kv(k_pages, k, layer, page_table, positions)
     v_pages = write_kv(v_pages, v, layer, page_table, positions)
-    return _pallas_attention(q, k_pages, v_pages, layer, page_table, positions, config, interpret), k_pages, v_pages
+    return _padded_attention(q, k_pages, v_pages, layer, page_table, positions, config, interpret), k_pages, v_pages
 
 
 def _fwd(q, k, v, k_pages, v_pages, layer, page_table, positions, config, interpret):

@@ -53,7 +53,7 @@ def _tile_logits(h_ref, w_ref, v0, temp, *, block_vocab, block_k, k_steps):
 
 
 def _split_kernel(h_ref, w_ref, tgt_ref, temp_ref, key_ref, m_ref, s_ref, tgt_logit_ref, best_score_ref, best_tok_ref, best_logit_ref,
-                  *, block_vocab, block_k, k_steps, tiles_per_split, num_tiles):
+                  *, block_vocab, block_k, k_steps, tiles_per_split, num_tiles, vocab):
     rows = h_ref.shape[0]
     temp, tgt, key = temp_ref[...], tgt_ref[...], key_ref[...]
     first = pl.program_id(1) * tiles_per_split
@@ -63,6 +63,8 @@ def _split_kernel(h_ref, w_ref, tgt_ref, temp_ref, key_ref, m_ref, s_ref, tgt_lo
         v0 = pl.multiple_of(vi * block_vocab, block_vocab)
         logits = _tile_logits(h_ref, w_ref, v0, temp, block_vocab=block_vocab, block_k=block_k, k_steps=k_steps)
         cols = v0 + jnp.arange(block_vocab, dtype=jnp.int32)[None, :]
+        if vocab is not None:  # a padded vocab: its padded ids are never counted, matched or drawn
+            logits = jnp.where(cols < vocab, logits, -jnp.inf)
         # Running log-sum-exp, tiles in ascending order.
         m_new = jnp.maximum(m, jnp.max(logits, axis=1))
         s = s * _math.exp(m - m_new) + jnp.sum(_math.exp(logits - m_new[:, None]), axis=1)
@@ -114,18 +116,20 @@ def _check(h, w, *rows):
 
 def _fused(h, w, targets, temperature, keys, config: LogprobConfig, interpret: bool):
     """Returns (target_logprobs, sampled_tokens, sampled_logprobs, lse), each [N]."""
-    n, d = h.shape
-    vocab = w.shape[0]
+    n, vocab = h.shape[0], w.shape[0]
     c = config
-    if vocab % c.block_vocab or d % c.block_k:
-        raise ValueError(f"vocab {vocab} / hidden {d} must be multiples of block_vocab={c.block_vocab} / block_k={c.block_k}")
+    masked_vocab = vocab if vocab % c.block_vocab else None
+    # Odd shapes: D gets zero features (exact zero products) up to whole K steps, and the vocabulary
+    # zero rows up to whole tiles, whose ids the kernel masks to -inf. Tile multiples copy nothing.
+    h, w = pad_dim(h, 1, c.block_k), pad_dim(pad_dim(w, 1, c.block_k), 0, c.block_vocab)
+    d = h.shape[1]
     br = c.block_rows
     h = pad_dim(h, 0, br)
     # Padding rows get temperature 1 so they stay finite; their outputs are sliced away.
     temperature = pad_dim(temperature.astype(F32), 0, br, value=1.0)
     targets, keys = pad_dim(targets.astype(jnp.int32), 0, br), pad_dim(keys, 0, br)
     rows_p = h.shape[0]
-    num_tiles = vocab // c.block_vocab
+    num_tiles = w.shape[0] // c.block_vocab
     splits = min(c.vocab_splits, num_tiles)
     tiles_per_split = -(-num_tiles // splits)
     row = pl.BlockSpec((br,), lambda i, j: (i,))
@@ -133,9 +137,9 @@ def _fused(h, w, targets, temperature, keys, config: LogprobConfig, interpret: b
     part_types = (F32, F32, F32, F32, jnp.int32, F32)
     parts = pl.pallas_call(
         functools.partial(_split_kernel, block_vocab=c.block_vocab, block_k=c.block_k, k_steps=d // c.block_k,
-                          tiles_per_split=tiles_per_split, num_tiles=num_tiles),
+                          tiles_per_split=tiles_per_split, num_tiles=num_tiles, vocab=masked_vocab),
         grid=(rows_p // br, splits),
-        in_specs=[pl.BlockSpec((br, d), lambda i, j: (i, 0)), pl.BlockSpec((vocab, d), lambda i, j: (0, 0)), row, row, row],
+        in_specs=[pl.BlockSpec((br, d), lambda i, j: (i, 0)), pl.BlockSpec(w.shape, lambda i, j: (0, 0)), row, row, row],
         out_specs=[part] * 6,
         out_shape=[jax.ShapeDtypeStruct((splits, rows_p), t) for t in part_types],
         compiler_params=compiler_params(c.num_warps, c.num_stages),
@@ -189,20 +193,23 @@ def _bwd(config, interpret, saved, g):
     """d logp / d logits_v = (onehot_v - p_v) / T, streamed over vocab chunks with the saved
     log-sum-exp, so the backward never holds [N, V] either. Plain XLA, fixed chunk order."""
     h, w, targets, temperature, lse = saved
-    chunk = _vocab_chunk(w.shape[0], config.block_vocab)
-    wc = w.reshape(-1, chunk, w.shape[1])
+    vocab = w.shape[0]
+    chunk = _vocab_chunk(vocab, config.block_vocab)
+    wc = pad_dim(w, 0, chunk).reshape(-1, chunk, w.shape[1])  # an odd vocab: padded ids masked below
     hf, inv_t = h.astype(F32), 1.0 / temperature.astype(F32)
 
     def step(dh, xs):
         w_tile, v0 = xs
         z = jnp.dot(hf, w_tile.astype(F32).T) * inv_t[:, None]
         p = jnp.exp(z - lse[:, None])
+        if vocab % chunk:
+            p = jnp.where((v0 + jnp.arange(chunk))[None, :] < vocab, p, 0.0)
         onehot = (v0 + jnp.arange(chunk))[None, :] == targets[:, None]
         dz = (g * inv_t)[:, None] * (onehot.astype(F32) - p)
         return dh + dz @ w_tile.astype(F32), (dz.T @ hf).astype(w.dtype)
 
     dh, dw = jax.lax.scan(step, jnp.zeros(hf.shape, F32), (wc, jnp.arange(wc.shape[0]) * chunk))
-    return dh.astype(h.dtype), dw.reshape(w.shape), None, None
+    return dh.astype(h.dtype), dw.reshape(-1, w.shape[1])[:vocab], None, None
 
 
 token_logprobs.defvjp(_fwd, _bwd)

@@ -38,14 +38,14 @@ def _norm(x, inv, w, dtype):
     return (w.astype(acc) * n.astype(acc)).astype(dtype)
 
 
-def _kernel(x_ref, w_ref, *refs, eps, block_d, d, rope):
+def _kernel(x_ref, w_ref, *refs, eps, block_d, d, rope, width):
     o_ref = refs[-1]
     chunks = [pl.ds(i, block_d) for i in range(0, d, block_d)]
     sumsq = jnp.zeros((x_ref.shape[0],), F32)
     for c in chunks:  # ascending, fixed width: the reduction order is part of the contract
         xc = x_ref[:, c].astype(F32)
         sumsq = sumsq + jnp.sum(xc * xc, axis=1)
-    inv = _math.rsqrt(sumsq / d + eps)[:, None]
+    inv = _math.rsqrt(sumsq / width + eps)[:, None]  # width: the true feature count (d may be padded)
     if not rope:
         for c in chunks:
             o_ref[:, c] = _norm(x_ref[:, c], inv, w_ref[c], o_ref.dtype)
@@ -58,7 +58,30 @@ def _kernel(x_ref, w_ref, *refs, eps, block_d, d, rope):
     o_ref[:, hi] = (x2 * cos + x1 * sin).astype(o_ref.dtype)
 
 
-def _pallas_rmsnorm(x, w, cos, sin, eps, config, interpret):
+def _pad_halves(a, half_width):
+    """[..., 2h] -> [..., 2 * half_width] laid out [a1, 0, a2, 0]: RoPE's halves stay aligned."""
+    h = a.shape[-1] // 2
+    return jnp.concatenate([pad_dim(a[..., :h], -1, half_width), pad_dim(a[..., h:], -1, half_width)], axis=-1)
+
+
+def _padded_rmsnorm(x, w, cos, sin, eps, config, interpret):
+    """Triton blocks are powers of two: a width that is not a whole number of them gets zero
+    features (exact zeros in the sum of squares; the mean divides by the true width), sliced away
+    after. With RoPE each half is padded on its own, so x1, x2, cos and sin stay lined up."""
+    width = x.shape[1]
+    if cos is not None and width // 2 != pl.next_power_of_2(width // 2):
+        half = pl.next_power_of_2(width // 2)
+        x, w, cos, sin = _pad_halves(x, half), _pad_halves(w, half), pad_dim(cos, 1, half), pad_dim(sin, 1, half)
+        y = _pallas_rmsnorm(x, w, cos, sin, eps, config, interpret, width)
+        return jnp.concatenate([y[:, :width // 2], y[:, half:half + width // 2]], axis=1)
+    chunk = min(config.block_d, pl.next_power_of_2(width))
+    if cos is None and width % chunk:
+        x, w = pad_dim(x, 1, chunk), pad_dim(w, 0, chunk)
+        return _pallas_rmsnorm(x, w, cos, sin, eps, config, interpret, width)[:, :width]
+    return _pallas_rmsnorm(x, w, cos, sin, eps, config, interpret)
+
+
+def _pallas_rmsnorm(x, w, cos, sin, eps, config, interpret, width=None):
     n, d = x.shape
     rope = cos is not None
     block_d = d // 2 if rope else min(config.block_d, d)
@@ -72,7 +95,7 @@ def _pallas_rmsnorm(x, w, cos, sin, eps, config, interpret):
         args += [pad_dim(cos, 0, br), pad_dim(sin, 0, br)]
         specs += [pl.BlockSpec((br, d // 2), lambda i: (i, 0))] * 2
     y = pl.pallas_call(
-        functools.partial(_kernel, eps=eps, block_d=block_d, d=d, rope=rope),
+        functools.partial(_kernel, eps=eps, block_d=block_d, d=d, rope=rope, width=width or d),
         grid=(args[0].shape[0] // br,),
         in_specs=specs,
         out_specs=pl.BlockSpec((br, d), lambda i: (i, 0)),
@@ -88,7 +111,7 @@ def rmsnorm(x, weight, cos, sin, eps: float, config: RMSNormConfig, interpret: b
     """RMSNorm(x) * weight, then RoPE if cos/sin are given (else pass None for both)."""
     if x.ndim != 2 or weight.shape != (x.shape[1],):
         raise ValueError(f"rmsnorm shapes do not match: x {x.shape}, weight {weight.shape}")
-    return _pallas_rmsnorm(x, weight, cos, sin, eps, config, interpret)
+    return _padded_rmsnorm(x, weight, cos, sin, eps, config, interpret)
 
 
 def _fwd(x, weight, cos, sin, eps, config, interpret):

@@ -39,7 +39,8 @@ def swiglu(gate, up, config: SwiGLUConfig, interpret: bool):
     if gate.shape != up.shape or gate.ndim != 2:
         raise ValueError(f"swiglu shapes do not match: gate {gate.shape}, up {up.shape}")
     n, f = gate.shape
-    br, bc = config.block_rows, min(config.block_cols, f)
+    # Column tiles are powers of two (Triton); an odd F is padded up to whole tiles and sliced back.
+    br, bc = config.block_rows, min(config.block_cols, pl.next_power_of_2(f))
     g, u = (pad_dim(pad_dim(a, 0, br), 1, bc) for a in (gate, up))
     spec = pl.BlockSpec((br, bc), lambda i, j: (i, j))
     y = pl.pallas_call(

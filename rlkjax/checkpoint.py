@@ -52,13 +52,17 @@ def load_hf_checkpoint(directory, dtype: str | None = None):
     if not files:
         raise ValueError(f"{directory} holds no *.safetensors files")
     wanted = hf_names(cfg)
-    params, layers = {}, {name: [None] * cfg.num_layers for name in _LAYER_PREFIX}
+    params, layers, unexpected, tied_head = {}, {name: [None] * cfg.num_layers for name in _LAYER_PREFIX}, [], None
     for fname in files:
         with safe_open(directory / fname, framework="flax") as f:
             for name in f.keys():
                 path = wanted.pop(name, None)
                 if path is None:
-                    continue  # e.g. lm_head.weight saved alongside tied embeddings
+                    if name == "lm_head.weight" and cfg.tie_embeddings:
+                        tied_head = jnp.asarray(f.get_tensor(name), cfg.dtype)  # HF may save the tied copy too
+                    else:
+                        unexpected.append(f"{name} ({fname})")
+                    continue
                 array = f.get_tensor(name)
                 if array.shape != _expected_shape(cfg, path):
                     raise ValueError(f"{name} has shape {array.shape}, config says {_expected_shape(cfg, path)}")
@@ -67,8 +71,14 @@ def load_hf_checkpoint(directory, dtype: str | None = None):
                     layers[path[2]][path[1]] = array
                 else:
                     params[path[0]] = array
+    if unexpected:
+        raise ValueError(f"checkpoint {directory} holds {len(unexpected)} tensors a Qwen3 model with this config.json does "
+                         f"not have: {', '.join(sorted(unexpected)[:20])}{' ...' if len(unexpected) > 20 else ''}")
     if wanted:
         raise ValueError(f"checkpoint {directory} is missing {len(wanted)} tensors, e.g. {next(iter(wanted))}")
+    if tied_head is not None and not bool(jnp.all(tied_head == params["embed_tokens"])):
+        raise ValueError(f"checkpoint {directory} says tie_word_embeddings but its lm_head.weight differs from "
+                         "model.embed_tokens.weight: which one to use is ambiguous")
     params["layers"] = {name: jnp.stack(arrays) for name, arrays in layers.items()}
     return cfg, params
 

@@ -46,18 +46,20 @@ class ModelConfig:
             config = json.loads(Path(config).read_text())
         if config.get("model_type", "qwen3") != "qwen3":
             raise ValueError(f"model_type {config.get('model_type')!r} is not qwen3")
+        _check_hf_features(config)
         hf_dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
         return ModelConfig(
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
             num_layers=config["num_hidden_layers"],
             num_heads=config["num_attention_heads"],
-            num_kv_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
-            head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+            num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+            # Absent: Qwen3Config's default 128 (not hidden / heads); null: the rotary embedding's hidden / heads.
+            head_dim=config.get("head_dim", 128) or config["hidden_size"] // config["num_attention_heads"],
             intermediate_size=config["intermediate_size"],
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
             max_position=config.get("max_position_embeddings", 40960),
-            rope_theta=float(config.get("rope_theta", 1_000_000.0)),
+            rope_theta=_rope_theta(config),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             dtype=dtype or ("float32" if hf_dtype == "float32" else "bfloat16"),
         )
@@ -81,6 +83,32 @@ class ModelConfig:
             "attention_bias": False,
             "torch_dtype": self.dtype,
         }
+
+
+def _rope_theta(config: dict) -> float:
+    """RoPE's base from either config.json layout: transformers v4 writes a top-level `rope_theta`
+    (and `rope_scaling`, null for plain RoPE); v5 writes `rope_parameters: {"rope_type", "rope_theta"}`.
+    Only the default (unscaled) RoPE is implemented: a scaled one would silently change every
+    position's angles, so it is refused by name."""
+    scaling = config.get("rope_scaling") or {}
+    params = config.get("rope_parameters") or {}
+    for where, spec in (("rope_scaling", scaling), ("rope_parameters", params)):
+        kind = spec.get("rope_type", spec.get("type", "default"))
+        if kind != "default":
+            raise ValueError(f"{where} asks for rope_type {kind!r}; only the default RoPE is implemented")
+    # Absent from both: Qwen3Config's own default (10000), which is what transformers would run.
+    return float(params.get("rope_theta", config.get("rope_theta", 10_000.0)))
+
+
+def _check_hf_features(config: dict) -> None:
+    """Qwen3Config options that change the model beyond its shapes and are not implemented: refuse
+    them by name rather than run a different model."""
+    if config.get("attention_bias", False):
+        raise ValueError("attention_bias=true (biases on q/k/v/o projections) is not implemented")
+    if config.get("use_sliding_window", False) or any(t != "full_attention" for t in config.get("layer_types") or []):
+        raise ValueError("sliding-window attention layers are not implemented (use_sliding_window / layer_types)")
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {config['hidden_act']!r} is not implemented; only 'silu' (SwiGLU)")
 
 
 PRESETS = {

@@ -24,6 +24,7 @@ import threading
 from collections import deque
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from rlkjax.config import ModelConfig
@@ -53,9 +54,11 @@ class EngineConfig:
     """Prompt tokens prefilled per engine step (across sequences)."""
     max_context: int | None = None
     """Longest prompt + max_new_tokens accepted (default: the model's max_position)."""
+    decode_steps: int = 8
+    """Decode steps per host round trip (a loop on the device; sequences join and leave between rounds)."""
 
     def __post_init__(self):
-        for name in ("num_pages", "max_batch", "prefill_chunk", "token_budget"):
+        for name in ("num_pages", "max_batch", "prefill_chunk", "token_budget", "decode_steps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
         if self.num_pages < 2:
@@ -123,6 +126,11 @@ class Sequence:
     def decoding(self) -> bool:
         return self.cached == len(self.tokens) - 1
 
+    @property
+    def started(self) -> bool:
+        """Its pages or tokens came from the current weights: it must finish before a swap."""
+        return bool(self.pages) or self.generated > 0
+
 
 @dataclasses.dataclass(eq=False)
 class Request:
@@ -133,6 +141,7 @@ class Request:
     temperature: float
     seed: int
     stop_token_ids: frozenset
+    group: object = None  # admission takes turns between groups (the server: one per HTTP request); None = its own
     results: list = dataclasses.field(default_factory=list)  # Completion per sample index, None until done
     pending_forks: int = 0  # samples waiting for the leader's prompt pages
     cancelled: bool = False
@@ -159,6 +168,41 @@ def decode_step(params, tokens, positions, kv_cache, page_table, seeds, steps, t
     return next_tokens, logprobs, kv_cache
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "numerics", "num_steps"), donate_argnames=("kv_cache",))
+def decode_round(params, tokens, positions, kv_cache, page_table, seeds, steps, temps, budget, stop_ids, rope, cfg, numerics,
+                 num_steps):
+    """Up to `num_steps` decode steps on the device per host round trip.
+
+    tokens, positions, seeds, steps (tokens sampled so far), temps, budget (tokens the row may still
+    sample) [B]; stop_ids [B, S] (-1 pads). Every step is exactly `decode_step` (same forward, same
+    sample, keys (seed, steps + i)), so a round gives the bits single steps give. A row stops after
+    sampling one of its stop ids or its budget; from then on it is fed as padding (position -1:
+    written to the trash page, read by nobody). The loop ends early once every row has stopped.
+    Returns tokens [B, num_steps] (-1 after a row stopped), their logprobs, and the cache.
+    """
+    rows = tokens.shape[0]
+
+    def cond(carry):
+        i, _, _, active, *_ = carry
+        return (i < num_steps) & jnp.any(active)
+
+    def body(carry):
+        i, tok, pos, active, cache, out_tok, out_lp = carry
+        fed = jnp.where(active, pos, -1)
+        nxt, lp, cache = decode_step(params, tok[:, None], fed[:, None], cache, page_table, seeds, steps + i, temps, rope, cfg,
+                                     numerics)
+        nxt = jnp.where(active, nxt, -1)
+        out_tok = jax.lax.dynamic_update_index_in_dim(out_tok, nxt, i, axis=1)
+        out_lp = jax.lax.dynamic_update_index_in_dim(out_lp, jnp.where(active, lp, jnp.zeros_like(lp)), i, axis=1)
+        stop = jnp.any(nxt[:, None] == stop_ids, axis=1) | (i + 1 >= budget)
+        return i + 1, jnp.where(active, nxt, tok), pos + 1, active & ~stop, cache, out_tok, out_lp
+
+    init = (jnp.int32(0), tokens, positions, budget > 0, kv_cache,
+            jnp.full((rows, num_steps), -1, jnp.int32), jnp.zeros((rows, num_steps), jnp.float32))
+    _, _, _, _, kv_cache, out_tok, out_lp = jax.lax.while_loop(cond, body, init)
+    return out_tok, out_lp, kv_cache
+
+
 @functools.partial(jax.jit, donate_argnames=("kv_cache",))
 def copy_pages(kv_cache, src, dst):
     """Copy-on-write: pages dst <- pages src in every layer (data movement only)."""
@@ -181,13 +225,16 @@ class Engine:
         self._ids = itertools.count()
         self._admissions = itertools.count()
         self._pending_params, self._swap_events = None, []
-        self.lock = threading.RLock()
+        self.lock = threading.RLock()  # held by step(); submit, cancel, update_weights and metrics never wait on it
+        self._inbox: deque = deque()  # submitted (request, sequences), moved to `waiting` at the next step
+        self._mailbox = threading.Lock()  # guards the pending weights and their events
         self.shapes_seen: set = set()  # (step function, batch bucket): one compilation each
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "preemptions": 0, "requests": 0, "finished": 0}
 
     # ----- requests -----
-    def submit(self, prompt, *, n=1, max_new_tokens=16, temperature=1.0, seed=0, stop_token_ids=()) -> Request:
-        """Validate and queue a request; raises ValueError naming the bad field (rlkjax.requests)."""
+    def submit(self, prompt, *, n=1, max_new_tokens=16, temperature=1.0, seed=0, stop_token_ids=(), group=None) -> Request:
+        """Validate and queue a request; raises ValueError naming the bad field (rlkjax.requests).
+        Requests with the same `group` (e.g. the prompts of one HTTP request) share one turn in admission."""
         prompt = check_tokens("prompt", prompt, self.cfg.vocab_size)
         n = check_int("n", n, 1, self.config.max_batch)
         max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
@@ -200,27 +247,27 @@ class Engine:
         if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, (list, tuple, set, frozenset)):
             raise ValueError("stop_token_ids must be a list of token ids")
         stops = [check_int("stop_token_ids[]", t, 0, self.cfg.vocab_size - 1) for t in stop_token_ids]
-        with self.lock:
-            req = Request(next(self._ids), prompt, n, max_new_tokens, temperature, seed, frozenset(stops))
-            req.results = [None] * n
-            self.requests[req.id] = req
-            if n > 1 and len(req.prompt) > 1:
-                req.pending_forks = n - 1  # they fork from the leader once its prompt is cached
-                self.waiting.append(Sequence(req, 0, seed, list(req.prompt)))
-            else:
-                self.waiting.extend(Sequence(req, j, sample_seed(seed, j), list(req.prompt)) for j in range(n))
-            self.stats["requests"] += 1
-            return req
+        req = Request(next(self._ids), prompt, n, max_new_tokens, temperature, seed, frozenset(stops), group)
+        req.group = ("request", req.id) if group is None else group
+        req.results = [None] * n
+        if n > 1 and len(req.prompt) > 1:
+            req.pending_forks = n - 1  # they fork from the leader once its prompt is cached
+            seqs = [Sequence(req, 0, seed, list(req.prompt))]
+        else:
+            seqs = [Sequence(req, j, sample_seed(seed, j), list(req.prompt)) for j in range(n)]
+        self._inbox.append((req, seqs))  # deque.append is thread-safe: no waiting for a step to end
+        self.stats["requests"] += 1
+        return req
 
     def cancel(self, request: Request):
-        with self.lock:
-            request.cancelled = True
+        """Cancel a request (from any thread); its sequences and pages are released at the next step."""
+        request.cancelled = True
 
     def update_weights(self, params) -> threading.Event:
         """Swap weights between steps, once no sequence is in flight (no completion mixes versions).
         Admission pauses until then. The returned event is set when the new version is live. Calls
         before the swap all complete at that swap; the last call's weights are the ones served."""
-        with self.lock:
+        with self._mailbox:  # held for two assignments, never across a step
             event = threading.Event()
             self._pending_params = params
             self._swap_events.append(event)
@@ -228,8 +275,8 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        """Sequences are waiting or running."""
-        return bool(self.waiting or self.running)
+        """Requests are queued, or sequences waiting or running."""
+        return bool(self._inbox or self.waiting or self.running)
 
     @property
     def weights_pending(self) -> bool:
@@ -240,21 +287,29 @@ class Engine:
     def step(self) -> list[Request]:
         """One scheduling step. Returns the requests that finished in it."""
         with self.lock:
+            while self._inbox:
+                req, seqs = self._inbox.popleft()
+                self.requests[req.id] = req
+                self.waiting.extend(seqs)
             finished = self._reap_cancelled()
-            if self._pending_params is not None and not self.running:
-                self.params, self._pending_params = self._pending_params, None
-                self.policy_version += 1
-                for event in self._swap_events:
-                    event.set()
-                self._swap_events = []
-            if self._pending_params is None:
-                self._admit()
+            in_flight = self.running or any(seq.started for seq in self.waiting)  # preempted or parked ones too
+            with self._mailbox:
+                if self._pending_params is not None and not in_flight:
+                    self.params, self._pending_params = self._pending_params, None
+                    self.policy_version += 1
+                    for event in self._swap_events:
+                        event.set()
+                    self._swap_events = []
+            self._admit(fresh=self._pending_params is None)
+            # Dispatch the decode round first: the host then plans and dispatches the prefill while
+            # the device decodes (JAX runs both asynchronously), and only waits to read the round.
+            decoding = [s for s in self.running if s.decoding]
+            round_ = self._dispatch_decode(decoding) if decoding else None
             prefilling = [s for s in self.running if not s.decoding]
             if prefilling:
                 self._prefill(prefilling)
-            decoding = [s for s in self.running if s.decoding]
-            if decoding:
-                finished += self._decode(decoding)
+            if round_:
+                finished += self._collect_decode(*round_)
             self.stats["steps"] += 1
             return finished
 
@@ -262,18 +317,36 @@ class Engine:
         while self.busy or self.weights_pending:
             self.step()
 
-    def _admit(self):
+    def _admit(self, fresh: bool = True):
         """Admit waiting sequences in order while batch slots and pages last. A forked sample that
-        found no free slot waits holding its pages (cached = its prompt) and needs no new ones."""
-        while self.waiting and len(self.running) < self.config.max_batch:
-            seq = self.waiting[0]
+        found no free slot waits holding its pages (cached = its prompt) and needs no new ones.
+        While a weight swap waits (fresh=False) only sequences already started are admitted, so
+        they finish on the weights they began with and the swap can happen."""
+        for seq in self._admission_order():
+            if len(self.running) >= self.config.max_batch:
+                return
+            if not (fresh or seq.started):
+                continue
             need = cdiv(len(seq.tokens), PAGE_SIZE) - len(seq.pages)
             pages = self.pages.alloc(need) if need > 0 else []
             if pages is None:
                 return
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.pages, seq.admitted = seq.pages + pages, next(self._admissions)
             self.running.append(seq)
+
+    def _admission_order(self) -> list[Sequence]:
+        """Started sequences (preempted, parked forks) first, then the groups take turns: the first
+        waiting sequence of every group in arrival order, then the second of each, ... so a request
+        of 256 sequences does not hold back a request of one that came after it."""
+        started = [s for s in self.waiting if s.started]
+        turn: dict = {}
+        fresh = []
+        for s in self.waiting:
+            if not s.started:
+                turn[s.request.group] = turn.get(s.request.group, -1) + 1
+                fresh.append((turn[s.request.group], s))
+        return started + [s for _, s in sorted(fresh, key=lambda pair: pair[0])]  # stable: arrival order within a turn
 
     def _grow(self, seq: Sequence, positions_needed: int) -> bool:
         """Make sure seq owns pages for positions [0, positions_needed); preempt others if needed."""
@@ -368,35 +441,44 @@ class Engine:
             self._note_shape("copy_pages", k)
             self.cache = copy_pages(self.cache, src_a, dst_a)
 
-    def _decode(self, seqs) -> list[Request]:
-        for s in seqs:  # the token fed now is written at position len(tokens) - 1
+    def _dispatch_decode(self, seqs):
+        """Start one decode round (up to `decode_steps` tokens per sequence) on the device."""
+        budget = {s: min(self.config.decode_steps, s.request.max_new_tokens - s.generated) for s in seqs}
+        for s in seqs:  # the round writes positions len(tokens) - 1 ... len(tokens) - 2 + budget
             if s in self.running:  # growing an earlier one may have preempted it
-                self._grow(s, len(s.tokens))
+                self._grow(s, len(s.tokens) - 1 + budget[s])
         seqs = [s for s in seqs if s in self.running]
         assert len(seqs) <= self.config.max_batch, "admission and forks keep the batch within max_batch"
         rows = bucket(len(seqs))
-        tokens = np.zeros((rows, 1), np.int32)
-        positions = np.full((rows, 1), -1, np.int32)
-        seeds = np.zeros(rows, np.uint32)
-        steps = np.zeros(rows, np.int32)
-        temps = np.ones(rows, np.float32)
+        stops = bucket(max(len(s.request.stop_token_ids) for s in seqs))
+        tokens, positions, remaining = np.zeros(rows, np.int32), np.full(rows, -1, np.int32), np.zeros(rows, np.int32)
+        seeds, steps, temps = np.zeros(rows, np.uint32), np.zeros(rows, np.int32), np.ones(rows, np.float32)
+        stop_ids = np.full((rows, stops), -1, np.int32)
         for i, s in enumerate(seqs):
-            tokens[i, 0], positions[i, 0] = s.tokens[-1], len(s.tokens) - 1
+            tokens[i], positions[i], remaining[i] = s.tokens[-1], len(s.tokens) - 1, budget[s]
             seeds[i], steps[i], temps[i] = s.seed, s.generated, s.request.temperature
-        self._note_shape("decode", rows)
-        nxt, lps, self.cache = decode_step(self.params, tokens, positions, self.cache, self._page_table(seqs, rows),
-                                           seeds, steps, temps, self.rope, self.cfg, self.numerics)
-        nxt, lps = np.asarray(nxt), np.asarray(lps)
+            stop_ids[i, : len(s.request.stop_token_ids)] = sorted(s.request.stop_token_ids)
+        self._note_shape("decode_round", (rows, stops))
+        out_tok, out_lp, self.cache = decode_round(
+            self.params, tokens, positions, self.cache, self._page_table(seqs, rows), seeds, steps, temps, remaining, stop_ids,
+            self.rope, self.cfg, self.numerics, self.config.decode_steps)
+        return seqs, out_tok, out_lp
+
+    def _collect_decode(self, seqs, out_tok, out_lp) -> list[Request]:
+        """Read a round's tokens (this waits for the device) and finish the sequences that stopped."""
+        out_tok, out_lp = np.asarray(out_tok), np.asarray(out_lp)
         finished = []
         for i, s in enumerate(seqs):
-            s.tokens.append(int(nxt[i]))
-            s.logprobs.append(float(lps[i]))
-            s.cached += 1
-            self.stats["decode_tokens"] += 1
-            reason = "stop" if int(nxt[i]) in s.request.stop_token_ids else ("length" if s.generated >= s.request.max_new_tokens else None)
-            if reason:
-                if self._finish(s, reason):
-                    finished.append(s.request)
+            for tok, lp in zip(out_tok[i], out_lp[i]):
+                if tok < 0:
+                    break
+                s.tokens.append(int(tok))
+                s.logprobs.append(lp)
+                s.cached += 1
+                self.stats["decode_tokens"] += 1
+            reason = "stop" if s.tokens[-1] in s.request.stop_token_ids else ("length" if s.generated >= s.request.max_new_tokens else None)
+            if reason and self._finish(s, reason):  # its pages, those the round did not fill included, are freed now
+                finished.append(s.request)
         return finished
 
     def _finish(self, seq: Sequence, reason: str) -> bool:
@@ -433,9 +515,9 @@ class Engine:
         return finished
 
     def metrics(self) -> dict:
-        with self.lock:
-            return self.stats | {
-                "queue_depth": len(self.waiting), "running": len(self.running),
-                "pages_used": self.pages.used, "pages_total": self.config.num_pages - 1,
-                "compilations": len(self.shapes_seen), "policy_version": self.policy_version,
-            }
+        """Counters, read without the step lock (a scrape never waits for a step; values may be a step old)."""
+        return dict(self.stats) | {
+            "queue_depth": len(self._inbox) + len(self.waiting), "running": len(self.running),
+            "pages_used": self.pages.used, "pages_total": self.config.num_pages - 1,
+            "compilations": len(self.shapes_seen), "policy_version": self.policy_version,
+        }

@@ -57,19 +57,38 @@ PAGE_SIZE = ATTENTION.page_size  # the fast path uses the same cache layout
 STRICT_XLA_FLAGS = ("--xla_allow_excess_precision=false",)
 
 
+_started_without_flags = False  # XLA's backend was already up, without our flags, when rlkjax was imported
+
+
+def _backend_started() -> bool:
+    from jax._src import xla_bridge  # private, but the only way to ask; absent -> assume not started
+
+    return getattr(xla_bridge, "backends_are_initialized", lambda: False)()
+
+
+def _missing_flags() -> list[str]:
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    return [f for f in STRICT_XLA_FLAGS if f not in flags]
+
+
 def set_xla_flags() -> None:
-    """Add the strict flags to XLA_FLAGS. Must run before JAX starts a backend."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    missing = [f for f in STRICT_XLA_FLAGS if f not in flags]
+    """Add the strict flags to XLA_FLAGS. XLA reads them once, when it starts its backend: if that
+    already happened (JAX used before `import rlkjax`), remember it so strict mode refuses to run."""
+    global _started_without_flags
+    missing = _missing_flags()
     if missing:
-        os.environ["XLA_FLAGS"] = " ".join([flags, *missing]).strip()
+        _started_without_flags = _started_without_flags or _backend_started()
+        os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *missing]).strip()
 
 
 def check_xla_flags() -> None:
-    flags = os.environ.get("XLA_FLAGS", "")
-    missing = [f for f in STRICT_XLA_FLAGS if f not in flags]
+    """Raise unless XLA runs (or will start) with the strict flags."""
+    if _started_without_flags:
+        raise RuntimeError(f"strict numerics need XLA started with XLA_FLAGS containing {list(STRICT_XLA_FLAGS)}, but JAX "
+                           "had started its backend before rlkjax was imported: import rlkjax first, or set XLA_FLAGS yourself")
+    missing = _missing_flags()
     if missing:
-        raise RuntimeError(f"strict numerics need XLA_FLAGS to contain {missing}; import rlkjax before JAX starts a backend")
+        raise RuntimeError(f"strict numerics need XLA_FLAGS to contain {missing} (it was changed after rlkjax set it)")
 
 
 class Ops(NamedTuple):

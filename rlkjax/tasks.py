@@ -11,13 +11,12 @@ import json
 import re
 from pathlib import Path
 
-import numpy as np
-
 
 @dataclasses.dataclass(frozen=True)
 class Example:
     prompt: str
     answer: str = ""
+    source: str = ""  # where it came from, for errors: "file:line" for a data file
 
 
 class LowercaseTask:
@@ -48,19 +47,55 @@ def last_number(text: str) -> str | None:
     return numbers[-1].replace(",", "").rstrip(".") if numbers else None
 
 
+def read_jsonl(path) -> list[tuple[int, dict]]:
+    """(1-based line number, object) for each non-blank line of a UTF-8 JSONL file. Lines are split on
+    "\n" only (JSON strings may hold U+2028 and other characters str.splitlines breaks at); a bad file
+    or line raises a one-line ValueError naming the file and the line."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the data file ({e.strerror or e})") from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+                         "expected JSON lines") from None
+    rows = []
+    for number, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except RecursionError:
+            raise ValueError(f"{path}:{number}: JSON nested too deeply") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
+        rows.append((number, row))
+    return rows
+
+
 class GSM8KTask:
     """GSM8K JSONL ({"question": ..., "answer": "... #### 42"}); reward 1 when the last number in
-    the completion equals the final answer."""
+    the completion equals the final answer. Every line is checked when the file is loaded."""
 
     def __init__(self, path):
-        rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-        if not rows:
-            raise ValueError(f"{path} has no examples")
         self.examples = []
-        for i, row in enumerate(rows):
-            if "question" not in row or "####" not in row.get("answer", ""):
-                raise ValueError(f"{path}:{i + 1}: need 'question' and an 'answer' ending in '#### <number>'")
-            self.examples.append(Example(row["question"], row["answer"].split("####")[-1].strip().replace(",", "")))
+        for number, row in read_jsonl(path):
+            question, answer = row.get("question"), row.get("answer")
+            for name, value in (("question", question), ("answer", answer)):
+                if not isinstance(value, str):
+                    raise ValueError(f"{path}:{number}: '{name}' must be a string, got "
+                                     f"{'nothing' if value is None else type(value).__name__}")
+            final = answer.split("####")[-1].strip().replace(",", "")
+            if not question.strip() or "####" not in answer or not re.fullmatch(r"-?\d+(\.\d+)?", final):
+                raise ValueError(f"{path}:{number}: need a non-empty 'question' and an 'answer' ending in "
+                                 "'#### <number>'")
+            self.examples.append(Example(question, final, f"{path}:{number}"))
+        if not self.examples:
+            raise ValueError(f"{path}: no examples")
 
     def sample(self, rng, count):
         return [self.examples[i] for i in rng.integers(0, len(self.examples), count)]
@@ -80,13 +115,22 @@ class CustomReward:
         module, _, name = spec.partition(":")
         if not name:
             raise ValueError(f"--reward {spec!r} must look like module:function")
-        self.base, self.fn = base, getattr(importlib.import_module(module), name)
+        try:
+            self.base, self.fn = base, getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"--reward {spec!r}: {e}") from None
+        if not callable(self.fn):
+            raise ValueError(f"--reward {spec!r} is not a function")
 
     def sample(self, rng, count):
         return self.base.sample(rng, count)
 
     def reward(self, example, completion):
         return float(self.fn(example.prompt, completion))
+
+    @property
+    def examples(self):
+        return getattr(self.base, "examples", ())
 
 
 def make_task(name: str, data: str | None = None, reward: str | None = None):
@@ -102,9 +146,3 @@ def make_task(name: str, data: str | None = None, reward: str | None = None):
         raise ValueError(f"unknown task {name!r}: choose lowercase, arithmetic or gsm8k")
     return CustomReward(task, reward) if reward else task
 
-
-def group_advantages(rewards: np.ndarray, scale: bool = True, eps: float = 1e-6) -> np.ndarray:
-    """rewards [P, G] -> advantages [P, G]: reward minus its group's mean, divided by the group's
-    std when `scale` (GRPO) or not (Dr. GRPO)."""
-    adv = rewards - rewards.mean(axis=1, keepdims=True)
-    return adv / (rewards.std(axis=1, keepdims=True) + eps) if scale else adv

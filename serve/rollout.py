@@ -1,12 +1,15 @@
 """`python -m serve.rollout`: the rollout engine behind an HTTP server.
 
-Endpoints (JSON in and out; errors are 4xx with {"error": "..."} and the server keeps serving):
+Endpoints (JSON in and out; errors are 4xx with OpenAI's {"error": {"message", "type", "param", "code"}}
+and the server keeps serving; a request without a seed gets a fresh one, reported as "seed"):
   POST /generate         token ids in; per sample: tokens, logprobs, finish_reason, policy_version
   POST /v1/completions   OpenAI-compatible subset (prompt text or ids, max_tokens, temperature, n,
                          seed, logprobs), using the model's tokenizer
   POST /update_weights   {"path": checkpoint dir}; needs `Authorization: Bearer <admin key>`;
                          swapped between engine steps once in-flight sequences finish
+  GET  /v1/models       the served model (OpenAI list shape)
   GET  /health, GET /metrics (Prometheus text format)
+Optional fields may be absent or null (= the default).
 
 HTTP stack: aiohttp. One mature, asyncio-native package gives the server with request-size limits
 and graceful shutdown on SIGTERM (stop accepting, let in-flight handlers finish); the engine runs in
@@ -14,22 +17,32 @@ one background thread and resolves each request's future through the event loop.
 doubles written by Python's shortest round-trip repr, so float32(json value) has the sampler's bits.
 """
 import asyncio
+import codecs
+import collections
 import dataclasses
+import functools
+import hmac
 import json
 import logging
+import math
 import os
+import signal
+import secrets
 import threading
 import time
+from pathlib import Path
 from typing import Annotated, Literal
 
+import jax
+import jax.numpy as jnp
 import tyro
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from rlkjax.checkpoint import load_model
-from rlkjax.engine import Engine, EngineConfig
-from rlkjax.requests import check_seed, sample_seed
+from rlkjax.engine import Engine, EngineConfig, Request
+from rlkjax.requests import check_int, check_seed, sample_seed
 from rlkjax.tokenizer import load_tokenizer
 
 log = logging.getLogger("serve.rollout")
@@ -47,7 +60,10 @@ class ServerConfig:
     port: int = 8000
     """TCP port."""
     admin_key: str | None = None
-    """Key for POST /update_weights (or set RLKJAX_ADMIN_KEY). With neither, weight updates are refused."""
+    """Key for POST /update_weights. Prefer --admin-key-file or RLKJAX_ADMIN_KEY: a flag is visible in `ps`. With
+    none of the three, weight updates are refused."""
+    admin_key_file: str | None = None
+    """File holding the admin key (its first line)."""
     seed: int = 0
     """Seed of the random weights when --model is a preset."""
     numerics: Literal["strict", "fast"] = "strict"
@@ -56,17 +72,54 @@ class ServerConfig:
     """The rollout engine: KV cache, batch and prefill sizes."""
     max_prompts: int = 256
     """Most prompts in one request."""
+    max_sequences: int = 256
+    """Most sequences (prompts x n) in one request; requests also take turns in admission, so a big one cannot
+    hold back a small one that came after it."""
+    read_timeout: float = 30.0
+    """Seconds a client has to send its whole request body (a slow client gets 408)."""
     max_body_bytes: int = 4 * 2**20
     """Larger request bodies get 413."""
+    shutdown_timeout: float = 300.0
+    """On SIGTERM/SIGINT: stop accepting work, finish what is in flight for up to this many seconds, then cancel
+    the rest (their clients get 503) and exit 0. A second signal ends the wait at once."""
 
     def __post_init__(self):
-        for name in ("port", "max_prompts", "max_body_bytes"):
+        for name in ("port", "max_prompts", "max_sequences", "max_body_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be positive")
+        if not (math.isfinite(self.shutdown_timeout) and self.shutdown_timeout >= 0):
+            raise ValueError(f"--shutdown-timeout={self.shutdown_timeout} must be a finite number >= 0")
+        if not (math.isfinite(self.read_timeout) and self.read_timeout > 0):
+            raise ValueError(f"--read-timeout={self.read_timeout} must be a finite number > 0")
+
+
+def _non_finite(params) -> list[str]:
+    """Paths of the parameters holding NaN or Inf."""
+    return [jax.tree_util.keystr(k) for k, leaf in jax.tree_util.tree_leaves_with_path(params) if not bool(jnp.isfinite(leaf).all())]
+
+
+AUTH_WINDOW_S, AUTH_MAX_FAILURES = 60.0, 5  # failed admin-key attempts allowed per client address per window
+
+
+def _admin_key(config: ServerConfig) -> str | None:
+    if config.admin_key_file:
+        lines = Path(config.admin_key_file).read_text().splitlines()
+        if not lines or not lines[0].strip():
+            raise ValueError(f"--admin-key-file {config.admin_key_file} is empty")
+        return lines[0].strip()
+    return config.admin_key or os.environ.get("RLKJAX_ADMIN_KEY") or None
 
 
 class BadRequest(ValueError):
     pass
+
+
+class ReadTimeout(Exception):
+    """The client was too slow sending its body: 408."""
+
+
+class ShuttingDown(Exception):
+    """The server is draining for shutdown: 503."""
 
 
 def _fields(body: dict, allowed: set[str], required: set[str]) -> dict:
@@ -77,6 +130,12 @@ def _fields(body: dict, allowed: set[str], required: set[str]) -> dict:
     if missing:
         raise BadRequest(f"missing field(s) {missing}")
     return body
+
+
+def _opt(body: dict, name: str, default):
+    """An optional field: absent or an explicit null mean the default (as OpenAI's API reads them)."""
+    value = body.get(name)
+    return default if value is None else value
 
 
 def _prompts(value, name="prompt"):
@@ -91,12 +150,18 @@ def _prompts(value, name="prompt"):
 class Server:
     def __init__(self, config: ServerConfig):
         self.config = config
-        self.admin_key = config.admin_key or os.environ.get("RLKJAX_ADMIN_KEY")
+        self.admin_key = _admin_key(config)
+        self.auth_failures: dict[str, collections.deque] = collections.defaultdict(collections.deque)
         self.cfg, params = load_model(config.model, seed=config.seed)
+        bad = _non_finite(params)
+        if bad:
+            raise ValueError(f"--model {config.model}: non-finite values in {', '.join(bad[:10])}; refusing to serve them")
         self.tokenizer = load_tokenizer(config.model, config.tokenizer)
         self.engine = Engine(params, self.cfg, config.numerics, config.engine)
         self.wake = threading.Condition()
-        self.stopping = False
+        self.stopping = False  # the engine thread exits once idle
+        self.draining, self.deadline_passed, self.deadline = False, False, math.inf
+        self.in_flight: set[Request] = set()  # engine requests of open handlers, cancelled at the shutdown deadline
         self.started = time.time()
         self.registry = CollectorRegistry()
         self.registry.register(self)
@@ -118,17 +183,27 @@ class Server:
 
     async def _run(self, prompts, n, max_new_tokens, temperature, seeds, stop_token_ids):
         """Submit every prompt (validated first, so a bad one submits nothing) and await them all."""
+        if self.draining:
+            raise ShuttingDown("the server is shutting down; retry on another replica")
+        try:
+            n = check_int("n", n, 1, self.engine.config.max_batch)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+        if len(prompts) * n > self.config.max_sequences:
+            raise BadRequest(f"{len(prompts)} prompts x n={n} = {len(prompts) * n} sequences, over the limit of "
+                             f"{self.config.max_sequences} per request (--max-sequences)")
         loop = asyncio.get_running_loop()
-        requests = []
+        requests, group = [], object()  # this HTTP request's prompts take one turn together in admission
         try:
             for p, s in zip(prompts, seeds):
                 requests.append(self.engine.submit(p, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
-                                                   seed=s, stop_token_ids=stop_token_ids))
+                                                   seed=s, stop_token_ids=stop_token_ids, group=group))
         except ValueError as e:
             for r in requests:
                 self.engine.cancel(r)
             self._kick()
             raise BadRequest(str(e)) from None
+        self.in_flight.update(requests)
         futures = []
         for r in requests:
             fut = loop.create_future()
@@ -140,48 +215,56 @@ class Server:
         try:
             await asyncio.gather(*futures)
         except asyncio.CancelledError:  # client went away: free its pages
+            self.in_flight.difference_update(requests)
             for r in requests:
                 self.engine.cancel(r)
             self._kick()
             raise
+        self.in_flight.difference_update(requests)
+        if self.deadline_passed and any(r.cancelled for r in requests):
+            raise ShuttingDown("the server shut down before this request finished (--shutdown-timeout)")
         return requests
 
     @staticmethod
-    def _seeds(body, prompts: int, n: int) -> list:
-        """A list: one seed per prompt, taken as given. An int s: prompt i starts at sample_seed(s, i * n),
-        so every sequence of the batch draws its own noise."""
-        seed = body.get("seed", 0)
+    def _seeds(body, prompts: int, n: int) -> tuple[list, int | list]:
+        """(one seed per prompt, the seed to report). A list: one seed per prompt, taken as given. An int
+        s: prompt i starts at sample_seed(s, i * n), so every sequence of the batch draws its own noise.
+        None or absent: a fresh seed from the OS, reported in the response so the sample can be redone
+        (a fixed default would give every unseeded request the same completion)."""
+        seed = body.get("seed")
+        if seed is None:
+            seed = secrets.randbits(32)
         if isinstance(seed, list):
             if len(seed) != prompts:
                 raise BadRequest(f"seed must be an integer or a list of {prompts} integers (one per prompt)")
-            return seed
+            return seed, seed
         try:
             seed = check_seed("seed", seed)
         except ValueError as e:
             raise BadRequest(str(e)) from None
-        return [sample_seed(seed, i * n) for i in range(prompts)]
+        return [sample_seed(seed, i * n) for i in range(prompts)], seed
 
     # ----- handlers -----
     async def generate(self, request: web.Request):
-        body = _fields(await _json(request), {"prompt", "n", "max_new_tokens", "temperature", "seed", "stop_token_ids"}, {"prompt"})
+        body = _fields(await _json(request, self.config.read_timeout), {"prompt", "n", "max_new_tokens", "temperature", "seed", "stop_token_ids"}, {"prompt"})
         prompts = _prompts(body["prompt"])
         if len(prompts) > self.config.max_prompts:
             raise BadRequest(f"at most {self.config.max_prompts} prompts per request, got {len(prompts)}")
-        n = body.get("n", 1)
-        reqs = await self._run(prompts, n, body.get("max_new_tokens", 16), body.get("temperature", 1.0),
-                               self._seeds(body, len(prompts), n if isinstance(n, int) else 1), body.get("stop_token_ids", []))
-        return web.json_response({"results": [[dataclasses.asdict(c) | {"logprobs": c.logprobs.tolist()} for c in r.results] for r in reqs]})
+        n = _opt(body, "n", 1)
+        seeds, seed = self._seeds(body, len(prompts), n if isinstance(n, int) else 1)
+        reqs = await self._run(prompts, n, _opt(body, "max_new_tokens", 16), _opt(body, "temperature", 1.0), seeds,
+                               _opt(body, "stop_token_ids", []))
+        return _json_response({"seed": seed, "results": [[dataclasses.asdict(c) | {"logprobs": c.logprobs.tolist()} for c in r.results]
+                                                            for r in reqs]})
 
     async def completions(self, request: web.Request):
         allowed = {"model", "prompt", "max_tokens", "temperature", "n", "seed", "logprobs", "stream", "user"}
-        body = _fields(await _json(request), allowed, {"prompt"})
+        body = _fields(await _json(request, self.config.read_timeout), allowed, {"prompt"})
         if body.get("stream"):
             raise BadRequest("stream=true is not supported")
         prompt = body["prompt"]
-        if isinstance(prompt, str):
-            prompts = [self.tokenizer.encode(prompt)]
-        elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            prompts = [self.tokenizer.encode(p) for p in prompt]
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
+            prompts = [self._encode(p) for p in ([prompt] if isinstance(prompt, str) else prompt)]
         else:
             prompts = _prompts(prompt)
         if len(prompts) > self.config.max_prompts:
@@ -189,11 +272,11 @@ class Server:
         logprobs = body.get("logprobs")
         if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= 1):
             raise BadRequest("logprobs must be null, 0 or 1 (only the sampled token's logprob is returned)")
-        n = body.get("n", 1)
+        n = _opt(body, "n", 1)
         eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id < self.cfg.vocab_size else []
+        seeds, seed = self._seeds(body, len(prompts), n if isinstance(n, int) else 1)
         try:
-            reqs = await self._run(prompts, n, body.get("max_tokens", 16), body.get("temperature", 1.0),
-                                   self._seeds(body, len(prompts), n if isinstance(n, int) else 1), eos)
+            reqs = await self._run(prompts, n, _opt(body, "max_tokens", 16), _opt(body, "temperature", 1.0), seeds, eos)
         except BadRequest as e:  # the engine names its own field; this route calls it max_tokens
             raise BadRequest(str(e).replace("max_new_tokens", "max_tokens")) from None
         choices, completion_tokens = [], 0
@@ -204,34 +287,73 @@ class Server:
                     "tokens": [self.tokenizer.decode([t]) for t in c.tokens], "token_logprobs": c.logprobs.tolist(), "token_ids": c.tokens}
                 choices.append({"index": len(choices), "text": self.tokenizer.decode(c.tokens), "logprobs": lp,
                                 "finish_reason": c.finish_reason, "policy_version": c.policy_version})
-        return web.json_response({
+        return _json_response({
             "id": f"cmpl-{reqs[0].id}", "object": "text_completion", "created": int(time.time()), "model": self.config.model,
-            "choices": choices,
+            "choices": choices, "seed": seed,
             "usage": {"prompt_tokens": sum(map(len, prompts)), "completion_tokens": completion_tokens,
                       "total_tokens": sum(map(len, prompts)) + completion_tokens},
         })
 
+    def _encode(self, text: str) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # JSON can carry lone surrogates ("\ud800"), which are not text
+            raise BadRequest(f"prompt is not valid Unicode: {e.reason} at character {e.start}") from None
+        return self.tokenizer.encode(text)
+
     async def update_weights(self, request: web.Request):
         if not self.admin_key:
-            return _error(403, "weight updates are disabled: start the server with --admin-key or RLKJAX_ADMIN_KEY")
-        if request.headers.get("Authorization") != f"Bearer {self.admin_key}":
+            return _error(403, "weight updates are disabled: start the server with --admin-key-file or RLKJAX_ADMIN_KEY")
+        peer, now = request.remote or "?", time.monotonic()
+        failures = self.auth_failures[peer]
+        while failures and now - failures[0] > AUTH_WINDOW_S:
+            failures.popleft()
+        if len(failures) >= AUTH_MAX_FAILURES:
+            return _error(429, f"too many failed admin-key attempts from {peer}; retry in {AUTH_WINDOW_S:.0f} s")
+        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.admin_key.encode()):
+            failures.append(now)
+            log.warning("rejected admin key from %s (%d failures in the last %.0f s)", peer, len(failures), AUTH_WINDOW_S)
             return _error(401, "missing or wrong admin key (Authorization: Bearer <key>)")
-        body = _fields(await _json(request), {"path"}, {"path"})
+        body = _fields(await _json(request, self.config.read_timeout), {"path"}, {"path"})
         if not isinstance(body["path"], str):
             raise BadRequest("path must be a string")
-        try:
-            cfg, params = await asyncio.to_thread(load_model, body["path"])
-        except (ValueError, OSError) as e:
-            raise BadRequest(f"cannot load {body['path']!r}: {e}") from None
-        if cfg.replace_dtype(self.cfg.dtype) != self.cfg:
-            raise BadRequest(f"checkpoint shapes {cfg} do not match the served model {self.cfg}")
+        params = await asyncio.to_thread(self._load_update, body["path"])
         swapped = self.engine.update_weights(params)
         self._kick()
         await asyncio.to_thread(swapped.wait)
-        return web.json_response({"policy_version": self.engine.policy_version})
+        return _json_response({"policy_version": self.engine.policy_version})
+
+    def _load_update(self, path: str):
+        """New weights for the served model, or BadRequest naming why not; the old weights stay.
+        Refused: anything but a checkpoint directory (a preset name would build a random model), a
+        checkpoint that does not load (corrupt safetensors or config.json, extra or missing
+        tensors), other shapes, another dtype (float32 weights served in bfloat16's place would
+        break sampler == learner), and non-finite values."""
+        if not Path(path).is_dir():
+            raise BadRequest(f"path {path!r} is not a checkpoint directory (HF: config.json + *.safetensors, or orbax: "
+                             "config.json + params/)")
+        try:
+            cfg, params = load_model(path)
+        except Exception as e:  # whatever a damaged upload raises is the caller's input problem, not a 500
+            raise BadRequest(f"cannot load {path!r}: {type(e).__name__}: {e}") from None
+        if cfg.replace_dtype(self.cfg.dtype) != self.cfg:
+            raise BadRequest(f"checkpoint shapes {cfg} do not match the served model {self.cfg}")
+        if cfg.dtype != self.cfg.dtype or any(leaf.dtype != jnp.dtype(self.cfg.dtype) for leaf in jax.tree.leaves(params)):
+            raise BadRequest(f"checkpoint dtype {cfg.dtype} is not the served dtype {self.cfg.dtype}: cast it when saving")
+        bad = _non_finite(params)
+        if bad:
+            raise BadRequest(f"checkpoint has non-finite values in {', '.join(bad[:10])}")
+        return params
+
+    async def models(self, request):
+        """GET /v1/models: the one served model, in OpenAI's list shape."""
+        return _json_response({"object": "list", "data": [
+            {"id": self.config.model, "object": "model", "created": int(self.started), "owned_by": "rlkjax",
+             "policy_version": self.engine.policy_version}]})
 
     async def health(self, request):
-        return web.json_response({"status": "ok", "policy_version": self.engine.policy_version})
+        return _json_response({"status": "ok", "policy_version": self.engine.policy_version})
 
     async def metrics(self, request):
         return web.Response(body=generate_latest(self.registry), content_type="text/plain", charset="utf-8")
@@ -260,6 +382,7 @@ class Server:
         app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[_errors])
         app.add_routes([web.post("/generate", self.generate), web.post("/v1/completions", self.completions),
                         web.post("/update_weights", self.update_weights), web.get("/health", self.health),
+                        web.get("/v1/models", self.models),
                         web.get("/metrics", self.metrics)])
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._shutdown)
@@ -274,19 +397,74 @@ class Server:
             self.wake.notify()
         await asyncio.to_thread(self.thread.join)
 
+    def on_signal(self):
+        """First signal: drain (new work gets 503) until idle or --shutdown-timeout. Another: stop waiting."""
+        if self.draining:
+            log.info("second signal: cancelling what is still in flight now")
+            self.deadline = 0.0
+            return
+        log.info("signal: draining for up to %.0f s", self.config.shutdown_timeout)
+        self.draining, self.deadline = True, time.monotonic() + self.config.shutdown_timeout
 
-async def _json(request: web.Request) -> dict:
+    async def wait_until_drained(self):
+        """Return once a signal came and every request has been answered (finished, or cancelled at
+        the deadline: its handler answers 503)."""
+        while not (self.draining and not self.in_flight):
+            if self.draining and time.monotonic() >= self.deadline and not self.deadline_passed:
+                self.deadline_passed = True
+                for r in list(self.in_flight):
+                    self.engine.cancel(r)
+                self._kick()
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)  # let the last handlers write their responses
+
+
+async def _json(request: web.Request, read_timeout: float) -> dict:
+    """The body as a JSON object, or BadRequest saying what is wrong with it: whatever the bytes
+    (bad compression, an unknown charset, invalid UTF-8, nesting deep enough to exhaust the parser,
+    integers longer than Python will parse) the answer is a 4xx, never a 500."""
     try:
-        body = await request.json()
-    except json.JSONDecodeError as e:
+        raw = await asyncio.wait_for(request.read(), read_timeout)
+    except TimeoutError:
+        raise ReadTimeout(f"the request body did not arrive within {read_timeout:g} s") from None
+    except web.HTTPException:
+        raise
+    except Exception as e:  # e.g. a corrupt gzip/deflate body
+        raise BadRequest(f"cannot read the body ({request.headers.get('Content-Encoding', 'identity')}): {e}") from None
+    charset = request.charset or "utf-8"
+    try:
+        codecs.lookup(charset)
+    except LookupError:
+        raise BadRequest(f"unknown charset {charset!r}; send UTF-8") from None
+    try:
+        text = raw.decode(charset)
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"the body is not valid {charset}: {e.reason} at byte {e.start}") from None
+    try:
+        body = json.loads(text)
+    except RecursionError:
+        raise BadRequest("malformed JSON: nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, and integers over Python's digit limit
         raise BadRequest(f"malformed JSON: {e}") from None
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
     return body
 
 
+def _json_response(data, status: int = 200) -> web.Response:
+    """JSON that is JSON: NaN or Infinity (which json.dumps writes by default, and no parser accepts)
+    raise here, so a non-finite value becomes a logged 500, never a 200 with invalid JSON."""
+    return web.json_response(data, status=status, dumps=functools.partial(json.dumps, allow_nan=False))
+
+
+_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 413: "invalid_request_error",
+                429: "rate_limit_error"}
+
+
 def _error(status: int, message: str):
-    return web.json_response({"error": message}, status=status)
+    """OpenAI's error shape, so its clients show the message (not just the status code)."""
+    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return _json_response({"error": {"message": message, "type": kind, "param": None, "code": None}}, status=status)
 
 
 @web.middleware
@@ -295,17 +473,40 @@ async def _errors(request, handler):
         return await handler(request)
     except BadRequest as e:
         return _error(400, str(e))
+    except ShuttingDown as e:
+        return _error(503, str(e))
+    except ReadTimeout as e:
+        return _error(408, str(e))
     except web.HTTPRequestEntityTooLarge:
         return _error(413, f"request body over the limit of {request.client_max_size} bytes")
     except web.HTTPException as e:
         return _error(e.status, e.reason)
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # a bug of ours: logged with its traceback, answered as JSON, the server keeps serving
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return _error(500, "internal error (logged on the server)")
+
+
+async def serve(server: Server) -> None:
+    config = server.config
+    # handler_cancellation: a client that disconnects cancels its handler, which cancels its sequences.
+    runner = web.AppRunner(server.app(), handler_cancellation=True, handle_signals=False)
+    await runner.setup()
+    await web.TCPSite(runner, config.host, config.port).start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, server.on_signal)
+    log.info("serving %s (%s numerics) on http://%s:%d", config.model, config.numerics, config.host, config.port)
+    try:
+        await server.wait_until_drained()
+    finally:
+        await runner.cleanup()
 
 
 def main(config: ServerConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    server = Server(config)
-    log.info("serving %s (%s numerics) on http://%s:%d", config.model, config.numerics, config.host, config.port)
-    web.run_app(server.app(), host=config.host, port=config.port, shutdown_timeout=300, print=None)
+    asyncio.run(serve(Server(config)))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,8 @@
 """Bad input gets a ValueError that names the problem, before any device work."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -16,6 +20,7 @@ import rlkjax
     (dict(temperature=-1.0), "temperature"),
     (dict(temperature=float("nan")), "temperature"),
     (dict(temperature=float("inf")), "temperature"),
+    (dict(temperature=1e-46), "temperature"),  # > 0 in float64, 0 in float32: would give NaN logprobs
     (dict(temperature=[1.0, 1.0]), "2 entries"),
     (dict(max_new_tokens=0), "max_new_tokens"),
     (dict(max_new_tokens=2.5), "max_new_tokens"),
@@ -58,3 +63,26 @@ def test_model_config_validates():
         rlkjax.ModelConfig(512, 0, 2, 4, 2, 16, 128, tie_embeddings=True)
     with pytest.raises(ValueError, match="dtype"):
         rlkjax.ModelConfig(512, 64, 2, 4, 2, 16, 128, tie_embeddings=True, dtype="float16")
+
+
+@pytest.mark.slow
+def test_strict_refuses_a_backend_started_without_the_xla_flags():
+    """JAX used before `import rlkjax`: XLA has started without --xla_allow_excess_precision=false,
+    and setting the variable now changes nothing. Strict numerics must refuse (the old check read
+    back the variable rlkjax itself had just set, so it could never fail); fast numerics still run."""
+    code = """
+import jax
+jax.devices()
+import rlkjax
+cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
+params = rlkjax.init_params(cfg)
+assert len(rlkjax.generate(params, cfg, [[1, 2]], max_new_tokens=1, numerics="fast")[0].tokens) == 1
+try:
+    rlkjax.generate(params, cfg, [[1, 2]], max_new_tokens=1)
+except RuntimeError as e:
+    print("refused:", e)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "refused:" in r.stdout and "before rlkjax was imported" in r.stdout, r.stdout

@@ -27,9 +27,16 @@ def our_logits(cfg, params, ids):
     return np.asarray(matmul.matmul(hidden.reshape(b * t, -1), model.lm_head(params), None, numerics.MATMUL, interpret)).reshape(b, t, -1)
 
 
-@pytest.mark.parametrize("name", ["hf_qwen3_tied", "hf_qwen3_untied"])
+FIXTURE_NAMES = ["hf_qwen3_tied", "hf_qwen3_untied", "hf_qwen3_odd_tied", "hf_qwen3_odd_untied_old_rope"]
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
 def test_hf_parity(name):
-    """Our float32 logits vs transformers' float64 logits of the same checkpoint.
+    """Our float32 logits vs transformers' float64 logits of the same checkpoint. The `odd` ones
+    have the shapes of tiny Hub test models (group sizes 3 and 5, head dims 24 and 8, widths 48 and
+    40, FFN 100 and 37, vocabularies 300 and 200) and both config.json RoPE layouts: every kernel
+    pads them, and a padding that leaked into a real value (a mean over the padded width, RoPE
+    halves out of line, a padded vocab id in the log-sum-exp) would be a 1e-2+ error.
 
     Tolerance: transformers' own float32 logits are e_hf away from its float64 ones (relative
     L2, ~2.5e-7, stored in the fixture). Ours are a different but equally float32 evaluation, so
@@ -38,7 +45,7 @@ def test_hf_parity(name):
     """
     ref = np.load(FIXTURES / name / "reference.npz")
     cfg, params = rlkjax.load_hf_checkpoint(FIXTURES / name)
-    assert cfg.dtype == "float32" and cfg.tie_embeddings == (name == "hf_qwen3_tied")
+    assert cfg.dtype == "float32" and cfg.tie_embeddings == ("untied" not in name)
     ids, truth, hf32 = ref["input_ids"], ref["logits_f64"], ref["logits_f32"]
     e_hf = np.linalg.norm(hf32 - truth) / np.linalg.norm(truth)
     ours = our_logits(cfg, params, ids)
@@ -78,6 +85,47 @@ def test_load_rejects_bad_checkpoints(tmp_path):
     (tmp_path / "config.json").write_text((tmp_path / "config.json").read_text().replace('"hidden_size": 64', '"hidden_size": 128'))
     with pytest.raises(ValueError, match="shape"):
         rlkjax.load_hf_checkpoint(tmp_path)
+
+
+def test_load_rejects_unexpected_tensors(tmp_path):
+    """A tensor the config does not explain (a bias, a LoRA leftover, a layer past num_hidden_layers)
+    is an error listing it, not silently dropped; a tied checkpoint may carry lm_head.weight only
+    if it equals the embedding."""
+    from safetensors.numpy import load_file, save_file
+
+    cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
+    rlkjax.save_hf_checkpoint(tmp_path, cfg, rlkjax.init_params(cfg))
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    save_file(tensors | {"lm_head.weight": tensors["model.embed_tokens.weight"]}, path)
+    rlkjax.load_hf_checkpoint(tmp_path)  # the tied copy, equal to the embedding: fine
+    extra = {"model.layers.0.self_attn.q_proj.bias": np.zeros(64, np.float32), "model.layers.7.mlp.up_proj.weight": np.zeros((2, 2), np.float32)}
+    save_file(tensors | extra, path)
+    with pytest.raises(ValueError, match=r"2 tensors.*model\.layers\.0\.self_attn\.q_proj\.bias.*model\.layers\.7\.mlp\.up_proj"):
+        rlkjax.load_hf_checkpoint(tmp_path)
+    save_file(tensors | {"lm_head.weight": np.zeros_like(tensors["model.embed_tokens.weight"])}, path)
+    with pytest.raises(ValueError, match="lm_head.weight differs"):
+        rlkjax.load_hf_checkpoint(tmp_path)
+
+
+def test_hf_config_layouts_and_refusals():
+    """RoPE's base read from both config.json layouts (v4 top-level, v5 `rope_parameters`), HF's
+    defaults where a key is absent, and features we do not implement refused by name, never run."""
+    base = rlkjax.ModelConfig.preset("qwen3-tiny").to_hf_config()
+    del base["rope_theta"], base["head_dim"]
+    old = rlkjax.ModelConfig.from_hf_config({**base, "rope_theta": 5e5, "rope_scaling": None})
+    new = rlkjax.ModelConfig.from_hf_config({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}})
+    assert old == new and old.rope_theta == 5e5 and old.head_dim == 128  # Qwen3Config's default head_dim
+    assert rlkjax.ModelConfig.from_hf_config(base).rope_theta == 10_000.0  # Qwen3Config's default theta
+    for bad, match in [({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn'"),
+                       ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "'linear'"),
+                       ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e6}}, "'dynamic'"),
+                       ({"attention_bias": True}, "attention_bias"),
+                       ({"use_sliding_window": True}, "sliding"),
+                       ({"layer_types": ["full_attention", "sliding_attention"]}, "sliding"),
+                       ({"hidden_act": "gelu"}, "gelu")]:
+        with pytest.raises(ValueError, match=match):
+            rlkjax.ModelConfig.from_hf_config({**base, **bad})
 
 
 def test_presets_have_the_real_qwen3_shapes():

@@ -1,6 +1,8 @@
 """The bitwise contract on CPU (interpret mode): sampler logprobs == learner logprobs, exactly,
 for random prompt sets, batch sizes, temperatures and prefill chunk sizes; every row the same
 alone or batched. Prevents: any batch-, chunk- or position-dependent reduction on the strict path."""
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -28,13 +30,35 @@ def test_edge_lengths(tiny):
     check_case(params, cfg, prompts, list(range(9)), [0.7, 1.0, 1.3] * 3, max_new=5, chunk=16, rng=rng)
 
 
-def test_fast_path_is_not_exact_but_close(tiny):
-    """numerics='fast' (plain XLA) runs the same model: close to strict, not bit-equal to its own
-    scorer in general. Here we only require it to run and agree with strict to bf16 accuracy."""
+def test_fast_path_is_the_same_model_to_bf16_accuracy(tiny):
+    """numerics='fast' (plain XLA) computes the same model, not the same bits. Tolerance, derived
+    rather than picked: score the same sequences with the model evaluated in float32 (the truth up
+    to float32 rounding, ~1e-7 here) and require each bf16 path's error against it to be within 2x
+    of the other's (measured: both 0.003-0.004 nats, the bf16 rounding of activations). Prevents a
+    fast path that silently computes another model (a wrong rounding point or temperature would
+    be off by far more), while the always-run comparison cannot be skipped by unlucky draws."""
     cfg, params = tiny
-    prompts = [[3, 1, 4, 1, 5], list(range(40))]
-    strict = rlkjax.generate(params, cfg, prompts, max_new_tokens=4, seeds=[1, 2])
-    fast = rlkjax.generate(params, cfg, prompts, max_new_tokens=4, seeds=[1, 2], numerics="fast")
-    for s, f in zip(strict, fast):
-        if s.tokens == f.tokens:  # same draws: logprobs must agree to a few bf16 ulps of the logits
-            assert np.abs(s.logprobs - f.logprobs).max() < 0.05
+    cfg32, params32 = cfg.replace_dtype("float32"), jax.tree.map(lambda w: w.astype(jnp.float32), params)
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, cfg.vocab_size, int(rng.integers(8, 60))).tolist() for _ in range(5)]
+    lens, temps = [3] * 5, [0.7, 1.0, 1.3, 1.0, 0.7]
+    truth = rlkjax.score(params32, cfg32, seqs, lens, temperature=temps, numerics="fast")
+    errors = {}
+    for mode in ("strict", "fast"):
+        got = rlkjax.score(params, cfg, seqs, lens, temperature=temps, numerics=mode)
+        errors[mode] = max(float(np.abs(g - t).max()) for g, t in zip(got, truth))
+    assert 0 < errors["strict"] <= 2 * errors["fast"] and errors["fast"] <= 2 * errors["strict"], errors
+    comps = rlkjax.generate(params, cfg, [[3, 1, 4, 1, 5], list(range(40))], max_new_tokens=4, seeds=[1, 2], numerics="fast")
+    assert all(len(c.tokens) == 4 and np.all(np.isfinite(c.logprobs)) and np.all(c.logprobs <= 0) for c in comps)
+
+
+def test_odd_shapes_bitwise():
+    """The contract at a shape every kernel pads (bf16): width 40, group size 3, head dim 24 (RoPE
+    halves of 12), FFN 37, vocab 300 (a padded vocab tile). Prevents: padding that depends on the
+    batch or the chunk (a padded query head or vocab id leaking into a real row's reduction)."""
+    cfg = rlkjax.ModelConfig(vocab_size=300, hidden_size=40, num_layers=1, num_heads=6, num_kv_heads=2, head_dim=24,
+                             intermediate_size=37, tie_embeddings=False, max_position=256)
+    params = rlkjax.init_params(cfg, seed=5)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (3, 17, 30)]
+    check_case(params, cfg, prompts, [1, 2, 3], [0.7, 1.0, 1.3], max_new=4, chunk=16, rng=rng)

@@ -1,6 +1,8 @@
 """The rollout engine: continuous batching, chunked prefill under a token budget, shared prompt
 pages with copy-on-write, preemption, stop tokens, cancellation, weight swaps, and no recompiles
 after warm-up, all under the bitwise contract (completion logprobs == rlkjax.score, exactly)."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -61,9 +63,9 @@ def test_shared_prompt_pages_equal_unshared(tiny):
     == three separate requests with the samples' seeds."""
     cfg, params = tiny
     prompt = list(range(100, 137))
-    engine = Engine(params, cfg, config=CONFIG)
+    engine = Engine(params, cfg, config=dataclasses.replace(CONFIG, decode_steps=2))
     shared = engine.submit(prompt, n=3, max_new_tokens=6, seed=11)
-    for _ in range(3):  # prefill 16 + 16 + 4 of the 36 cached prompt tokens, then fork
+    for _ in range(3):  # prefill 16 + 16 + 4 of the 36 cached prompt tokens, then fork (and 2 tokens each)
         engine.step()
     assert max(engine.pages.refs) == 3
     engine.run_until_done()
@@ -107,7 +109,7 @@ def test_no_recompiles_after_warmup(tiny):
             engine.submit([1, 2], max_new_tokens=1)
         engine.run_until_done()
     from rlkjax import engine as eng
-    sizes = (eng.decode_step._cache_size(), eng.prefill_chunk._cache_size(), eng.copy_pages._cache_size())
+    sizes = (eng.decode_round._cache_size(), eng.prefill_chunk._cache_size(), eng.copy_pages._cache_size())
     seen = set(engine.shapes_seen)
     pending = list(random_workload(rng, cfg, 25))
     while pending or engine.busy:
@@ -115,7 +117,7 @@ def test_no_recompiles_after_warmup(tiny):
             engine.submit(**pending.pop())
         engine.step()
     assert engine.shapes_seen <= seen | {("copy_pages", 1), ("copy_pages", 2), ("copy_pages", 4)}
-    assert eng.decode_step._cache_size() == sizes[0] and eng.prefill_chunk._cache_size() == sizes[1]
+    assert eng.decode_round._cache_size() == sizes[0] and eng.prefill_chunk._cache_size() == sizes[1]
 
 
 def test_weight_update_between_steps(tiny):
@@ -147,3 +149,117 @@ def test_submit_rejects_bad_requests(tiny, kwargs, match):
     with pytest.raises(ValueError, match=match):
         engine.submit(**(dict(prompt=[1, 2]) | kwargs))
     assert not engine.busy
+
+
+def test_two_weight_updates_before_a_swap_both_complete(tiny):
+    """Two updates queued while a sequence is in flight: both callers are released at the one swap
+    (the first used to wait forever), the last weights are served, and the version moves once."""
+    cfg, params = tiny
+    engine = Engine(params, cfg, config=CONFIG)
+    running = engine.submit([9, 8, 7], max_new_tokens=4, seed=2)
+    engine.step()
+    first = engine.update_weights(rlkjax.init_params(cfg, seed=1))
+    second_params = rlkjax.init_params(cfg, seed=2)
+    second = engine.update_weights(second_params)
+    assert engine.weights_pending and not first.is_set()
+    engine.run_until_done()
+    assert first.is_set() and second.is_set() and not engine.weights_pending
+    assert running.results[0].policy_version == 0 and engine.policy_version == 1
+    after = engine.submit([9, 8, 7], max_new_tokens=4, seed=2)
+    engine.run_until_done()
+    check_exact(second_params, cfg, after, after.results[0], 1.0)
+
+
+def test_forked_samples_respect_max_batch(tiny):
+    """n = 4 samples while another request holds 2 of 4 slots: the forks that find no slot wait
+    holding their pages, the batch never exceeds 4, and every sample is exact (a parked one draws
+    the tokens its seed draws alone)."""
+    cfg, params = tiny
+    engine = Engine(params, cfg, config=EngineConfig(num_pages=64, max_batch=4, prefill_chunk=16, token_budget=32, max_context=128))
+    other = engine.submit([5, 6, 7, 8], n=2, max_new_tokens=30, seed=3)  # still decoding when req forks
+    req = engine.submit(list(range(20, 57)), n=4, max_new_tokens=5, seed=7)
+    widest, parked = 0, False
+    while engine.busy:
+        engine.step()
+        widest = max(widest, len(engine.running))
+        parked = parked or any(s.pages for s in engine.waiting)
+    assert widest <= 4 and parked, (widest, parked)
+    for r in (other, req):
+        for comp in r.results:
+            assert len(comp.tokens) == r.max_new_tokens
+            check_exact(params, cfg, r, comp, 1.0)
+    alone = rlkjax.generate(params, cfg, [req.prompt], max_new_tokens=5, seeds=sample_seed(7, 3))[0]
+    assert alone.tokens == req.results[3].tokens
+    assert engine.pages.used == 0
+
+
+def test_decode_rounds_equal_single_steps(tiny):
+    """The same workload with 1 and with 5 decode steps per round (stops and lengths landing
+    mid-round): the same tokens and the same logprob bits; and a request that stops mid-round has
+    every page back once its round ends."""
+    cfg, params = tiny
+    rng = np.random.default_rng(7)
+    work = list(random_workload(rng, cfg, 6, max_new=12))
+    probe = rlkjax.generate(params, cfg, [work[0]["prompt"]], max_new_tokens=12, temperature=work[0]["temperature"],
+                            seeds=work[0]["seed"])[0]
+    work[0] |= dict(n=1, max_new_tokens=12, stop_token_ids=[probe.tokens[2]])  # stops at its 3rd token, mid-round
+    results = {}
+    for steps in (1, 5):
+        engine = Engine(params, cfg, config=dataclasses.replace(CONFIG, decode_steps=steps))
+        reqs = [engine.submit(**kw) for kw in work]
+        while not reqs[0].done.is_set():
+            engine.step()
+        assert reqs[0].results[0].finish_reason == "stop" and len(reqs[0].results[0].tokens) <= 3
+        assert engine.pages.used == len({p for s in engine.running for p in s.pages}), "the stopped request's pages are free"
+        engine.run_until_done()
+        assert engine.pages.used == 0
+        results[steps] = [r.results for r in reqs]
+    for one, five in zip(results[1], results[5]):
+        for a, b in zip(one, five):
+            assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
+            assert_bits_equal(a.logprobs, b.logprobs, "round of 5 vs single steps")
+
+
+@pytest.mark.parametrize("case", ["parked-fork", "preempted"])
+def test_weight_swap_waits_for_parked_and_preempted_sequences(tiny, case):
+    """A sequence waiting with work done under the old weights (a fork parked for a batch slot
+    holding its prompt's pages, or a preempted one with sampled tokens) finishes on those weights
+    before the swap: swapping as soon as the running list emptied would have decoded it on the
+    new weights over a cache (or tokens) from the old ones, a completion of two versions."""
+    cfg, params = tiny
+    new_params = rlkjax.init_params(cfg, seed=1)
+    if case == "parked-fork":
+        engine = Engine(params, cfg, config=EngineConfig(num_pages=64, max_batch=3, prefill_chunk=16, token_budget=32,
+                                                         max_context=128, decode_steps=2))
+        reqs = [engine.submit([1, 2, 3], max_new_tokens=12, seed=0), engine.submit(list(range(30, 50)), n=3, max_new_tokens=4, seed=5)]
+        while not any(s.pages for s in engine.waiting):
+            engine.step()
+    else:
+        engine = Engine(params, cfg, config=EngineConfig(num_pages=6, max_batch=4, prefill_chunk=16, token_budget=32,
+                                                         max_context=128, decode_steps=2))
+        reqs = [engine.submit(list(range(1, 30)), max_new_tokens=40, seed=j) for j in range(2)]
+        while not any(s.generated for s in engine.waiting):
+            engine.step()
+    engine.update_weights(new_params)
+    engine.run_until_done()
+    assert engine.policy_version == 1
+    for r in reqs:
+        for comp in r.results:
+            assert comp.policy_version == 0 and len(comp.tokens) == r.max_new_tokens
+            check_exact(params, cfg, r, comp, 1.0)
+
+
+def test_admission_takes_turns_between_groups(tiny):
+    """A group of 12 one-sample requests (one HTTP request's prompts) arrives first, then a lone
+    request: with 2 batch slots, the lone one is admitted in the second turn, not after all 12
+    (before, a 2-token request waited minutes behind a 256-sequence one). Every result exact."""
+    cfg, params = tiny
+    engine = Engine(params, cfg, config=dataclasses.replace(CONFIG, max_batch=2, decode_steps=4))
+    big = [engine.submit([3, i + 1], max_new_tokens=8, seed=i, group="big") for i in range(12)]
+    small = engine.submit([7, 7, 7], max_new_tokens=2, seed=99)
+    while not small.done.is_set():
+        engine.step()
+    assert sum(r.done.is_set() for r in big) <= 2, "the lone request waited behind the whole group"
+    engine.run_until_done()
+    for r in big + [small]:
+        check_exact(params, cfg, r, r.results[0], 1.0)

@@ -1,8 +1,10 @@
-"""GRPO learner: the loss and advantages on hand-computed examples, micro-batch invariance of the
-learner's logprobs, a subprocess smoke run, resume and same-seed bit identity, the remote-server
-mode, and clear errors for bad flags."""
+"""GRPO learner: the loss and advantages on hand-computed examples, the typed batch's padding,
+micro-batch invariance of the learner's logprobs, the contract enforced (a corrupted logprob stops the
+run, naming step, sequence and token), a subprocess smoke run, resume and same-seed bit identity, the
+remote-server mode, and clear errors for bad flags."""
 import dataclasses
 import json
+import logging
 import subprocess
 import sys
 
@@ -13,9 +15,11 @@ import pytest
 
 import rlkjax
 from rlkjax import model
-from rlkjax.tasks import ArithmeticTask, Example, GSM8KTask, LowercaseTask, group_advantages
+from rlkjax.tasks import ArithmeticTask, Example, GSM8KTask, LowercaseTask
 from tests.conftest import assert_bits_equal
 from train import grpo
+from train.batch import PAD, Batch, LossStats, micro_batches, pack, pad_rows, reduce_stats
+from train.grpo import group_advantages
 
 SMALL = dict(prompts_per_step=2, group_size=4, max_new_tokens=4, max_prompt_tokens=16, progress=False)
 
@@ -36,15 +40,35 @@ def test_loss_by_hand(tiny, monkeypatch):
     cfg, _ = tiny
     logp_new = jnp.array([[0.0, -1.0, -2.0]])
     monkeypatch.setattr(grpo, "policy_logprobs", lambda *a: jnp.concatenate([logp_new, logp_new]))
-    batch = {"tokens": None, "positions": None, "temps": None,
-             "logp_old": jnp.array([[0.0, -1.0 - np.log(1.5), -2.0], [0.0, -1.0, -2.0 - np.log(0.5)]]),
-             "mask": jnp.array([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]), "adv": jnp.array([1.0, -1.0]), "tis": jnp.ones((2, 3))}
-    loss, stats = grpo.grpo_loss(None, batch, None, None, cfg, "strict", 0.2, 0.0, 2.0)
+    batch = Batch(tokens=None, positions=None, temps=None,
+                  logp_old=jnp.array([[0.0, -1.0 - np.log(1.5), -2.0], [0.0, -1.0, -2.0 - np.log(0.5)]]),
+                  mask=jnp.array([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]), adv=jnp.array([1.0, -1.0]), tis=jnp.ones((2, 3)))
+    loss, (stats, _) = grpo.grpo_loss(None, batch, None, None, cfg, "strict", 0.2, 0.0, 2.0)
     np.testing.assert_allclose(float(loss), -0.2, rtol=1e-6)
-    assert float(stats["clipped"]) == 2
+    assert float(stats.clipped) == 2
+    np.testing.assert_allclose([float(stats.ratio_min), float(stats.ratio_max)], [0.5, 1.5], rtol=1e-6)
     # k3 KL: ref - new = log 2 on both tokens -> exp(log 2) - log 2 - 1 = 1 - log 2 per token, beta 0.5
     loss_kl, _ = grpo.grpo_loss(None, batch, logp_new + np.log(2.0), None, cfg, "strict", 0.2, 0.5, 2.0)
     np.testing.assert_allclose(float(loss_kl), -0.2 + 0.5 * (1 - np.log(2.0)), rtol=1e-6)
+
+
+def test_batch_padding_and_stat_reductions():
+    """pack: T is a power-of-two bucket of at least a page, logp column t scores token t + 1. Padding
+    rows carry the PAD values (positions -1, temperature 1, the rest 0). Stats combine by their declared
+    reduction: min of mins, max of maxes, sums added."""
+    samples = [{"prompt": [5, 6, 7], "tokens": [8, 9], "logprobs": np.float32([-0.5, -1.5]), "adv": 2.0, "temperature": 0.7}]
+    batch = pack(samples)
+    assert batch.tokens.shape == (1, 16) and batch.logp_old.shape == (1, 15)
+    assert batch.tokens[0, :6].tolist() == [5, 6, 7, 8, 9, 0] and batch.positions[0, :6].tolist() == [0, 1, 2, 3, 4, -1]
+    assert batch.logp_old[0, :5].tolist() == [0, 0, -0.5, -1.5, 0] and batch.mask[0, :5].tolist() == [0, 0, 1, 1, 0]
+    padded = pad_rows(batch, 4)
+    for field, fill in zip(Batch._fields, PAD):
+        values = getattr(padded, field)
+        assert len(values) == 4 and np.array_equal(values[:1], getattr(batch, field)) and np.all(values[1:] == fill), field
+    assert pad_rows(padded, 4) is padded
+    a = LossStats(ratio_min=np.float32(0.9), ratio_max=np.float32(1.1), ratio_sum=np.float32(3.0), clipped=np.int32(1))
+    b = LossStats(ratio_min=np.float32(0.8), ratio_max=np.float32(1.0), ratio_sum=np.float32(2.0), clipped=np.int32(2))
+    assert reduce_stats([a, b]) == LossStats(np.float32(0.8), np.float32(1.1), np.float32(5.0), 3)
 
 
 def test_learner_logprobs_do_not_depend_on_micro_batch(tiny):
@@ -53,16 +77,73 @@ def test_learner_logprobs_do_not_depend_on_micro_batch(tiny):
     rng = np.random.default_rng(0)
     samples = [{"prompt": rng.integers(0, 256, int(rng.integers(2, 20))).tolist(), "tokens": rng.integers(0, 256, 6).tolist(),
                 "logprobs": np.zeros(6, np.float32), "adv": 0.0, "temperature": 1.0} for _ in range(6)]
-    batch = grpo.pack(samples, cfg)
+    batch = pack(samples)
     rope = model.rope_tables(cfg)
     score_fn = jax.jit(grpo.policy_logprobs, static_argnames=("cfg", "numerics"))
-    whole = np.asarray(score_fn(master, batch["tokens"], batch["positions"], batch["temps"], rope, cfg, "strict"))
+    whole = np.asarray(score_fn(master, batch.tokens, batch.positions, batch.temps, rope, cfg, "strict"))
     for size in (1, 4):
-        parts = [np.asarray(score_fn(master, mb["tokens"], mb["positions"], mb["temps"], rope, cfg, "strict"))
-                 for mb in grpo.micro_batches(batch, size)]
+        parts = [np.asarray(score_fn(master, mb.tokens, mb.positions, mb.temps, rope, cfg, "strict"))
+                 for mb in micro_batches(batch, size)]
         assert_bits_equal(np.concatenate(parts), whole, f"micro-batch {size}")
 
 
+def corrupt_one_logprob(monkeypatch, at_step: int, sequence: int, token: int) -> dict:
+    """At the `at_step`-th rollout, move one recorded logprob (completion token `token` of batch
+    sequence `sequence`) one float32 ulp down: a sampler that broke the contract by the least amount.
+    Returns what the error must name (filled in when it happens)."""
+    original, calls, seen = grpo.LocalRollout.sample, [], {}
+
+    def sample(self, prompts, group, *args):
+        groups = original(self, prompts, group, *args)
+        calls.append(None)
+        if len(calls) == at_step:
+            s = groups[sequence // group][sequence % group]
+            logprobs = np.array(s["logprobs"], np.float32)
+            true, logprobs[token] = logprobs[token], np.nextafter(logprobs[token], np.float32(-np.inf))
+            s["logprobs"] = logprobs
+            seen.update(position=len(prompts[sequence // group]) + token, id=s["tokens"][token],
+                        sampler=f"{float(logprobs[token])!r} (0x{int(logprobs[token:token + 1].view(np.uint32)[0]):08x})",
+                        learner=f"{float(true)!r} (0x{int(np.float32(true).view(np.uint32)):08x})")
+        return groups
+    monkeypatch.setattr(grpo.LocalRollout, "sample", sample)
+    return seen
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_broken_contract_stops_the_run(tmp_path, monkeypatch, verify):
+    """One logprob one ulp off stops strict training before any update, naming the step, the sequence
+    (batch row 5 = prompt 1, sample 1 with G = 4) and the token with both values and their bits. With
+    --verify-logprobs the sampler/learner comparison catches it; without, the first update's own
+    logp_new (its ratio must be exactly 1) does."""
+    seen = corrupt_one_logprob(monkeypatch, at_step=1, sequence=5, token=1)
+    with pytest.raises(grpo.ContractError) as error:
+        grpo.train(grpo.GRPOConfig(steps=1, verify_logprobs=verify, out=str(tmp_path), **SMALL))
+    message = str(error.value)
+    what = "sampler vs learner logprobs" if verify else "first update's logp_new vs logp_old"
+    assert message.startswith(f"step 1: {what}: 1 of "), message
+    for part in ("sequence 5 of the batch (prompt 1, sample 1)", f"token position {seen['position']} (id {seen['id']})",
+                 f"sampler {seen['sampler']}", f"learner {seen['learner']}", "--on-mismatch warn"):
+        assert part in message, (part, message)
+    assert not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text()
+
+
+@pytest.mark.slow
+def test_broken_contract_warn_keeps_training(tmp_path, monkeypatch, caplog):
+    """--on-mismatch warn: the same corruption at step 2 is logged by both checks, and the update is
+    still applied and the run finishes (final checkpoint written); the metrics record the one token."""
+    seen = corrupt_one_logprob(monkeypatch, at_step=2, sequence=6, token=0)
+    with caplog.at_level(logging.WARNING, logger="train.grpo"):
+        result = grpo.train(grpo.GRPOConfig(steps=2, on_mismatch="warn", out=str(tmp_path), **SMALL))
+    assert [r["tokens_bits_differ"] for r in result["history"]] == [0, 1]
+    assert (tmp_path / "checkpoints" / "2").is_dir()
+    warnings = [r.getMessage() for r in caplog.records if r.name == "train.grpo"]
+    assert len(warnings) == 2, warnings
+    for what, message in zip(("sampler vs learner logprobs", "first update's logp_new vs logp_old"), warnings):
+        assert f"step 2: {what}: 1 of " in message and "sequence 6 of the batch (prompt 1, sample 2)" in message, message
+        assert f"token position {seen['position']}" in message and seen["sampler"] in message and seen["learner"] in message
+
+
+@pytest.mark.slow
 def test_smoke_subprocess(tmp_path):
     """`python -m train.grpo` for 3 steps: finite loss, mismatch 0 and first-update ratio exactly 1
     every step, every parameter changed, plot and HF export written."""
@@ -89,6 +170,7 @@ def _params_bits(master):
     return [np.asarray(x).view(np.uint32) for x in jax.tree.leaves(master)]
 
 
+@pytest.mark.slow
 def test_resume_and_same_seed_are_bit_identical(tmp_path):
     base = grpo.GRPOConfig(steps=6, checkpoint_every=3, **SMALL)
     straight = grpo.train(dataclasses.replace(base, out=str(tmp_path / "a")))
@@ -102,6 +184,7 @@ def test_resume_and_same_seed_are_bit_identical(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.slow
 def test_remote_rollout_server(tmp_path):
     from tests.test_server import ADMIN, start_server
     proc, client = start_server()
@@ -116,10 +199,14 @@ def test_remote_rollout_server(tmp_path):
         proc.wait(timeout=120)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags,match", [
     (["--group-size", "1"], "--group-size=1"),
     (["--learning-rate", "nan"], "--learning-rate=nan"),
     (["--clip-eps", "1.5"], "--clip-eps=1.5"),
+    (["--beta", "nan"], "--beta=nan must be finite"),
+    (["--temperature", "1e-46"], "--temperature must be finite"),
+    (["--seed", "-1"], "--seed must be an integer"),
     (["--tis-cap", "2"], "--tis-cap"),
     (["--task", "gsm8k"], "--data"),
     (["--model", "/nonexistent"], "/nonexistent"),

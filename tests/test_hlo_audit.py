@@ -34,13 +34,24 @@ def lowered(cfg, fn, numerics_mode, b=2, t=16, pages=4):
     pt = jax.ShapeDtypeStruct((b, pages), jnp.int32)
     one = jax.ShapeDtypeStruct((b, 1), jnp.int32)
     vec = lambda dt: jax.ShapeDtypeStruct((b,), dt)  # noqa: E731
-    return audit.lower_for_gpu(engine.decode_step, params, one, one, cache, pt, vec(jnp.uint32), vec(jnp.int32),
-                               vec(jnp.float32), rope, cfg, numerics_mode)
+    if fn == "sampler":
+        return audit.lower_for_gpu(engine.decode_step, params, one, one, cache, pt, vec(jnp.uint32), vec(jnp.int32),
+                                   vec(jnp.float32), rope, cfg, numerics_mode)
+    stops = jax.ShapeDtypeStruct((b, 2), jnp.int32)
+    return audit.lower_for_gpu(engine.decode_round, params, vec(jnp.int32), vec(jnp.int32), cache, pt, vec(jnp.uint32),
+                               vec(jnp.int32), vec(jnp.float32), vec(jnp.int32), stops, rope, cfg, numerics_mode, num_steps=4)
 
 
-@pytest.mark.parametrize("fn", ["learner", "sampler"])
-def test_strict_path_has_no_xla_float_arithmetic(tiny, compiled_kernels, fn):
-    cfg, _ = tiny
+# Every kernel pads this one (width 40, group size 3, head dim 24, FFN 37, vocab 300): the padding,
+# slicing and re-interleaving of RoPE halves must be data movement too.
+ODD = rlkjax.ModelConfig(vocab_size=300, hidden_size=40, num_layers=1, num_heads=6, num_kv_heads=2, head_dim=24,
+                         intermediate_size=37, tie_embeddings=False, max_position=256)
+
+
+@pytest.mark.parametrize("shape", ["tiny", "odd"])
+@pytest.mark.parametrize("fn", ["learner", "sampler", "sampler_round"])
+def test_strict_path_has_no_xla_float_arithmetic(tiny, compiled_kernels, fn, shape):
+    cfg = tiny[0] if shape == "tiny" else ODD
     text = lowered(cfg, fn, "strict")
     assert "__gpu$xla.gpu.triton" in text  # the kernels really are there
     assert audit.float_arithmetic(text) == []

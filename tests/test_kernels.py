@@ -77,7 +77,7 @@ def randn(key, shape, dtype=F32, scale=1.0):
     return (scale * jax.random.normal(jax.random.key(key), shape, F32)).astype(dtype)
 
 
-@pytest.mark.parametrize("m,k,n", [(37, 96, 128), (130, 64, 64), (1, 256, 192)])
+@pytest.mark.parametrize("m,k,n", [(37, 96, 128), (130, 64, 64), (1, 256, 192), (21, 40, 37)])
 def test_matmul(m, k, n):
     mm = lambda x, w, r: matmul.matmul(x, w, r, numerics.MATMUL, INTERPRET)  # noqa: E731
     args = [randn(1, (m, k), BF16), randn(2, (n, k), BF16, 0.1), randn(3, (m, n), BF16)]
@@ -94,9 +94,10 @@ def test_matmul_row_invariance():
         assert_bits_equal(matmul.matmul(x[lo:hi], w, None, numerics.MATMUL, INTERPRET), full[lo:hi], f"rows {lo}:{hi}")
 
 
+@pytest.mark.parametrize("d", [64, 40])  # 40: padded to 64, or to RoPE halves of 32 ([x1, 0, x2, 0])
 @pytest.mark.parametrize("rope", [False, True])
-def test_rmsnorm(rope):
-    n, d = 37, 64
+def test_rmsnorm(rope, d):
+    n = 37
     x, w = randn(1, (n, d), BF16, 3.0), (1 + randn(2, (d,), F32, 0.1)).astype(BF16)
     ang = randn(3, (n, d // 2))
     cos, sin = (jnp.cos(ang), jnp.sin(ang)) if rope else (None, None)
@@ -112,8 +113,9 @@ def test_rmsnorm(rope):
         check_grads(ker2, ref2, [x.astype(F32), w.astype(F32)], (0, 1), "rmsnorm")
 
 
-def test_swiglu():
-    g, u = randn(1, (37, 160), BF16, 2.0), randn(2, (37, 160), BF16)
+@pytest.mark.parametrize("f", [160, 100])
+def test_swiglu(f):
+    g, u = randn(1, (37, f), BF16, 2.0), randn(2, (37, f), BF16)
     ker = lambda g, u: swiglu.swiglu(g, u, numerics.SWIGLU, INTERPRET)  # noqa: E731
     check_against_truth(ker, swiglu.swiglu_reference, [g, u], "swiglu")
     check_grads(ker, swiglu.swiglu_reference, [g.astype(F32), u.astype(F32)], (0, 1), "swiglu")
@@ -142,6 +144,29 @@ def test_attention_values_and_grads():
     check_grads(ker, lambda q, k, v: attention.dense_attention(q, k, v, pos), [q, k, v], (0, 1, 2), "attention")
 
 
+@pytest.mark.parametrize("hq,hkv,dh", [(6, 2, 24), (5, 1, 8)])
+def test_attention_odd_shapes(hq, hkv, dh):
+    """Group sizes 3 and 5 (padded with zero query heads) and head dims 24 and 8 (zero features,
+    scale from the true head dim): values and gradients as the dense reference's, and chunked
+    prefill gives the whole pass's bits (the padded copy of the cache is the layer's own)."""
+    case = dict(t=21, hq=hq, hkv=hkv, dh=dh, lens=(21, 9, 1))
+    q, k, v, pages, pt, pos = _attention_case(BF16, **case)
+
+    def run(q, k, v, sl, kp, vp):
+        return attention.paged_attention(q[:, sl], k[:, sl], v[:, sl], kp, vp, jnp.int32(1), pt, pos[:, sl],
+                                         numerics.ATTENTION, INTERPRET)
+
+    dense = lambda q, k, v: attention.dense_attention(q, k, v, pos)  # noqa: E731
+    whole_pass = lambda q, k, v: run(q, k, v, slice(None), pages, pages)[0]  # noqa: E731
+    check_against_truth(whole_pass, dense, [q, k, v], "odd attention vs dense")
+    whole, _, _ = run(q, k, v, slice(None), pages, pages)
+    a, kp, vp = run(q, k, v, slice(0, 12), pages, pages)
+    b, _, _ = run(q, k, v, slice(12, None), kp, vp)
+    assert_bits_equal(jnp.concatenate([a, b], axis=1), whole, "odd shapes: chunked prefill")
+    q, k, v, pages, pt, pos = _attention_case(F32, **case)
+    check_grads(whole_pass, dense, [q, k, v], (0, 1, 2), "odd attention")
+
+
 def test_attention_chunked_equals_whole_and_decode():
     """Prefill in chunks of 20 + 17, or token by token, gives the whole pass's bits: the cache is
     written before it is read and KV blocks are aligned to absolute positions."""
@@ -159,8 +184,9 @@ def test_attention_chunked_equals_whole_and_decode():
     assert_bits_equal(jnp.concatenate(outs, axis=1), whole, "token-by-token decode")
 
 
-def test_logprob_values_and_grads():
-    n, d, vocab = 37, 64, 512
+@pytest.mark.parametrize("d,vocab", [(64, 512), (48, 300)])  # 48, 300: a padded K step and a padded vocab tile
+def test_logprob_values_and_grads(d, vocab):
+    n = 37
     h, w = randn(1, (n, d), BF16), randn(2, (vocab, d), BF16, 0.3)
     targets = jax.random.randint(jax.random.key(3), (n,), 0, vocab)
     temps = jnp.array([0.7, 1.0, 1.3] * 12 + [1.0], F32)
@@ -170,9 +196,10 @@ def test_logprob_values_and_grads():
     check_grads(ker, ref, [h.astype(F32), w.astype(F32)], (0, 1), "token_logprobs")
 
 
-def test_sample_logprob_is_score_logprob():
+@pytest.mark.parametrize("d,vocab", [(64, 512), (48, 300)])
+def test_sample_logprob_is_score_logprob(d, vocab):
     """The sampler's recorded logprob is bit-identical to scoring the drawn token."""
-    n, d, vocab = 37, 64, 512
+    n = 37
     h, w = randn(1, (n, d), BF16), randn(2, (vocab, d), BF16, 0.3)
     temps = jnp.full((n,), 0.9, F32)
     seeds, steps = jnp.arange(n, dtype=jnp.uint32), jnp.arange(n, dtype=jnp.int32)
@@ -182,15 +209,20 @@ def test_sample_logprob_is_score_logprob():
     assert (np.asarray(tokens) == np.asarray(ref_tokens)).mean() > 0.9  # same noise, logits equal up to rounding
 
 
-def test_sampling_follows_the_distribution():
+@pytest.mark.parametrize("vocab", [512, 300])
+def test_sampling_follows_the_distribution(vocab):
     """Uniform logits (zero hidden state): every id is equally likely, so 20,000 draws over 512 ids
-    give counts with mean 39 and, for a fair sampler, a chi-square statistic near 511 (sd ~32)."""
-    n, d, vocab = 20000, 64, 512
+    give counts with mean 39 and, for a fair sampler, a chi-square statistic near 511 (sd ~32);
+    over 300 ids near 299 (sd ~24). With 300 ids the last tile holds 84 padded ids whose zero
+    lm_head rows also give logit 0: were they not masked, they would be drawn (an id >= 300) and
+    every logprob would be -log(384)."""
+    n, d = 20000, 64
     h, w = jnp.zeros((n, d), BF16), randn(2, (vocab, d), BF16)
     tokens, lp = logprob.sample_tokens(h, w, jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.int32), jnp.ones(n, F32), numerics.LOGPROB, INTERPRET)
+    assert np.asarray(tokens).max() < vocab
     counts = np.bincount(np.asarray(tokens), minlength=vocab)
     chi2 = ((counts - n / vocab) ** 2 / (n / vocab)).sum()
-    assert chi2 < 511 + 5 * 32, chi2
+    assert chi2 < (vocab - 1) + 5 * np.sqrt(2 * (vocab - 1)), chi2
     np.testing.assert_array_equal(np.asarray(lp), np.float32(-np.log(np.float32(vocab))))
 
 

@@ -8,15 +8,19 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
+import jax
 import numpy as np
 import pytest
 
 import rlkjax
-from serve.client import RolloutClient, RolloutError
+from rlkjax.client import RolloutClient, RolloutError
 from tests.conftest import assert_bits_equal
+
+pytestmark = pytest.mark.slow  # every test here starts a real server process
 
 ADMIN = "test-admin-key"
 
@@ -28,10 +32,14 @@ def free_port():
 
 
 def start_server(*flags):
+    """The server in a subprocess; its log goes to a file (proc.log), not a pipe nobody reads, whose
+    full buffer would block the server mid-test once it has logged 64 KiB of access lines."""
     port = free_port()
+    log = tempfile.NamedTemporaryFile("w+", prefix="rlkjax-server-", suffix=".log", delete=False)
     proc = subprocess.Popen([sys.executable, "-m", "serve.rollout", "--port", str(port), "--num-pages", "512", "--max-batch", "16",
                              "--prefill-chunk", "32", "--token-budget", "128", "--max-context", "256", *flags],
-                            env=os.environ | {"RLKJAX_ADMIN_KEY": ADMIN}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            env=os.environ | {"RLKJAX_ADMIN_KEY": ADMIN}, stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc.log = log.name
     client = RolloutClient(f"http://127.0.0.1:{port}", admin_key=ADMIN, timeout=600)
     for _ in range(600):
         try:
@@ -39,14 +47,14 @@ def start_server(*flags):
             return proc, client
         except OSError:
             if proc.poll() is not None:
-                raise RuntimeError(proc.stdout.read())
+                raise RuntimeError(open(proc.log).read())
             time.sleep(0.2)
     raise TimeoutError("server did not start")
 
 
 @pytest.fixture(scope="module")
 def server():
-    proc, client = start_server()
+    proc, client = start_server("--read-timeout", "2")
     yield client
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=60)
@@ -93,19 +101,20 @@ def post_raw(client, path, data: bytes, headers=None):
     (json.dumps({"prompt": [1, 2], "temperature": "hot"}).encode(), 400, "temperature"),
     (json.dumps({"prompt": [1, 2], "seed": -1}).encode(), 400, "seed"),
     (json.dumps({"prompt": [[1, 2], [3, 600]]}).encode(), 400, "outside"),
+    (json.dumps({"prompt": [[1, 2]] * 20, "n": 16}).encode(), 400, "over the limit of 256 per request"),
     (json.dumps({"prompt": [1] * (5 * 2**20)}).encode(), 413, "over the limit"),
 ])
 def test_bad_input_gets_a_clear_4xx_and_the_server_keeps_serving(server, body, status, match):
     got, payload = post_raw(server, "/generate", body)
-    assert got == status and match in payload["error"], payload
+    assert got == status and match in payload["error"]["message"], payload
     assert server.generate([[1, 2, 3]], max_new_tokens=2)[0][0]["finish_reason"] == "length"
 
 
 def test_update_weights_needs_the_admin_key(server, tmp_path):
     got, payload = post_raw(server, "/update_weights", json.dumps({"path": str(tmp_path)}).encode())
-    assert got == 401 and "admin key" in payload["error"]
+    assert got == 401 and "admin key" in payload["error"]["message"]
     got, payload = post_raw(server, "/update_weights", json.dumps({"path": str(tmp_path)}).encode(), {"Authorization": f"Bearer {ADMIN}"})
-    assert got == 400 and "cannot load" in payload["error"]
+    assert got == 400 and "cannot load" in payload["error"]["message"]
 
 
 def test_openai_completions_and_metrics(server, tiny):
@@ -165,13 +174,220 @@ def test_sigterm_drains_in_flight_requests(tiny):
     send the signal before a request has arrived): every one completes, then the process exits 0."""
     proc, client = start_server()
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(client.generate, [[i + 1, 2, 3]], max_new_tokens=32, seed=i) for i in range(8)]
+        futures = [pool.submit(client.generate, [[i + 1, 2, 3]], max_new_tokens=200, seed=i) for i in range(8)]
         wait_for_metric(client, "rlkjax_requests_total", 8)
         finished_at_signal = metric(client, "rlkjax_requests_finished_total")
         proc.send_signal(signal.SIGTERM)
         results = [f.result() for f in futures]
     assert finished_at_signal < 8, "every request finished before SIGTERM: nothing was drained"
-    assert all(len(r[0][0]["tokens"]) == 32 for r in results)
+    assert all(len(r[0][0]["tokens"]) == 200 for r in results)
     assert proc.wait(timeout=120) == 0
     with pytest.raises((OSError, RolloutError)):
         client.health()
+
+
+def test_unseeded_requests_differ_and_report_their_seed(server, tiny):
+    """Without a seed each request draws fresh noise from the OS (a GRPO group sent as separate
+    requests used to get identical samples, zero advantage, no error); the response names the
+    seed, and sending it back reproduces the sample bit for bit."""
+    bodies = [post_raw(server, "/generate", json.dumps({"prompt": [5, 6, 7], "max_new_tokens": 8}).encode())[1] for _ in range(4)]
+    assert len({tuple(b["results"][0][0]["tokens"]) for b in bodies}) > 1 and len({b["seed"] for b in bodies}) == 4
+    again = post_raw(server, "/generate", json.dumps({"prompt": [5, 6, 7], "max_new_tokens": 8, "seed": bodies[0]["seed"]}).encode())[1]
+    assert again["results"][0][0]["tokens"] == bodies[0]["results"][0][0]["tokens"]
+    assert_bits_equal(np.float32(again["results"][0][0]["logprobs"]), np.float32(bodies[0]["results"][0][0]["logprobs"]), "reseeded")
+    got, out = post_raw(server, "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2, "seed": None}).encode())
+    assert got == 200 and isinstance(out["seed"], int)
+
+
+def test_errors_have_openai_shape(server):
+    got, payload = post_raw(server, "/generate", json.dumps({"prompt": [1, 2], "n": 0}).encode())
+    assert got == 400 and set(payload["error"]) == {"message", "type", "param", "code"}
+    assert payload["error"]["type"] == "invalid_request_error" and "n must be" in payload["error"]["message"]
+
+
+def test_a_disconnected_client_frees_its_pages(server):
+    """A client that gives up mid-generation: its sequences are cancelled and their KV pages freed
+    (aiohttp cancels the handler only with handler_cancellation; before, the server went on
+    generating for minutes). Pages are read from /metrics before, during and after."""
+    assert metric(server, "rlkjax_kv_pages_used") == 0
+    body = json.dumps({"prompt": list(range(1, 60)), "n": 4, "max_new_tokens": 190, "seed": 1}).encode()
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        wait_for_metric(server, "rlkjax_kv_pages_used", 1)
+        during = metric(server, "rlkjax_kv_pages_used")
+    deadline = time.time() + 60
+    while metric(server, "rlkjax_kv_pages_used") > 0:
+        assert time.time() < deadline, "pages still held a minute after the client left"
+        time.sleep(0.1)
+    generated = metric(server, "rlkjax_generated_tokens_total")
+    time.sleep(1.0)
+    assert during > 0 and metric(server, "rlkjax_generated_tokens_total") == generated, "still generating for nobody"
+    assert metric(server, "rlkjax_running_sequences") == 0
+
+
+def test_update_weights_refuses_what_would_change_the_served_model_silently(server, tiny, tmp_path):
+    """Each refused with a 4xx naming the reason, the old weights kept (policy version unchanged):
+    a preset name (used to build a random model), float32 weights (used to be served in float32,
+    breaking sampler == learner), a NaN, an extra tensor, corrupt safetensors and config.json
+    (used to be a bare 500)."""
+    from safetensors.numpy import load_file, save_file
+
+    cfg, params = tiny
+    version = server.health()["policy_version"]
+
+    def checkpoint(name, edit=None, dtype=None):
+        path = tmp_path / name
+        rlkjax.save_hf_checkpoint(path, cfg.replace_dtype(dtype) if dtype else cfg,
+                                  jax.tree.map(lambda w: w.astype(dtype), params) if dtype else params)
+        if edit:
+            edit(path)
+        return str(path)
+
+    def add_nan(path):
+        t = load_file(path / "model.safetensors")
+        t["model.norm.weight"] = t["model.norm.weight"].copy()
+        t["model.norm.weight"][3] = np.nan
+        save_file(t, path / "model.safetensors")
+
+    def add_tensor(path):
+        save_file(load_file(path / "model.safetensors") | {"model.layers.0.mlp.gate_proj.bias": np.zeros(4, np.float32)},
+                  path / "model.safetensors")
+
+    cases = {
+        "qwen3-tiny": "not a checkpoint directory",
+        checkpoint("f32", dtype="float32"): "dtype float32 is not the served dtype bfloat16",
+        checkpoint("nan", add_nan): "non-finite values in ['norm']",
+        checkpoint("extra", add_tensor): "gate_proj.bias",
+        checkpoint("bad_safetensors", lambda p: (p / "model.safetensors").write_bytes(b"\x00" * 100)): "cannot load",
+        checkpoint("bad_config", lambda p: (p / "config.json").write_text('{"vocab_size": ')): "cannot load",
+    }
+    for path, match in cases.items():
+        got, payload = post_raw(server, "/update_weights", json.dumps({"path": path}).encode(), {"Authorization": f"Bearer {ADMIN}"})
+        assert got == 400 and match in payload["error"]["message"], (path, payload)
+    assert server.health()["policy_version"] == version
+    assert server.generate([[1, 2, 3]], max_new_tokens=2)[0][0]["policy_version"] == version
+
+
+def test_admin_key_from_a_file_case_insensitive_scheme_and_rate_limited(tmp_path):
+    """The key read from --admin-key-file (a flag would show in `ps`) wins over the environment;
+    `bearer` is accepted in any case (RFC 7235); after 5 wrong keys in a minute the address gets
+    429 even with the right key, and every failure is logged."""
+    (tmp_path / "key").write_text("file-key\n")
+    proc, client = start_server("--admin-key-file", str(tmp_path / "key"))
+    try:
+        body = json.dumps({"path": str(tmp_path)}).encode()
+        got, payload = post_raw(client, "/update_weights", body, {"Authorization": "bEaReR file-key"})
+        assert got == 400 and "cannot load" in payload["error"]["message"]  # authenticated; the path is empty
+        for _ in range(5):
+            assert post_raw(client, "/update_weights", body, {"Authorization": f"Bearer {ADMIN}"})[0] == 401
+        got, payload = post_raw(client, "/update_weights", body, {"Authorization": "Bearer file-key"})
+        assert got == 429 and payload["error"]["type"] == "rate_limit_error"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+    assert open(proc.log).read().count("rejected admin key from 127.0.0.1") == 5
+
+
+def test_null_means_default_and_models(server):
+    """OpenAI clients send explicit nulls for unset optional fields: they mean the default."""
+    body = {"prompt": "Hi", "max_tokens": None, "temperature": None, "n": None, "seed": None, "logprobs": None, "user": None}
+    got, out = post_raw(server, "/v1/completions", json.dumps(body).encode())
+    assert got == 200 and len(out["choices"]) == 1 and out["usage"]["completion_tokens"] <= 16
+    got, out = post_raw(server, "/generate", json.dumps({"prompt": [1, 2], "n": None, "max_new_tokens": None,
+                                                         "stop_token_ids": None}).encode())
+    assert got == 200 and len(out["results"][0][0]["tokens"]) == 16
+    with urllib.request.urlopen(server.url + "/v1/models", timeout=60) as r:
+        models = json.loads(r.read())
+    assert models["object"] == "list" and models["data"][0]["id"] == "qwen3-tiny"
+
+
+@pytest.mark.parametrize("how", ["deadline", "second-signal"])
+def test_shutdown_with_a_deadline(how):
+    """SIGTERM drains only up to --shutdown-timeout (here 1 s), or until a second SIGTERM: what is
+    unfinished then is cancelled and answered 503 (a JSON error, not a dropped connection), new
+    requests get 503 meanwhile, and the process exits 0 (a second signal used to drop every answer
+    and exit 1)."""
+    timeout = "1" if how == "deadline" else "300"
+    proc, client = start_server("--shutdown-timeout", timeout)
+    body = json.dumps({"prompt": [1, 2, 3], "max_new_tokens": 240, "seed": 0}).encode()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(post_raw, client, "/generate", body) for _ in range(4)]
+        wait_for_metric(client, "rlkjax_generated_tokens_total", 1)
+        signalled = time.time()
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        late = post_raw(client, "/generate", body)
+        if how == "second-signal":
+            proc.send_signal(signal.SIGTERM)
+        answers = [f.result() for f in futures]
+    assert late[0] == 503 and "shutting down" in late[1]["error"]["message"]
+    assert proc.wait(timeout=120) == 0
+    assert time.time() - signalled < 60, "the deadline was not kept"
+    for code, payload in answers:  # finished in time, or cancelled with a clear 503
+        assert (code == 200 and len(payload["results"][0][0]["tokens"]) == 240) or (
+            code == 503 and "--shutdown-timeout" in payload["error"]["message"]), (code, payload)
+    assert any(code == 503 for code, _ in answers), "nothing was cut off: the test did not exercise the deadline"
+
+
+@pytest.mark.parametrize("data,headers,match", [
+    (b'{"prompt": [1, 2], "x": "\xff\xfe"}', {}, "not valid utf-8"),
+    (b'{"prompt": [1, 2]}', {"Content-Type": "application/json; charset=klingon"}, "unknown charset"),
+    (b'{"prompt": "\\ud800abc", "max_tokens": 2}', {}, "not valid Unicode"),
+    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", {}, "nested too deeply"),
+    (b'{"prompt": [1, 2], "n": ' + b"9" * 5000 + b"}", {}, "malformed JSON"),
+    (b'{"prompt": [1, 2], "n": 1e999}', {}, "n must be"),
+    (b"\x1f\x8b\x08\x00garbage-not-gzip", {"Content-Encoding": "gzip"}, "cannot read the body"),
+], ids=["invalid-utf8", "unknown-charset", "lone-surrogate", "deep-nesting", "huge-integer", "huge-float", "corrupt-gzip"])
+def test_every_bad_body_is_a_4xx(server, data, headers, match):
+    """One case per category of hostile bytes; each used to end in a 500. The server then still serves."""
+    path = "/v1/completions" if b'"\\ud800' in data else "/generate"
+    got, payload = post_raw(server, path, data, headers)
+    assert 400 <= got < 500 and match in payload["error"]["message"], (got, payload)
+    assert server.generate([[1, 2, 3]], max_new_tokens=2)[0][0]["finish_reason"] == "length"
+
+
+def test_a_slow_client_gets_a_read_timeout(server):
+    """A client that sends half its body and stalls gets 408 after --read-timeout (2 s here) instead
+    of holding a handler open forever."""
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+        start = time.time()
+        reply = sock.recv(65536).decode(errors="replace")
+    assert reply.startswith("HTTP/1.1 408") and "did not arrive within 2 s" in reply, reply[:300]
+    assert time.time() - start < 20
+
+
+def test_health_and_metrics_answer_while_the_engine_compiles():
+    """/health and /metrics are polled while a fresh server compiles and runs its first request:
+    every answer comes within 0.5 s (they used to take the engine's lock on the event loop and wait
+    out a whole step or compilation: seconds)."""
+    proc, client = start_server()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            first = pool.submit(client.generate, [list(range(1, 50))], n=3, max_new_tokens=40, seed=0)
+            slowest = 0.0
+            while not first.done():
+                for call in (client.health, client.metrics):
+                    start = time.perf_counter()
+                    call()
+                    slowest = max(slowest, time.perf_counter() - start)
+                time.sleep(0.02)
+            assert len(first.result()[0]) == 3
+        assert slowest < 0.5, f"slowest /health or /metrics answer: {slowest:.2f} s"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+
+
+def test_no_response_carries_nan_or_infinity():
+    """json.dumps writes NaN/Infinity by default, which is not JSON: every response goes through a
+    writer that refuses them (the middleware turns that into a logged 500, never a 200)."""
+    from serve.rollout import _json_response
+
+    assert json.loads(_json_response({"logprobs": [-0.5]}).body) == {"logprobs": [-0.5]}
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError):
+            _json_response({"logprobs": [bad]})

@@ -16,7 +16,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from train.batch import PAD, REDUCTION
+
 AXIS = "data"
+ROWS = P(AXIS)
+BATCH_SPECS = jax.tree.map(lambda _: ROWS, PAD)  # every Batch field has rows first: split them all by rows
+COLLECTIVES = {"min": jax.lax.pmin, "max": jax.lax.pmax, "sum": jax.lax.psum}
 
 
 def make_mesh(devices: int) -> Mesh:
@@ -50,36 +55,21 @@ def sharded_logprobs(fn, mesh, specs, **static):
     """fn(params, tokens, positions, temps, rope, **static) -> [B, T-1], with rows sharded over the mesh."""
     def body(params, tokens, positions, temps, rope):
         return fn(gather(params, specs), tokens, positions, temps, rope, **static)
-    rows = P(AXIS)
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, rows, rows, rows, P()), out_specs=rows, check_vma=False))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, ROWS, ROWS, ROWS, P()), out_specs=ROWS, check_vma=False))
 
 
 def sharded_value_and_grad(loss_fn, mesh, specs, **static):
-    """loss_fn(params, batch, ref_logp, rope, total_tokens, **static) -> (loss, stats) summed over
-    this device's rows; returns the global loss, merged stats and FSDP-sharded gradients."""
+    """loss_fn(params, batch, ref_logp, rope, total_tokens, **static) -> (loss, (stats, logp)), the
+    loss and LossStats over this device's rows and logp [rows, T-1]; returns the global loss, the
+    stats merged by their declared REDUCTION, every row's logp, and FSDP-sharded gradients."""
     def body(params, batch, ref_logp, rope, total_tokens):
         def local(p):
             return loss_fn(gather(p, specs), batch, ref_logp, rope, total_tokens=total_tokens, **static)
-        (loss, stats), grads = jax.value_and_grad(local, has_aux=True)(params)
-        merged = {k: (jax.lax.pmin if k.endswith("_min") else jax.lax.pmax if k.endswith("_max") else jax.lax.psum)(v, AXIS)
-                  for k, v in stats.items()}
-        return (jax.lax.psum(loss, AXIS), merged), grads
-    rows = P(AXIS)
-    batch_spec = {k: rows for k in ("tokens", "positions", "logp_old", "mask", "adv", "temps", "tis")}
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, batch_spec, rows, P(), P()),
-                                 out_specs=((P(), P()), specs), check_vma=False))
-
-
-def pad_rows(batch: dict, multiple: int) -> dict:
-    """Add all-padding rows (mask 0, positions -1) so the rows split evenly over the mesh."""
-    extra = -batch["tokens"].shape[0] % multiple
-    if not extra:
-        return batch
-    out = {}
-    for k, v in batch.items():
-        fill = -1 if k == "positions" else (1 if k == "temps" else 0)
-        out[k] = np.concatenate([v, np.full((extra, *v.shape[1:]), fill, v.dtype)])
-    return out
+        (loss, (stats, logp)), grads = jax.value_and_grad(local, has_aux=True)(params)
+        merged = jax.tree.map(lambda v, how: COLLECTIVES[how](v, AXIS), stats, REDUCTION)
+        return (jax.lax.psum(loss, AXIS), (merged, logp)), grads
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, BATCH_SPECS, ROWS, P(), P()),
+                                 out_specs=((P(), (P(), ROWS)), specs), check_vma=False))
 
 
 def replica_devices(count: int):

@@ -15,10 +15,25 @@ The algorithm, per step:
      is their bf16 cast, pushed to the sampler (device to device, or through /update_weights).
   5. Metrics (JSONL, progress bar, PNG plot at the end) and orbax checkpoints.
 
+Nothing silently wrong: flags are checked as they are used (temperatures as float32, every float
+finite); every prompt of a data file is tokenised and length-checked at start; rewards every step,
+and loss, gradients, updated parameters and optimiser state every update, are checked for non-finite
+values, and the first one stops the run (NonFiniteError naming the step and the tensor) before any
+checkpoint, weight sync or final_hf is written from that state. Checkpoints carry checksums of their
+arrays, the run's config and the data file's sha256 (train/checkpoints.py): --resume takes the
+newest one that verifies, refuses flags that would change the trajectory (--resume-allow-changes
+overrides), restores the KL reference with the policy, truncates metrics.jsonl to the restored step
+and continues the policy version, so a resumed run has the same bits as one that never stopped.
+
+The contract is enforced, not only logged: in strict numerics a sampler/learner mismatch (with
+--verify-logprobs) or a first update whose ratio is not exactly 1 (the loss's own logp_new must have
+logp_old's bits; checked every step at no extra cost) stops the run with a ContractError naming the
+step, the sequence and the first differing token. --on-mismatch warn logs it and keeps training.
+
 Deviations from the GRPO paper (Shao et al., 2024), each on purpose:
   - logp_old is the sampler's recorded logprob, not a learner recomputation: in strict numerics
-    they are the same bits, so the extra forward pass is skipped (--verify-logprobs recomputes it
-    and reports the mismatch, which must be 0, and checks the first update's ratio is exactly 1).
+    they are the same bits, so no extra forward pass is needed (--verify-logprobs, on by default,
+    recomputes it anyway and reports the mismatch).
   - Token-level loss aggregation (DAPO) instead of per-sequence means: long and short completions
     weigh their tokens equally.
   - KL to the reference is optional (--beta, default 0) and uses the k3 estimator in the loss.
@@ -27,6 +42,7 @@ Deviations from the GRPO paper (Shao et al., 2024), each on purpose:
 """
 import dataclasses
 import json
+import logging
 import math
 import time
 from pathlib import Path
@@ -36,7 +52,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import tyro
 from tqdm import tqdm
 
@@ -45,11 +60,15 @@ from rlkjax import model
 from rlkjax.checkpoint import load_model, save_orbax_params
 from rlkjax.engine import Engine, EngineConfig
 from rlkjax.mismatch import mismatch_stats
-from rlkjax.numerics import PAGE_SIZE
+from rlkjax.requests import check_seed, check_temperature
 from rlkjax.shapes import cdiv
-from rlkjax.tasks import group_advantages, make_task
+from rlkjax.tasks import make_task
 from rlkjax.tokenizer import load_tokenizer
 from train import fsdp
+from train.batch import Batch, LossStats, micro_batches, pack, reduce_stats
+from train.checkpoints import Checkpoints, config_changes, file_sha256, run_config, tensor_paths
+
+log = logging.getLogger("train.grpo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +94,8 @@ class GRPOConfig:
     max_prompt_tokens: int = 128
     """Longest prompt accepted (sizes the in-process engine's KV cache)."""
     temperature: float = 1.0
-    """Sampling temperature; the learner scores at the same temperature."""
+    """Sampling temperature, at least 0.0001 (smaller ones underflow float32 in the kernels);
+    the learner scores at the same temperature."""
     learning_rate: float = 3e-3
     """Peak AdamW learning rate."""
     warmup_steps: int = 3
@@ -101,6 +121,9 @@ class GRPOConfig:
     verify_logprobs: bool = True
     """Recompute logp_old with the learner every step and report the sampler/learner mismatch (one extra
     forward pass per step; --no-verify-logprobs skips it once you trust the setup)."""
+    on_mismatch: Literal["error", "warn"] = "error"
+    """Strict numerics broken (bits differ, or the first update's ratio is not exactly 1): stop with an
+    error, or warn (log it and keep training, for investigation)."""
     learner_devices: int = 1
     """Devices of the FSDP learner mesh (parameters, gradients and optimiser state sharded over them)."""
     sampler_replicas: int = 1
@@ -120,7 +143,9 @@ class GRPOConfig:
     keep_checkpoints: int = 2
     """Checkpoints kept."""
     resume: bool = False
-    """Continue from the latest checkpoint in --out."""
+    """Continue from the newest checkpoint in --out that verifies (older ones are fallen back to, with a warning)."""
+    resume_allow_changes: bool = False
+    """With --resume: continue even if flags that alter the trajectory differ from the checkpoint's (they are logged)."""
     progress: bool = True
     """Show a progress bar."""
 
@@ -133,78 +158,139 @@ class GRPOConfig:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be positive")
         if self.group_size < 2:
             raise ValueError(f"--group-size={self.group_size} must be >= 2 (advantages compare samples of one prompt)")
-        for name in ("temperature", "learning_rate"):
-            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
-                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be finite and > 0")
-        if not 0 < self.clip_eps < 1:
-            raise ValueError(f"--clip-eps={self.clip_eps} must be in (0, 1)")
-        if self.beta < 0 or self.tis_cap < 0 or self.weight_decay < 0 or self.max_grad_norm <= 0:
-            raise ValueError("--beta, --tis-cap and --weight-decay must be >= 0, --max-grad-norm > 0")
+        if self.warmup_steps < 0:
+            raise ValueError(f"--warmup-steps={self.warmup_steps} must be >= 0")
+        check_seed("--seed", self.seed)
+        check_temperature("--temperature", self.temperature)  # as the float32 the kernels divide by
+        # Float flags must be finite as the float32 they are used as: NaN passes every comparison, and
+        # 1e39 is a finite Python float but inf in float32.
+        bounds = {"learning_rate": "> 0", "max_grad_norm": "> 0", "clip_eps": "> 0",
+                  "weight_decay": ">= 0", "beta": ">= 0", "tis_cap": ">= 0"}
+        for name, bound in bounds.items():
+            value = getattr(self, name)
+            with np.errstate(over="ignore"):
+                finite = bool(np.isfinite(np.float32(value)))
+            if not finite or (value <= 0 if bound == "> 0" else value < 0):
+                raise ValueError(f"--{name.replace('_', '-')}={value!r} must be finite (as a float32) and {bound}")
+        if not self.clip_eps < 1:
+            raise ValueError(f"--clip-eps={self.clip_eps!r} must be in (0, 1)")
         if self.tis_cap and self.numerics == "strict":
             raise ValueError("--tis-cap is for --numerics fast: in strict mode the ratio needs no correction")
+        if self.data is not None and self.task != "gsm8k":
+            raise ValueError(f"--data {self.data!r} is read only by --task gsm8k (--task {self.task} would ignore it)")
 
 
-# ----- the learner's loss -----
+# ----- the algorithm: advantages and the learner's loss -----
+def group_advantages(rewards: np.ndarray, scale: bool = True, eps: float = 1e-6) -> np.ndarray:
+    """rewards [P, G] -> advantages [P, G]: reward minus its group's mean, divided by the group's
+    std when `scale` (GRPO) or not (Dr. GRPO)."""
+    adv = rewards - rewards.mean(axis=1, keepdims=True)
+    return adv / (rewards.std(axis=1, keepdims=True) + eps) if scale else adv
+
+
+def to_policy(master, cfg):
+    """fp32 master weights -> the policy (cfg.dtype): what the sampler runs and the learner scores with."""
+    return jax.tree.map(lambda w: w.astype(cfg.dtype), master)
+
+
 def policy_logprobs(master, tokens, positions, temps, rope, cfg, numerics):
-    """The sampler's weights are the bf16 cast of the fp32 master weights; the learner scores with them."""
-    policy = jax.tree.map(lambda w: w.astype(cfg.dtype), master)
-    return model.sequence_logprobs(policy, tokens, positions, temps, rope, cfg, numerics)
+    return model.sequence_logprobs(to_policy(master, cfg), tokens, positions, temps, rope, cfg, numerics)
 
 
-def grpo_loss(master, batch, ref_logp, rope, cfg, numerics, clip_eps, beta, total_tokens):
+def grpo_loss(master, batch: Batch, ref_logp, rope, cfg, numerics, clip_eps, beta, total_tokens):
     """Token-level PPO-clip (+ k3 KL) summed over this micro-batch, divided by the whole batch's
-    token count, so summing micro-batch gradients gives the full-batch gradient."""
-    logp = policy_logprobs(master, batch["tokens"], batch["positions"], batch["temps"], rope, cfg, numerics)
-    mask, adv = batch["mask"], batch["adv"][:, None]
-    ratio = jnp.exp(logp - batch["logp_old"])
-    surrogate = jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - clip_eps, 1 + clip_eps) * adv) * batch["tis"]
+    token count, so summing micro-batch gradients gives the full-batch gradient.
+    Returns (loss, (LossStats, logp_new [B, T-1])); logp_new lets the first update check the contract."""
+    logp = policy_logprobs(master, batch.tokens, batch.positions, batch.temps, rope, cfg, numerics)
+    mask, adv = batch.mask, batch.adv[:, None]
+    ratio = jnp.exp(logp - batch.logp_old)
+    surrogate = jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - clip_eps, 1 + clip_eps) * adv) * batch.tis
     per_token = -surrogate
     if beta:
         per_token = per_token + beta * (jnp.exp(ref_logp - logp) - (ref_logp - logp) - 1)
     loss = jnp.sum(per_token * mask) / total_tokens
-    clipped = (jnp.abs(ratio - 1) > clip_eps) & (mask > 0)
-    stats = {"ratio_min": jnp.min(jnp.where(mask > 0, ratio, jnp.inf)), "ratio_max": jnp.max(jnp.where(mask > 0, ratio, -jnp.inf)),
-             "ratio_sum": jnp.sum(ratio * mask), "clipped": jnp.sum(clipped)}
-    return loss, stats
+    stats = LossStats(ratio_min=jnp.min(jnp.where(mask > 0, ratio, jnp.inf)),
+                      ratio_max=jnp.max(jnp.where(mask > 0, ratio, -jnp.inf)),
+                      ratio_sum=jnp.sum(ratio * mask),
+                      clipped=jnp.sum((jnp.abs(ratio - 1) > clip_eps) & (mask > 0)))
+    return loss, (stats, logp)
 
 
+# ----- the contract, enforced -----
+class ContractError(RuntimeError):
+    """Strict numerics promise the learner the sampler's logprob bits, and they differ."""
 
 
-# ----- batching -----
-def pack(samples, cfg):
-    """Sequences -> padded [B, T] arrays; logprob index t predicts token t + 1; mask covers completions."""
-    t = max(PAGE_SIZE, 1 << (max(len(s["prompt"]) + len(s["tokens"]) for s in samples) - 1).bit_length())
-    b = len(samples)
-    tokens, positions = np.zeros((b, t), np.int32), np.full((b, t), -1, np.int32)
-    logp_old, mask = np.zeros((b, t - 1), np.float32), np.zeros((b, t - 1), np.float32)
-    for i, s in enumerate(samples):
-        seq = s["prompt"] + s["tokens"]
-        tokens[i, : len(seq)] = seq
-        positions[i, : len(seq)] = np.arange(len(seq))
-        p, n = len(s["prompt"]), len(s["tokens"])
-        logp_old[i, p - 1 : p - 1 + n] = s["logprobs"]
-        mask[i, p - 1 : p - 1 + n] = 1
-    return {"tokens": tokens, "positions": positions, "logp_old": logp_old, "mask": mask,
-            "adv": np.array([s["adv"] for s in samples], np.float32), "temps": np.array([s["temperature"] for s in samples], np.float32),
-            "tis": np.ones((b, t - 1), np.float32)}
+def _float(x) -> str:
+    return f"{float(x)!r} (0x{int(np.float32(x).view(np.uint32)):08x})"
 
 
-def micro_batches(batch, size, devices=1):
-    """Slices of `size` rows, each padded with empty rows to a multiple of the learner's devices."""
-    b = batch["tokens"].shape[0]
-    for i in range(0, b, size):
-        yield fsdp.pad_rows({k: v[i : i + size] for k, v in batch.items()}, devices)
+def contract_violation(step: int, what: str, batch: Batch, learner: np.ndarray, group_size: int) -> str | None:
+    """None when `learner` [B, T-1] has logp_old's bits on every completion token; otherwise a
+    message naming the step, the sequence and the first differing token."""
+    differ = (batch.logp_old.view(np.uint32) != np.asarray(learner, np.float32).view(np.uint32)) & (batch.mask > 0)
+    if not differ.any():
+        return None
+    row, col = (int(i) for i in np.argwhere(differ)[0])  # the first in batch order, then position
+    return (f"step {step}: {what}: {int(differ.sum())} of {int(batch.mask.sum())} completion tokens differ in their bits; "
+            f"first in sequence {row} of the batch (prompt {row // group_size}, sample {row % group_size}), "
+            f"token position {col + 1} (id {int(batch.tokens[row, col + 1])}): "
+            f"sampler {_float(batch.logp_old[row, col])}, learner {_float(learner[row, col])}")
+
+
+def first_update_violation(step: int, batch: Batch, logp_new: np.ndarray, stats: LossStats, group_size: int) -> str | None:
+    """The first update scores at the weights that sampled the batch, so its logp_new must have
+    logp_old's bits and every ratio must be exactly 1 (checked on the stats too: NaN has equal bits)."""
+    problem = contract_violation(step, "first update's logp_new vs logp_old", batch, logp_new, group_size)
+    if problem is None and not stats.ratio_min == stats.ratio_max == 1.0:
+        problem = f"step {step}: first update's ratio in [{float(stats.ratio_min)!r}, {float(stats.ratio_max)!r}], not exactly 1"
+    return problem
+
+
+def enforce(problem: str | None, on_mismatch: str) -> None:
+    if problem is None:
+        return
+    if on_mismatch == "error":
+        raise ContractError(problem + " (strict numerics; --on-mismatch warn keeps training to investigate)")
+    log.warning("strict numerics contract broken: %s", problem)
+
+
+# ----- non-finite values stop the run -----
+class NonFiniteError(FloatingPointError):
+    """A loss, gradient, parameter or optimiser-state value became NaN or infinite."""
+
+
+def finite_leaves(tree) -> jax.Array:
+    """[leaves] bool, inside the caller's jit: one fused all(isfinite) reduction per tensor."""
+    return jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)])
+
+
+def nonfinite(step: int, loss: float, grad_norm: float, finite: dict, trees: dict) -> str | None:
+    """None when all is finite; otherwise what became non-finite first, in the order computed: the
+    loss, the gradients (a tensor, or their norm overflowing), the updated parameters, the optimiser
+    state. `finite` holds finite_leaves of each tree in `trees`, by the same names."""
+    if not math.isfinite(loss):
+        return f"step {step}: the loss is {loss!r}"
+    for what, tree in trees.items():
+        bad = np.flatnonzero(~np.asarray(finite[what]))
+        if bad.size:
+            return (f"step {step}: {what} {tensor_paths(tree)[bad[0]]} holds non-finite values "
+                    f"({bad.size} of {len(finite[what])} {what} tensors do)")
+        if what == "gradient" and not math.isfinite(grad_norm):
+            return f"step {step}: the gradient norm is {grad_norm!r} (every gradient tensor is finite: the norm overflowed)"
+    return None
 
 
 # ----- rollout backends -----
 class LocalRollout:
     """One engine per sampler device, each with a full copy of the weights; prompts round robin."""
 
-    def __init__(self, params, cfg, config: GRPOConfig):
+    def __init__(self, params, cfg, config: GRPOConfig, first_version: int = 0):
         # Caches for exactly one step's P x G sequences: nothing is preempted, nothing idles.
         rows = cdiv(config.prompts_per_step, config.sampler_replicas) * config.group_size
         sizing = EngineConfig.for_batch([config.max_prompt_tokens + config.max_new_tokens] * rows)
         self.devices = fsdp.replica_devices(config.sampler_replicas)
+        self.first_version = first_version  # a resumed run's weights have had `start` updates: versions continue
         self.engines = []
         for device in self.devices:
             with jax.default_device(device):
@@ -215,7 +301,8 @@ class LocalRollout:
                 for i, (p, s) in enumerate(zip(prompts, seeds))]
         for engine in self.engines:
             engine.run_until_done()
-        return [[{"tokens": c.tokens, "logprobs": c.logprobs, "policy_version": c.policy_version} for c in r.results] for r in reqs]
+        return [[{"tokens": c.tokens, "logprobs": c.logprobs, "policy_version": self.first_version + c.policy_version}
+                 for c in r.results] for r in reqs]
 
     def push(self, params, cfg, out_dir):
         for engine, device in zip(self.engines, self.devices):  # device to device, no disk
@@ -223,9 +310,12 @@ class LocalRollout:
 
 
 class RemoteRollout:
+    """A `serve.rollout` server; its policy_version is the server's own count of weight updates (a
+    restarted server starts again from 0, also on --resume)."""
+
     def __init__(self, url, admin_key):
         import os
-        from serve.client import RolloutClient
+        from rlkjax.client import RolloutClient
         self.client = RolloutClient(url, admin_key=admin_key or os.environ.get("RLKJAX_ADMIN_KEY"))
 
     def sample(self, prompts, group, max_new_tokens, temperature, seeds):
@@ -238,14 +328,64 @@ class RemoteRollout:
 
 
 # ----- the loop -----
+def check_prompt_lengths(task, tokenizer, limit: int) -> None:
+    """Every prompt of a file-backed task fits --max-prompt-tokens (found now, not when it is sampled)."""
+    for example in getattr(task, "examples", ()):
+        length = len(tokenizer.encode(example.prompt))
+        if not 0 < length <= limit:
+            raise ValueError(f"{example.source}: the prompt is {length} tokens; "
+                             f"--max-prompt-tokens={limit} accepts 1 to {limit}")
+
+
+def check_resume(meta: dict, config: GRPOConfig, data_sha256: str | None) -> None:
+    """Refuse to continue a checkpoint with flags (or a --data file) that change the trajectory."""
+    changes = config_changes(meta["config"], config)
+    if meta.get("data_sha256") != data_sha256:
+        changes.append(f"--data file contents: sha256 {meta.get('data_sha256')} -> {data_sha256}")
+    if changes and not config.resume_allow_changes:
+        raise ValueError(f"--resume: {len(changes)} setting(s) differ from the checkpoint's and would change the run's "
+                         f"trajectory: {'; '.join(changes)} (--resume-allow-changes continues anyway)")
+    for change in changes:
+        log.warning("--resume-allow-changes: %s", change)
+    if meta["config"].get("steps") != config.steps:
+        log.warning("--steps %s -> %s: the learning-rate schedule now decays over the new horizon",
+                    meta["config"].get("steps"), config.steps)
+
+
+def keep_metrics_until(path: Path, step: int) -> None:
+    """On resume: drop metrics rows after the restored step (those steps are redone) and torn lines."""
+    if not path.exists():
+        return
+    kept = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            log.warning("%s:%d: dropped an unreadable metrics row (a write cut short?)", path, number)
+            continue
+        if row["step"] <= step:
+            kept.append(line + "\n")
+    path.with_suffix(".tmp").write_text("".join(kept))
+    path.with_suffix(".tmp").replace(path)
+
+
+def checkpoint_state(master, opt_state, ref) -> dict:
+    """The arrays a checkpoint holds: master weights, optimiser state, and the KL reference if any."""
+    return {"master": master, "opt_state": opt_state} | ({"ref": ref} if ref is not None else {})
+
+
 def train(config: GRPOConfig) -> dict:
     if config.distributed:
         jax.distributed.initialize()
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg, params = load_model(config.model, seed=config.seed)
+    if config.max_prompt_tokens + config.max_new_tokens > cfg.max_position:
+        raise ValueError(f"--max-prompt-tokens + --max-new-tokens = {config.max_prompt_tokens + config.max_new_tokens} "
+                         f"exceeds the model's context of {cfg.max_position} tokens")
     tokenizer = load_tokenizer(config.model, config.tokenizer)
     task = make_task(config.task, config.data, config.reward)
+    check_prompt_lengths(task, tokenizer, config.max_prompt_tokens)
     rope = model.rope_tables(cfg)
     mesh = fsdp.make_mesh(config.learner_devices)
     specs = fsdp.param_specs(params, config.learner_devices)
@@ -256,93 +396,129 @@ def train(config: GRPOConfig) -> dict:
                                                   max(config.steps * config.updates_per_batch, config.warmup_steps + 1), end_value=0.1 * config.learning_rate)
     optimizer = optax.chain(optax.clip_by_global_norm(config.max_grad_norm), optax.adamw(schedule, weight_decay=config.weight_decay))
     opt_state = optimizer.init(master)
-    update = jax.jit(lambda g, s, p: (lambda u, s: (optax.apply_updates(p, u), s))(*optimizer.update(g, s, p)))
+
+    @jax.jit
+    def update(grads, opt_state, master):
+        """The optimiser step, plus what the non-finite check needs (a few bytes leave the device)."""
+        updates, opt_state = optimizer.update(grads, opt_state, master)
+        master = optax.apply_updates(master, updates)
+        finite = {"gradient": finite_leaves(grads), "parameter": finite_leaves(master),
+                  "optimiser state": finite_leaves(opt_state)}
+        return master, opt_state, optax.tree.norm(grads), finite
+
     data_rng = np.random.default_rng(config.seed)
     start = 0
+    # The KL reference is the initial policy; it is saved with each checkpoint (a resumed policy is not it).
+    ref = to_policy(master, cfg) if config.beta else None
+    checkpoints = Checkpoints(out / "checkpoints", config.keep_checkpoints)
+    data_sha256 = file_sha256(config.data)
+    if config.resume:
+        state, meta = checkpoints.restore_newest(checkpoint_state(master, opt_state, ref),
+                                                 lambda meta: check_resume(meta, config, data_sha256))
+        master, opt_state, ref = state["master"], state["opt_state"], state.get("ref")
+        data_rng.bit_generator.state = meta["data_rng"]
+        start = meta["step"]
+        log.info("resumed from checkpoint %d in %s", start, checkpoints.directory)
+    elif checkpoints.steps():
+        raise ValueError(f"{checkpoints.directory} already holds checkpoints {checkpoints.steps()} of an earlier run: "
+                         "--resume continues it; another --out starts afresh")
 
-    manager = ocp.CheckpointManager((out / "checkpoints").absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints))
-    if config.resume and manager.latest_step() is not None:
-        step = manager.latest_step()
-        restored = manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore({"master": master, "opt_state": opt_state}), meta=ocp.args.JsonRestore()))
-        master, opt_state = restored["state"]["master"], restored["state"]["opt_state"]
-        data_rng.bit_generator.state = restored["meta"]["data_rng"]
-        start = restored["meta"]["step"]
-    elif config.resume:
-        raise ValueError(f"--resume: no checkpoint in {out / 'checkpoints'}")
-
-    policy = jax.tree.map(lambda w: w.astype(cfg.dtype), master)
-    ref_master = master if config.beta else None  # frozen initial policy for the KL term
-    rollout = RemoteRollout(config.rollout_url, config.admin_key) if config.rollout_url else LocalRollout(policy, cfg, config)
-    if config.rollout_url or start:
+    policy = to_policy(master, cfg)
+    if config.rollout_url:
+        rollout = RemoteRollout(config.rollout_url, config.admin_key)
         rollout.push(policy, cfg, out)
+    else:  # built with the (restored) policy; it has had `start` updates, so versions continue from there
+        rollout = LocalRollout(policy, cfg, config, first_version=start)
     metrics_path = out / "metrics.jsonl"
-    if not config.resume and metrics_path.exists():
+    if config.resume:
+        keep_metrics_until(metrics_path, start)
+    elif metrics_path.exists():
         metrics_path.unlink()
     history = []
+    strict = config.numerics == "strict"  # the contract is checked (and enforced) only where it is promised
     bar = tqdm(range(start, config.steps), initial=start, total=config.steps, disable=not config.progress, desc="grpo")
-    for step in bar:
-        # 1. Rollout.
-        t0 = time.perf_counter()
-        examples = task.sample(data_rng, config.prompts_per_step)
-        prompts = [tokenizer.encode(e.prompt) for e in examples]
-        seeds = [int(s) for s in data_rng.integers(0, 2**32, config.prompts_per_step)]
-        groups = rollout.sample(prompts, config.group_size, config.max_new_tokens, config.temperature, seeds)
-        t1 = time.perf_counter()
-        # 2. Rewards and advantages.
-        rewards = np.array([[task.reward(e, tokenizer.decode(s["tokens"])) for s in g] for e, g in zip(examples, groups)], np.float64)
-        adv = group_advantages(rewards, config.scale_advantages)
-        samples = [{"prompt": p, "tokens": s["tokens"], "logprobs": np.asarray(s["logprobs"], np.float32), "adv": float(a),
-                    "temperature": config.temperature} for p, g, ar in zip(prompts, groups, adv) for s, a in zip(g, ar)]
-        batch = pack(samples, cfg)
-        total_tokens = float(batch["mask"].sum())
-        row = {"step": step + 1, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
-               "entropy_estimate": float(-(batch["logp_old"] * batch["mask"]).sum() / total_tokens)}
-        # Optional recomputation of logp_old by the learner (TIS needs it; --verify-logprobs reports it).
-        if config.verify_logprobs or config.tis_cap:
-            learner_old = np.concatenate([np.asarray(score_fn(master, mb["tokens"], mb["positions"], mb["temps"], rope))
-                                          for mb in micro_batches(batch, config.micro_batch, config.learner_devices)])[: len(samples)]
-            sel = batch["mask"] > 0
-            row |= mismatch_stats(batch["logp_old"][sel], learner_old[sel])
-            if config.tis_cap:
-                batch["tis"] = np.minimum(np.exp(learner_old - batch["logp_old"]), config.tis_cap).astype(np.float32) * batch["mask"]
-        # 3. Updates.
-        t2 = time.perf_counter()
-        ref_logp = None
-        for u in range(config.updates_per_batch):
-            grads, stats = None, []
-            for mb in micro_batches(batch, config.micro_batch, config.learner_devices):
-                ref_logp = score_fn(ref_master, mb["tokens"], mb["positions"], mb["temps"], rope) if config.beta else np.zeros_like(mb["logp_old"])
-                (loss, st), g = grad_fn(master, mb, ref_logp, rope, np.float32(total_tokens))
-                grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
-                stats.append(jax.device_get(st) | {"loss": float(loss)})
-            grad_norm = float(optax.tree.norm(grads))
-            master, opt_state = update(grads, opt_state, master)
-            if u == 0:
-                row |= {"ratio_min": float(min(s["ratio_min"] for s in stats)), "ratio_max": float(max(s["ratio_max"] for s in stats)),
-                        "ratio_mean": float(sum(s["ratio_sum"] for s in stats) / total_tokens),
-                        "clip_fraction": float(sum(s["clipped"] for s in stats) / total_tokens),
-                        "loss": float(sum(s["loss"] for s in stats)), "grad_norm": grad_norm}
-        # 4. Weight sync.
-        t3 = time.perf_counter()
-        policy = jax.tree.map(lambda w: w.astype(cfg.dtype), master)
-        jax.block_until_ready(policy)
-        rollout.push(policy, cfg, out)
-        t4 = time.perf_counter()
-        row |= {"tokens_per_s": total_tokens / (t4 - t0), "rollout_s": t1 - t0, "learn_s": t3 - t2, "sync_s": t4 - t3,
-                "policy_version": int(groups[0][0]["policy_version"])}
-        history.append(row)
-        with metrics_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-        bar.set_postfix(reward=f"{row['reward_mean']:.3f}", mismatch=row.get("tokens_bits_differ", "-"))
-        # 5. Checkpoints.
-        if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
-            manager.save(step + 1, args=ocp.args.Composite(
-                state=ocp.args.StandardSave({"master": master, "opt_state": opt_state}),
-                meta=ocp.args.JsonSave({"step": step + 1, "data_rng": data_rng.bit_generator.state, "config": dataclasses.asdict(config)})))
-    manager.wait_until_finished()
-    manager.close()
-    rlkjax.save_hf_checkpoint(out / "final_hf", cfg, jax.tree.map(lambda w: w.astype(cfg.dtype), master))
+    try:
+        for step in bar:
+            # 1. Rollout.
+            t0 = time.perf_counter()
+            examples = task.sample(data_rng, config.prompts_per_step)
+            prompts = [tokenizer.encode(e.prompt) for e in examples]
+            seeds = [int(s) for s in data_rng.integers(0, 2**32, config.prompts_per_step)]
+            groups = rollout.sample(prompts, config.group_size, config.max_new_tokens, config.temperature, seeds)
+            t1 = time.perf_counter()
+            # 2. Rewards and advantages.
+            rewards = np.array([[task.reward(e, tokenizer.decode(s["tokens"])) for s in g] for e, g in zip(examples, groups)], np.float64)
+            if not np.isfinite(rewards).all():  # a user reward's NaN would reach the loss as every token's advantage
+                prompt, sample = (int(i) for i in np.argwhere(~np.isfinite(rewards))[0])
+                raise NonFiniteError(f"step {step + 1}: the reward of prompt {prompt}, sample {sample} is "
+                                     f"{float(rewards[prompt, sample])!r} ({examples[prompt].prompt!r})")
+            adv = group_advantages(rewards, config.scale_advantages)
+            samples = [{"prompt": p, "tokens": s["tokens"], "logprobs": np.asarray(s["logprobs"], np.float32), "adv": float(a),
+                        "temperature": config.temperature} for p, g, ar in zip(prompts, groups, adv) for s, a in zip(g, ar)]
+            batch = pack(samples)
+            total_tokens = float(batch.mask.sum())
+            row = {"step": step + 1, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+                   "entropy_estimate": float(-(batch.logp_old * batch.mask).sum() / total_tokens)}
+            # Optional recomputation of logp_old by the learner (TIS needs it; --verify-logprobs checks it).
+            if config.verify_logprobs or config.tis_cap:
+                learner_old = np.concatenate([np.asarray(score_fn(master, mb.tokens, mb.positions, mb.temps, rope))
+                                              for mb in micro_batches(batch, config.micro_batch, config.learner_devices)])[: len(samples)]
+                sel = batch.mask > 0
+                row |= mismatch_stats(batch.logp_old[sel], learner_old[sel])
+                if strict:  # before any update, so a broken contract never trains
+                    enforce(contract_violation(step + 1, "sampler vs learner logprobs", batch, learner_old, config.group_size),
+                            config.on_mismatch)
+                if config.tis_cap:
+                    batch = batch._replace(tis=np.minimum(np.exp(learner_old - batch.logp_old), config.tis_cap).astype(np.float32) * batch.mask)
+            # 3. Updates.
+            t2 = time.perf_counter()
+            for u in range(config.updates_per_batch):
+                grads, losses, stats, logp_new = None, [], [], []
+                for mb in micro_batches(batch, config.micro_batch, config.learner_devices):
+                    ref_logp = score_fn(ref, mb.tokens, mb.positions, mb.temps, rope) if config.beta else np.zeros_like(mb.logp_old)
+                    (loss, (st, logp)), g = grad_fn(master, mb, ref_logp, rope, np.float32(total_tokens))
+                    grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+                    losses.append(float(loss))
+                    stats.append(jax.device_get(st))
+                    logp_new.append(logp)
+                if u == 0:
+                    st = reduce_stats(stats)
+                    row |= {"ratio_min": float(st.ratio_min), "ratio_max": float(st.ratio_max),
+                            "ratio_mean": float(st.ratio_sum / total_tokens), "clip_fraction": float(st.clipped / total_tokens),
+                            "loss": sum(losses)}
+                    if strict:  # before the update is applied
+                        logp_new = np.concatenate([np.asarray(x) for x in logp_new])[: len(samples)]
+                        enforce(first_update_violation(step + 1, batch, logp_new, st, config.group_size), config.on_mismatch)
+                new_master, new_opt_state, grad_norm, finite = update(grads, opt_state, master)
+                problem = nonfinite(step + 1, sum(losses), float(grad_norm), jax.device_get(finite),
+                                    {"gradient": grads, "parameter": new_master, "optimiser state": new_opt_state})
+                if problem:  # before any sync, metrics row or checkpoint from this state
+                    good = checkpoints.latest()
+                    raise NonFiniteError(f"{problem} (update {u + 1} of {config.updates_per_batch}); stopped before any "
+                                         "checkpoint, weight sync or final_hf from this state; the last good checkpoint is "
+                                         + (f"step {good} in {checkpoints.directory}" if good else "none (none was written yet)"))
+                master, opt_state = new_master, new_opt_state
+                if u == 0:
+                    row["grad_norm"] = float(grad_norm)
+            # 4. Weight sync.
+            t3 = time.perf_counter()
+            policy = to_policy(master, cfg)
+            jax.block_until_ready(policy)
+            rollout.push(policy, cfg, out)
+            t4 = time.perf_counter()
+            row |= {"tokens_per_s": total_tokens / (t4 - t0), "rollout_s": t1 - t0, "learn_s": t3 - t2, "sync_s": t4 - t3,
+                    "policy_version": int(groups[0][0]["policy_version"])}
+            history.append(row)
+            with metrics_path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", mismatch=row.get("tokens_bits_differ", "-"))
+            # 5. Checkpoints (with checksums, the config and the data state; see train/checkpoints.py).
+            if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
+                checkpoints.save(step + 1, checkpoint_state(master, opt_state, ref), {
+                    "data_rng": data_rng.bit_generator.state, "config": run_config(config), "data_sha256": data_sha256})
+    finally:
+        checkpoints.close()  # a save in flight completes, so the last good checkpoint is on disk whatever stopped the run
+    rlkjax.save_hf_checkpoint(out / "final_hf", cfg, to_policy(master, cfg))
     plot(out)
     return {"master": master, "history": history}
 

@@ -1,4 +1,4 @@
-"""A small synchronous client for `serve.rollout`, as the learner uses it.
+"""A small synchronous client for a `python -m serve.rollout` server (the learner and benchmarks use it).
 
     client = RolloutClient("http://127.0.0.1:8000", admin_key="...")
     results = client.generate([[1, 2, 3]], n=4, max_new_tokens=64, temperature=1.0, seed=0)
@@ -34,14 +34,15 @@ class RolloutClient:
         except urllib.error.HTTPError as e:
             text = e.read().decode(errors="replace")
             try:
-                text = json.loads(text)["error"]
+                text = json.loads(text)["error"]["message"]
             except (ValueError, KeyError, TypeError):
                 pass
             raise RolloutError(e.code, text) from None
         return payload if path == "/metrics" else json.loads(payload)
 
-    def generate(self, prompts, *, n=1, max_new_tokens=16, temperature=1.0, seed=0, stop_token_ids=()):
-        """prompts: list of token-id lists. Returns, per prompt, n samples with logprobs as float32 arrays."""
+    def generate(self, prompts, *, n=1, max_new_tokens=16, temperature=1.0, seed=None, stop_token_ids=()):
+        """prompts: list of token-id lists; seed: an int, one per prompt, or None (the server draws one).
+        Returns, per prompt, n samples with logprobs as float32 arrays."""
         out = self._call("POST", "/generate", {"prompt": [list(map(int, p)) for p in prompts], "n": n,
                                                "max_new_tokens": max_new_tokens, "temperature": temperature,
                                                "seed": seed, "stop_token_ids": list(stop_token_ids)})

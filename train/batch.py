@@ -1,0 +1,80 @@
+"""The learner's data, typed: the batch it trains on (`Batch`, built by `pack`) and the statistics its
+loss reports (`LossStats`, each with a declared reduction). Both are NamedTuples, so they are pytrees:
+`train/fsdp.py` shards a `Batch` by rows and merges `LossStats` across devices from these declarations,
+with no list of field names of its own.
+"""
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from rlkjax.numerics import PAGE_SIZE
+from rlkjax.shapes import bucket, pad_sequences
+
+
+class Batch(NamedTuple):
+    """B sequences (prompt + completion) padded to T tokens. Every field has rows first, so the FSDP
+    learner splits each of them by rows. Logprob column t is log p(token t + 1 | tokens <= t)."""
+
+    tokens: np.ndarray     # [B, T] int32
+    positions: np.ndarray  # [B, T] int32; -1 on padding (written to the trash page, never attended)
+    logp_old: np.ndarray   # [B, T-1] f32: the sampler's recorded logprob on completion tokens, 0 elsewhere
+    mask: np.ndarray       # [B, T-1] f32: 1 on completion tokens (the ones trained), 0 elsewhere
+    adv: np.ndarray        # [B] f32: the sequence's advantage
+    temps: np.ndarray      # [B] f32: the sampling temperature the learner scores at
+    tis: np.ndarray        # [B, T-1] f32: truncated importance weight (1 = none; only --numerics fast sets it)
+
+
+# What an all-padding row holds. Positions -1 keep it out of attention; temperature 1 because the
+# logprob kernel divides by it; everything else 0, so with mask 0 the row adds nothing to the loss.
+PAD = Batch(tokens=0, positions=-1, logp_old=0.0, mask=0.0, adv=0.0, temps=1.0, tis=0.0)
+
+
+def pack(samples) -> Batch:
+    """Samples (dicts with prompt, tokens, logprobs, adv, temperature) -> a Batch whose T is a power
+    of two (at least a page), so a run compiles a handful of shapes."""
+    sequences = [s["prompt"] + s["tokens"] for s in samples]
+    rows, length = len(samples), bucket(max(map(len, sequences)), PAGE_SIZE)
+    tokens, positions = pad_sequences(sequences, rows, length)
+    logp_old, mask = np.zeros((rows, length - 1), np.float32), np.zeros((rows, length - 1), np.float32)
+    for i, s in enumerate(samples):
+        first, n = len(s["prompt"]) - 1, len(s["tokens"])  # column of the first completion token
+        logp_old[i, first : first + n] = s["logprobs"]
+        mask[i, first : first + n] = 1
+    return Batch(tokens=tokens, positions=positions, logp_old=logp_old, mask=mask,
+                 adv=np.array([s["adv"] for s in samples], np.float32),
+                 temps=np.array([s["temperature"] for s in samples], np.float32),
+                 tis=np.ones((rows, length - 1), np.float32))
+
+
+def pad_rows(batch: Batch, multiple: int) -> Batch:
+    """Append all-padding rows (the values in PAD) until the row count is a multiple of `multiple`."""
+    extra = -len(batch.tokens) % multiple
+    if not extra:
+        return batch
+    return jax.tree.map(lambda v, fill: np.concatenate([v, np.full((extra, *v.shape[1:]), fill, v.dtype)]), batch, PAD)
+
+
+def micro_batches(batch: Batch, size: int, devices: int = 1):
+    """Slices of `size` rows, each padded with empty rows to a multiple of the learner's devices."""
+    for start in range(0, len(batch.tokens), size):
+        yield pad_rows(Batch(*(field[start : start + size] for field in batch)), devices)
+
+
+class LossStats(NamedTuple):
+    """What the loss reports about one micro-batch (scalars), besides the loss itself. REDUCTION
+    declares how each field combines across devices and micro-batches."""
+
+    ratio_min: jax.Array  # min of rho = exp(logp_new - logp_old) over completion tokens
+    ratio_max: jax.Array  # max of rho
+    ratio_sum: jax.Array  # sum of rho (ratio mean = ratio_sum / tokens)
+    clipped: jax.Array    # tokens whose rho left [1 - eps, 1 + eps]
+
+
+REDUCTION = LossStats(ratio_min="min", ratio_max="max", ratio_sum="sum", clipped="sum")
+
+
+def reduce_stats(stats: list[LossStats]) -> LossStats:
+    """Combine micro-batches' stats (on the host) by each field's declared reduction."""
+    host = {"min": np.min, "max": np.max, "sum": np.sum}
+    return LossStats(*(host[how](np.stack(values)) for how, values in zip(REDUCTION, zip(*stats))))

@@ -1,0 +1,192 @@
+"""train.grpo's checkpoints, which prove themselves.
+
+Each checkpoint is an orbax step directory with two items: `state` (fp32 master weights, optimiser
+state, and with --beta the frozen KL reference) and `meta` (JSON: step, data RNG, the run's config,
+the --data file's sha256, and a checksum of every saved array). Restoring verifies all of it:
+
+  - the meta JSON parses and carries its own sha256 (a truncated or edited file is named, in one line);
+  - every restored array has its recorded dtype, shape and checksum (flipped bytes that orbax reads
+    back without complaint are caught and the tensor is named).
+
+`--resume` takes the newest checkpoint that verifies, logs a warning for each newer one it skips and
+moves those to `checkpoints.unusable/` (so later saves at their steps succeed); with none usable it
+stops, listing why each failed.
+
+Checksums are computed on the device, not on the host: per array, the sum and the position-weighted
+sum of its raw bits as uint32, mod 2**32. Integer addition is associative, so the value does not depend
+on how an FSDP array is sharded, and only 8 bytes per array leave the device (no host gather of the
+weights, which also keeps it working with several hosts). It detects corruption, not tampering. On
+an H200, 9.7 GB of fp32 arrays (qwen3-8b's stacked layers and embedding) took 2.7 ms (3.6 TB/s), fused
+into one pass with no memory beyond the arrays; the per-step all(isfinite) check took 2.5 ms.
+"""
+import dataclasses
+import hashlib
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+log = logging.getLogger("train.grpo")
+FORMAT = 1
+# Flags that --resume may change: they do not alter the trajectory (what is sampled and how the
+# weights move), only how long it runs, where it is written, what is reported, or how it is reached.
+# --steps stretches the cosine learning-rate schedule to the new horizon (logged when it changes); a
+# --data path may change as long as the file's contents (their sha256, checked separately) do not.
+RESUMABLE_CHANGES = frozenset({"steps", "out", "data", "progress", "checkpoint_every", "keep_checkpoints",
+                               "verify_logprobs", "on_mismatch", "resume", "resume_allow_changes", "rollout_url",
+                               "admin_key", "distributed"})
+SECRETS = frozenset({"admin_key"})  # never written to disk
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be trusted: unreadable, truncated, or its arrays differ from their checksums."""
+
+
+@jax.jit
+def _array_sums(leaves):
+    sums = []
+    for x in leaves:
+        unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+        bits = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+        index, stride = jnp.uint32(1), 1  # 1 + the element's row-major index, built per dimension so sharding is kept
+        for d in reversed(range(x.ndim)):
+            index = index + jax.lax.broadcasted_iota(jnp.uint32, x.shape, d) * np.uint32(stride % 2**32)
+            stride *= x.shape[d]
+        sums.append(jnp.stack([jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * index, dtype=jnp.uint32)]))
+    return sums
+
+
+def tensor_paths(tree) -> list[str]:
+    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def checksums(tree) -> dict[str, str]:
+    """{tensor path: "dtype[shape]:checksum"} for every array of `tree`."""
+    paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(tree)[0], strict=True)
+    sums = jax.device_get(_array_sums(list(leaves)))
+    return {jax.tree_util.keystr(p): f"{x.dtype}{list(x.shape)}:{int(s[0]):08x}{int(s[1]):08x}"
+            for p, x, s in zip(paths, leaves, sums, strict=True)}
+
+
+def run_config(config) -> dict:
+    """The config as saved with each checkpoint (secrets left out)."""
+    return {k: v for k, v in dataclasses.asdict(config).items() if k not in SECRETS}
+
+
+def file_sha256(path) -> str | None:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest() if path else None
+
+
+def config_changes(saved: dict, config) -> list[str]:
+    """`--flag: saved -> now` for each flag that alters the trajectory and differs from the checkpoint's.
+    A flag the checkpoint does not know (added later) counts as its default."""
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    changes = []
+    for name, now in run_config(config).items():
+        before = saved.get(name, defaults[name])
+        if name not in RESUMABLE_CHANGES and before != now:
+            changes.append(f"--{name.replace('_', '-')}: {before!r} -> {now!r}")
+    return changes
+
+
+def _sealed(meta: dict) -> str:
+    return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
+
+
+class Checkpoints:
+    """The run's orbax checkpoints: save with checksums; restore the newest one that verifies."""
+
+    def __init__(self, directory: Path, keep: int):
+        self.directory = Path(directory).absolute()
+        self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep))
+
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def latest(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, state: dict, meta: dict) -> None:
+        meta = {"format": FORMAT, "step": step, **meta, "checksums": checksums(state)}
+        meta["meta_sha256"] = _sealed(meta)
+        items = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+        self.manager.save(step, args=items)
+
+    def read_meta(self, step: int) -> dict:
+        path = self.directory / str(step) / "meta" / "metadata"
+        try:
+            meta = json.loads(path.read_bytes())
+        except (OSError, ValueError) as e:  # missing, unreadable, truncated, not UTF-8, not JSON
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            raise CheckpointError(f"{path}: unreadable checkpoint metadata ({why})") from None
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise CheckpointError(f"{path}: not a format-{FORMAT} train.grpo checkpoint (written by an older version "
+                                  "without checksums, or not by train.grpo)")
+        seal = meta.pop("meta_sha256", None)
+        if seal != _sealed(meta):
+            raise CheckpointError(f"{path}: its contents do not match their recorded sha256 (edited or corrupted)")
+        if meta["step"] != step:
+            raise CheckpointError(f"{path}: records step {meta['step']}, but sits in the directory of step {step}")
+        return meta
+
+    def restore(self, step: int, target: dict, meta: dict) -> dict:
+        """The state of checkpoint `step`, restored into `target`'s structure and shardings, verified."""
+        where = self.directory / str(step) / "state"
+        differ = sorted(set(meta["checksums"]) ^ set(tensor_paths(target)))
+        if differ:
+            raise CheckpointError(f"{where}: its tensors are not this run's: {len(differ)} differ, e.g. {differ[:3]}")
+        try:
+            state = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
+        except Exception as e:  # noqa: BLE001  whatever orbax or tensorstore raise on bad bytes, it names this checkpoint
+            raise CheckpointError(f"{where}: unreadable ({type(e).__name__}: {str(e).splitlines()[0][:300]})") from None
+        found = checksums(state)
+        bad = [path for path, want in meta["checksums"].items() if found[path] != want]
+        if bad:
+            raise CheckpointError(f"{where}: {len(bad)} of {len(found)} arrays differ from their recorded checksums, "
+                                  f"first {bad[0]} (saved {meta['checksums'][bad[0]]}, read {found[bad[0]]})")
+        return state
+
+    def restore_newest(self, target: dict, check_meta) -> tuple[dict, dict]:
+        """(state, meta) of the newest checkpoint that verifies. `check_meta(meta)` may refuse a readable
+        checkpoint by raising (not a CheckpointError): that stops the resume instead of falling back."""
+        skipped = []
+        for step in reversed(self.steps()):
+            try:
+                meta = self.read_meta(step)
+                check_meta(meta)
+                state = self.restore(step, target, meta)
+            except CheckpointError as e:
+                log.warning("checkpoint %d is unusable, falling back to an older one: %s", step, e)
+                skipped.append((step, str(e)))
+                continue
+            for bad, _ in skipped:
+                self._set_aside(bad)
+            if skipped:
+                log.warning("resuming from checkpoint %d, the newest that verifies (skipped %s)",
+                            step, [s for s, _ in skipped])
+            return state, meta
+        if not skipped:
+            raise ValueError(f"--resume: no checkpoint in {self.directory}")
+        raise CheckpointError(f"--resume: no usable checkpoint in {self.directory}: "
+                              + "; ".join(why for _, why in skipped))
+
+    def _set_aside(self, step: int) -> None:
+        """Move an unusable checkpoint out of the manager's directory, kept for inspection."""
+        aside = self.directory.parent / "checkpoints.unusable"
+        aside.mkdir(exist_ok=True)
+        target = aside / str(step)
+        n = 1
+        while target.exists():
+            target, n = aside / f"{step}.{n}", n + 1
+        shutil.move(self.directory / str(step), target)
+        log.warning("moved unusable checkpoint %d to %s", step, target)
+        self.manager.reload()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
