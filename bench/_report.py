@@ -1,4 +1,5 @@
 """What every benchmark records beside its numbers: the command, the date, the hardware, versions."""
+
 import datetime
 import json
 import platform
@@ -7,10 +8,15 @@ import sys
 
 def new_report(module: str) -> dict:
     import jax
-    return {"command": " ".join(["python -m", module, *sys.argv[1:]]),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "hardware": jax.devices()[0].device_kind, "backend": jax.default_backend(),
-            "versions": {"jax": jax.__version__, "python": platform.python_version()}, "results": []}
+
+    return {
+        "command": " ".join(["python -m", module, *sys.argv[1:]]),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "hardware": jax.devices()[0].device_kind,
+        "backend": jax.default_backend(),
+        "versions": {"jax": jax.__version__, "python": platform.python_version()},
+        "results": [],
+    }
 
 
 def save_report(report: dict, path: str | None) -> None:

@@ -7,6 +7,7 @@ mismatch (strict must be 0).
 
     python -m bench.grpo_compare --models qwen3-0.6b,qwen3-1.7b --steps 3 --out bench/results/grpo.json
 """
+
 import argparse
 import json
 import tempfile
@@ -33,32 +34,55 @@ def main():
     report = new_report("bench.grpo_compare")
     for name in args.models.split(","):
         for numerics in ("fast", "strict"):
-            config = grpo.GRPOConfig(model=name, numerics=numerics, steps=args.steps, prompts_per_step=args.prompts,
-                                     group_size=args.group, max_new_tokens=args.new_tokens, verify_logprobs=True,
-                                     micro_batch=args.micro_batch, learning_rate=1e-6, out=tempfile.mkdtemp(prefix=f"grpo_{name}_{numerics}_"), progress=False,
-                                     checkpoint_every=10**6)
+            config = grpo.GRPOConfig(
+                model=name,
+                numerics=numerics,
+                steps=args.steps,
+                prompts_per_step=args.prompts,
+                group_size=args.group,
+                max_new_tokens=args.new_tokens,
+                verify_logprobs=True,
+                micro_batch=args.micro_batch,
+                learning_rate=1e-6,
+                out=tempfile.mkdtemp(prefix=f"grpo_{name}_{numerics}_"),
+                progress=False,
+                checkpoint_every=10**6,
+            )
             result = grpo.train(config)
             n_params = sum(x.size for x in jax.tree.leaves(result["master"]))
             rows = result["history"][1:] or result["history"]
             mean = lambda k: float(np.mean([r[k] for r in rows]))  # noqa: E731
             trained = args.prompts * args.group * args.new_tokens
-            row = {"model": name, "numerics": numerics, "params": n_params,
-                   "step_s": mean("rollout_s") + mean("learn_s") + mean("sync_s"), "rollout_s": mean("rollout_s"),
-                   "learn_s": mean("learn_s"), "sync_s": mean("sync_s"), "learner_tokens_per_s": trained / mean("learn_s"),
-                   "learner_mfu": 6 * n_params * trained / mean("learn_s") / PEAK_BF16_FLOPS,
-                   "mismatch_tokens": int(sum(r["tokens_bits_differ"] for r in result["history"])),
-                   "tokens_compared": trained * len(result["history"]),
-                   "mismatch_max": max(r["max_abs_delta"] for r in result["history"]),
-                   "mismatch_mean": float(np.mean([r["mean_abs_delta"] for r in result["history"]])),
-                   "mismatch_k3": float(np.mean([r["k3_kl"] for r in result["history"]])),
-                   "first_ratio_min": min(r["ratio_min"] for r in result["history"]),
-                   "first_ratio_max": max(r["ratio_max"] for r in result["history"])}
+            row = {
+                "model": name,
+                "numerics": numerics,
+                "params": n_params,
+                "step_s": mean("rollout_s") + mean("learn_s") + mean("sync_s"),
+                "rollout_s": mean("rollout_s"),
+                "learn_s": mean("learn_s"),
+                "sync_s": mean("sync_s"),
+                "learner_tokens_per_s": trained / mean("learn_s"),
+                "learner_mfu": 6 * n_params * trained / mean("learn_s") / PEAK_BF16_FLOPS,
+                "mismatch_tokens": int(sum(r["tokens_bits_differ"] for r in result["history"])),
+                "tokens_compared": trained * len(result["history"]),
+                "mismatch_max": max(r["max_abs_delta"] for r in result["history"]),
+                "mismatch_mean": float(np.mean([r["mean_abs_delta"] for r in result["history"]])),
+                "mismatch_k3": float(np.mean([r["k3_kl"] for r in result["history"]])),
+                "first_ratio_min": min(r["ratio_min"] for r in result["history"]),
+                "first_ratio_max": max(r["ratio_max"] for r in result["history"]),
+            }
             report["results"].append(row)
             print(json.dumps(row), flush=True)
-    print(f"\n{'model':11} {'numerics':8} {'step s':>7} {'rollout':>8} {'learn':>7} {'sync':>6} {'learn tok/s':>11} {'MFU':>6} {'bits differ':>11} {'max|d|':>8}")
+    print(
+        f"\n{'model':11} {'numerics':8} {'step s':>7} {'rollout':>8} {'learn':>7} {'sync':>6} "
+        f"{'learn tok/s':>11} {'MFU':>6} {'bits differ':>11} {'max|d|':>8}"
+    )
     for r in report["results"]:
-        print(f"{r['model']:11} {r['numerics']:8} {r['step_s']:7.2f} {r['rollout_s']:8.2f} {r['learn_s']:7.2f} {r['sync_s']:6.3f} "
-              f"{r['learner_tokens_per_s']:11.0f} {100 * r['learner_mfu']:5.1f}% {r['mismatch_tokens']:5d}/{r['tokens_compared']:<6d} {r['mismatch_max']:8.3g}")
+        print(
+            f"{r['model']:11} {r['numerics']:8} {r['step_s']:7.2f} {r['rollout_s']:8.2f} {r['learn_s']:7.2f} "
+            f"{r['sync_s']:6.3f} {r['learner_tokens_per_s']:11.0f} {100 * r['learner_mfu']:5.1f}% "
+            f"{r['mismatch_tokens']:5d}/{r['tokens_compared']:<6d} {r['mismatch_max']:8.3g}"
+        )
     save_report(report, args.out)
 
 

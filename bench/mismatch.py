@@ -8,6 +8,7 @@ plus wall times.
 
     python -m bench.mismatch --models qwen3-0.6b,qwen3-8b --batch 64 --new-tokens 256 --out bench/results/x.json
 """
+
 import argparse
 import json
 import time
@@ -21,11 +22,25 @@ from rlkjax.mismatch import mismatch_stats
 
 def run(cfg, params, prompts, new_tokens, temperature, numerics, chunk):
     t0 = time.perf_counter()
-    comps = rlkjax.generate(params, cfg, prompts, max_new_tokens=new_tokens, temperature=temperature,
-                            seeds=list(range(len(prompts))), numerics=numerics, prefill_chunk_size=chunk)
+    comps = rlkjax.generate(
+        params,
+        cfg,
+        prompts,
+        max_new_tokens=new_tokens,
+        temperature=temperature,
+        seeds=list(range(len(prompts))),
+        numerics=numerics,
+        prefill_chunk_size=chunk,
+    )
     t1 = time.perf_counter()
-    scored = rlkjax.score(params, cfg, [p + c.tokens for p, c in zip(prompts, comps)], [len(p) for p in prompts],
-                          temperature=temperature, numerics=numerics)
+    scored = rlkjax.score(
+        params,
+        cfg,
+        [p + c.tokens for p, c in zip(prompts, comps)],
+        [len(p) for p in prompts],
+        temperature=temperature,
+        numerics=numerics,
+    )
     t2 = time.perf_counter()
     stats = mismatch_stats(np.concatenate([c.logprobs for c in comps]), np.concatenate(scored))
     return stats | {"generate_s": t1 - t0, "score_s": t2 - t1}
@@ -49,8 +64,10 @@ def main():
     for name in args.models.split(","):
         cfg = rlkjax.ModelConfig.preset(name)
         params = rlkjax.init_params(cfg, seed=0)
-        prompts = [rng.integers(0, cfg.vocab_size, int(rng.integers(args.min_prompt, args.max_prompt + 1))).tolist()
-                   for _ in range(args.batch)]
+        prompts = [
+            rng.integers(0, cfg.vocab_size, int(rng.integers(args.min_prompt, args.max_prompt + 1))).tolist()
+            for _ in range(args.batch)
+        ]
         for numerics in ("fast", "strict"):
             for rep in range(args.repeats):
                 r = run(cfg, params, prompts, args.new_tokens, args.temperature, numerics, args.chunk)
@@ -58,11 +75,17 @@ def main():
                 report["results"].append(r)
                 print(json.dumps(r), flush=True)
         del params
-    print(f"\n{'model':12} {'numerics':8} {'compared':>9} {'bits differ':>11} {'max|d|':>10} {'mean|d|':>10} {'k3 KL':>10} {'gen s':>7} {'score s':>7}")
+    print(
+        f"\n{'model':12} {'numerics':8} {'compared':>9} {'bits differ':>11} {'max|d|':>10} {'mean|d|':>10} "
+        f"{'k3 KL':>10} {'gen s':>7} {'score s':>7}"
+    )
     for r in report["results"]:
         if r["repeat"] == args.repeats - 1:
-            print(f"{r['model']:12} {r['numerics']:8} {r['tokens_compared']:9d} {r['tokens_bits_differ']:11d} {r['max_abs_delta']:10.3g} "
-                  f"{r['mean_abs_delta']:10.3g} {r['k3_kl']:10.3g} {r['generate_s']:7.2f} {r['score_s']:7.2f}")
+            print(
+                f"{r['model']:12} {r['numerics']:8} {r['tokens_compared']:9d} {r['tokens_bits_differ']:11d} "
+                f"{r['max_abs_delta']:10.3g} "
+                f"{r['mean_abs_delta']:10.3g} {r['k3_kl']:10.3g} {r['generate_s']:7.2f} {r['score_s']:7.2f}"
+            )
     save_report(report, args.out)
 
 

@@ -12,6 +12,7 @@
   master weights plus `Engine.update_weights` (a buffer swap on the same device).
 Times are medians of `--repeats` runs after a warm-up run, strict and fast side by side.
 """
+
 import argparse
 import json
 import time
@@ -42,7 +43,10 @@ def engine_rate(params, cfg, numerics, batch, context, new_tokens, repeats):
     prompts = [[(7 * i + j) % cfg.vocab_size for j in range(context)] for i in range(batch)]
 
     def run(n):
-        return lambda: rlkjax.generate(params, cfg, prompts, max_new_tokens=n, seeds=list(range(batch)), numerics=numerics)
+        return lambda: rlkjax.generate(
+            params, cfg, prompts, max_new_tokens=n, seeds=list(range(batch)), numerics=numerics
+        )
+
     full, first = median_time(run(new_tokens), repeats), median_time(run(1), repeats)
     return batch * (new_tokens - 1) / (full - first)
 
@@ -56,10 +60,24 @@ def kernel_rate(params, cfg, numerics, batch, context, new_tokens, repeats):
     stops = jnp.full((batch, 1), -1, jnp.int32)
 
     def run():
-        out, _, state["cache"] = decode_round(params, rows % cfg.vocab_size, jnp.full((batch,), context, jnp.int32), state["cache"], table,
-                                              rows.astype(jnp.uint32), jnp.zeros((batch,), jnp.int32), jnp.ones((batch,), jnp.float32),
-                                              jnp.full((batch,), steps, jnp.int32), stops, model.rope_tables(cfg), cfg, numerics, steps)
+        out, _, state["cache"] = decode_round(
+            params,
+            rows % cfg.vocab_size,
+            jnp.full((batch,), context, jnp.int32),
+            state["cache"],
+            table,
+            rows.astype(jnp.uint32),
+            jnp.zeros((batch,), jnp.int32),
+            jnp.ones((batch,), jnp.float32),
+            jnp.full((batch,), steps, jnp.int32),
+            stops,
+            model.rope_tables(cfg),
+            cfg,
+            numerics,
+            steps,
+        )
         out.block_until_ready()
+
     return batch * steps / median_time(run, repeats)
 
 
@@ -72,6 +90,7 @@ def sync_time(params, cfg, repeats):
         jax.block_until_ready(policy)
         engine.update_weights(policy)
         engine.step()  # nothing in flight: the swap happens now
+
     return median_time(push, repeats)
 
 
@@ -82,7 +101,9 @@ def main():
     ap.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
     ap.add_argument("--new-tokens", type=int, default=64, help="tokens sampled per sequence")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs (median) after one warm-up")
-    ap.add_argument("--sync-models", default="qwen3-0.6b,qwen3-4b,qwen3-8b", help="presets for the weight-sync timing ('' = none)")
+    ap.add_argument(
+        "--sync-models", default="qwen3-0.6b,qwen3-4b,qwen3-8b", help="presets for the weight-sync timing ('' = none)"
+    )
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     report = new_report("bench.rollout")
@@ -90,24 +111,44 @@ def main():
         cfg = rlkjax.ModelConfig.preset(name)
         params = rlkjax.init_params(cfg, seed=0)
         for batch in map(int, args.batches.split(",")):
-            row = {"section": "engine", "model": name, "batch": batch, "context": args.context, "new_tokens": args.new_tokens}
+            row = {
+                "section": "engine",
+                "model": name,
+                "batch": batch,
+                "context": args.context,
+                "new_tokens": args.new_tokens,
+            }
             for numerics in ("fast", "strict"):
-                row[f"{numerics}_engine_tok_s"] = engine_rate(params, cfg, numerics, batch, args.context, args.new_tokens, args.repeats)
-                row[f"{numerics}_kernel_tok_s"] = kernel_rate(params, cfg, numerics, batch, args.context, args.new_tokens, args.repeats)
+                row[f"{numerics}_engine_tok_s"] = engine_rate(
+                    params, cfg, numerics, batch, args.context, args.new_tokens, args.repeats
+                )
+                row[f"{numerics}_kernel_tok_s"] = kernel_rate(
+                    params, cfg, numerics, batch, args.context, args.new_tokens, args.repeats
+                )
                 row[f"{numerics}_ratio"] = row[f"{numerics}_engine_tok_s"] / row[f"{numerics}_kernel_tok_s"]
             report["results"].append(row)
             print(json.dumps(row), flush=True)
         del params
     for name in filter(None, args.sync_models.split(",")):
         cfg = rlkjax.ModelConfig.preset(name)
-        row = {"section": "sync", "model": name, "in_process_s": sync_time(rlkjax.init_params(cfg, seed=0), cfg, args.repeats)}
+        row = {
+            "section": "sync",
+            "model": name,
+            "in_process_s": sync_time(rlkjax.init_params(cfg, seed=0), cfg, args.repeats),
+        }
         report["results"].append(row)
         print(json.dumps(row), flush=True)
-    print(f"\n{'model':11} {'batch':>5} {'engine fast':>12} {'loop fast':>10} {'ratio':>6} {'engine strict':>14} {'loop strict':>12} {'ratio':>6}")
+    print(
+        f"\n{'model':11} {'batch':>5} {'engine fast':>12} {'loop fast':>10} {'ratio':>6} "
+        f"{'engine strict':>14} {'loop strict':>12} {'ratio':>6}"
+    )
     for r in report["results"]:
         if r["section"] == "engine":
-            print(f"{r['model']:11} {r['batch']:5d} {r['fast_engine_tok_s']:12.0f} {r['fast_kernel_tok_s']:10.0f} {r['fast_ratio']:6.2f} "
-                  f"{r['strict_engine_tok_s']:14.0f} {r['strict_kernel_tok_s']:12.0f} {r['strict_ratio']:6.2f}")
+            print(
+                f"{r['model']:11} {r['batch']:5d} {r['fast_engine_tok_s']:12.0f} {r['fast_kernel_tok_s']:10.0f} "
+                f"{r['fast_ratio']:6.2f} "
+                f"{r['strict_engine_tok_s']:14.0f} {r['strict_kernel_tok_s']:12.0f} {r['strict_ratio']:6.2f}"
+            )
         else:
             print(f"{r['model']:11} weight sync in process: {r['in_process_s'] * 1e3:.1f} ms")
     save_report(report, args.out)

@@ -4,6 +4,7 @@ and count the tokens whose logprob bits differ (strict must be 0).
 
     python -m bench.server_e2e --model qwen3-0.6b --requests 256 --out bench/results/server.json
 """
+
 import argparse
 import concurrent.futures
 import json
@@ -29,11 +30,29 @@ def main():
     os.environ.update(env)
     import rlkjax
     from bench._report import new_report, save_report
-    from rlkjax.mismatch import mismatch_stats
     from rlkjax.client import RolloutClient
+    from rlkjax.mismatch import mismatch_stats
 
-    proc = subprocess.Popen([sys.executable, "-m", "serve.rollout", "--model", args.model, "--numerics", args.numerics,
-                             "--port", str(args.port), "--max-batch", "64", "--num-pages", "8192", "--max-context", "1024"], env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "serve.rollout",
+            "--model",
+            args.model,
+            "--numerics",
+            args.numerics,
+            "--port",
+            str(args.port),
+            "--max-batch",
+            "64",
+            "--num-pages",
+            "8192",
+            "--max-context",
+            "1024",
+        ],
+        env=env,
+    )
     client = RolloutClient(f"http://127.0.0.1:{args.port}", timeout=3600)
     while True:
         try:
@@ -41,16 +60,29 @@ def main():
             break
         except OSError:
             if proc.poll() is not None:
-                raise SystemExit("server failed to start")
+                raise SystemExit("server failed to start") from None
             time.sleep(0.5)
     cfg = rlkjax.ModelConfig.preset(args.model)
     rng = np.random.default_rng(0)
-    jobs = [dict(prompt=rng.integers(0, cfg.vocab_size, int(rng.integers(1, args.max_prompt + 1))).tolist(),
-                 n=int(rng.choice([1, 4])), seed=i) for i in range(args.requests)]
+    jobs = [
+        dict(
+            prompt=rng.integers(0, cfg.vocab_size, int(rng.integers(1, args.max_prompt + 1))).tolist(),
+            n=int(rng.choice([1, 4])),
+            seed=i,
+        )
+        for i in range(args.requests)
+    ]
     client.generate([[1, 2, 3]], max_new_tokens=2)  # first compile out of the timing
     t = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(args.requests) as pool:
-        results = list(pool.map(lambda j: client.generate([j["prompt"]], n=j["n"], max_new_tokens=args.max_new_tokens, seed=j["seed"])[0], jobs))
+        results = list(
+            pool.map(
+                lambda j: client.generate([j["prompt"]], n=j["n"], max_new_tokens=args.max_new_tokens, seed=j["seed"])[
+                    0
+                ],
+                jobs,
+            )
+        )
     wall = time.perf_counter() - t
     metrics = client.metrics()
     print(f"{len(jobs)} requests answered in {wall:.1f} s; stopping the server", flush=True)
@@ -69,9 +101,17 @@ def main():
     for i in range(0, len(seqs), 32):
         scored += rlkjax.score(params, cfg, seqs[i : i + 32], plens[i : i + 32], numerics=args.numerics)
     stats = mismatch_stats(np.concatenate(sampled), np.concatenate(scored))
-    report = new_report("bench.server_e2e") | stats | {
-        "requests": args.requests, "completions": len(seqs), "wall_s": wall, "tokens_per_s": stats["tokens_compared"] / wall,
-        "server_metrics": [line for line in metrics.splitlines() if line.startswith("rlkjax_")]}
+    report = (
+        new_report("bench.server_e2e")
+        | stats
+        | {
+            "requests": args.requests,
+            "completions": len(seqs),
+            "wall_s": wall,
+            "tokens_per_s": stats["tokens_compared"] / wall,
+            "server_metrics": [line for line in metrics.splitlines() if line.startswith("rlkjax_")],
+        }
+    )
     print(json.dumps(report, indent=2))
     save_report(report, args.out)
 

@@ -19,6 +19,7 @@ Sections (each row: fast, strict, strict/fast time, fraction of a ceiling):
 - kernels: each kernel alone against its XLA counterpart at decode and learner shapes.
 Times are medians of `--repeats` timed calls after a warm-up call. JSON to --out.
 """
+
 import argparse
 import functools
 import json
@@ -67,6 +68,7 @@ def ceilings(repeats):
         for _ in range(10):
             y = copy(x)
         y.block_until_ready()
+
     bw = 2 * x.nbytes * 10 / median_time(ten_copies, repeats)
     n = 256 if small else 8192
     a, b = rand(1, (n, n)), rand(2, (n, n))
@@ -76,6 +78,7 @@ def ceilings(repeats):
         for _ in range(10):
             y = dot(a, b)
         y.block_until_ready()
+
     rate = 2 * n**3 * 10 / median_time(ten_dots, repeats)
     return {"copy_bandwidth_Bps": bw, "dot_bf16_flops": rate, "dot_size": n}
 
@@ -96,11 +99,13 @@ def weight_bytes(params):
 @functools.partial(jax.jit, static_argnames=("cfg", "numerics", "steps"), donate_argnames=("cache",))
 def decode_loop(params, tokens, start, cache, page_table, seeds, temps, rope, cfg, numerics, steps):
     """`steps` decode steps feeding each sampled token back in: the engine's decode_step, in one loop."""
+
     def body(i, carry):
         tok, cache, _ = carry
         hidden, cache = model.forward(params, tok, (start + i)[:, None], cache, page_table, rope, cfg, numerics)
         nxt, lp = model.sample(params, hidden[:, 0], seeds, jnp.full_like(seeds, i), temps, numerics)
         return nxt[:, None], cache, lp
+
     tok, cache, lp = jax.lax.fori_loop(0, steps, body, (tokens, cache, jnp.zeros(tokens.shape[0], F32)))
     return tok, lp, cache
 
@@ -130,10 +135,14 @@ def decode_rows(cfg, params, batches, contexts, steps, repeats, bw, name):
             start = jnp.full((batch,), ctx - 1, jnp.int32)
             table = page_table[:, : -(-(ctx + steps) // PAGE_SIZE)]  # the fast path's attention reads every listed page
             for side in SIDES:
+
                 def run():
                     nonlocal cache
-                    _, lp, cache = decode_loop(params, tokens, start, cache, table, seeds, temps, rope, cfg, side, steps)
+                    _, lp, cache = decode_loop(
+                        params, tokens, start, cache, table, seeds, temps, rope, cfg, side, steps
+                    )
                     lp.block_until_ready()
+
                 dt = median_time(run, repeats) / steps
                 kv = batch * (ctx + steps / 2) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
                 row[f"{side}_tokens_per_s"] = batch / dt
@@ -154,12 +163,16 @@ def prefill_row(cfg, params, batch, length, repeats, rate, name):
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, length)), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
     row = {"section": "prefill", "model": name, "batch": batch, "length": length}
-    flops = 2 * matmul_params(cfg) * batch * length + 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * length**2 * batch
+    flops = (
+        2 * matmul_params(cfg) * batch * length + 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * length**2 * batch
+    )
     for side in SIDES:
+
         def run():
             nonlocal cache
             cache = prefill_chunk(params, tokens, positions, cache, page_table, rope, cfg, side)
             jax.block_until_ready(cache)
+
         dt = median_time(run, repeats)
         row[f"{side}_tokens_per_s"] = batch * length / dt
         row[f"{side}_mfu"] = flops / dt / PEAK_BF16_FLOPS
@@ -178,10 +191,15 @@ def learner_row(cfg, name, seq, tokens_per_call, repeats, rate):
     b = max(1, tokens_per_call // seq)
     rng = np.random.default_rng(0)
     master = model.init_params(cfg, seed=0, dtype=F32)
-    batch = {"tokens": jnp.asarray(rng.integers(0, cfg.vocab_size, (b, seq)), jnp.int32),
-             "positions": jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (b, seq)),
-             "logp_old": jnp.asarray(-rng.random((b, seq - 1)) * 3, F32), "mask": jnp.ones((b, seq - 1), F32),
-             "adv": jnp.asarray(rng.standard_normal(b), F32), "temps": jnp.ones((b,), F32), "tis": jnp.ones((b, seq - 1), F32)}
+    batch = {
+        "tokens": jnp.asarray(rng.integers(0, cfg.vocab_size, (b, seq)), jnp.int32),
+        "positions": jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (b, seq)),
+        "logp_old": jnp.asarray(-rng.random((b, seq - 1)) * 3, F32),
+        "mask": jnp.ones((b, seq - 1), F32),
+        "adv": jnp.asarray(rng.standard_normal(b), F32),
+        "temps": jnp.ones((b,), F32),
+        "tis": jnp.ones((b, seq - 1), F32),
+    }
     rope = model.rope_tables(cfg)
     ref = jnp.zeros((b, seq - 1), F32)
     flops = 6 * matmul_params(cfg) * b * seq + 6 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq**2 * b
@@ -235,7 +253,6 @@ def attention_only(q, pages, pt, pos, config, side):
     return jax.nn.dot_product_attention(q, keys, keys, mask=mask, implementation="xla")
 
 
-
 def _loop_time(step, init, consts, iters, repeats):
     """Seconds per iteration of step(i, carry, consts) run `iters` times in one jitted fori_loop.
     Arrays go in as arguments: a closed-over array would become an HLO constant."""
@@ -257,6 +274,7 @@ def matmul_stacked_time(m, k, n, layers, config, repeats, which="strict"):
         else:
             y = jnp.dot(x, ws[i].T, preferred_element_type=F32).astype(BF16)
         return jnp.tile(y, (1, -(-k // n)))[:, :k] if n < k else y[:, :k]
+
     t, _ = _loop_time(step, x0, ws, layers, repeats)
     return t, n * k * 2 / t
 
@@ -270,9 +288,16 @@ def kernel_rows(bw, rate, repeats):
             cfg = numerics.matmul_config(m)
             tf, _ = matmul_stacked_time(m, k, n, 36, cfg, repeats, "xla")
             ts, _ = matmul_stacked_time(m, k, n, 36, cfg, repeats, "strict")
-            row = {"section": "kernel", "kernel": "matmul (decode, stacked weights)", "shape": f"M={m} K={k} N={n}",
-                   "fast_us": 1e6 * tf, "strict_us": 1e6 * ts, "strict_over_fast": ts / tf,
-                   "strict_fraction": (n * k * 2 + m * (k + n) * 2) / ts / bw, "ceiling": "copy bandwidth"}
+            row = {
+                "section": "kernel",
+                "kernel": "matmul (decode, stacked weights)",
+                "shape": f"M={m} K={k} N={n}",
+                "fast_us": 1e6 * tf,
+                "strict_us": 1e6 * ts,
+                "strict_over_fast": ts / tf,
+                "strict_fraction": (n * k * 2 + m * (k + n) * 2) / ts / bw,
+                "ceiling": "copy bandwidth",
+            }
             rows.append(row)
             print(json.dumps(row), flush=True)
     # Learner/prefill matmul.
@@ -282,8 +307,18 @@ def kernel_rows(bw, rate, repeats):
     pal = jax.jit(lambda x, w: matmul.matmul(x, w, None, numerics.matmul_config(m), interp))
     tf = median_time(lambda: xla(x, w).block_until_ready(), repeats)
     ts = median_time(lambda: pal(x, w).block_until_ready(), repeats)
-    rows.append({"section": "kernel", "kernel": "matmul (learner)", "shape": f"M={m} K={k} N={n}", "fast_us": 1e6 * tf, "strict_us": 1e6 * ts,
-                 "strict_over_fast": ts / tf, "strict_fraction": 2 * m * n * k / ts / rate, "ceiling": "jnp.dot rate"})
+    rows.append(
+        {
+            "section": "kernel",
+            "kernel": "matmul (learner)",
+            "shape": f"M={m} K={k} N={n}",
+            "fast_us": 1e6 * tf,
+            "strict_us": 1e6 * ts,
+            "strict_over_fast": ts / tf,
+            "strict_fraction": 2 * m * n * k / ts / rate,
+            "ceiling": "jnp.dot rate",
+        }
+    )
     print(json.dumps(rows[-1]), flush=True)
     # SwiGLU at the learner's shape.
     g, u = rand(3, (m, n)), rand(4, (m, n))
@@ -291,8 +326,18 @@ def kernel_rows(bw, rate, repeats):
     fx = jax.jit(swiglu.swiglu_reference)
     tf = median_time(lambda: fx(g, u).block_until_ready(), repeats)
     ts = median_time(lambda: fs(g, u).block_until_ready(), repeats)
-    rows.append({"section": "kernel", "kernel": "swiglu", "shape": f"{m}x{n}", "fast_us": 1e6 * tf, "strict_us": 1e6 * ts,
-                 "strict_over_fast": ts / tf, "strict_fraction": 3 * m * n * 2 / ts / bw, "ceiling": "copy bandwidth"})
+    rows.append(
+        {
+            "section": "kernel",
+            "kernel": "swiglu",
+            "shape": f"{m}x{n}",
+            "fast_us": 1e6 * tf,
+            "strict_us": 1e6 * ts,
+            "strict_over_fast": ts / tf,
+            "strict_fraction": 3 * m * n * 2 / ts / bw,
+            "ceiling": "copy bandwidth",
+        }
+    )
     print(json.dumps(rows[-1]), flush=True)
     # Attention, decode (8B heads, batch 64, context 2048) and prefill (one 4096-token sequence).
     hq, hkv, dh = 32, 8, 128
@@ -307,9 +352,18 @@ def kernel_rows(bw, rate, repeats):
         tf = median_time(lambda: fx(q, pages, pt, pos).block_until_ready(), repeats)
         ts = median_time(lambda: fs(q, pages, pt, pos).block_until_ready(), repeats)
         kv_bytes = 2 * b * ctx * hkv * dh * 2
-        rows.append({"section": "kernel", "kernel": "attention", "shape": f"B={b} T={t} ctx={ctx} Hq={hq} Hkv={hkv}",
-                     "fast_us": 1e6 * tf, "strict_us": 1e6 * ts, "strict_over_fast": ts / tf,
-                     "strict_fraction": kv_bytes / ts / bw, "ceiling": "copy bandwidth (KV bytes)"})
+        rows.append(
+            {
+                "section": "kernel",
+                "kernel": "attention",
+                "shape": f"B={b} T={t} ctx={ctx} Hq={hq} Hkv={hkv}",
+                "fast_us": 1e6 * tf,
+                "strict_us": 1e6 * ts,
+                "strict_over_fast": ts / tf,
+                "strict_fraction": kv_bytes / ts / bw,
+                "ceiling": "copy bandwidth (KV bytes)",
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
     # Logprob head, 8B lm_head: a decode step of 16 rows, and the learner's 8192 rows.
     vocab, d = 151936, 4096
@@ -322,9 +376,18 @@ def kernel_rows(bw, rate, repeats):
         fx = jax.jit(lambda h, w: logprob.token_logprobs_reference(h, w, tg, tp))
         tf = median_time(lambda: fx(h, w).block_until_ready(), repeats)
         ts = median_time(lambda: fs(h, w).block_until_ready(), repeats)
-        rows.append({"section": "kernel", "kernel": "logprob head", "shape": f"N={n_rows} V={vocab} D={d}", "fast_us": 1e6 * tf, "strict_us": 1e6 * ts,
-                     "strict_over_fast": ts / tf, "strict_fraction": max(w.nbytes / ts / bw, 2 * n_rows * vocab * d / ts / rate),
-                     "ceiling": "max(copy bandwidth, jnp.dot rate)"})
+        rows.append(
+            {
+                "section": "kernel",
+                "kernel": "logprob head",
+                "shape": f"N={n_rows} V={vocab} D={d}",
+                "fast_us": 1e6 * tf,
+                "strict_us": 1e6 * ts,
+                "strict_over_fast": ts / tf,
+                "strict_fraction": max(w.nbytes / ts / bw, 2 * n_rows * vocab * d / ts / rate),
+                "ceiling": "max(copy bandwidth, jnp.dot rate)",
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -345,10 +408,20 @@ def sweep_rows(bw, rate, repeats):
             return fn()
         except Exception as e:  # noqa: BLE001 (a config Triton cannot compile is a result too)
             add({"what": what, "shape": shape, "config": str(config), "error": str(e)[:200]})
-    decode = {1: [(16, 32, 128, 4, 4), (16, 32, 64, 4, 4), (16, 64, 128, 4, 4), (16, 32, 128, 4, 6), (16, 32, 128, 2, 4), (16, 32, 256, 4, 3),
-                  (16, 16, 128, 4, 4)],
-              64: [(64, 32, 128, 4, 4), (64, 64, 128, 4, 4), (64, 64, 64, 4, 4), (32, 32, 128, 4, 4)],
-              256: [(64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (128, 128, 128, 8, 3)]}
+
+    decode = {
+        1: [
+            (16, 32, 128, 4, 4),
+            (16, 32, 64, 4, 4),
+            (16, 64, 128, 4, 4),
+            (16, 32, 128, 4, 6),
+            (16, 32, 128, 2, 4),
+            (16, 32, 256, 4, 3),
+            (16, 16, 128, 4, 4),
+        ],
+        64: [(64, 32, 128, 4, 4), (64, 64, 128, 4, 4), (64, 64, 64, 4, 4), (32, 32, 128, 4, 4)],
+        256: [(64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (128, 128, 128, 8, 3)],
+    }
     for k, n, ms in ((4096, 12288, (1, 64, 256)), (4096, 1024, (1,))):
         ws = rand(2, (36, n, k), scale=0.02)
         for m in ms:
@@ -356,6 +429,7 @@ def sweep_rows(bw, rate, repeats):
             ref = None
             for c in [mc(*t) for t in decode[m]] + [mc(64, 64, 32, 4, 3)]:  # the last: every matmul's tile before
                 for how in ("stacked", "sliced") if c.block_k == 32 else ("stacked",):
+
                     def step(i, carry, ws, c=c, how=how):
                         x, _ = carry
                         if how == "stacked":
@@ -363,6 +437,7 @@ def sweep_rows(bw, rate, repeats):
                         else:
                             y = matmul.matmul(x, ws[i], None, c, False)
                         return (jnp.tile(y, (1, -(-k // n)))[:, :k] if n < k else y[:, :k]), y[0, :64]
+
                     init = (x0, jnp.zeros(64, BF16))
                     r = attempt("matmul", f"M={m} K={k} N={n}", c, lambda: _loop_time(step, init, ws, 36, repeats))
                     if r is None:
@@ -370,21 +445,46 @@ def sweep_rows(bw, rate, repeats):
                     t, f = r
                     out = np.asarray(f(init, ws)[1].astype(F32))
                     ref = out if ref is None else ref
-                    add({"what": "matmul", "shape": f"M={m} K={k} N={n}", "config": [c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages],
-                         "how": how, "us": 1e6 * t, "hbm_fraction": n * k * 2 / t / bw, "same_bits": bool(np.array_equal(out, ref))})
+                    add(
+                        {
+                            "what": "matmul",
+                            "shape": f"M={m} K={k} N={n}",
+                            "config": [c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages],
+                            "how": how,
+                            "us": 1e6 * t,
+                            "hbm_fraction": n * k * 2 / t / bw,
+                            "same_bits": bool(np.array_equal(out, ref)),
+                        }
+                    )
     m, k, n = 8192, 4096, 12288
     x, w = rand(1, (m, k)), rand(2, (n, k), scale=0.02)
     ref = None
-    for t in [(128, 128, 128, 8, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 256, 128, 8, 2), (64, 64, 32, 4, 3)]:
+    for t in [
+        (128, 128, 128, 8, 3),
+        (128, 128, 64, 8, 3),
+        (128, 256, 64, 8, 3),
+        (128, 256, 128, 8, 2),
+        (64, 64, 32, 4, 3),
+    ]:
         c = mc(*t)
         f = jax.jit(lambda x, w, c=c: matmul.matmul(x, w, None, c, False))
-        dt = attempt("matmul", f"M={m} K={k} N={n}", c, lambda: median_time(lambda: f(x, w).block_until_ready(), repeats))
+        dt = attempt(
+            "matmul", f"M={m} K={k} N={n}", c, lambda: median_time(lambda: f(x, w).block_until_ready(), repeats)
+        )
         if dt is None:
             continue
         out = np.asarray(f(x[:16], w).astype(F32))
         ref = out if ref is None else ref
-        add({"what": "matmul", "shape": f"M={m} K={k} N={n}", "config": list(t), "us": 1e6 * dt, "dot_fraction": 2 * m * n * k / dt / rate,
-             "same_bits": bool(np.array_equal(out, ref))})
+        add(
+            {
+                "what": "matmul",
+                "shape": f"M={m} K={k} N={n}",
+                "config": list(t),
+                "us": 1e6 * dt,
+                "dot_fraction": 2 * m * n * k / dt / rate,
+                "same_bits": bool(np.array_equal(out, ref)),
+            }
+        )
     hq, hkv, dh = 32, 8, 128
     for b, t, ctx in ((1, 1, 2048), (64, 1, 2048), (2, 4096, 4096)):
         ppr = -(-ctx // PAGE_SIZE)
@@ -395,19 +495,37 @@ def sweep_rows(bw, rate, repeats):
         for split, warps, stages in ((128, 4, 2), (256, 4, 2), (8192, 4, 2), (256, 4, 3)):
             c = attention.AttentionConfig(PAGE_SIZE, 16, split, warps, stages)
             f = jax.jit(functools.partial(attention_only, config=c, side="strict"))
-            dt = attempt("attention", f"B={b} T={t} ctx={ctx}", c, lambda: median_time(lambda: f(q, pages, pt, pos).block_until_ready(), repeats))
+            dt = attempt(
+                "attention",
+                f"B={b} T={t} ctx={ctx}",
+                c,
+                lambda: median_time(lambda: f(q, pages, pt, pos).block_until_ready(), repeats),
+            )
             if dt is not None:
-                add({"what": "attention", "shape": f"B={b} T={t} ctx={ctx}", "config": [split, warps, stages], "us": 1e6 * dt,
-                     "hbm_fraction": 2 * b * ctx * hkv * dh * 2 / dt / bw})
+                add(
+                    {
+                        "what": "attention",
+                        "shape": f"B={b} T={t} ctx={ctx}",
+                        "config": [split, warps, stages],
+                        "us": 1e6 * dt,
+                        "hbm_fraction": 2 * b * ctx * hkv * dh * 2 / dt / bw,
+                    }
+                )
     return rows
 
 
 # ----- report -----
 def print_table(report):
     c = report["ceilings"]
-    print(f"\nceilings: copy {c['copy_bandwidth_Bps'] / 1e9:.0f} GB/s, jnp.dot bf16 {c.get('dot_size', 8192)}^3 {c['dot_bf16_flops'] / 1e12:.0f} TFLOP/s, "
-          f"MFU against {PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s")
-    print(f"{'section':8} {'model':11} {'shape':28} {'fast':>10} {'strict':>10} {'unit':9} {'strict/fast':>11} {'strict ceiling':>16}")
+    print(
+        f"\nceilings: copy {c['copy_bandwidth_Bps'] / 1e9:.0f} GB/s, "
+        f"jnp.dot bf16 {c.get('dot_size', 8192)}^3 {c['dot_bf16_flops'] / 1e12:.0f} TFLOP/s, "
+        f"MFU against {PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s"
+    )
+    print(
+        f"{'section':8} {'model':11} {'shape':28} {'fast':>10} {'strict':>10} {'unit':9} "
+        f"{'strict/fast':>11} {'strict ceiling':>16}"
+    )
     for r in report["results"]:
         s = r["section"]
         if s == "decode":
@@ -423,7 +541,10 @@ def print_table(report):
             shape, unit = r["shape"][:28], "us"
             f, st, ceil = r["fast_us"], r["strict_us"], f"{100 * r['strict_fraction']:.0f}%"
         name = r.get("model", r.get("kernel", ""))[:11]
-        print(f"{s:8} {name:11} {shape:28} {f:10.1f} {st:10.1f} {unit:9} {r.get('strict_over_fast', NAN):11.2f} {ceil:>16}")
+        print(
+            f"{s:8} {name:11} {shape:28} {f:10.1f} {st:10.1f} {unit:9} "
+            f"{r.get('strict_over_fast', NAN):11.2f} {ceil:>16}"
+        )
 
 
 def main():
@@ -444,7 +565,12 @@ def main():
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/speed_<date>.json)")
     args = ap.parse_args()
     if args.quick:
-        args.models, args.batches, args.learner_models, args.learner_seqs = "qwen3-0.6b,qwen3-8b", "1,64", "qwen3-1.7b", "1024"
+        args.models, args.batches, args.learner_models, args.learner_seqs = (
+            "qwen3-0.6b,qwen3-8b",
+            "1,64",
+            "qwen3-1.7b",
+            "1024",
+        )
     sections = set(args.only.split(","))
     report = new_report("bench.speed")
     out = args.out or f"bench/results/speed_{report['date'][:10]}.json"
@@ -452,6 +578,7 @@ def main():
     def record(rows):  # saved after every row, so a run cut short keeps what it measured
         report["results"].extend(rows)
         save_report(report, out)
+
     report["ceilings"] = c = ceilings(args.repeats)
     print(json.dumps(c), flush=True)
     bw, rate = c["copy_bandwidth_Bps"], c["dot_bf16_flops"]
@@ -464,8 +591,18 @@ def main():
         cfg = rlkjax.ModelConfig.preset(name)
         params = rlkjax.init_params(cfg, seed=0)
         if "decode" in sections:
-            record(decode_rows(cfg, params, [int(b) for b in args.batches.split(",")],
-                               [int(c) for c in args.contexts.split(",")], args.steps, args.repeats, bw, name))
+            record(
+                decode_rows(
+                    cfg,
+                    params,
+                    [int(b) for b in args.batches.split(",")],
+                    [int(c) for c in args.contexts.split(",")],
+                    args.steps,
+                    args.repeats,
+                    bw,
+                    name,
+                )
+            )
         if "score" in sections and name == args.score_model:
             record([score_row(cfg, params, name, *map(int, args.score.split("x")), args.repeats)])
         if "prefill" in sections:
@@ -474,7 +611,9 @@ def main():
     if "learner" in sections:
         for name in args.learner_models.split(","):
             for seq in map(int, args.learner_seqs.split(",")):
-                record([learner_row(rlkjax.ModelConfig.preset(name), name, seq, args.learner_tokens, args.repeats, rate)])
+                record(
+                    [learner_row(rlkjax.ModelConfig.preset(name), name, seq, args.learner_tokens, args.repeats, rate)]
+                )
     if "kernels" in sections:
         record(kernel_rows(bw, rate, args.repeats))
     print_table(report)

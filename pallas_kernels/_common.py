@@ -1,7 +1,8 @@
 """Small helpers shared by the kernel wrappers: platform mode, padding, config checks."""
+
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas import triton as plgpu
 
 F32 = jnp.float32

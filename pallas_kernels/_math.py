@@ -4,6 +4,7 @@ The sampler and the learner run the same kernels, so they share these by constru
 them here means a change to how exp or rsqrt is evaluated is one edit, seen by every kernel.
 All of them take and return float32.
 """
+
 import jax.numpy as jnp
 
 F32 = jnp.float32

@@ -24,6 +24,7 @@ way, so a decode step of one token gets batch x KV heads x splits programs, not 
 A split a row does not reach is an exact no-op in the merge (a select); a split past a tile's last
 position is skipped (its program exits at once, the merge stops before it).
 """
+
 import dataclasses
 import functools
 import math
@@ -168,7 +169,8 @@ def _pallas_attention(q, k_pages, v_pages, layer, page_table, positions, config,
             pl.BlockSpec((num_layers, None, num_pages, ps, dh), lambda i, h, j, s: (0, h, 0, 0, 0)),
         ],
         out_specs=[part(dh), part(), part()],
-        out_shape=[jax.ShapeDtypeStruct((b, hkv, splits, tp * g, dh), F32)] + [jax.ShapeDtypeStruct((b, hkv, splits, tp * g), F32)] * 2,
+        out_shape=[jax.ShapeDtypeStruct((b, hkv, splits, tp * g, dh), F32)]
+        + [jax.ShapeDtypeStruct((b, hkv, splits, tp * g), F32)] * 2,
         compiler_params=compiler_params(config.num_warps, config.num_stages),
         interpret=interpret,
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), pt, row_pos, qh, k_pages, v_pages)
@@ -196,7 +198,9 @@ def _check(q, k, v, k_pages, v_pages, page_table, positions):
     if hq % k.shape[2]:
         raise ValueError(f"{hq} query heads are not a multiple of {k.shape[2]} KV heads")
     if positions.shape != (b, t) or page_table.shape[0] != b:
-        raise ValueError(f"positions {positions.shape} / page_table {page_table.shape} do not match batch {b}, tokens {t}")
+        raise ValueError(
+            f"positions {positions.shape} / page_table {page_table.shape} do not match batch {b}, tokens {t}"
+        )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))

@@ -14,6 +14,7 @@ logit and the Gumbel-max sample every time), so the logit of a drawn token and i
 the same bits whether the row was sampled or scored. The sample draws from softmax(logits / T):
 argmax(logits / T + Gumbel noise), the noise a hash of (seed, step, vocab id).
 """
+
 import dataclasses
 import functools
 
@@ -52,8 +53,26 @@ def _tile_logits(h_ref, w_ref, v0, temp, *, block_vocab, block_k, k_steps):
     return acc / temp[:, None]
 
 
-def _split_kernel(h_ref, w_ref, tgt_ref, temp_ref, key_ref, m_ref, s_ref, tgt_logit_ref, best_score_ref, best_tok_ref, best_logit_ref,
-                  *, block_vocab, block_k, k_steps, tiles_per_split, num_tiles, vocab):
+def _split_kernel(
+    h_ref,
+    w_ref,
+    tgt_ref,
+    temp_ref,
+    key_ref,
+    m_ref,
+    s_ref,
+    tgt_logit_ref,
+    best_score_ref,
+    best_tok_ref,
+    best_logit_ref,
+    *,
+    block_vocab,
+    block_k,
+    k_steps,
+    tiles_per_split,
+    num_tiles,
+    vocab,
+):
     rows = h_ref.shape[0]
     temp, tgt, key = temp_ref[...], tgt_ref[...], key_ref[...]
     first = pl.program_id(1) * tiles_per_split
@@ -76,8 +95,14 @@ def _split_kernel(h_ref, w_ref, tgt_ref, temp_ref, key_ref, m_ref, s_ref, tgt_lo
         tile_tok = jnp.min(jnp.where(score == tile_best[:, None], cols, _NO_TOKEN), axis=1)
         tile_logit = jnp.max(jnp.where(cols == tile_tok[:, None], logits, -jnp.inf), axis=1)
         better = tile_best > best_score
-        return (m_new, s, tgt_logit, jnp.where(better, tile_best, best_score),
-                jnp.where(better, tile_tok, best_tok), jnp.where(better, tile_logit, best_logit))
+        return (
+            m_new,
+            s,
+            tgt_logit,
+            jnp.where(better, tile_best, best_score),
+            jnp.where(better, tile_tok, best_tok),
+            jnp.where(better, tile_logit, best_logit),
+        )
 
     neg = jnp.full((rows,), -jnp.inf, F32)
     init = (neg, jnp.zeros((rows,), F32), neg, neg, jnp.zeros((rows,), jnp.int32), neg)
@@ -86,7 +111,9 @@ def _split_kernel(h_ref, w_ref, tgt_ref, temp_ref, key_ref, m_ref, s_ref, tgt_lo
         ref[...] = value
 
 
-def _merge_kernel(m_ref, s_ref, tgt_logit_ref, best_score_ref, best_tok_ref, best_logit_ref, tgt_lp_ref, tok_ref, tok_lp_ref, lse_ref):
+def _merge_kernel(
+    m_ref, s_ref, tgt_logit_ref, best_score_ref, best_tok_ref, best_logit_ref, tgt_lp_ref, tok_ref, tok_lp_ref, lse_ref
+):
     """Merge the vocab ranges in ascending order. Empty ranges carry m = -inf, s = 0: no effect."""
     splits = m_ref.shape[0]
     m = jax.lax.fori_loop(0, splits, lambda i, m: jnp.maximum(m, m_ref[i]), m_ref[0])
@@ -96,7 +123,11 @@ def _merge_kernel(m_ref, s_ref, tgt_logit_ref, best_score_ref, best_tok_ref, bes
     def pick(i, carry):
         score, tok, logit = carry
         better = best_score_ref[i] > score
-        return jnp.where(better, best_score_ref[i], score), jnp.where(better, best_tok_ref[i], tok), jnp.where(better, best_logit_ref[i], logit)
+        return (
+            jnp.where(better, best_score_ref[i], score),
+            jnp.where(better, best_tok_ref[i], tok),
+            jnp.where(better, best_logit_ref[i], logit),
+        )
 
     _, tok, logit = jax.lax.fori_loop(1, splits, pick, (best_score_ref[0], best_tok_ref[0], best_logit_ref[0]))
     lse = m + _math.log(s)
@@ -136,10 +167,23 @@ def _fused(h, w, targets, temperature, keys, config: LogprobConfig, interpret: b
     part = pl.BlockSpec((None, br), lambda i, j: (j, i))
     part_types = (F32, F32, F32, F32, jnp.int32, F32)
     parts = pl.pallas_call(
-        functools.partial(_split_kernel, block_vocab=c.block_vocab, block_k=c.block_k, k_steps=d // c.block_k,
-                          tiles_per_split=tiles_per_split, num_tiles=num_tiles, vocab=masked_vocab),
+        functools.partial(
+            _split_kernel,
+            block_vocab=c.block_vocab,
+            block_k=c.block_k,
+            k_steps=d // c.block_k,
+            tiles_per_split=tiles_per_split,
+            num_tiles=num_tiles,
+            vocab=masked_vocab,
+        ),
         grid=(rows_p // br, splits),
-        in_specs=[pl.BlockSpec((br, d), lambda i, j: (i, 0)), pl.BlockSpec(w.shape, lambda i, j: (0, 0)), row, row, row],
+        in_specs=[
+            pl.BlockSpec((br, d), lambda i, j: (i, 0)),
+            pl.BlockSpec(w.shape, lambda i, j: (0, 0)),
+            row,
+            row,
+            row,
+        ],
         out_specs=[part] * 6,
         out_shape=[jax.ShapeDtypeStruct((splits, rows_p), t) for t in part_types],
         compiler_params=compiler_params(c.num_warps, c.num_stages),
@@ -230,6 +274,8 @@ def sample_tokens_reference(h, w, seeds, steps, temperature, config=None, interp
     """Same Gumbel noise as the kernel, so fast and strict draw the same tokens up to rounding."""
     logits = _logits_reference(h, w, temperature)
     cols = jnp.arange(w.shape[0], dtype=jnp.int32)[None, :]
-    tokens = jnp.argmax(logits + _math.gumbel_noise(_math.row_key(seeds, steps)[:, None], cols), axis=1).astype(jnp.int32)
+    tokens = jnp.argmax(logits + _math.gumbel_noise(_math.row_key(seeds, steps)[:, None], cols), axis=1).astype(
+        jnp.int32
+    )
     logp = jax.nn.log_softmax(logits, axis=-1)
     return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=1)[:, 0]

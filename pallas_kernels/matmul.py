@@ -9,6 +9,7 @@ M, on the row's place in its tile, or on what else is in the batch. The residual
 `x + o_proj(...)`, `x + down_proj(...)`) happens in the epilogue, after the product is rounded
 to the output dtype, as in the HF model.
 """
+
 import dataclasses
 import functools
 
@@ -78,18 +79,30 @@ def _pallas_matmul(x, w, residual, config: MatmulConfig, interpret: bool, layer=
     if layer is None:
         w = pad_dim(pad_dim(w, 0, c.block_n), 1, c.block_k)
         args = [x, w]
-        in_specs = [pl.BlockSpec((c.block_m, kp), lambda i, j: (i, 0)), pl.BlockSpec((c.block_n, kp), lambda i, j: (j, 0))]
+        in_specs = [
+            pl.BlockSpec((c.block_m, kp), lambda i, j: (i, 0)),
+            pl.BlockSpec((c.block_n, kp), lambda i, j: (j, 0)),
+        ]
     else:
         args = [jnp.reshape(layer, (1,)).astype(jnp.int32), x, w]
-        in_specs = [pl.BlockSpec((1,), lambda i, j: (0,)), pl.BlockSpec((c.block_m, kp), lambda i, j: (i, 0)),
-                    pl.BlockSpec((w.shape[0], c.block_n, kp), lambda i, j: (0, j, 0))]
+        in_specs = [
+            pl.BlockSpec((1,), lambda i, j: (0,)),
+            pl.BlockSpec((c.block_m, kp), lambda i, j: (i, 0)),
+            pl.BlockSpec((w.shape[0], c.block_n, kp), lambda i, j: (0, j, 0)),
+        ]
     np_ = w.shape[-2]
     if residual is not None:
         args.append(pad_dim(pad_dim(residual, 0, c.block_m), 1, c.block_n))
         in_specs.append(pl.BlockSpec((c.block_m, c.block_n), lambda i, j: (i, j)))
     y = pl.pallas_call(
-        functools.partial(_kernel, block_k=c.block_k, k_steps=kp // c.block_k, has_residual=residual is not None,
-                          stacked=layer is not None, interpret=interpret),
+        functools.partial(
+            _kernel,
+            block_k=c.block_k,
+            k_steps=kp // c.block_k,
+            has_residual=residual is not None,
+            stacked=layer is not None,
+            interpret=interpret,
+        ),
         grid=(mp // c.block_m, np_ // c.block_n),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((c.block_m, c.block_n), lambda i, j: (i, j)),

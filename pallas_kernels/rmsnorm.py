@@ -8,6 +8,7 @@ in fp32 from the rounded norm output and rounded once.
 The sum of squares walks D in `block_d` chunks in ascending order; each program owns `block_rows`
 whole rows, so a row's bits never depend on which other rows share its program.
 """
+
 import dataclasses
 import functools
 
@@ -73,7 +74,7 @@ def _padded_rmsnorm(x, w, cos, sin, eps, config, interpret):
         half = pl.next_power_of_2(width // 2)
         x, w, cos, sin = _pad_halves(x, half), _pad_halves(w, half), pad_dim(cos, 1, half), pad_dim(sin, 1, half)
         y = _pallas_rmsnorm(x, w, cos, sin, eps, config, interpret, width)
-        return jnp.concatenate([y[:, :width // 2], y[:, half:half + width // 2]], axis=1)
+        return jnp.concatenate([y[:, : width // 2], y[:, half : half + width // 2]], axis=1)
     chunk = min(config.block_d, pl.next_power_of_2(width))
     if cos is None and width % chunk:
         x, w = pad_dim(x, 1, chunk), pad_dim(w, 0, chunk)

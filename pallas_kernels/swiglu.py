@@ -3,6 +3,7 @@
 gate, up [N, F] -> [N, F]: silu in fp32 rounded to the input dtype, then the product in fp32
 rounded again (HF computes `act_fn(gate_proj(x)) * up_proj(x)` as two rounded tensor ops).
 """
+
 import dataclasses
 import functools
 

@@ -1,13 +1,27 @@
 """rlkjax: GRPO for Qwen3-style models where sampler and learner logprobs agree bit for bit."""
+
 from rlkjax.numerics import set_xla_flags
 
 set_xla_flags()  # before anything below can start a JAX backend
 
+from rlkjax.api import generate, score  # noqa: E402
 from rlkjax.checkpoint import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 from rlkjax.config import PRESETS, ModelConfig  # noqa: E402
-from rlkjax.api import generate, score  # noqa: E402
 from rlkjax.engine import Completion, Engine, EngineConfig  # noqa: E402
 from rlkjax.model import forward, init_params, sequence_logprobs, token_logprobs  # noqa: E402
 
-__all__ = ["PRESETS", "Completion", "Engine", "EngineConfig", "ModelConfig", "forward", "generate", "init_params", "load_hf_checkpoint",
-           "save_hf_checkpoint", "score", "sequence_logprobs", "token_logprobs"]
+__all__ = [
+    "PRESETS",
+    "Completion",
+    "Engine",
+    "EngineConfig",
+    "ModelConfig",
+    "forward",
+    "generate",
+    "init_params",
+    "load_hf_checkpoint",
+    "save_hf_checkpoint",
+    "score",
+    "sequence_logprobs",
+    "token_logprobs",
+]

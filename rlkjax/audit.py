@@ -1,16 +1,40 @@
 """The strict-path audit: lower a function for the GPU and list every floating-point operation
 that XLA would run outside our Pallas (Triton) custom calls. On the strict path there must be
 none: XLA may only move data."""
+
 import re
 
 import jax
 
 # Ops that move or select data exactly; anything else touching a float type is arithmetic.
 DATA_MOVEMENT = {
-    "constant", "broadcast_in_dim", "broadcast", "reshape", "transpose", "slice", "dynamic_slice",
-    "dynamic_update_slice", "concatenate", "pad", "gather", "scatter", "select", "iota", "return",
-    "compare", "while", "case", "if", "tuple", "get_tuple_element", "optimization_barrier",
-    "bitcast_convert", "reverse", "custom_call", "func", "call",
+    "constant",
+    "broadcast_in_dim",
+    "broadcast",
+    "reshape",
+    "transpose",
+    "slice",
+    "dynamic_slice",
+    "dynamic_update_slice",
+    "concatenate",
+    "pad",
+    "gather",
+    "scatter",
+    "select",
+    "iota",
+    "return",
+    "compare",
+    "while",
+    "case",
+    "if",
+    "tuple",
+    "get_tuple_element",
+    "optimization_barrier",
+    "bitcast_convert",
+    "reverse",
+    "custom_call",
+    "func",
+    "call",
 }
 _FLOAT = re.compile(r"[x<](bf16|f16|f32|f64|f8E\w+)>")  # element type of a tensor<...>
 _OP = re.compile(r"stablehlo\.(\w+)")
@@ -39,11 +63,40 @@ def lower_for_gpu(jitted, *args, device_kind: str = "NVIDIA H200", **kwargs) -> 
 
 _HLO_OP = re.compile(r"=\s*(?:\(|)([a-z0-9]+)\[[^=]*?\s([a-z][a-z0-9-]*)\(")
 HLO_DATA_MOVEMENT = {
-    "parameter", "constant", "broadcast", "reshape", "transpose", "slice", "dynamic-slice",
-    "dynamic-update-slice", "concatenate", "pad", "gather", "scatter", "select", "iota", "compare",
-    "while", "conditional", "tuple", "get-tuple-element", "bitcast", "copy", "copy-start", "copy-done",
-    "custom-call", "call", "fusion", "fusion-start", "fusion-done", "async-start", "async-update",
-    "async-done", "reverse", "opt-barrier", "bitcast-convert",
+    "parameter",
+    "constant",
+    "broadcast",
+    "reshape",
+    "transpose",
+    "slice",
+    "dynamic-slice",
+    "dynamic-update-slice",
+    "concatenate",
+    "pad",
+    "gather",
+    "scatter",
+    "select",
+    "iota",
+    "compare",
+    "while",
+    "conditional",
+    "tuple",
+    "get-tuple-element",
+    "bitcast",
+    "copy",
+    "copy-start",
+    "copy-done",
+    "custom-call",
+    "call",
+    "fusion",
+    "fusion-start",
+    "fusion-done",
+    "async-start",
+    "async-update",
+    "async-done",
+    "reverse",
+    "opt-barrier",
+    "bitcast-convert",
 }
 
 

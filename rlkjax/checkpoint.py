@@ -3,6 +3,7 @@
 Our params keep HF's names and [out, in] layout, so loading and saving only rename and stack:
 a save/load round trip is bit-exact.
 """
+
 import json
 from pathlib import Path
 
@@ -14,10 +15,17 @@ from rlkjax.config import PRESETS, ModelConfig
 from rlkjax.model import layer_shapes
 
 _LAYER_PREFIX = {
-    "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
-    "o_proj": "self_attn.o_proj", "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
-    "input_layernorm": "input_layernorm", "post_attention_layernorm": "post_attention_layernorm",
-    "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj",
+    "q_proj": "self_attn.q_proj",
+    "k_proj": "self_attn.k_proj",
+    "v_proj": "self_attn.v_proj",
+    "o_proj": "self_attn.o_proj",
+    "q_norm": "self_attn.q_norm",
+    "k_norm": "self_attn.k_norm",
+    "input_layernorm": "input_layernorm",
+    "post_attention_layernorm": "post_attention_layernorm",
+    "gate_proj": "mlp.gate_proj",
+    "up_proj": "mlp.up_proj",
+    "down_proj": "mlp.down_proj",
 }
 INDEX = "model.safetensors.index.json"
 
@@ -72,13 +80,17 @@ def load_hf_checkpoint(directory, dtype: str | None = None):
                 else:
                     params[path[0]] = array
     if unexpected:
-        raise ValueError(f"checkpoint {directory} holds {len(unexpected)} tensors a Qwen3 model with this config.json does "
-                         f"not have: {', '.join(sorted(unexpected)[:20])}{' ...' if len(unexpected) > 20 else ''}")
+        raise ValueError(
+            f"checkpoint {directory} holds {len(unexpected)} tensors a Qwen3 model with this config.json does "
+            f"not have: {', '.join(sorted(unexpected)[:20])}{' ...' if len(unexpected) > 20 else ''}"
+        )
     if wanted:
         raise ValueError(f"checkpoint {directory} is missing {len(wanted)} tensors, e.g. {next(iter(wanted))}")
     if tied_head is not None and not bool(jnp.all(tied_head == params["embed_tokens"])):
-        raise ValueError(f"checkpoint {directory} says tie_word_embeddings but its lm_head.weight differs from "
-                         "model.embed_tokens.weight: which one to use is ambiguous")
+        raise ValueError(
+            f"checkpoint {directory} says tie_word_embeddings but its lm_head.weight differs from "
+            "model.embed_tokens.weight: which one to use is ambiguous"
+        )
     params["layers"] = {name: jnp.stack(arrays) for name, arrays in layers.items()}
     return cfg, params
 
@@ -136,7 +148,9 @@ def load_model(spec: str, seed: int = 0):
         import orbax.checkpoint as ocp
 
         cfg = ModelConfig.from_hf_config(path / "config.json")
-        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), jax.eval_shape(lambda: init_params(cfg)))
+        target = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), jax.eval_shape(lambda: init_params(cfg))
+        )
         with ocp.StandardCheckpointer() as ckptr:
             return cfg, ckptr.restore(path.absolute() / "params", target)
     if path.is_dir():

@@ -1,10 +1,11 @@
 """A small synchronous client for a `python -m serve.rollout` server (the learner and benchmarks use it).
 
-    client = RolloutClient("http://127.0.0.1:8000", admin_key="...")
-    results = client.generate([[1, 2, 3]], n=4, max_new_tokens=64, temperature=1.0, seed=0)
-    results[0][j]["tokens"], np.float32(results[0][j]["logprobs"])   # sample j of prompt 0
-    client.update_weights("/path/to/checkpoint")                     # -> new policy version
+client = RolloutClient("http://127.0.0.1:8000", admin_key="...")
+results = client.generate([[1, 2, 3]], n=4, max_new_tokens=64, temperature=1.0, seed=0)
+results[0][j]["tokens"], np.float32(results[0][j]["logprobs"])   # sample j of prompt 0
+client.update_weights("/path/to/checkpoint")                     # -> new policy version
 """
+
 import json
 import urllib.error
 import urllib.request
@@ -43,12 +44,23 @@ class RolloutClient:
     def generate(self, prompts, *, n=1, max_new_tokens=16, temperature=1.0, seed=None, stop_token_ids=()):
         """prompts: list of token-id lists; seed: an int, one per prompt, or None (the server draws one).
         Returns, per prompt, n samples with logprobs as float32 arrays."""
-        out = self._call("POST", "/generate", {"prompt": [list(map(int, p)) for p in prompts], "n": n,
-                                               "max_new_tokens": max_new_tokens, "temperature": temperature,
-                                               "seed": seed, "stop_token_ids": list(stop_token_ids)})
+        out = self._call(
+            "POST",
+            "/generate",
+            {
+                "prompt": [list(map(int, p)) for p in prompts],
+                "n": n,
+                "max_new_tokens": max_new_tokens,
+                "temperature": temperature,
+                "seed": seed,
+                "stop_token_ids": list(stop_token_ids),
+            },
+        )
         for samples in out["results"]:
             for s in samples:
-                s["logprobs"] = np.asarray(s["logprobs"], np.float64).astype(np.float32)  # exact: they are float32 values
+                s["logprobs"] = np.asarray(s["logprobs"], np.float64).astype(
+                    np.float32
+                )  # exact: they are float32 values
         return out["results"]
 
     def update_weights(self, path: str) -> int:

@@ -1,4 +1,5 @@
 """Model shapes: one frozen dataclass, presets for the real Qwen3 dense sizes, and HF config.json."""
+
 import dataclasses
 import json
 from pathlib import Path
@@ -20,7 +21,16 @@ class ModelConfig:
     dtype: str = "bfloat16"  # weights, activations and the KV cache
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "max_position"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "max_position",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
         if self.num_heads % self.num_kv_heads:

@@ -17,6 +17,7 @@ table [B, pages_per_seq]; B is a power of two up to max_batch.
 The public surface for a server or a learner: `submit`, `cancel`, `update_weights`, `step`,
 `run_until_done`, and the read-only `busy`, `weights_pending`, `policy_version` and `metrics()`.
 """
+
 import dataclasses
 import functools
 import itertools
@@ -31,7 +32,7 @@ from rlkjax.config import ModelConfig
 from rlkjax.model import forward, init_kv_cache, rope_tables, sample
 from rlkjax.numerics import PAGE_SIZE, Numerics, ops
 from rlkjax.requests import check_int, check_seed, check_temperature, check_tokens, sample_seed
-from rlkjax.shapes import bucket, cdiv, pad_sequences
+from rlkjax.shapes import bucket, cdiv
 
 
 @dataclasses.dataclass
@@ -74,8 +75,13 @@ class EngineConfig:
         `lengths` holds each sequence's prompt + new tokens (what `generate` and the learner's
         rollout size their engines with)."""
         rows = bucket(len(lengths))
-        return EngineConfig(num_pages=1 + sum(cdiv(n, PAGE_SIZE) for n in lengths), max_batch=rows,
-                            prefill_chunk=prefill_chunk, token_budget=prefill_chunk * rows, max_context=max(lengths))
+        return EngineConfig(
+            num_pages=1 + sum(cdiv(n, PAGE_SIZE) for n in lengths),
+            max_batch=rows,
+            prefill_chunk=prefill_chunk,
+            token_budget=prefill_chunk * rows,
+            max_context=max(lengths),
+        )
 
 
 class PageAllocator:
@@ -169,8 +175,22 @@ def decode_step(params, tokens, positions, kv_cache, page_table, seeds, steps, t
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "numerics", "num_steps"), donate_argnames=("kv_cache",))
-def decode_round(params, tokens, positions, kv_cache, page_table, seeds, steps, temps, budget, stop_ids, rope, cfg, numerics,
-                 num_steps):
+def decode_round(
+    params,
+    tokens,
+    positions,
+    kv_cache,
+    page_table,
+    seeds,
+    steps,
+    temps,
+    budget,
+    stop_ids,
+    rope,
+    cfg,
+    numerics,
+    num_steps,
+):
     """Up to `num_steps` decode steps on the device per host round trip.
 
     tokens, positions, seeds, steps (tokens sampled so far), temps, budget (tokens the row may still
@@ -189,16 +209,24 @@ def decode_round(params, tokens, positions, kv_cache, page_table, seeds, steps, 
     def body(carry):
         i, tok, pos, active, cache, out_tok, out_lp = carry
         fed = jnp.where(active, pos, -1)
-        nxt, lp, cache = decode_step(params, tok[:, None], fed[:, None], cache, page_table, seeds, steps + i, temps, rope, cfg,
-                                     numerics)
+        nxt, lp, cache = decode_step(
+            params, tok[:, None], fed[:, None], cache, page_table, seeds, steps + i, temps, rope, cfg, numerics
+        )
         nxt = jnp.where(active, nxt, -1)
         out_tok = jax.lax.dynamic_update_index_in_dim(out_tok, nxt, i, axis=1)
         out_lp = jax.lax.dynamic_update_index_in_dim(out_lp, jnp.where(active, lp, jnp.zeros_like(lp)), i, axis=1)
         stop = jnp.any(nxt[:, None] == stop_ids, axis=1) | (i + 1 >= budget)
         return i + 1, jnp.where(active, nxt, tok), pos + 1, active & ~stop, cache, out_tok, out_lp
 
-    init = (jnp.int32(0), tokens, positions, budget > 0, kv_cache,
-            jnp.full((rows, num_steps), -1, jnp.int32), jnp.zeros((rows, num_steps), jnp.float32))
+    init = (
+        jnp.int32(0),
+        tokens,
+        positions,
+        budget > 0,
+        kv_cache,
+        jnp.full((rows, num_steps), -1, jnp.int32),
+        jnp.zeros((rows, num_steps), jnp.float32),
+    )
     _, _, _, _, kv_cache, out_tok, out_lp = jax.lax.while_loop(cond, body, init)
     return out_tok, out_lp, kv_cache
 
@@ -229,19 +257,33 @@ class Engine:
         self._inbox: deque = deque()  # submitted (request, sequences), moved to `waiting` at the next step
         self._mailbox = threading.Lock()  # guards the pending weights and their events
         self.shapes_seen: set = set()  # (step function, batch bucket): one compilation each
-        self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "preemptions": 0, "requests": 0, "finished": 0}
+        self.stats = {
+            "steps": 0,
+            "prefill_tokens": 0,
+            "decode_tokens": 0,
+            "preemptions": 0,
+            "requests": 0,
+            "finished": 0,
+        }
 
     # ----- requests -----
-    def submit(self, prompt, *, n=1, max_new_tokens=16, temperature=1.0, seed=0, stop_token_ids=(), group=None) -> Request:
+    def submit(
+        self, prompt, *, n=1, max_new_tokens=16, temperature=1.0, seed=0, stop_token_ids=(), group=None
+    ) -> Request:
         """Validate and queue a request; raises ValueError naming the bad field (rlkjax.requests).
         Requests with the same `group` (e.g. the prompts of one HTTP request) share one turn in admission."""
         prompt = check_tokens("prompt", prompt, self.cfg.vocab_size)
         n = check_int("n", n, 1, self.config.max_batch)
         max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
         if len(prompt) + max_new_tokens > self.max_context:
-            raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds the context of {self.max_context} tokens")
+            raise ValueError(
+                f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds the context "
+                f"of {self.max_context} tokens"
+            )
         if cdiv(len(prompt) + max_new_tokens, PAGE_SIZE) > self.config.num_pages - 1:
-            raise ValueError(f"prompt + max_new_tokens needs more KV pages than the cache holds ({self.config.num_pages - 1})")
+            raise ValueError(
+                f"prompt + max_new_tokens needs more KV pages than the cache holds ({self.config.num_pages - 1})"
+            )
         temperature = check_temperature("temperature", temperature)
         seed = check_seed("seed", seed)
         if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, (list, tuple, set, frozenset)):
@@ -401,8 +443,16 @@ class Engine:
             tokens[i, :todo] = s.tokens[s.cached : s.cached + todo]
             positions[i, :todo] = np.arange(s.cached, s.cached + todo)
         self._note_shape("prefill", rows)
-        self.cache = prefill_chunk(self.params, tokens, positions, self.cache, self._page_table(batch, rows), self.rope,
-                                   self.cfg, self.numerics)
+        self.cache = prefill_chunk(
+            self.params,
+            tokens,
+            positions,
+            self.cache,
+            self._page_table(batch, rows),
+            self.rope,
+            self.cfg,
+            self.numerics,
+        )
         for i, s in enumerate(batch):
             todo = int((positions[i] >= 0).sum())
             s.cached += todo
@@ -426,7 +476,9 @@ class Engine:
             if leader.cached % PAGE_SIZE:
                 src.append(tail[0])
                 dst.append(own[0])
-            child = Sequence(req, j, sample_seed(req.seed, j), list(req.prompt), pages=shared + own, cached=leader.cached)
+            child = Sequence(
+                req, j, sample_seed(req.seed, j), list(req.prompt), pages=shared + own, cached=leader.cached
+            )
             if len(self.running) < self.config.max_batch:
                 child.admitted = next(self._admissions)
                 self.running.append(child)
@@ -460,8 +512,21 @@ class Engine:
             stop_ids[i, : len(s.request.stop_token_ids)] = sorted(s.request.stop_token_ids)
         self._note_shape("decode_round", (rows, stops))
         out_tok, out_lp, self.cache = decode_round(
-            self.params, tokens, positions, self.cache, self._page_table(seqs, rows), seeds, steps, temps, remaining, stop_ids,
-            self.rope, self.cfg, self.numerics, self.config.decode_steps)
+            self.params,
+            tokens,
+            positions,
+            self.cache,
+            self._page_table(seqs, rows),
+            seeds,
+            steps,
+            temps,
+            remaining,
+            stop_ids,
+            self.rope,
+            self.cfg,
+            self.numerics,
+            self.config.decode_steps,
+        )
         return seqs, out_tok, out_lp
 
     def _collect_decode(self, seqs, out_tok, out_lp) -> list[Request]:
@@ -476,7 +541,11 @@ class Engine:
                 s.logprobs.append(lp)
                 s.cached += 1
                 self.stats["decode_tokens"] += 1
-            reason = "stop" if s.tokens[-1] in s.request.stop_token_ids else ("length" if s.generated >= s.request.max_new_tokens else None)
+            reason = (
+                "stop"
+                if s.tokens[-1] in s.request.stop_token_ids
+                else ("length" if s.generated >= s.request.max_new_tokens else None)
+            )
             if reason and self._finish(s, reason):  # its pages, those the round did not fill included, are freed now
                 finished.append(s.request)
         return finished
@@ -487,8 +556,9 @@ class Engine:
         if seq in self.running:
             self.running.remove(seq)
         req = seq.request
-        req.results[seq.index] = Completion(seq.tokens[len(req.prompt):], np.asarray(seq.logprobs, np.float32),
-                                            reason, self.policy_version)
+        req.results[seq.index] = Completion(
+            seq.tokens[len(req.prompt) :], np.asarray(seq.logprobs, np.float32), reason, self.policy_version
+        )
         if all(r is not None for r in req.results) and not req.pending_forks:
             req.finish()
             self.requests.pop(req.id, None)
@@ -517,7 +587,10 @@ class Engine:
     def metrics(self) -> dict:
         """Counters, read without the step lock (a scrape never waits for a step; values may be a step old)."""
         return dict(self.stats) | {
-            "queue_depth": len(self._inbox) + len(self.waiting), "running": len(self.running),
-            "pages_used": self.pages.used, "pages_total": self.config.num_pages - 1,
-            "compilations": len(self.shapes_seen), "policy_version": self.policy_version,
+            "queue_depth": len(self._inbox) + len(self.waiting),
+            "running": len(self.running),
+            "pages_used": self.pages.used,
+            "pages_total": self.config.num_pages - 1,
+            "compilations": len(self.shapes_seen),
+            "policy_version": self.policy_version,
         }

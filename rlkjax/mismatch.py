@@ -1,4 +1,5 @@
 """Sampler-vs-learner mismatch statistics for the same sampled tokens."""
+
 import numpy as np
 
 
@@ -8,8 +9,10 @@ def mismatch_stats(sampled: np.ndarray, learner: np.ndarray) -> dict:
     sampled, learner = np.asarray(sampled, np.float32), np.asarray(learner, np.float32)
     delta = learner.astype(np.float64) - sampled.astype(np.float64)
     empty = delta.size == 0
-    return {"tokens_compared": int(sampled.size),
-            "tokens_bits_differ": int((sampled.view(np.uint32) != learner.view(np.uint32)).sum()),
-            "max_abs_delta": 0.0 if empty else float(np.abs(delta).max()),
-            "mean_abs_delta": 0.0 if empty else float(np.abs(delta).mean()),
-            "k3_kl": 0.0 if empty else float(np.mean(np.expm1(delta) - delta))}
+    return {
+        "tokens_compared": int(sampled.size),
+        "tokens_bits_differ": int((sampled.view(np.uint32) != learner.view(np.uint32)).sum()),
+        "max_abs_delta": 0.0 if empty else float(np.abs(delta).max()),
+        "mean_abs_delta": 0.0 if empty else float(np.abs(delta).mean()),
+        "k3_kl": 0.0 if empty else float(np.mean(np.expm1(delta) - delta)),
+    }

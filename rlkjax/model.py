@@ -8,6 +8,7 @@ leading axis so the forward is one `lax.scan` (each kernel compiles once, not on
               "input_layernorm", "post_attention_layernorm", "gate_proj", "up_proj", "down_proj"}}
 KV cache: (k_pages, v_pages), each [L, Hkv, num_pages, page_size, Dh].
 """
+
 import functools
 
 import jax
@@ -82,8 +83,17 @@ def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int = PAGE_SIZE):
 MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def forward(params, tokens, positions, kv_cache, page_table, rope, cfg: ModelConfig, numerics: Numerics,
-            weights_in_place: bool = True):
+def forward(
+    params,
+    tokens,
+    positions,
+    kv_cache,
+    page_table,
+    rope,
+    cfg: ModelConfig,
+    numerics: Numerics,
+    weights_in_place: bool = True,
+):
     """tokens, positions [B, T] (position -1 = padding), page_table [B, P] -> hidden [B, T, D] (final-normed)
     and the cache with this call's K/V written in. Only data movement happens outside the ops.
 
@@ -111,8 +121,15 @@ def forward(params, tokens, positions, kv_cache, page_table, rope, cfg: ModelCon
         k = op.rmsnorm(mm(h, "k_proj").reshape(-1, dh), layer["k_norm"], cos_k, sin_k, eps)
         v = mm(h, "v_proj")
         attn, k_pages, v_pages = op.attention(
-            q.reshape(b, t, hq, dh), k.reshape(b, t, hkv, dh), v.reshape(b, t, hkv, dh),
-            k_pages, v_pages, index, page_table, positions)
+            q.reshape(b, t, hq, dh),
+            k.reshape(b, t, hkv, dh),
+            v.reshape(b, t, hkv, dh),
+            k_pages,
+            v_pages,
+            index,
+            page_table,
+            positions,
+        )
         x = mm(attn.reshape(b * t, hq * dh), "o_proj", x)
         h = op.rmsnorm(x, layer["post_attention_layernorm"], None, None, eps)
         x = mm(op.swiglu(mm(h, "gate_proj"), mm(h, "up_proj")), "down_proj", x)

@@ -5,9 +5,11 @@ Same hardware + same software + same tile configs = same bits, whatever the batc
 position in the batch. Change a config below and every logprob may change (consistently on both
 sides, since sampler and learner read the same table).
 """
+
 import functools
 import os
-from typing import Callable, Literal, NamedTuple
+from collections.abc import Callable
+from typing import Literal, NamedTuple
 
 from pallas_kernels import attention, logprob, matmul, rmsnorm, swiglu
 from pallas_kernels._common import interpret_mode
@@ -19,7 +21,11 @@ PRECISION = {
     "matmul": ("act", "fp32 acc, K ascending", "act; + residual in fp32, rounded to act"),
     "rmsnorm": ("act", "fp32 sum of squares, D chunks ascending", "act (normalise, round, scale, round)"),
     "rope": ("act (rounded norm output) + fp32 tables", "fp32", "act"),
-    "attention": ("act q/k/v", "fp32 scores, fp32 online softmax, KV blocks ascending; p rounded to act for p@v", "act"),
+    "attention": (
+        "act q/k/v",
+        "fp32 scores, fp32 online softmax, KV blocks ascending; p rounded to act for p@v",
+        "act",
+    ),
     "swiglu": ("act", "fp32", "act (silu rounded, then product rounded)"),
     "logprob": ("act hidden + lm_head", "fp32 logits / T, fp32 running max/sum over vocab tiles ascending", "fp32"),
 }
@@ -84,8 +90,10 @@ def set_xla_flags() -> None:
 def check_xla_flags() -> None:
     """Raise unless XLA runs (or will start) with the strict flags."""
     if _started_without_flags:
-        raise RuntimeError(f"strict numerics need XLA started with XLA_FLAGS containing {list(STRICT_XLA_FLAGS)}, but JAX "
-                           "had started its backend before rlkjax was imported: import rlkjax first, or set XLA_FLAGS yourself")
+        raise RuntimeError(
+            f"strict numerics need XLA started with XLA_FLAGS containing {list(STRICT_XLA_FLAGS)}, but JAX "
+            "had started its backend before rlkjax was imported: import rlkjax first, or set XLA_FLAGS yourself"
+        )
     missing = _missing_flags()
     if missing:
         raise RuntimeError(f"strict numerics need XLA_FLAGS to contain {missing} (it was changed after rlkjax set it)")

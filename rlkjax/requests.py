@@ -1,6 +1,7 @@
 """Request validation, in one place: `rlkjax.generate`, `rlkjax.score`, the engine's `submit` and
 the HTTP server (which only translates HTTP to these calls) all check their inputs here, so a bad
 value gets the same clear `ValueError` whichever door it came through."""
+
 import math
 
 import numpy as np

@@ -1,5 +1,6 @@
 """Shape helpers shared by the sampler and the learner: one of each, so both sides bucket, pad and
 lay out pages the same way."""
+
 import numpy as np
 
 

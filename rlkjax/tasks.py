@@ -5,6 +5,7 @@ Built-ins: `lowercase` (the default demo: a random model learns to answer in low
 `arithmetic` (a+b=), `gsm8k` (a GSM8K-format JSONL file; numeric answers checked), and any user
 reward given as `module:function` taking (prompt_text, completion_text) -> float.
 """
+
 import dataclasses
 import importlib
 import json
@@ -24,8 +25,10 @@ class LowercaseTask:
     lowercase ASCII letters. A random byte-level model starts near 26/512 and can reach 1."""
 
     def sample(self, rng, count):
-        return [Example("".join(rng.choice(list("ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"), int(rng.integers(3, 8)))) + ":")
-                for _ in range(count)]
+        return [
+            Example("".join(rng.choice(list("ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"), int(rng.integers(3, 8)))) + ":")
+            for _ in range(count)
+        ]
 
     def reward(self, example, completion):
         return sum("a" <= c <= "z" for c in completion) / max(len(completion), 1)
@@ -39,7 +42,10 @@ class ArithmeticTask:
         return [Example(f"{a}+{b}=", str(a + b)) for a, b in pairs]
 
     def reward(self, example, completion):
-        return float(re.match(r"\s*(-?\d+)", completion) is not None and re.match(r"\s*(-?\d+)", completion).group(1) == example.answer)
+        return float(
+            re.match(r"\s*(-?\d+)", completion) is not None
+            and re.match(r"\s*(-?\d+)", completion).group(1) == example.answer
+        )
 
 
 def last_number(text: str) -> str | None:
@@ -59,8 +65,9 @@ def read_jsonl(path) -> list[tuple[int, dict]]:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         line = data[: e.start].count(b"\n") + 1
-        raise ValueError(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
-                         "expected JSON lines") from None
+        raise ValueError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); expected JSON lines"
+        ) from None
     rows = []
     for number, line in enumerate(text.split("\n"), 1):
         if not line.strip():
@@ -87,12 +94,15 @@ class GSM8KTask:
             question, answer = row.get("question"), row.get("answer")
             for name, value in (("question", question), ("answer", answer)):
                 if not isinstance(value, str):
-                    raise ValueError(f"{path}:{number}: '{name}' must be a string, got "
-                                     f"{'nothing' if value is None else type(value).__name__}")
+                    raise ValueError(
+                        f"{path}:{number}: '{name}' must be a string, got "
+                        f"{'nothing' if value is None else type(value).__name__}"
+                    )
             final = answer.split("####")[-1].strip().replace(",", "")
             if not question.strip() or "####" not in answer or not re.fullmatch(r"-?\d+(\.\d+)?", final):
-                raise ValueError(f"{path}:{number}: need a non-empty 'question' and an 'answer' ending in "
-                                 "'#### <number>'")
+                raise ValueError(
+                    f"{path}:{number}: need a non-empty 'question' and an 'answer' ending in '#### <number>'"
+                )
             self.examples.append(Example(question, final, f"{path}:{number}"))
         if not self.examples:
             raise ValueError(f"{path}: no examples")
@@ -145,4 +155,3 @@ def make_task(name: str, data: str | None = None, reward: str | None = None):
     else:
         raise ValueError(f"unknown task {name!r}: choose lowercase, arithmetic or gsm8k")
     return CustomReward(task, reward) if reward else task
-

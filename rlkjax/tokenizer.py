@@ -2,6 +2,7 @@
 
 Both expose encode(text) -> list[int], decode(ids) -> str and eos_token_id.
 """
+
 import json
 from pathlib import Path
 
@@ -53,6 +54,10 @@ def load_tokenizer(model: str | Path | None, tokenizer: str | Path | None = None
     if directory.is_file() and directory.name == "tokenizer.json":
         directory = directory.parent
     if not (directory / "tokenizer.json").is_file():
-        hint = "" if tokenizer is not None else " (name one with --tokenizer DIR, or --tokenizer bytes for the byte tokenizer)"
+        hint = (
+            ""
+            if tokenizer is not None
+            else " (name one with --tokenizer DIR, or --tokenizer bytes for the byte tokenizer)"
+        )
         raise ValueError(f"{directory} has no tokenizer.json{hint}")
     return HFTokenizer(directory)

@@ -16,6 +16,7 @@ and graceful shutdown on SIGTERM (stop accepting, let in-flight handlers finish)
 one background thread and resolves each request's future through the event loop. Logprobs are JSON
 doubles written by Python's shortest round-trip repr, so float32(json value) has the sampler's bits.
 """
+
 import asyncio
 import codecs
 import collections
@@ -26,8 +27,8 @@ import json
 import logging
 import math
 import os
-import signal
 import secrets
+import signal
 import threading
 import time
 from pathlib import Path
@@ -95,7 +96,11 @@ class ServerConfig:
 
 def _non_finite(params) -> list[str]:
     """Paths of the parameters holding NaN or Inf."""
-    return [jax.tree_util.keystr(k) for k, leaf in jax.tree_util.tree_leaves_with_path(params) if not bool(jnp.isfinite(leaf).all())]
+    return [
+        jax.tree_util.keystr(k)
+        for k, leaf in jax.tree_util.tree_leaves_with_path(params)
+        if not bool(jnp.isfinite(leaf).all())
+    ]
 
 
 AUTH_WINDOW_S, AUTH_MAX_FAILURES = 60.0, 5  # failed admin-key attempts allowed per client address per window
@@ -155,7 +160,9 @@ class Server:
         self.cfg, params = load_model(config.model, seed=config.seed)
         bad = _non_finite(params)
         if bad:
-            raise ValueError(f"--model {config.model}: non-finite values in {', '.join(bad[:10])}; refusing to serve them")
+            raise ValueError(
+                f"--model {config.model}: non-finite values in {', '.join(bad[:10])}; refusing to serve them"
+            )
         self.tokenizer = load_tokenizer(config.model, config.tokenizer)
         self.engine = Engine(params, self.cfg, config.numerics, config.engine)
         self.wake = threading.Condition()
@@ -190,14 +197,25 @@ class Server:
         except ValueError as e:
             raise BadRequest(str(e)) from None
         if len(prompts) * n > self.config.max_sequences:
-            raise BadRequest(f"{len(prompts)} prompts x n={n} = {len(prompts) * n} sequences, over the limit of "
-                             f"{self.config.max_sequences} per request (--max-sequences)")
+            raise BadRequest(
+                f"{len(prompts)} prompts x n={n} = {len(prompts) * n} sequences, over the limit of "
+                f"{self.config.max_sequences} per request (--max-sequences)"
+            )
         loop = asyncio.get_running_loop()
         requests, group = [], object()  # this HTTP request's prompts take one turn together in admission
         try:
             for p, s in zip(prompts, seeds):
-                requests.append(self.engine.submit(p, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
-                                                   seed=s, stop_token_ids=stop_token_ids, group=group))
+                requests.append(
+                    self.engine.submit(
+                        p,
+                        n=n,
+                        max_new_tokens=max_new_tokens,
+                        temperature=temperature,
+                        seed=s,
+                        stop_token_ids=stop_token_ids,
+                        group=group,
+                    )
+                )
         except ValueError as e:
             for r in requests:
                 self.engine.cancel(r)
@@ -246,16 +264,32 @@ class Server:
 
     # ----- handlers -----
     async def generate(self, request: web.Request):
-        body = _fields(await _json(request, self.config.read_timeout), {"prompt", "n", "max_new_tokens", "temperature", "seed", "stop_token_ids"}, {"prompt"})
+        body = _fields(
+            await _json(request, self.config.read_timeout),
+            {"prompt", "n", "max_new_tokens", "temperature", "seed", "stop_token_ids"},
+            {"prompt"},
+        )
         prompts = _prompts(body["prompt"])
         if len(prompts) > self.config.max_prompts:
             raise BadRequest(f"at most {self.config.max_prompts} prompts per request, got {len(prompts)}")
         n = _opt(body, "n", 1)
         seeds, seed = self._seeds(body, len(prompts), n if isinstance(n, int) else 1)
-        reqs = await self._run(prompts, n, _opt(body, "max_new_tokens", 16), _opt(body, "temperature", 1.0), seeds,
-                               _opt(body, "stop_token_ids", []))
-        return _json_response({"seed": seed, "results": [[dataclasses.asdict(c) | {"logprobs": c.logprobs.tolist()} for c in r.results]
-                                                            for r in reqs]})
+        reqs = await self._run(
+            prompts,
+            n,
+            _opt(body, "max_new_tokens", 16),
+            _opt(body, "temperature", 1.0),
+            seeds,
+            _opt(body, "stop_token_ids", []),
+        )
+        return _json_response(
+            {
+                "seed": seed,
+                "results": [
+                    [dataclasses.asdict(c) | {"logprobs": c.logprobs.tolist()} for c in r.results] for r in reqs
+                ],
+            }
+        )
 
     async def completions(self, request: web.Request):
         allowed = {"model", "prompt", "max_tokens", "temperature", "n", "seed", "logprobs", "stream", "user"}
@@ -270,10 +304,16 @@ class Server:
         if len(prompts) > self.config.max_prompts:
             raise BadRequest(f"at most {self.config.max_prompts} prompts per request, got {len(prompts)}")
         logprobs = body.get("logprobs")
-        if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= 1):
+        if logprobs is not None and (
+            not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= 1
+        ):
             raise BadRequest("logprobs must be null, 0 or 1 (only the sampled token's logprob is returned)")
         n = _opt(body, "n", 1)
-        eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id < self.cfg.vocab_size else []
+        eos = (
+            [self.tokenizer.eos_token_id]
+            if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id < self.cfg.vocab_size
+            else []
+        )
         seeds, seed = self._seeds(body, len(prompts), n if isinstance(n, int) else 1)
         try:
             reqs = await self._run(prompts, n, _opt(body, "max_tokens", 16), _opt(body, "temperature", 1.0), seeds, eos)
@@ -283,16 +323,39 @@ class Server:
         for r in reqs:
             for c in r.results:
                 completion_tokens += len(c.tokens)
-                lp = None if logprobs is None else {
-                    "tokens": [self.tokenizer.decode([t]) for t in c.tokens], "token_logprobs": c.logprobs.tolist(), "token_ids": c.tokens}
-                choices.append({"index": len(choices), "text": self.tokenizer.decode(c.tokens), "logprobs": lp,
-                                "finish_reason": c.finish_reason, "policy_version": c.policy_version})
-        return _json_response({
-            "id": f"cmpl-{reqs[0].id}", "object": "text_completion", "created": int(time.time()), "model": self.config.model,
-            "choices": choices, "seed": seed,
-            "usage": {"prompt_tokens": sum(map(len, prompts)), "completion_tokens": completion_tokens,
-                      "total_tokens": sum(map(len, prompts)) + completion_tokens},
-        })
+                lp = (
+                    None
+                    if logprobs is None
+                    else {
+                        "tokens": [self.tokenizer.decode([t]) for t in c.tokens],
+                        "token_logprobs": c.logprobs.tolist(),
+                        "token_ids": c.tokens,
+                    }
+                )
+                choices.append(
+                    {
+                        "index": len(choices),
+                        "text": self.tokenizer.decode(c.tokens),
+                        "logprobs": lp,
+                        "finish_reason": c.finish_reason,
+                        "policy_version": c.policy_version,
+                    }
+                )
+        return _json_response(
+            {
+                "id": f"cmpl-{reqs[0].id}",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": self.config.model,
+                "choices": choices,
+                "seed": seed,
+                "usage": {
+                    "prompt_tokens": sum(map(len, prompts)),
+                    "completion_tokens": completion_tokens,
+                    "total_tokens": sum(map(len, prompts)) + completion_tokens,
+                },
+            }
+        )
 
     def _encode(self, text: str) -> list[int]:
         try:
@@ -303,7 +366,9 @@ class Server:
 
     async def update_weights(self, request: web.Request):
         if not self.admin_key:
-            return _error(403, "weight updates are disabled: start the server with --admin-key-file or RLKJAX_ADMIN_KEY")
+            return _error(
+                403, "weight updates are disabled: start the server with --admin-key-file or RLKJAX_ADMIN_KEY"
+            )
         peer, now = request.remote or "?", time.monotonic()
         failures = self.auth_failures[peer]
         while failures and now - failures[0] > AUTH_WINDOW_S:
@@ -313,7 +378,9 @@ class Server:
         scheme, _, key = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.admin_key.encode()):
             failures.append(now)
-            log.warning("rejected admin key from %s (%d failures in the last %.0f s)", peer, len(failures), AUTH_WINDOW_S)
+            log.warning(
+                "rejected admin key from %s (%d failures in the last %.0f s)", peer, len(failures), AUTH_WINDOW_S
+            )
             return _error(401, "missing or wrong admin key (Authorization: Bearer <key>)")
         body = _fields(await _json(request, self.config.read_timeout), {"path"}, {"path"})
         if not isinstance(body["path"], str):
@@ -331,16 +398,22 @@ class Server:
         tensors), other shapes, another dtype (float32 weights served in bfloat16's place would
         break sampler == learner), and non-finite values."""
         if not Path(path).is_dir():
-            raise BadRequest(f"path {path!r} is not a checkpoint directory (HF: config.json + *.safetensors, or orbax: "
-                             "config.json + params/)")
+            raise BadRequest(
+                f"path {path!r} is not a checkpoint directory (HF: config.json + *.safetensors, or orbax: "
+                "config.json + params/)"
+            )
         try:
             cfg, params = load_model(path)
         except Exception as e:  # whatever a damaged upload raises is the caller's input problem, not a 500
             raise BadRequest(f"cannot load {path!r}: {type(e).__name__}: {e}") from None
         if cfg.replace_dtype(self.cfg.dtype) != self.cfg:
             raise BadRequest(f"checkpoint shapes {cfg} do not match the served model {self.cfg}")
-        if cfg.dtype != self.cfg.dtype or any(leaf.dtype != jnp.dtype(self.cfg.dtype) for leaf in jax.tree.leaves(params)):
-            raise BadRequest(f"checkpoint dtype {cfg.dtype} is not the served dtype {self.cfg.dtype}: cast it when saving")
+        if cfg.dtype != self.cfg.dtype or any(
+            leaf.dtype != jnp.dtype(self.cfg.dtype) for leaf in jax.tree.leaves(params)
+        ):
+            raise BadRequest(
+                f"checkpoint dtype {cfg.dtype} is not the served dtype {self.cfg.dtype}: cast it when saving"
+            )
         bad = _non_finite(params)
         if bad:
             raise BadRequest(f"checkpoint has non-finite values in {', '.join(bad[:10])}")
@@ -348,9 +421,20 @@ class Server:
 
     async def models(self, request):
         """GET /v1/models: the one served model, in OpenAI's list shape."""
-        return _json_response({"object": "list", "data": [
-            {"id": self.config.model, "object": "model", "created": int(self.started), "owned_by": "rlkjax",
-             "policy_version": self.engine.policy_version}]})
+        return _json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.config.model,
+                        "object": "model",
+                        "created": int(self.started),
+                        "owned_by": "rlkjax",
+                        "policy_version": self.engine.policy_version,
+                    }
+                ],
+            }
+        )
 
     async def health(self, request):
         return _json_response({"status": "ok", "policy_version": self.engine.policy_version})
@@ -380,10 +464,16 @@ class Server:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[_errors])
-        app.add_routes([web.post("/generate", self.generate), web.post("/v1/completions", self.completions),
-                        web.post("/update_weights", self.update_weights), web.get("/health", self.health),
-                        web.get("/v1/models", self.models),
-                        web.get("/metrics", self.metrics)])
+        app.add_routes(
+            [
+                web.post("/generate", self.generate),
+                web.post("/v1/completions", self.completions),
+                web.post("/update_weights", self.update_weights),
+                web.get("/health", self.health),
+                web.get("/v1/models", self.models),
+                web.get("/metrics", self.metrics),
+            ]
+        )
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._shutdown)
         return app
@@ -457,8 +547,13 @@ def _json_response(data, status: int = 200) -> web.Response:
     return web.json_response(data, status=status, dumps=functools.partial(json.dumps, allow_nan=False))
 
 
-_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 413: "invalid_request_error",
-                429: "rate_limit_error"}
+_ERROR_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
 
 
 def _error(status: int, message: str):

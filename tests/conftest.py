@@ -16,7 +16,10 @@ def assert_bits_equal(a, b, what=""):
     a, b = np.asarray(a), np.asarray(b)
     assert a.shape == b.shape, f"{what}: shapes {a.shape} vs {b.shape}"
     diff = int((bits(a) != bits(b)).sum())
-    assert diff == 0, f"{what}: {diff} of {a.size} values differ in their bits (max |diff| {np.abs(a.astype(np.float64) - b.astype(np.float64)).max()})"
+    assert diff == 0, (
+        f"{what}: {diff} of {a.size} values differ in their bits "
+        f"(max |diff| {np.abs(a.astype(np.float64) - b.astype(np.float64)).max()})"
+    )
 
 
 @pytest.fixture(scope="session")
@@ -27,4 +30,5 @@ def tiny():
 
 def pytest_report_header(config):
     import jax
+
     return f"jax {jax.__version__}, backend {jax.default_backend()}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}"

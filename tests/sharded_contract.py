@@ -8,6 +8,7 @@ sampler's bits.
 and 2 sampler replicas (OUT/fsdp) and with one device each (OUT/single); each writes metrics.jsonl
 and its final fp32 master weights (master.npz) for the test to compare.
 """
+
 import sys
 from pathlib import Path
 
@@ -30,8 +31,13 @@ def contract():
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 256, int(rng.integers(1, 40))).tolist() for _ in range(6)]
     with jax.default_device(jax.devices()[7]):  # a sampler replica on its own device
-        comps = rlkjax.generate(jax.device_put(params, jax.devices()[7]), cfg, prompts, max_new_tokens=6, seeds=list(range(6)))
-    samples = [{"prompt": p, "tokens": c.tokens, "logprobs": c.logprobs, "adv": 0.0, "temperature": 1.0} for p, c in zip(prompts, comps)]
+        comps = rlkjax.generate(
+            jax.device_put(params, jax.devices()[7]), cfg, prompts, max_new_tokens=6, seeds=list(range(6))
+        )
+    samples = [
+        {"prompt": p, "tokens": c.tokens, "logprobs": c.logprobs, "adv": 0.0, "temperature": 1.0}
+        for p, c in zip(prompts, comps)
+    ]
     batch = pack(samples)
     master = jax.tree.map(lambda w: w.astype(jnp.float32), params)
     sel = batch.mask > 0
@@ -40,7 +46,9 @@ def contract():
         specs = fsdp.param_specs(master, devices)
         score = fsdp.sharded_logprobs(grpo.policy_logprobs, mesh, specs, cfg=cfg, numerics="strict")
         mb = pad_rows(batch, devices)
-        logp = np.asarray(score(fsdp.shard(master, mesh, specs), mb.tokens, mb.positions, mb.temps, model.rope_tables(cfg)))
+        logp = np.asarray(
+            score(fsdp.shard(master, mesh, specs), mb.tokens, mb.positions, mb.temps, model.rope_tables(cfg))
+        )
         assert_bits_equal(logp[: len(samples)][sel], batch.logp_old[sel], f"learner on {devices} devices vs sampler")
         print(f"learner on {devices} devices: {int(sel.sum())} logprobs, 0 differing bits", flush=True)
 

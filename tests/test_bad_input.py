@@ -1,4 +1,5 @@
 """Bad input gets a ValueError that names the problem, before any device work."""
+
 import os
 import subprocess
 import sys
@@ -9,27 +10,30 @@ import pytest
 import rlkjax
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(prompts=[[1, 2, 512]]), "outside"),
-    (dict(prompts=[[1, -1]]), "outside"),
-    (dict(prompts=[[]]), "non-empty"),
-    (dict(prompts=[]), "non-empty"),
-    (dict(prompts=[[1.5, 2.0]]), "integer"),
-    (dict(prompts=[[[1, 2]]]), "1-D"),
-    (dict(temperature=0.0), "temperature"),
-    (dict(temperature=-1.0), "temperature"),
-    (dict(temperature=float("nan")), "temperature"),
-    (dict(temperature=float("inf")), "temperature"),
-    (dict(temperature=1e-46), "temperature"),  # > 0 in float64, 0 in float32: would give NaN logprobs
-    (dict(temperature=[1.0, 1.0]), "2 entries"),
-    (dict(max_new_tokens=0), "max_new_tokens"),
-    (dict(max_new_tokens=2.5), "max_new_tokens"),
-    (dict(max_new_tokens=2000), "context"),
-    (dict(seeds=-1), "seeds"),
-    (dict(seeds=2**32), "seeds"),
-    (dict(numerics="exact"), "numerics"),
-    (dict(prefill_chunk_size=0), "prefill_chunk_size"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(prompts=[[1, 2, 512]]), "outside"),
+        (dict(prompts=[[1, -1]]), "outside"),
+        (dict(prompts=[[]]), "non-empty"),
+        (dict(prompts=[]), "non-empty"),
+        (dict(prompts=[[1.5, 2.0]]), "integer"),
+        (dict(prompts=[[[1, 2]]]), "1-D"),
+        (dict(temperature=0.0), "temperature"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(temperature=1e-46), "temperature"),  # > 0 in float64, 0 in float32: would give NaN logprobs
+        (dict(temperature=[1.0, 1.0]), "2 entries"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(max_new_tokens=2.5), "max_new_tokens"),
+        (dict(max_new_tokens=2000), "context"),
+        (dict(seeds=-1), "seeds"),
+        (dict(seeds=2**32), "seeds"),
+        (dict(numerics="exact"), "numerics"),
+        (dict(prefill_chunk_size=0), "prefill_chunk_size"),
+    ],
+)
 def test_generate_rejects(tiny, kwargs, match):
     cfg, params = tiny
     args = dict(prompts=[[1, 2, 3]], max_new_tokens=2) | kwargs
@@ -37,13 +41,16 @@ def test_generate_rejects(tiny, kwargs, match):
         rlkjax.generate(params, cfg, **args)
 
 
-@pytest.mark.parametrize("seqs,lens,match", [
-    ([[1, 2, 3]], [0], "prompt_lens"),
-    ([[1, 2, 3]], [4], "prompt_lens"),
-    ([[1, 2, 3]], [1, 1], "entries"),
-    ([[1, 2, 9999]], [1], "outside"),
-    ([[1] * 1025], [1], "context"),
-])
+@pytest.mark.parametrize(
+    "seqs,lens,match",
+    [
+        ([[1, 2, 3]], [0], "prompt_lens"),
+        ([[1, 2, 3]], [4], "prompt_lens"),
+        ([[1, 2, 3]], [1, 1], "entries"),
+        ([[1, 2, 9999]], [1], "outside"),
+        ([[1] * 1025], [1], "context"),
+    ],
+)
 def test_score_rejects(tiny, seqs, lens, match):
     cfg, params = tiny
     with pytest.raises(ValueError, match=match):

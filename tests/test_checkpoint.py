@@ -1,5 +1,6 @@
 """HF checkpoints: parity with the real `transformers` Qwen3 (fixtures from tests/make_hf_fixtures.py)
 and bit-exact save/load round trips, single-file and sharded."""
+
 from pathlib import Path
 
 import jax
@@ -21,10 +22,20 @@ def our_logits(cfg, params, ids):
     positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
     pages = -(-t // numerics.PAGE_SIZE)
     page_table = 1 + np.arange(b * pages, dtype=np.int32).reshape(b, pages)
-    hidden, _ = model.forward(params, jnp.asarray(ids, jnp.int32), positions, model.init_kv_cache(cfg, 1 + b * pages),
-                              page_table, model.rope_tables(cfg), cfg, "strict")
+    hidden, _ = model.forward(
+        params,
+        jnp.asarray(ids, jnp.int32),
+        positions,
+        model.init_kv_cache(cfg, 1 + b * pages),
+        page_table,
+        model.rope_tables(cfg),
+        cfg,
+        "strict",
+    )
     interpret = jax.default_backend() == "cpu"
-    return np.asarray(matmul.matmul(hidden.reshape(b * t, -1), model.lm_head(params), None, numerics.MATMUL, interpret)).reshape(b, t, -1)
+    return np.asarray(
+        matmul.matmul(hidden.reshape(b * t, -1), model.lm_head(params), None, numerics.MATMUL, interpret)
+    ).reshape(b, t, -1)
 
 
 FIXTURE_NAMES = ["hf_qwen3_tied", "hf_qwen3_untied", "hf_qwen3_odd_tied", "hf_qwen3_odd_untied_old_rope"]
@@ -53,7 +64,11 @@ def test_hf_parity(name):
     assert e_ours <= 4 * e_hf, f"our error {e_ours:.3g} vs transformers' float32 error {e_hf:.3g}"
     # And the logprob path: score() equals log_softmax of the float64 logits to the same precision.
     logp = rlkjax.score(params, cfg, ids.tolist(), [1, 1])
-    t64 = truth - np.log(np.exp(truth - truth.max(-1, keepdims=True)).sum(-1, keepdims=True)) - truth.max(-1, keepdims=True)
+    t64 = (
+        truth
+        - np.log(np.exp(truth - truth.max(-1, keepdims=True)).sum(-1, keepdims=True))
+        - truth.max(-1, keepdims=True)
+    )
     want = np.take_along_axis(t64[:, :-1], ids[:, 1:, None], axis=2)[..., 0]
     h32 = hf32 - np.log(np.exp(hf32 - hf32.max(-1, keepdims=True)).sum(-1, keepdims=True)) - hf32.max(-1, keepdims=True)
     hf_lp = np.take_along_axis(h32[:, :-1], ids[:, 1:, None], axis=2)[..., 0]
@@ -82,7 +97,9 @@ def test_load_rejects_bad_checkpoints(tmp_path):
         rlkjax.load_hf_checkpoint(tmp_path)
     cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
     rlkjax.save_hf_checkpoint(tmp_path, cfg, rlkjax.init_params(cfg))
-    (tmp_path / "config.json").write_text((tmp_path / "config.json").read_text().replace('"hidden_size": 64', '"hidden_size": 128'))
+    (tmp_path / "config.json").write_text(
+        (tmp_path / "config.json").read_text().replace('"hidden_size": 64', '"hidden_size": 128')
+    )
     with pytest.raises(ValueError, match="shape"):
         rlkjax.load_hf_checkpoint(tmp_path)
 
@@ -99,9 +116,14 @@ def test_load_rejects_unexpected_tensors(tmp_path):
     tensors = load_file(path)
     save_file(tensors | {"lm_head.weight": tensors["model.embed_tokens.weight"]}, path)
     rlkjax.load_hf_checkpoint(tmp_path)  # the tied copy, equal to the embedding: fine
-    extra = {"model.layers.0.self_attn.q_proj.bias": np.zeros(64, np.float32), "model.layers.7.mlp.up_proj.weight": np.zeros((2, 2), np.float32)}
+    extra = {
+        "model.layers.0.self_attn.q_proj.bias": np.zeros(64, np.float32),
+        "model.layers.7.mlp.up_proj.weight": np.zeros((2, 2), np.float32),
+    }
     save_file(tensors | extra, path)
-    with pytest.raises(ValueError, match=r"2 tensors.*model\.layers\.0\.self_attn\.q_proj\.bias.*model\.layers\.7\.mlp\.up_proj"):
+    with pytest.raises(
+        ValueError, match=r"2 tensors.*model\.layers\.0\.self_attn\.q_proj\.bias.*model\.layers\.7\.mlp\.up_proj"
+    ):
         rlkjax.load_hf_checkpoint(tmp_path)
     save_file(tensors | {"lm_head.weight": np.zeros_like(tensors["model.embed_tokens.weight"])}, path)
     with pytest.raises(ValueError, match="lm_head.weight differs"):
@@ -117,13 +139,15 @@ def test_hf_config_layouts_and_refusals():
     new = rlkjax.ModelConfig.from_hf_config({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}})
     assert old == new and old.rope_theta == 5e5 and old.head_dim == 128  # Qwen3Config's default head_dim
     assert rlkjax.ModelConfig.from_hf_config(base).rope_theta == 10_000.0  # Qwen3Config's default theta
-    for bad, match in [({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn'"),
-                       ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "'linear'"),
-                       ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e6}}, "'dynamic'"),
-                       ({"attention_bias": True}, "attention_bias"),
-                       ({"use_sliding_window": True}, "sliding"),
-                       ({"layer_types": ["full_attention", "sliding_attention"]}, "sliding"),
-                       ({"hidden_act": "gelu"}, "gelu")]:
+    for bad, match in [
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn'"),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "'linear'"),
+        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e6}}, "'dynamic'"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"use_sliding_window": True}, "sliding"),
+        ({"layer_types": ["full_attention", "sliding_attention"]}, "sliding"),
+        ({"hidden_act": "gelu"}, "gelu"),
+    ]:
         with pytest.raises(ValueError, match=match):
             rlkjax.ModelConfig.from_hf_config({**base, **bad})
 

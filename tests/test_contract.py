@@ -1,6 +1,7 @@
 """The bitwise contract on CPU (interpret mode): sampler logprobs == learner logprobs, exactly,
 for random prompt sets, batch sizes, temperatures and prefill chunk sizes; every row the same
 alone or batched. Prevents: any batch-, chunk- or position-dependent reduction on the strict path."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,7 +49,9 @@ def test_fast_path_is_the_same_model_to_bf16_accuracy(tiny):
         got = rlkjax.score(params, cfg, seqs, lens, temperature=temps, numerics=mode)
         errors[mode] = max(float(np.abs(g - t).max()) for g, t in zip(got, truth))
     assert 0 < errors["strict"] <= 2 * errors["fast"] and errors["fast"] <= 2 * errors["strict"], errors
-    comps = rlkjax.generate(params, cfg, [[3, 1, 4, 1, 5], list(range(40))], max_new_tokens=4, seeds=[1, 2], numerics="fast")
+    comps = rlkjax.generate(
+        params, cfg, [[3, 1, 4, 1, 5], list(range(40))], max_new_tokens=4, seeds=[1, 2], numerics="fast"
+    )
     assert all(len(c.tokens) == 4 and np.all(np.isfinite(c.logprobs)) and np.all(c.logprobs <= 0) for c in comps)
 
 
@@ -56,8 +59,17 @@ def test_odd_shapes_bitwise():
     """The contract at a shape every kernel pads (bf16): width 40, group size 3, head dim 24 (RoPE
     halves of 12), FFN 37, vocab 300 (a padded vocab tile). Prevents: padding that depends on the
     batch or the chunk (a padded query head or vocab id leaking into a real row's reduction)."""
-    cfg = rlkjax.ModelConfig(vocab_size=300, hidden_size=40, num_layers=1, num_heads=6, num_kv_heads=2, head_dim=24,
-                             intermediate_size=37, tie_embeddings=False, max_position=256)
+    cfg = rlkjax.ModelConfig(
+        vocab_size=300,
+        hidden_size=40,
+        num_layers=1,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=24,
+        intermediate_size=37,
+        tie_embeddings=False,
+        max_position=256,
+    )
     params = rlkjax.init_params(cfg, seed=5)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (3, 17, 30)]

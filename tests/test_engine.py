@@ -1,6 +1,7 @@
 """The rollout engine: continuous batching, chunked prefill under a token budget, shared prompt
 pages with copy-on-write, preemption, stop tokens, cancellation, weight swaps, and no recompiles
 after warm-up, all under the bitwise contract (completion logprobs == rlkjax.score, exactly)."""
+
 import dataclasses
 
 import numpy as np
@@ -21,13 +22,20 @@ def check_exact(params, cfg, req, completion, temperature):
 
 def random_workload(rng, cfg, count, max_new=8):
     for _ in range(count):
-        yield dict(prompt=rng.integers(0, cfg.vocab_size, int(rng.integers(1, 60))).tolist(), n=int(rng.integers(1, 4)),
-                   max_new_tokens=int(rng.integers(1, max_new + 1)), temperature=float(rng.choice([0.7, 1.0, 1.3])),
-                   seed=int(rng.integers(0, 2**32)))
+        yield dict(
+            prompt=rng.integers(0, cfg.vocab_size, int(rng.integers(1, 60))).tolist(),
+            n=int(rng.integers(1, 4)),
+            max_new_tokens=int(rng.integers(1, max_new + 1)),
+            temperature=float(rng.choice([0.7, 1.0, 1.3])),
+            seed=int(rng.integers(0, 2**32)),
+        )
 
 
-@pytest.mark.parametrize("config", [CONFIG, EngineConfig(num_pages=12, max_batch=4, prefill_chunk=8, token_budget=8, max_context=256)],
-                         ids=["roomy", "tight-pages-preempt"])
+@pytest.mark.parametrize(
+    "config",
+    [CONFIG, EngineConfig(num_pages=12, max_batch=4, prefill_chunk=8, token_budget=8, max_context=256)],
+    ids=["roomy", "tight-pages-preempt"],
+)
 def test_random_schedules_keep_the_contract(tiny, config):
     """Requests arrive between steps in random order; in strict mode every completion equals score()
     bit for bit and has the tokens the same request gets alone (generate with the sample's seed)."""
@@ -48,12 +56,19 @@ def test_random_schedules_keep_the_contract(tiny, config):
     assert engine.pages.used == 0, "every page is returned"
     for req, kw in submitted:
         assert req.done.is_set()
-        for j, comp in enumerate(req.results):
+        for comp in req.results:
             assert comp.finish_reason == "length" and len(comp.tokens) == kw["max_new_tokens"]
             check_exact(params, cfg, req, comp, kw["temperature"])
         j = int(rng.integers(0, kw["n"]))
-        alone = rlkjax.generate(params, cfg, [kw["prompt"]], max_new_tokens=kw["max_new_tokens"],
-                                temperature=kw["temperature"], seeds=sample_seed(kw["seed"], j), prefill_chunk_size=16)[0]
+        alone = rlkjax.generate(
+            params,
+            cfg,
+            [kw["prompt"]],
+            max_new_tokens=kw["max_new_tokens"],
+            temperature=kw["temperature"],
+            seeds=sample_seed(kw["seed"], j),
+            prefill_chunk_size=16,
+        )[0]
         assert alone.tokens == req.results[j].tokens
         assert_bits_equal(alone.logprobs, req.results[j].logprobs, "alone vs scheduled")
 
@@ -91,7 +106,9 @@ def test_stop_tokens_and_cancellation(tiny):
     engine.cancel(long)
     engine.run_until_done()
     first = probe.results[0].tokens.index(stop_at)
-    assert stopped.results[0].finish_reason == "stop" and stopped.results[0].tokens == probe.results[0].tokens[: first + 1]
+    assert (
+        stopped.results[0].finish_reason == "stop" and stopped.results[0].tokens == probe.results[0].tokens[: first + 1]
+    )
     assert [r.finish_reason for r in long.results] == ["cancelled", "cancelled"] and long.done.is_set()
     assert engine.pages.used == 0 and not engine.busy
 
@@ -109,6 +126,7 @@ def test_no_recompiles_after_warmup(tiny):
             engine.submit([1, 2], max_new_tokens=1)
         engine.run_until_done()
     from rlkjax import engine as eng
+
     sizes = (eng.decode_round._cache_size(), eng.prefill_chunk._cache_size(), eng.copy_pages._cache_size())
     seen = set(engine.shapes_seen)
     pending = list(random_workload(rng, cfg, 25))
@@ -137,12 +155,22 @@ def test_weight_update_between_steps(tiny):
     assert old.results[0].tokens != queued.results[0].tokens
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(prompt=[]), "non-empty"), (dict(prompt=[1, 600]), "outside"), (dict(prompt=[1.5]), "integer"),
-    (dict(n=0), "n must be"), (dict(n=99), "n must be"), (dict(max_new_tokens=0), "max_new_tokens"),
-    (dict(max_new_tokens=10**6), "context"), (dict(temperature=float("nan")), "temperature"),
-    (dict(temperature=0), "temperature"), (dict(seed=-3), "seed"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(prompt=[]), "non-empty"),
+        (dict(prompt=[1, 600]), "outside"),
+        (dict(prompt=[1.5]), "integer"),
+        (dict(n=0), "n must be"),
+        (dict(n=99), "n must be"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(max_new_tokens=10**6), "context"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=0), "temperature"),
+        (dict(seed=-3), "seed"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    ],
+)
 def test_submit_rejects_bad_requests(tiny, kwargs, match):
     cfg, params = tiny
     engine = Engine(params, cfg, config=CONFIG)
@@ -175,7 +203,9 @@ def test_forked_samples_respect_max_batch(tiny):
     holding their pages, the batch never exceeds 4, and every sample is exact (a parked one draws
     the tokens its seed draws alone)."""
     cfg, params = tiny
-    engine = Engine(params, cfg, config=EngineConfig(num_pages=64, max_batch=4, prefill_chunk=16, token_budget=32, max_context=128))
+    engine = Engine(
+        params, cfg, config=EngineConfig(num_pages=64, max_batch=4, prefill_chunk=16, token_budget=32, max_context=128)
+    )
     other = engine.submit([5, 6, 7, 8], n=2, max_new_tokens=30, seed=3)  # still decoding when req forks
     req = engine.submit(list(range(20, 57)), n=4, max_new_tokens=5, seed=7)
     widest, parked = 0, False
@@ -200,8 +230,9 @@ def test_decode_rounds_equal_single_steps(tiny):
     cfg, params = tiny
     rng = np.random.default_rng(7)
     work = list(random_workload(rng, cfg, 6, max_new=12))
-    probe = rlkjax.generate(params, cfg, [work[0]["prompt"]], max_new_tokens=12, temperature=work[0]["temperature"],
-                            seeds=work[0]["seed"])[0]
+    probe = rlkjax.generate(
+        params, cfg, [work[0]["prompt"]], max_new_tokens=12, temperature=work[0]["temperature"], seeds=work[0]["seed"]
+    )[0]
     work[0] |= dict(n=1, max_new_tokens=12, stop_token_ids=[probe.tokens[2]])  # stops at its 3rd token, mid-round
     results = {}
     for steps in (1, 5):
@@ -210,7 +241,9 @@ def test_decode_rounds_equal_single_steps(tiny):
         while not reqs[0].done.is_set():
             engine.step()
         assert reqs[0].results[0].finish_reason == "stop" and len(reqs[0].results[0].tokens) <= 3
-        assert engine.pages.used == len({p for s in engine.running for p in s.pages}), "the stopped request's pages are free"
+        assert engine.pages.used == len({p for s in engine.running for p in s.pages}), (
+            "the stopped request's pages are free"
+        )
         engine.run_until_done()
         assert engine.pages.used == 0
         results[steps] = [r.results for r in reqs]
@@ -229,14 +262,27 @@ def test_weight_swap_waits_for_parked_and_preempted_sequences(tiny, case):
     cfg, params = tiny
     new_params = rlkjax.init_params(cfg, seed=1)
     if case == "parked-fork":
-        engine = Engine(params, cfg, config=EngineConfig(num_pages=64, max_batch=3, prefill_chunk=16, token_budget=32,
-                                                         max_context=128, decode_steps=2))
-        reqs = [engine.submit([1, 2, 3], max_new_tokens=12, seed=0), engine.submit(list(range(30, 50)), n=3, max_new_tokens=4, seed=5)]
+        engine = Engine(
+            params,
+            cfg,
+            config=EngineConfig(
+                num_pages=64, max_batch=3, prefill_chunk=16, token_budget=32, max_context=128, decode_steps=2
+            ),
+        )
+        reqs = [
+            engine.submit([1, 2, 3], max_new_tokens=12, seed=0),
+            engine.submit(list(range(30, 50)), n=3, max_new_tokens=4, seed=5),
+        ]
         while not any(s.pages for s in engine.waiting):
             engine.step()
     else:
-        engine = Engine(params, cfg, config=EngineConfig(num_pages=6, max_batch=4, prefill_chunk=16, token_budget=32,
-                                                         max_context=128, decode_steps=2))
+        engine = Engine(
+            params,
+            cfg,
+            config=EngineConfig(
+                num_pages=6, max_batch=4, prefill_chunk=16, token_budget=32, max_context=128, decode_steps=2
+            ),
+        )
         reqs = [engine.submit(list(range(1, 30)), max_new_tokens=40, seed=j) for j in range(2)]
         while not any(s.generated for s in engine.waiting):
             engine.step()

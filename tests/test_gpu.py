@@ -1,5 +1,6 @@
 """The contract compiled on a GPU (Triton kernels, not the interpreter), with real Qwen3 shapes and
 random weights. Run there with `pytest -m gpu`; skipped elsewhere."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,8 +16,17 @@ pytestmark = pytest.mark.gpu
 
 # A tiny-Hub-model shape that every kernel pads (width 40, group size 3, head dim 24, FFN 37,
 # vocab 300): proves the padded tiles compile through Triton and keep the contract there too.
-ODD = rlkjax.ModelConfig(vocab_size=300, hidden_size=40, num_layers=2, num_heads=6, num_kv_heads=2, head_dim=24,
-                         intermediate_size=37, tie_embeddings=False, max_position=1024)
+ODD = rlkjax.ModelConfig(
+    vocab_size=300,
+    hidden_size=40,
+    num_layers=2,
+    num_heads=6,
+    num_kv_heads=2,
+    head_dim=24,
+    intermediate_size=37,
+    tie_embeddings=False,
+    max_position=1024,
+)
 
 
 @pytest.fixture(scope="module", params=["qwen3-0.6b", "qwen3-8b", "odd"])
@@ -54,13 +64,45 @@ def test_optimised_hlo_has_no_float_arithmetic(real_shapes):
     assert not bad, "float arithmetic outside the kernels:\n" + "\n".join(bad)
     cache = model.init_kv_cache(cfg, 1 + b * pages)
     one = jnp.zeros((b, 1), jnp.int32)
-    text = decode_step.lower(params, one, one, cache, jnp.zeros((b, pages), jnp.int32), jnp.zeros((b,), jnp.uint32),
-                                 jnp.zeros((b,), jnp.int32), jnp.ones((b,)), rope, cfg, "strict").compile().as_text()
+    text = (
+        decode_step.lower(
+            params,
+            one,
+            one,
+            cache,
+            jnp.zeros((b, pages), jnp.int32),
+            jnp.zeros((b,), jnp.uint32),
+            jnp.zeros((b,), jnp.int32),
+            jnp.ones((b,)),
+            rope,
+            cfg,
+            "strict",
+        )
+        .compile()
+        .as_text()
+    )
     bad = audit.float_arithmetic_hlo(text)
     assert not bad, "float arithmetic outside the kernels:\n" + "\n".join(bad)
     vec = jnp.zeros((b,), jnp.int32)
-    text = decode_round.lower(params, vec, vec, cache, jnp.zeros((b, pages), jnp.int32), vec.astype(jnp.uint32), vec,
-                              jnp.ones((b,)), vec + 4, jnp.full((b, 2), -1, jnp.int32), rope, cfg, "strict",
-                              num_steps=4).compile().as_text()
+    text = (
+        decode_round.lower(
+            params,
+            vec,
+            vec,
+            cache,
+            jnp.zeros((b, pages), jnp.int32),
+            vec.astype(jnp.uint32),
+            vec,
+            jnp.ones((b,)),
+            vec + 4,
+            jnp.full((b, 2), -1, jnp.int32),
+            rope,
+            cfg,
+            "strict",
+            num_steps=4,
+        )
+        .compile()
+        .as_text()
+    )
     bad = audit.float_arithmetic_hlo(text)
     assert not bad, "float arithmetic outside the kernels (decode round):\n" + "\n".join(bad)

@@ -2,6 +2,7 @@
 micro-batch invariance of the learner's logprobs, the contract enforced (a corrupted logprob stops the
 run, naming step, sequence and token), a subprocess smoke run, resume and same-seed bit identity, the
 remote-server mode, and clear errors for bad flags."""
+
 import dataclasses
 import json
 import logging
@@ -40,9 +41,15 @@ def test_loss_by_hand(tiny, monkeypatch):
     cfg, _ = tiny
     logp_new = jnp.array([[0.0, -1.0, -2.0]])
     monkeypatch.setattr(grpo, "policy_logprobs", lambda *a: jnp.concatenate([logp_new, logp_new]))
-    batch = Batch(tokens=None, positions=None, temps=None,
-                  logp_old=jnp.array([[0.0, -1.0 - np.log(1.5), -2.0], [0.0, -1.0, -2.0 - np.log(0.5)]]),
-                  mask=jnp.array([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]), adv=jnp.array([1.0, -1.0]), tis=jnp.ones((2, 3)))
+    batch = Batch(
+        tokens=None,
+        positions=None,
+        temps=None,
+        logp_old=jnp.array([[0.0, -1.0 - np.log(1.5), -2.0], [0.0, -1.0, -2.0 - np.log(0.5)]]),
+        mask=jnp.array([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]),
+        adv=jnp.array([1.0, -1.0]),
+        tis=jnp.ones((2, 3)),
+    )
     loss, (stats, _) = grpo.grpo_loss(None, batch, None, None, cfg, "strict", 0.2, 0.0, 2.0)
     np.testing.assert_allclose(float(loss), -0.2, rtol=1e-6)
     assert float(stats.clipped) == 2
@@ -56,7 +63,9 @@ def test_batch_padding_and_stat_reductions():
     """pack: T is a power-of-two bucket of at least a page, logp column t scores token t + 1. Padding
     rows carry the PAD values (positions -1, temperature 1, the rest 0). Stats combine by their declared
     reduction: min of mins, max of maxes, sums added."""
-    samples = [{"prompt": [5, 6, 7], "tokens": [8, 9], "logprobs": np.float32([-0.5, -1.5]), "adv": 2.0, "temperature": 0.7}]
+    samples = [
+        {"prompt": [5, 6, 7], "tokens": [8, 9], "logprobs": np.float32([-0.5, -1.5]), "adv": 2.0, "temperature": 0.7}
+    ]
     batch = pack(samples)
     assert batch.tokens.shape == (1, 16) and batch.logp_old.shape == (1, 15)
     assert batch.tokens[0, :6].tolist() == [5, 6, 7, 8, 9, 0] and batch.positions[0, :6].tolist() == [0, 1, 2, 3, 4, -1]
@@ -64,7 +73,9 @@ def test_batch_padding_and_stat_reductions():
     padded = pad_rows(batch, 4)
     for field, fill in zip(Batch._fields, PAD):
         values = getattr(padded, field)
-        assert len(values) == 4 and np.array_equal(values[:1], getattr(batch, field)) and np.all(values[1:] == fill), field
+        assert len(values) == 4 and np.array_equal(values[:1], getattr(batch, field)) and np.all(values[1:] == fill), (
+            field
+        )
     assert pad_rows(padded, 4) is padded
     a = LossStats(ratio_min=np.float32(0.9), ratio_max=np.float32(1.1), ratio_sum=np.float32(3.0), clipped=np.int32(1))
     b = LossStats(ratio_min=np.float32(0.8), ratio_max=np.float32(1.0), ratio_sum=np.float32(2.0), clipped=np.int32(2))
@@ -75,15 +86,25 @@ def test_learner_logprobs_do_not_depend_on_micro_batch(tiny):
     cfg, params = tiny
     master = jax.tree.map(lambda w: w.astype(jnp.float32), params)
     rng = np.random.default_rng(0)
-    samples = [{"prompt": rng.integers(0, 256, int(rng.integers(2, 20))).tolist(), "tokens": rng.integers(0, 256, 6).tolist(),
-                "logprobs": np.zeros(6, np.float32), "adv": 0.0, "temperature": 1.0} for _ in range(6)]
+    samples = [
+        {
+            "prompt": rng.integers(0, 256, int(rng.integers(2, 20))).tolist(),
+            "tokens": rng.integers(0, 256, 6).tolist(),
+            "logprobs": np.zeros(6, np.float32),
+            "adv": 0.0,
+            "temperature": 1.0,
+        }
+        for _ in range(6)
+    ]
     batch = pack(samples)
     rope = model.rope_tables(cfg)
     score_fn = jax.jit(grpo.policy_logprobs, static_argnames=("cfg", "numerics"))
     whole = np.asarray(score_fn(master, batch.tokens, batch.positions, batch.temps, rope, cfg, "strict"))
     for size in (1, 4):
-        parts = [np.asarray(score_fn(master, mb.tokens, mb.positions, mb.temps, rope, cfg, "strict"))
-                 for mb in micro_batches(batch, size)]
+        parts = [
+            np.asarray(score_fn(master, mb.tokens, mb.positions, mb.temps, rope, cfg, "strict"))
+            for mb in micro_batches(batch, size)
+        ]
         assert_bits_equal(np.concatenate(parts), whole, f"micro-batch {size}")
 
 
@@ -101,10 +122,14 @@ def corrupt_one_logprob(monkeypatch, at_step: int, sequence: int, token: int) ->
             logprobs = np.array(s["logprobs"], np.float32)
             true, logprobs[token] = logprobs[token], np.nextafter(logprobs[token], np.float32(-np.inf))
             s["logprobs"] = logprobs
-            seen.update(position=len(prompts[sequence // group]) + token, id=s["tokens"][token],
-                        sampler=f"{float(logprobs[token])!r} (0x{int(logprobs[token:token + 1].view(np.uint32)[0]):08x})",
-                        learner=f"{float(true)!r} (0x{int(np.float32(true).view(np.uint32)):08x})")
+            seen.update(
+                position=len(prompts[sequence // group]) + token,
+                id=s["tokens"][token],
+                sampler=f"{float(logprobs[token])!r} (0x{int(logprobs[token : token + 1].view(np.uint32)[0]):08x})",
+                learner=f"{float(true)!r} (0x{int(np.float32(true).view(np.uint32)):08x})",
+            )
         return groups
+
     monkeypatch.setattr(grpo.LocalRollout, "sample", sample)
     return seen
 
@@ -121,8 +146,13 @@ def test_broken_contract_stops_the_run(tmp_path, monkeypatch, verify):
     message = str(error.value)
     what = "sampler vs learner logprobs" if verify else "first update's logp_new vs logp_old"
     assert message.startswith(f"step 1: {what}: 1 of "), message
-    for part in ("sequence 5 of the batch (prompt 1, sample 1)", f"token position {seen['position']} (id {seen['id']})",
-                 f"sampler {seen['sampler']}", f"learner {seen['learner']}", "--on-mismatch warn"):
+    for part in (
+        "sequence 5 of the batch (prompt 1, sample 1)",
+        f"token position {seen['position']} (id {seen['id']})",
+        f"sampler {seen['sampler']}",
+        f"learner {seen['learner']}",
+        "--on-mismatch warn",
+    ):
         assert part in message, (part, message)
     assert not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text()
 
@@ -139,8 +169,14 @@ def test_broken_contract_warn_keeps_training(tmp_path, monkeypatch, caplog):
     warnings = [r.getMessage() for r in caplog.records if r.name == "train.grpo"]
     assert len(warnings) == 2, warnings
     for what, message in zip(("sampler vs learner logprobs", "first update's logp_new vs logp_old"), warnings):
-        assert f"step 2: {what}: 1 of " in message and "sequence 6 of the batch (prompt 1, sample 2)" in message, message
-        assert f"token position {seen['position']}" in message and seen["sampler"] in message and seen["learner"] in message
+        assert f"step 2: {what}: 1 of " in message and "sequence 6 of the batch (prompt 1, sample 2)" in message, (
+            message
+        )
+        assert (
+            f"token position {seen['position']}" in message
+            and seen["sampler"] in message
+            and seen["learner"] in message
+        )
 
 
 @pytest.mark.slow
@@ -148,13 +184,38 @@ def test_smoke_subprocess(tmp_path):
     """`python -m train.grpo` for 3 steps: finite loss, mismatch 0 and first-update ratio exactly 1
     every step, every parameter changed, plot and HF export written."""
     out = tmp_path / "run"
-    subprocess.run([sys.executable, "-m", "train.grpo", "--steps", "3", "--prompts-per-step", "2", "--group-size", "4",
-                    "--max-new-tokens", "4", "--verify-logprobs", "--learning-rate", "1e-2", "--out", str(out), "--no-progress"],
-                   check=True, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "train.grpo",
+            "--steps",
+            "3",
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "4",
+            "--max-new-tokens",
+            "4",
+            "--verify-logprobs",
+            "--learning-rate",
+            "1e-2",
+            "--out",
+            str(out),
+            "--no-progress",
+        ],
+        check=True,
+        timeout=600,
+    )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3
     for r in rows:
-        assert np.isfinite(r["loss"]) and r["tokens_bits_differ"] == 0 and r["max_abs_delta"] == 0.0 and r["tokens_compared"] == 32
+        assert (
+            np.isfinite(r["loss"])
+            and r["tokens_bits_differ"] == 0
+            and r["max_abs_delta"] == 0.0
+            and r["tokens_compared"] == 32
+        )
         assert r["ratio_min"] == 1.0 and r["ratio_max"] == 1.0
     assert (out / "plot.png").stat().st_size > 10_000
     cfg0 = rlkjax.ModelConfig.preset("qwen3-tiny")
@@ -187,10 +248,14 @@ def test_resume_and_same_seed_are_bit_identical(tmp_path):
 @pytest.mark.slow
 def test_remote_rollout_server(tmp_path):
     from tests.test_server import ADMIN, start_server
+
     proc, client = start_server()
     try:
-        result = grpo.train(grpo.GRPOConfig(steps=2, out=str(tmp_path / "r"), rollout_url=client.url, admin_key=ADMIN,
-                                            verify_logprobs=True, **SMALL))
+        result = grpo.train(
+            grpo.GRPOConfig(
+                steps=2, out=str(tmp_path / "r"), rollout_url=client.url, admin_key=ADMIN, verify_logprobs=True, **SMALL
+            )
+        )
         assert all(r["tokens_bits_differ"] == 0 and r["tokens_compared"] > 0 for r in result["history"])
         assert [r["policy_version"] for r in result["history"]] == [1, 2]  # pushed at start, then after step 1
         assert client.health()["policy_version"] == 3
@@ -200,19 +265,27 @@ def test_remote_rollout_server(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags,match", [
-    (["--group-size", "1"], "--group-size=1"),
-    (["--learning-rate", "nan"], "--learning-rate=nan"),
-    (["--clip-eps", "1.5"], "--clip-eps=1.5"),
-    (["--beta", "nan"], "--beta=nan must be finite"),
-    (["--temperature", "1e-46"], "--temperature must be finite"),
-    (["--seed", "-1"], "--seed must be an integer"),
-    (["--tis-cap", "2"], "--tis-cap"),
-    (["--task", "gsm8k"], "--data"),
-    (["--model", "/nonexistent"], "/nonexistent"),
-])
+@pytest.mark.parametrize(
+    "flags,match",
+    [
+        (["--group-size", "1"], "--group-size=1"),
+        (["--learning-rate", "nan"], "--learning-rate=nan"),
+        (["--clip-eps", "1.5"], "--clip-eps=1.5"),
+        (["--beta", "nan"], "--beta=nan must be finite"),
+        (["--temperature", "1e-46"], "--temperature must be finite"),
+        (["--seed", "-1"], "--seed must be an integer"),
+        (["--tis-cap", "2"], "--tis-cap"),
+        (["--task", "gsm8k"], "--data"),
+        (["--model", "/nonexistent"], "/nonexistent"),
+    ],
+)
 def test_bad_flags_name_the_bad_value(flags, match, tmp_path):
-    r = subprocess.run([sys.executable, "-m", "train.grpo", "--out", str(tmp_path), *flags], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "train.grpo", "--out", str(tmp_path), *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode != 0 and match in r.stderr, r.stderr[-2000:]
 
 
@@ -234,8 +307,11 @@ def length_reward(prompt: str, completion: str) -> float:
 def test_fast_numerics_with_tis_and_a_user_reward(tmp_path):
     """--numerics fast runs end to end with truncated importance sampling, and --reward replaces
     the task's reward with a user function."""
-    result = grpo.train(grpo.GRPOConfig(steps=2, numerics="fast", tis_cap=2.0, reward="tests.test_grpo:length_reward",
-                                        out=str(tmp_path), **SMALL))
+    result = grpo.train(
+        grpo.GRPOConfig(
+            steps=2, numerics="fast", tis_cap=2.0, reward="tests.test_grpo:length_reward", out=str(tmp_path), **SMALL
+        )
+    )
     for row in result["history"]:
         assert np.isfinite(row["loss"]) and row["tokens_compared"] == 32
         assert 0 <= row["reward_mean"] <= 0.04  # at most 4 tokens of text -> <= 4 bytes / 100
@@ -246,6 +322,7 @@ def test_hf_tokenizer_json(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     from rlkjax.tokenizer import ByteTokenizer, load_tokenizer
+
     vocab = {"<|im_end|>": 0, "hello": 1, "world": 2, "[UNK]": 3}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()

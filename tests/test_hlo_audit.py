@@ -1,13 +1,13 @@
 """The strict path, lowered for an H200, has no floating-point arithmetic outside our Pallas
 (Triton) custom calls: XLA only moves data. Prevents: an innocent-looking jnp op on the logprob
 path (a cast, a scale, an add) that XLA would fuse differently in the sampler and the learner."""
+
 import jax
 import jax.numpy as jnp
 import pytest
 
 import rlkjax
-from rlkjax import audit, model, numerics
-from rlkjax import engine
+from rlkjax import audit, engine, model, numerics
 
 
 @pytest.fixture
@@ -29,23 +29,61 @@ def lowered(cfg, fn, numerics_mode, b=2, t=16, pages=4):
     tok = jax.ShapeDtypeStruct((b, t), jnp.int32)
     if fn == "learner":
         f = jax.jit(model.sequence_logprobs, static_argnames=("cfg", "numerics"))
-        return audit.lower_for_gpu(f, params, tok, tok, jax.ShapeDtypeStruct((b,), jnp.float32), rope, cfg, numerics_mode)
+        return audit.lower_for_gpu(
+            f, params, tok, tok, jax.ShapeDtypeStruct((b,), jnp.float32), rope, cfg, numerics_mode
+        )
     cache = abstract(model.init_kv_cache(cfg, 1 + b * pages))
     pt = jax.ShapeDtypeStruct((b, pages), jnp.int32)
     one = jax.ShapeDtypeStruct((b, 1), jnp.int32)
     vec = lambda dt: jax.ShapeDtypeStruct((b,), dt)  # noqa: E731
     if fn == "sampler":
-        return audit.lower_for_gpu(engine.decode_step, params, one, one, cache, pt, vec(jnp.uint32), vec(jnp.int32),
-                                   vec(jnp.float32), rope, cfg, numerics_mode)
+        return audit.lower_for_gpu(
+            engine.decode_step,
+            params,
+            one,
+            one,
+            cache,
+            pt,
+            vec(jnp.uint32),
+            vec(jnp.int32),
+            vec(jnp.float32),
+            rope,
+            cfg,
+            numerics_mode,
+        )
     stops = jax.ShapeDtypeStruct((b, 2), jnp.int32)
-    return audit.lower_for_gpu(engine.decode_round, params, vec(jnp.int32), vec(jnp.int32), cache, pt, vec(jnp.uint32),
-                               vec(jnp.int32), vec(jnp.float32), vec(jnp.int32), stops, rope, cfg, numerics_mode, num_steps=4)
+    return audit.lower_for_gpu(
+        engine.decode_round,
+        params,
+        vec(jnp.int32),
+        vec(jnp.int32),
+        cache,
+        pt,
+        vec(jnp.uint32),
+        vec(jnp.int32),
+        vec(jnp.float32),
+        vec(jnp.int32),
+        stops,
+        rope,
+        cfg,
+        numerics_mode,
+        num_steps=4,
+    )
 
 
 # Every kernel pads this one (width 40, group size 3, head dim 24, FFN 37, vocab 300): the padding,
 # slicing and re-interleaving of RoPE halves must be data movement too.
-ODD = rlkjax.ModelConfig(vocab_size=300, hidden_size=40, num_layers=1, num_heads=6, num_kv_heads=2, head_dim=24,
-                         intermediate_size=37, tie_embeddings=False, max_position=256)
+ODD = rlkjax.ModelConfig(
+    vocab_size=300,
+    hidden_size=40,
+    num_layers=1,
+    num_heads=6,
+    num_kv_heads=2,
+    head_dim=24,
+    intermediate_size=37,
+    tie_embeddings=False,
+    max_position=256,
+)
 
 
 @pytest.mark.parametrize("shape", ["tiny", "odd"])

@@ -8,6 +8,7 @@ as far from the truth as the reference is; a real bug (a wrong mask, a dropped t
 term) is an O(1) error and fails by orders of magnitude. The same rule applies to gradients,
 computed in fp32 against a float64 jax.grad of the reference.
 """
+
 import contextlib
 
 import jax
@@ -39,7 +40,12 @@ def check_against_truth(kernel_fn, reference_fn, args, what, truth_fn=None):
     """kernel(args) vs reference(args), both vs truth_fn (default: the reference) in float64."""
     out_k, out_r = kernel_fn(*args), reference_fn(*args)
     with float64_on_cpu():
-        args64 = [jnp.asarray(np.asarray(a, np.float64)) if jnp.issubdtype(a.dtype, jnp.floating) else jnp.asarray(np.asarray(a)) for a in args]
+        args64 = [
+            jnp.asarray(np.asarray(a, np.float64))
+            if jnp.issubdtype(a.dtype, jnp.floating)
+            else jnp.asarray(np.asarray(a))
+            for a in args
+        ]
         truth = (truth_fn or reference_fn)(*args64)
     for k, r, t in zip(jax.tree.leaves(out_k), jax.tree.leaves(out_r), jax.tree.leaves(truth)):
         ek, er = rel_err(k, t), rel_err(r, t)
@@ -54,6 +60,7 @@ def check_grads(kernel_fn, reference_fn, args, argnums, what):
         def f(*a):
             out = fn(*a)
             return jnp.sum(out.astype(jnp.float64 if out.dtype == jnp.float64 else F32) * cot.astype(out.dtype))
+
         return f
 
     out = reference_fn(*args)
@@ -61,13 +68,20 @@ def check_grads(kernel_fn, reference_fn, args, argnums, what):
     gk = jax.grad(loss(kernel_fn), argnums)(*args)
     gr = jax.grad(loss(reference_fn), argnums)(*args)
     with float64_on_cpu():
-        args64 = [jnp.asarray(np.asarray(a, np.float64)) if jnp.issubdtype(a.dtype, jnp.floating) else jnp.asarray(np.asarray(a)) for a in args]
+        args64 = [
+            jnp.asarray(np.asarray(a, np.float64))
+            if jnp.issubdtype(a.dtype, jnp.floating)
+            else jnp.asarray(np.asarray(a))
+            for a in args
+        ]
         cot = jnp.asarray(np.asarray(cot, np.float64))
         gt = jax.grad(loss(reference_fn), argnums)(*args64)
         gt = [np.asarray(g) for g in gt]
     for i, (k, r, t) in enumerate(zip(gk, gr, gt)):
         ek, er = rel_err(k, t), rel_err(r, t)
-        assert np.isfinite(ek) and ek <= 2 * er + 1e-6, f"{what} grad {i}: kernel error {ek:.3g} vs reference error {er:.3g}"
+        assert np.isfinite(ek) and ek <= 2 * er + 1e-6, (
+            f"{what} grad {i}: kernel error {ek:.3g} vs reference error {er:.3g}"
+        )
     # Deterministic backward: the same call twice gives the same bits.
     for a, b in zip(gk, jax.grad(loss(kernel_fn), argnums)(*args)):
         assert_bits_equal(a, b, f"{what} backward run to run")
@@ -135,7 +149,9 @@ def _attention_case(dtype, b=3, t=37, hq=4, hkv=2, dh=16, lens=(37, 20, 1)):
 def test_attention_values_and_grads():
     q, k, v, pages, pt, pos = _attention_case(BF16)
     layer = jnp.int32(1)
-    ker = lambda q, k, v: attention.paged_attention(q, k, v, pages, pages, layer, pt, pos, numerics.ATTENTION, INTERPRET)[0]  # noqa: E731
+    ker = lambda q, k, v: attention.paged_attention(
+        q, k, v, pages, pages, layer, pt, pos, numerics.ATTENTION, INTERPRET
+    )[0]  # noqa: E731
     ref = lambda q, k, v: attention.paged_attention_reference(q, k, v, pages, pages, layer, pt, pos)[0]  # noqa: E731
     dense = lambda q, k, v: attention.dense_attention(q, k, v, pos)  # noqa: E731
     check_against_truth(ker, dense, [q, k, v], "attention vs dense")
@@ -153,8 +169,9 @@ def test_attention_odd_shapes(hq, hkv, dh):
     q, k, v, pages, pt, pos = _attention_case(BF16, **case)
 
     def run(q, k, v, sl, kp, vp):
-        return attention.paged_attention(q[:, sl], k[:, sl], v[:, sl], kp, vp, jnp.int32(1), pt, pos[:, sl],
-                                         numerics.ATTENTION, INTERPRET)
+        return attention.paged_attention(
+            q[:, sl], k[:, sl], v[:, sl], kp, vp, jnp.int32(1), pt, pos[:, sl], numerics.ATTENTION, INTERPRET
+        )
 
     dense = lambda q, k, v: attention.dense_attention(q, k, v, pos)  # noqa: E731
     whole_pass = lambda q, k, v: run(q, k, v, slice(None), pages, pages)[0]  # noqa: E731
@@ -171,7 +188,9 @@ def test_attention_chunked_equals_whole_and_decode():
     """Prefill in chunks of 20 + 17, or token by token, gives the whole pass's bits: the cache is
     written before it is read and KV blocks are aligned to absolute positions."""
     q, k, v, pages, pt, pos = _attention_case(BF16)
-    run = lambda sl, kp, vp: attention.paged_attention(q[:, sl], k[:, sl], v[:, sl], kp, vp, jnp.int32(0), pt, pos[:, sl], numerics.ATTENTION, INTERPRET)  # noqa: E731
+    run = lambda sl, kp, vp: attention.paged_attention(
+        q[:, sl], k[:, sl], v[:, sl], kp, vp, jnp.int32(0), pt, pos[:, sl], numerics.ATTENTION, INTERPRET
+    )  # noqa: E731
     whole, _, _ = run(slice(None), pages, pages)
     a, kp, vp = run(slice(0, 20), pages, pages)
     b, _, _ = run(slice(20, None), kp, vp)
@@ -218,7 +237,9 @@ def test_sampling_follows_the_distribution(vocab):
     every logprob would be -log(384)."""
     n, d = 20000, 64
     h, w = jnp.zeros((n, d), BF16), randn(2, (vocab, d), BF16)
-    tokens, lp = logprob.sample_tokens(h, w, jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.int32), jnp.ones(n, F32), numerics.LOGPROB, INTERPRET)
+    tokens, lp = logprob.sample_tokens(
+        h, w, jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.int32), jnp.ones(n, F32), numerics.LOGPROB, INTERPRET
+    )
     assert np.asarray(tokens).max() < vocab
     counts = np.bincount(np.asarray(tokens), minlength=vocab)
     chi2 = ((counts - n / vocab) ** 2 / (n / vocab)).sum()
@@ -239,16 +260,23 @@ def test_logprob_uneven_vocab_splits(splits):
     """640 ids = 5 tiles: 2 splits hold 3 + 2 tiles, 4 splits hold 2 + 2 + 1 + 0 (an empty range
     must merge as a no-op). Values match the reference; sampled logprobs match scored ones."""
     import dataclasses
+
     config = dataclasses.replace(numerics.LOGPROB, vocab_splits=splits, block_rows=16)
     n, d, vocab = 21, 64, 640
     h, w = randn(1, (n, d), BF16), randn(2, (vocab, d), BF16, 0.3)
     targets = jax.random.randint(jax.random.key(3), (n,), 0, vocab)
     temps = jnp.full((n,), 1.1, F32)
     ker = lambda h, w: logprob.token_logprobs(h, w, targets, temps, config, INTERPRET)  # noqa: E731
-    check_against_truth(ker, lambda h, w: logprob.token_logprobs_reference(h, w, targets, temps), [h, w], "split logprobs")
-    tokens, lp = logprob.sample_tokens(h, w, jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.int32), temps, config, INTERPRET)
+    check_against_truth(
+        ker, lambda h, w: logprob.token_logprobs_reference(h, w, targets, temps), [h, w], "split logprobs"
+    )
+    tokens, lp = logprob.sample_tokens(
+        h, w, jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.int32), temps, config, INTERPRET
+    )
     assert_bits_equal(lp, logprob.token_logprobs(h, w, tokens, temps, config, INTERPRET), "sample vs score")
-    ref_tokens, _ = logprob.sample_tokens_reference(h, w, jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.int32), temps)
+    ref_tokens, _ = logprob.sample_tokens_reference(
+        h, w, jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.int32), temps
+    )
     assert (np.asarray(tokens) == np.asarray(ref_tokens)).mean() > 0.9
 
 
@@ -266,21 +294,31 @@ def test_matmul_tile_configs_agree():
     for c in MATMUL_CLASSES:
         for lo, hi in [(0, 1), (5, 21), (0, 300)]:
             assert_bits_equal(matmul.matmul(x[lo:hi], ws[1], r[lo:hi], c, INTERPRET), ref[lo:hi], f"{c} rows {lo}:{hi}")
-            assert_bits_equal(matmul.matmul_layer(x[lo:hi], ws, jnp.int32(1), r[lo:hi], c, INTERPRET), ref[lo:hi], f"{c} stacked")
+            assert_bits_equal(
+                matmul.matmul_layer(x[lo:hi], ws, jnp.int32(1), r[lo:hi], c, INTERPRET), ref[lo:hi], f"{c} stacked"
+            )
 
 
-
-@pytest.mark.parametrize("kv_split,t", [(16, 37), (32, 70)] + ([] if INTERPRET else [(numerics.ATTENTION.kv_split, 600)]))
+@pytest.mark.parametrize(
+    "kv_split,t", [(16, 37), (32, 70)] + ([] if INTERPRET else [(numerics.ATTENTION.kv_split, 600)])
+)
 def test_attention_kv_splits(kv_split, t):
     """Keys cut into fixed absolute splits, merged in order: values match dense attention, and a
     prefill in two chunks followed by token-by-token decode (each call its own query tile and
     split count) gives the whole pass's bits. Guards the sampler == learner contract past one split."""
     import dataclasses
+
     config = dataclasses.replace(numerics.ATTENTION, kv_split=kv_split)
     q, k, v, pages, pt, pos = _attention_case(BF16, t=t, lens=(t, t // 2, 1))
-    run = lambda sl, kp, vp: attention.paged_attention(q[:, sl], k[:, sl], v[:, sl], kp, vp, jnp.int32(1), pt, pos[:, sl], config, INTERPRET)  # noqa: E731
-    check_against_truth(lambda q, k, v: attention.paged_attention(q, k, v, pages, pages, jnp.int32(1), pt, pos, config, INTERPRET)[0],
-                        lambda q, k, v: attention.dense_attention(q, k, v, pos), [q, k, v], "split attention vs dense")
+    run = lambda sl, kp, vp: attention.paged_attention(
+        q[:, sl], k[:, sl], v[:, sl], kp, vp, jnp.int32(1), pt, pos[:, sl], config, INTERPRET
+    )  # noqa: E731
+    check_against_truth(
+        lambda q, k, v: attention.paged_attention(q, k, v, pages, pages, jnp.int32(1), pt, pos, config, INTERPRET)[0],
+        lambda q, k, v: attention.dense_attention(q, k, v, pos),
+        [q, k, v],
+        "split attention vs dense",
+    )
     whole, _, _ = run(slice(None), pages, pages)
     a, kp, vp = run(slice(0, t // 3), pages, pages)
     b, kp, vp = run(slice(t // 3, t - 3), kp, vp)

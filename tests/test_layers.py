@@ -2,6 +2,7 @@
 anything). Read from the source with `ast`, so an upward import fails here even if no test runs
 the line. Prevents: the library depending on its HTTP layer or its learner (the import circle
 api <-> serve.engine this replaced), kernels depending on the model."""
+
 import ast
 from pathlib import Path
 
@@ -31,8 +32,10 @@ def project_imports(path: Path) -> set[str]:
 
 @pytest.mark.parametrize("package", PACKAGES)
 def test_no_upward_imports(package):
-    bad = {str(p.relative_to(ROOT)): sorted(project_imports(p) - ALLOWED[package])
-           for p in sorted((ROOT / package).rglob("*.py"))}
+    bad = {
+        str(p.relative_to(ROOT)): sorted(project_imports(p) - ALLOWED[package])
+        for p in sorted((ROOT / package).rglob("*.py"))
+    }
     bad = {k: v for k, v in bad.items() if v}
     assert not bad, f"imports against the layering {ALLOWED[package]}: {bad}"
 

@@ -2,6 +2,7 @@
 checked line by line when loaded, non-finite values stop train.grpo before anything is written from
 them, and checkpoints that prove themselves (real orbax files with real flipped or truncated bytes)
 resume bit-identically or not at all."""
+
 import dataclasses
 import json
 import logging
@@ -22,12 +23,25 @@ SMALL = dict(prompts_per_step=2, group_size=4, max_new_tokens=4, max_prompt_toke
 
 
 # ----- 1. flags -----
-@pytest.mark.parametrize("name,value", [
-    ("weight_decay", float("nan")), ("weight_decay", float("inf")), ("max_grad_norm", float("nan")),
-    ("max_grad_norm", float("inf")), ("beta", float("nan")), ("beta", float("inf")), ("tis_cap", float("nan")),
-    ("clip_eps", float("nan")), ("learning_rate", 1e39),  # finite as a float64, inf as the float32 it is used as
-    ("warmup_steps", -1), ("temperature", 1e-46), ("temperature", float("nan")), ("seed", -1), ("seed", 2**32),
-])
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("weight_decay", float("nan")),
+        ("weight_decay", float("inf")),
+        ("max_grad_norm", float("nan")),
+        ("max_grad_norm", float("inf")),
+        ("beta", float("nan")),
+        ("beta", float("inf")),
+        ("tis_cap", float("nan")),
+        ("clip_eps", float("nan")),
+        ("learning_rate", 1e39),  # finite as a float64, inf as the float32 it is used as
+        ("warmup_steps", -1),
+        ("temperature", 1e-46),
+        ("temperature", float("nan")),
+        ("seed", -1),
+        ("seed", 2**32),
+    ],
+)
 def test_flags_are_checked_as_they_are_used(name, value):
     """NaN passes every comparison (`nan < 0` is False), so `--beta nan` trained today; 1e-46 passes a
     float64 `> 0` check and becomes 0 in float32 (NaN logprobs). Each error names the flag and the value."""
@@ -54,17 +68,22 @@ def gsm8k(question="1+1?", answer="so #### 2"):
     return json.dumps({"question": question, "answer": answer})
 
 
-@pytest.mark.parametrize("lines,error", [
-    (["", gsm8k(), "", "{not json"], ":4: not valid JSON"),  # blank lines counted: the bad line is line 4, not 2
-    ([gsm8k(), gsm8k(question=5)], ":2: 'question' must be a string, got int"),
-    ([gsm8k(answer=["#### 2"])], ":1: 'answer' must be a string, got list"),
-    ([json.dumps({"question": "q"})], ":1: 'answer' must be a string, got nothing"),
-    ([gsm8k(), gsm8k(answer="no final answer")],
-     ":2: need a non-empty 'question' and an 'answer' ending in '#### <number>'"),
-    ([gsm8k(), gsm8k(answer="#### ")], ":2: need"),
-    (["[1, 2]"], ":1: expected a JSON object, got list"),
-    (["", ""], ": no examples"),
-])
+@pytest.mark.parametrize(
+    "lines,error",
+    [
+        (["", gsm8k(), "", "{not json"], ":4: not valid JSON"),  # blank lines counted: the bad line is line 4, not 2
+        ([gsm8k(), gsm8k(question=5)], ":2: 'question' must be a string, got int"),
+        ([gsm8k(answer=["#### 2"])], ":1: 'answer' must be a string, got list"),
+        ([json.dumps({"question": "q"})], ":1: 'answer' must be a string, got nothing"),
+        (
+            [gsm8k(), gsm8k(answer="no final answer")],
+            ":2: need a non-empty 'question' and an 'answer' ending in '#### <number>'",
+        ),
+        ([gsm8k(), gsm8k(answer="#### ")], ":2: need"),
+        (["[1, 2]"], ":1: expected a JSON object, got list"),
+        (["", ""], ": no examples"),
+    ],
+)
 def test_data_file_errors_name_the_file_and_line(tmp_path, lines, error):
     path = tmp_path / "data.jsonl"
     path.write_text("\n".join(lines) + "\n")
@@ -104,8 +123,17 @@ def test_nonfinite_parameters_stop_the_run_before_anything_is_written(tmp_path):
     = 1e30 * 1e30 * w overflows float32, so the updated parameters are inf. The run stops naming step
     and tensor; checkpoint 1 is kept (not rotated out by --keep-checkpoints 1), no checkpoint 2, no
     final_hf, no metrics row for step 2."""
-    config = grpo.GRPOConfig(steps=3, warmup_steps=1, learning_rate=1e30, weight_decay=1e30, checkpoint_every=1,
-                             keep_checkpoints=1, verify_logprobs=False, out=str(tmp_path), **SMALL)
+    config = grpo.GRPOConfig(
+        steps=3,
+        warmup_steps=1,
+        learning_rate=1e30,
+        weight_decay=1e30,
+        checkpoint_every=1,
+        keep_checkpoints=1,
+        verify_logprobs=False,
+        out=str(tmp_path),
+        **SMALL,
+    )
     with pytest.raises(grpo.NonFiniteError) as error:
         grpo.train(config)
     message = str(error.value)
@@ -124,12 +152,21 @@ def nan_reward(prompt: str, completion: str) -> float:
 def test_nonfinite_user_reward_stops_the_run(tmp_path):
     """A NaN reward would make every advantage of its group NaN (and the loss); it is named at its source."""
     with pytest.raises(grpo.NonFiniteError, match=r"^step 1: the reward of prompt 0, sample 0 is nan \('"):
-        grpo.train(grpo.GRPOConfig(steps=1, reward="tests.test_reliability_learner:nan_reward", verify_logprobs=False,
-                                   out=str(tmp_path), **SMALL))
+        grpo.train(
+            grpo.GRPOConfig(
+                steps=1,
+                reward="tests.test_reliability_learner:nan_reward",
+                verify_logprobs=False,
+                out=str(tmp_path),
+                **SMALL,
+            )
+        )
     assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
-    for spec, error in (("tests.nowhere:f", "No module named 'tests.nowhere'"),
-                        ("tests.test_reliability_learner:SMALL", "not a function"),
-                        ("tests.test_reliability_learner:nope", "has no attribute 'nope'")):
+    for spec, error in (
+        ("tests.nowhere:f", "No module named 'tests.nowhere'"),
+        ("tests.test_reliability_learner:SMALL", "not a function"),
+        ("tests.test_reliability_learner:nope", "has no attribute 'nope'"),
+    ):
         with pytest.raises(ValueError, match=f"--reward '{spec}'.*{error}"):
             make_task("lowercase", None, spec)
 
@@ -140,7 +177,8 @@ def test_nonfinite_names_what_came_first():
     trees = {"gradient": grads, "parameter": grads}
     assert grpo.nonfinite(7, float("inf"), 1.0, finite, trees) == "step 7: the loss is inf"
     assert grpo.nonfinite(7, 0.5, float("nan"), finite, trees).startswith(
-        "step 7: gradient ['b'] holds non-finite values (1 of 2")
+        "step 7: gradient ['b'] holds non-finite values (1 of 2"
+    )
     ok = {"gradient": np.array([True, True]), "parameter": np.array([True, True])}
     assert "the gradient norm is inf" in grpo.nonfinite(7, 0.5, float("inf"), ok, trees)
     assert grpo.nonfinite(7, 0.5, 1.0, ok, trees) is None
@@ -149,8 +187,11 @@ def test_nonfinite_names_what_came_first():
 # ----- 2. checkpoints that prove themselves -----
 def tree(seed):
     rng = np.random.default_rng(seed)
-    return {"w": jnp.asarray(rng.standard_normal((64, 96)), jnp.float32),
-            "b": jnp.asarray(rng.standard_normal(96), jnp.bfloat16), "count": jnp.int32(seed)}
+    return {
+        "w": jnp.asarray(rng.standard_normal((64, 96)), jnp.float32),
+        "b": jnp.asarray(rng.standard_normal(96), jnp.bfloat16),
+        "count": jnp.int32(seed),
+    }
 
 
 def save_two(directory):
@@ -171,8 +212,10 @@ def flip_64_bytes(step_dir):
 
 
 def bits_equal(a, b):
-    return all(np.array_equal(np.atleast_1d(x).view(np.uint8), np.atleast_1d(y).view(np.uint8))
-               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+    return all(
+        np.array_equal(np.atleast_1d(x).view(np.uint8), np.atleast_1d(y).view(np.uint8))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
 
 
 def test_restore_verifies_and_falls_back_past_a_corrupt_checkpoint(tmp_path, caplog):
@@ -191,8 +234,9 @@ def test_restore_verifies_and_falls_back_past_a_corrupt_checkpoint(tmp_path, cap
     checkpoints.close()
 
 
-@pytest.mark.parametrize("damage", ["truncate meta", "garble meta", "truncate array file", "delete meta",
-                                    "renamed step"])
+@pytest.mark.parametrize(
+    "damage", ["truncate meta", "garble meta", "truncate array file", "delete meta", "renamed step"]
+)
 def test_damaged_checkpoint_is_named_in_one_line(tmp_path, damage):
     checkpoints = save_two(tmp_path / "checkpoints")
     step_dir = tmp_path / "checkpoints" / "2"
@@ -224,13 +268,18 @@ def test_resume_refuses_changed_flags_and_a_fresh_run_over_old_checkpoints(tmp_p
     grpo.train(base)
     meta = json.loads((tmp_path / "checkpoints" / "1" / "meta" / "metadata").read_text())
     assert meta["config"]["learning_rate"] == base.learning_rate and "admin_key" not in meta["config"]
-    changed = dataclasses.replace(base, resume=True, learning_rate=1e-2, group_size=2, temperature=0.5,
-                                  keep_checkpoints=5)
+    changed = dataclasses.replace(
+        base, resume=True, learning_rate=1e-2, group_size=2, temperature=0.5, keep_checkpoints=5
+    )
     with pytest.raises(ValueError) as error:
         grpo.train(changed)
     message = str(error.value)
-    for part in ("--learning-rate: 0.003 -> 0.01", "--group-size: 4 -> 2", "--temperature: 1.0 -> 0.5",
-                 "--resume-allow-changes"):
+    for part in (
+        "--learning-rate: 0.003 -> 0.01",
+        "--group-size: 4 -> 2",
+        "--temperature: 1.0 -> 0.5",
+        "--resume-allow-changes",
+    ):
         assert part in message, message
     assert "--keep-checkpoints" not in message
     grpo.train(dataclasses.replace(changed, resume_allow_changes=True))  # nothing left to run: restores and exports

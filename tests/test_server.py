@@ -1,6 +1,7 @@
 """`python -m serve.rollout` started for real on loopback: exact logprobs over HTTP under 200
 concurrent requests and a weight update mid-load; bad input gets a clear 4xx and the server keeps
 serving; SIGTERM drains in-flight requests and exits cleanly."""
+
 import concurrent.futures
 import json
 import os
@@ -36,9 +37,30 @@ def start_server(*flags):
     full buffer would block the server mid-test once it has logged 64 KiB of access lines."""
     port = free_port()
     log = tempfile.NamedTemporaryFile("w+", prefix="rlkjax-server-", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, "-m", "serve.rollout", "--port", str(port), "--num-pages", "512", "--max-batch", "16",
-                             "--prefill-chunk", "32", "--token-budget", "128", "--max-context", "256", *flags],
-                            env=os.environ | {"RLKJAX_ADMIN_KEY": ADMIN}, stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "serve.rollout",
+            "--port",
+            str(port),
+            "--num-pages",
+            "512",
+            "--max-batch",
+            "16",
+            "--prefill-chunk",
+            "32",
+            "--token-budget",
+            "128",
+            "--max-context",
+            "256",
+            *flags,
+        ],
+        env=os.environ | {"RLKJAX_ADMIN_KEY": ADMIN},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     proc.log = log.name
     client = RolloutClient(f"http://127.0.0.1:{port}", admin_key=ADMIN, timeout=600)
     for _ in range(600):
@@ -47,7 +69,7 @@ def start_server(*flags):
             return proc, client
         except OSError:
             if proc.poll() is not None:
-                raise RuntimeError(open(proc.log).read())
+                raise RuntimeError(open(proc.log).read()) from None
             time.sleep(0.2)
     raise TimeoutError("server did not start")
 
@@ -73,7 +95,9 @@ def wait_for_metric(client, name: str, at_least: float, timeout: float = 300):
 
 
 def post_raw(client, path, data: bytes, headers=None):
-    req = urllib.request.Request(client.url + path, data=data, headers={"Content-Type": "application/json"} | (headers or {}), method="POST")
+    req = urllib.request.Request(
+        client.url + path, data=data, headers={"Content-Type": "application/json"} | (headers or {}), method="POST"
+    )
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, json.loads(r.read())
@@ -81,29 +105,32 @@ def post_raw(client, path, data: bytes, headers=None):
         return e.code, json.loads(e.read())
 
 
-@pytest.mark.parametrize("body,status,match", [
-    (b"{not json", 400, "malformed JSON"),
-    (b"[1, 2]", 400, "JSON object"),
-    (json.dumps({"prompt": [1, 2], "colour": "red"}).encode(), 400, "unknown field"),
-    (json.dumps({"max_new_tokens": 3}).encode(), 400, "missing field"),
-    (json.dumps({"prompt": "abc"}).encode(), 400, "list of token ids"),
-    (json.dumps({"prompt": []}).encode(), 400, "non-empty"),
-    (json.dumps({"prompt": [1, 99999]}).encode(), 400, "outside"),
-    (json.dumps({"prompt": [1, -2]}).encode(), 400, "outside"),
-    (json.dumps({"prompt": [1, 2], "n": 0}).encode(), 400, "n must be"),
-    (json.dumps({"prompt": [1, 2], "n": 10**9}).encode(), 400, "n must be"),
-    (json.dumps({"prompt": [1, 2], "max_new_tokens": -1}).encode(), 400, "max_new_tokens"),
-    (json.dumps({"prompt": [1, 2], "max_new_tokens": 10**9}).encode(), 400, "max_new_tokens"),
-    (json.dumps({"prompt": [1] * 200, "max_new_tokens": 100}).encode(), 400, "context"),
-    (json.dumps({"prompt": [1, 2], "temperature": 0}).encode(), 400, "temperature"),
-    (b'{"prompt": [1, 2], "temperature": NaN}', 400, "temperature"),
-    (b'{"prompt": [1, 2], "temperature": Infinity}', 400, "temperature"),
-    (json.dumps({"prompt": [1, 2], "temperature": "hot"}).encode(), 400, "temperature"),
-    (json.dumps({"prompt": [1, 2], "seed": -1}).encode(), 400, "seed"),
-    (json.dumps({"prompt": [[1, 2], [3, 600]]}).encode(), 400, "outside"),
-    (json.dumps({"prompt": [[1, 2]] * 20, "n": 16}).encode(), 400, "over the limit of 256 per request"),
-    (json.dumps({"prompt": [1] * (5 * 2**20)}).encode(), 413, "over the limit"),
-])
+@pytest.mark.parametrize(
+    "body,status,match",
+    [
+        (b"{not json", 400, "malformed JSON"),
+        (b"[1, 2]", 400, "JSON object"),
+        (json.dumps({"prompt": [1, 2], "colour": "red"}).encode(), 400, "unknown field"),
+        (json.dumps({"max_new_tokens": 3}).encode(), 400, "missing field"),
+        (json.dumps({"prompt": "abc"}).encode(), 400, "list of token ids"),
+        (json.dumps({"prompt": []}).encode(), 400, "non-empty"),
+        (json.dumps({"prompt": [1, 99999]}).encode(), 400, "outside"),
+        (json.dumps({"prompt": [1, -2]}).encode(), 400, "outside"),
+        (json.dumps({"prompt": [1, 2], "n": 0}).encode(), 400, "n must be"),
+        (json.dumps({"prompt": [1, 2], "n": 10**9}).encode(), 400, "n must be"),
+        (json.dumps({"prompt": [1, 2], "max_new_tokens": -1}).encode(), 400, "max_new_tokens"),
+        (json.dumps({"prompt": [1, 2], "max_new_tokens": 10**9}).encode(), 400, "max_new_tokens"),
+        (json.dumps({"prompt": [1] * 200, "max_new_tokens": 100}).encode(), 400, "context"),
+        (json.dumps({"prompt": [1, 2], "temperature": 0}).encode(), 400, "temperature"),
+        (b'{"prompt": [1, 2], "temperature": NaN}', 400, "temperature"),
+        (b'{"prompt": [1, 2], "temperature": Infinity}', 400, "temperature"),
+        (json.dumps({"prompt": [1, 2], "temperature": "hot"}).encode(), 400, "temperature"),
+        (json.dumps({"prompt": [1, 2], "seed": -1}).encode(), 400, "seed"),
+        (json.dumps({"prompt": [[1, 2], [3, 600]]}).encode(), 400, "outside"),
+        (json.dumps({"prompt": [[1, 2]] * 20, "n": 16}).encode(), 400, "over the limit of 256 per request"),
+        (json.dumps({"prompt": [1] * (5 * 2**20)}).encode(), 413, "over the limit"),
+    ],
+)
 def test_bad_input_gets_a_clear_4xx_and_the_server_keeps_serving(server, body, status, match):
     got, payload = post_raw(server, "/generate", body)
     assert got == status and match in payload["error"]["message"], payload
@@ -113,24 +140,39 @@ def test_bad_input_gets_a_clear_4xx_and_the_server_keeps_serving(server, body, s
 def test_update_weights_needs_the_admin_key(server, tmp_path):
     got, payload = post_raw(server, "/update_weights", json.dumps({"path": str(tmp_path)}).encode())
     assert got == 401 and "admin key" in payload["error"]["message"]
-    got, payload = post_raw(server, "/update_weights", json.dumps({"path": str(tmp_path)}).encode(), {"Authorization": f"Bearer {ADMIN}"})
+    got, payload = post_raw(
+        server, "/update_weights", json.dumps({"path": str(tmp_path)}).encode(), {"Authorization": f"Bearer {ADMIN}"}
+    )
     assert got == 400 and "cannot load" in payload["error"]["message"]
 
 
 def test_openai_completions_and_metrics(server, tiny):
     cfg, params = tiny
-    out = post_raw(server, "/v1/completions", json.dumps({"model": "qwen3-tiny", "prompt": "Hello", "max_tokens": 5, "n": 2,
-                                                          "logprobs": 1, "seed": 3}).encode())
+    out = post_raw(
+        server,
+        "/v1/completions",
+        json.dumps(
+            {"model": "qwen3-tiny", "prompt": "Hello", "max_tokens": 5, "n": 2, "logprobs": 1, "seed": 3}
+        ).encode(),
+    )
     assert out[0] == 200
     choices = out[1]["choices"]
     assert len(choices) == 2 and all(c["finish_reason"] in ("length", "stop") for c in choices)
     prompt = list(b"Hello")
     for c in choices:
         lps = np.asarray(c["logprobs"]["token_logprobs"], np.float32)
-        assert_bits_equal(rlkjax.score(params, cfg, [prompt + c["logprobs"]["token_ids"]], [len(prompt)])[0], lps, "completions")
+        assert_bits_equal(
+            rlkjax.score(params, cfg, [prompt + c["logprobs"]["token_ids"]], [len(prompt)])[0], lps, "completions"
+        )
     text = server.metrics()
-    for name in ("rlkjax_requests_total", "rlkjax_tokens_per_second", "rlkjax_queue_depth", "rlkjax_kv_pages_used",
-                 "rlkjax_compilations", "rlkjax_policy_version"):
+    for name in (
+        "rlkjax_requests_total",
+        "rlkjax_tokens_per_second",
+        "rlkjax_queue_depth",
+        "rlkjax_kv_pages_used",
+        "rlkjax_compilations",
+        "rlkjax_policy_version",
+    ):
         assert name in text
 
 
@@ -142,12 +184,29 @@ def test_200_concurrent_requests_and_a_weight_update_mid_load(tiny, tmp_path):
     rlkjax.save_hf_checkpoint(tmp_path / "v1", cfg, new_params)
     proc, client = start_server()
     rng = np.random.default_rng(0)
-    jobs = [dict(prompt=rng.integers(0, cfg.vocab_size, int(rng.integers(1, 40))).tolist(), n=int(rng.integers(1, 3)),
-                 max_new_tokens=int(rng.integers(1, 8)), temperature=float(rng.choice([0.7, 1.0])), seed=i) for i in range(200)]
+    jobs = [
+        dict(
+            prompt=rng.integers(0, cfg.vocab_size, int(rng.integers(1, 40))).tolist(),
+            n=int(rng.integers(1, 3)),
+            max_new_tokens=int(rng.integers(1, 8)),
+            temperature=float(rng.choice([0.7, 1.0])),
+            seed=i,
+        )
+        for i in range(200)
+    ]
     try:
         with concurrent.futures.ThreadPoolExecutor(64) as pool:
-            futures = [pool.submit(client.generate, [j["prompt"]], n=j["n"], max_new_tokens=j["max_new_tokens"],
-                                   temperature=j["temperature"], seed=j["seed"]) for j in jobs]
+            futures = [
+                pool.submit(
+                    client.generate,
+                    [j["prompt"]],
+                    n=j["n"],
+                    max_new_tokens=j["max_new_tokens"],
+                    temperature=j["temperature"],
+                    seed=j["seed"],
+                )
+                for j in jobs
+            ]
             wait_for_metric(client, "rlkjax_requests_finished_total", 1)  # version 0 has answered someone
             version = client.update_weights(str(tmp_path / "v1"))
             results = [f.result() for f in futures]
@@ -159,8 +218,13 @@ def test_200_concurrent_requests_and_a_weight_update_mid_load(tiny, tmp_path):
             for sample in res[0]:
                 seen_versions.add(sample["policy_version"])
                 assert len(sample["tokens"]) == job["max_new_tokens"]
-                scored = rlkjax.score(by_version[sample["policy_version"]], cfg, [job["prompt"] + sample["tokens"]],
-                                      [len(job["prompt"])], temperature=job["temperature"])[0]
+                scored = rlkjax.score(
+                    by_version[sample["policy_version"]],
+                    cfg,
+                    [job["prompt"] + sample["tokens"]],
+                    [len(job["prompt"])],
+                    temperature=job["temperature"],
+                )[0]
                 assert_bits_equal(sample["logprobs"], scored, f"seed {job['seed']}")
         assert seen_versions == {0, 1}, seen_versions
         assert client.generate([[1, 2]], max_new_tokens=1)[0][0]["policy_version"] == 1
@@ -190,11 +254,18 @@ def test_unseeded_requests_differ_and_report_their_seed(server, tiny):
     """Without a seed each request draws fresh noise from the OS (a GRPO group sent as separate
     requests used to get identical samples, zero advantage, no error); the response names the
     seed, and sending it back reproduces the sample bit for bit."""
-    bodies = [post_raw(server, "/generate", json.dumps({"prompt": [5, 6, 7], "max_new_tokens": 8}).encode())[1] for _ in range(4)]
+    bodies = [
+        post_raw(server, "/generate", json.dumps({"prompt": [5, 6, 7], "max_new_tokens": 8}).encode())[1]
+        for _ in range(4)
+    ]
     assert len({tuple(b["results"][0][0]["tokens"]) for b in bodies}) > 1 and len({b["seed"] for b in bodies}) == 4
-    again = post_raw(server, "/generate", json.dumps({"prompt": [5, 6, 7], "max_new_tokens": 8, "seed": bodies[0]["seed"]}).encode())[1]
+    again = post_raw(
+        server, "/generate", json.dumps({"prompt": [5, 6, 7], "max_new_tokens": 8, "seed": bodies[0]["seed"]}).encode()
+    )[1]
     assert again["results"][0][0]["tokens"] == bodies[0]["results"][0][0]["tokens"]
-    assert_bits_equal(np.float32(again["results"][0][0]["logprobs"]), np.float32(bodies[0]["results"][0][0]["logprobs"]), "reseeded")
+    assert_bits_equal(
+        np.float32(again["results"][0][0]["logprobs"]), np.float32(bodies[0]["results"][0][0]["logprobs"]), "reseeded"
+    )
     got, out = post_raw(server, "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2, "seed": None}).encode())
     assert got == 200 and isinstance(out["seed"], int)
 
@@ -213,8 +284,11 @@ def test_a_disconnected_client_frees_its_pages(server):
     body = json.dumps({"prompt": list(range(1, 60)), "n": 4, "max_new_tokens": 190, "seed": 1}).encode()
     port = int(server.url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port)) as sock:
-        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        sock.sendall(
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
         wait_for_metric(server, "rlkjax_kv_pages_used", 1)
         during = metric(server, "rlkjax_kv_pages_used")
     deadline = time.time() + 60
@@ -239,8 +313,11 @@ def test_update_weights_refuses_what_would_change_the_served_model_silently(serv
 
     def checkpoint(name, edit=None, dtype=None):
         path = tmp_path / name
-        rlkjax.save_hf_checkpoint(path, cfg.replace_dtype(dtype) if dtype else cfg,
-                                  jax.tree.map(lambda w: w.astype(dtype), params) if dtype else params)
+        rlkjax.save_hf_checkpoint(
+            path,
+            cfg.replace_dtype(dtype) if dtype else cfg,
+            jax.tree.map(lambda w: w.astype(dtype), params) if dtype else params,
+        )
         if edit:
             edit(path)
         return str(path)
@@ -252,8 +329,10 @@ def test_update_weights_refuses_what_would_change_the_served_model_silently(serv
         save_file(t, path / "model.safetensors")
 
     def add_tensor(path):
-        save_file(load_file(path / "model.safetensors") | {"model.layers.0.mlp.gate_proj.bias": np.zeros(4, np.float32)},
-                  path / "model.safetensors")
+        save_file(
+            load_file(path / "model.safetensors") | {"model.layers.0.mlp.gate_proj.bias": np.zeros(4, np.float32)},
+            path / "model.safetensors",
+        )
 
     cases = {
         "qwen3-tiny": "not a checkpoint directory",
@@ -264,7 +343,9 @@ def test_update_weights_refuses_what_would_change_the_served_model_silently(serv
         checkpoint("bad_config", lambda p: (p / "config.json").write_text('{"vocab_size": ')): "cannot load",
     }
     for path, match in cases.items():
-        got, payload = post_raw(server, "/update_weights", json.dumps({"path": path}).encode(), {"Authorization": f"Bearer {ADMIN}"})
+        got, payload = post_raw(
+            server, "/update_weights", json.dumps({"path": path}).encode(), {"Authorization": f"Bearer {ADMIN}"}
+        )
         assert got == 400 and match in payload["error"]["message"], (path, payload)
     assert server.health()["policy_version"] == version
     assert server.generate([[1, 2, 3]], max_new_tokens=2)[0][0]["policy_version"] == version
@@ -292,11 +373,22 @@ def test_admin_key_from_a_file_case_insensitive_scheme_and_rate_limited(tmp_path
 
 def test_null_means_default_and_models(server):
     """OpenAI clients send explicit nulls for unset optional fields: they mean the default."""
-    body = {"prompt": "Hi", "max_tokens": None, "temperature": None, "n": None, "seed": None, "logprobs": None, "user": None}
+    body = {
+        "prompt": "Hi",
+        "max_tokens": None,
+        "temperature": None,
+        "n": None,
+        "seed": None,
+        "logprobs": None,
+        "user": None,
+    }
     got, out = post_raw(server, "/v1/completions", json.dumps(body).encode())
     assert got == 200 and len(out["choices"]) == 1 and out["usage"]["completion_tokens"] <= 16
-    got, out = post_raw(server, "/generate", json.dumps({"prompt": [1, 2], "n": None, "max_new_tokens": None,
-                                                         "stop_token_ids": None}).encode())
+    got, out = post_raw(
+        server,
+        "/generate",
+        json.dumps({"prompt": [1, 2], "n": None, "max_new_tokens": None, "stop_token_ids": None}).encode(),
+    )
     assert got == 200 and len(out["results"][0][0]["tokens"]) == 16
     with urllib.request.urlopen(server.url + "/v1/models", timeout=60) as r:
         models = json.loads(r.read())
@@ -327,19 +419,32 @@ def test_shutdown_with_a_deadline(how):
     assert time.time() - signalled < 60, "the deadline was not kept"
     for code, payload in answers:  # finished in time, or cancelled with a clear 503
         assert (code == 200 and len(payload["results"][0][0]["tokens"]) == 240) or (
-            code == 503 and "--shutdown-timeout" in payload["error"]["message"]), (code, payload)
+            code == 503 and "--shutdown-timeout" in payload["error"]["message"]
+        ), (code, payload)
     assert any(code == 503 for code, _ in answers), "nothing was cut off: the test did not exercise the deadline"
 
 
-@pytest.mark.parametrize("data,headers,match", [
-    (b'{"prompt": [1, 2], "x": "\xff\xfe"}', {}, "not valid utf-8"),
-    (b'{"prompt": [1, 2]}', {"Content-Type": "application/json; charset=klingon"}, "unknown charset"),
-    (b'{"prompt": "\\ud800abc", "max_tokens": 2}', {}, "not valid Unicode"),
-    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", {}, "nested too deeply"),
-    (b'{"prompt": [1, 2], "n": ' + b"9" * 5000 + b"}", {}, "malformed JSON"),
-    (b'{"prompt": [1, 2], "n": 1e999}', {}, "n must be"),
-    (b"\x1f\x8b\x08\x00garbage-not-gzip", {"Content-Encoding": "gzip"}, "cannot read the body"),
-], ids=["invalid-utf8", "unknown-charset", "lone-surrogate", "deep-nesting", "huge-integer", "huge-float", "corrupt-gzip"])
+@pytest.mark.parametrize(
+    "data,headers,match",
+    [
+        (b'{"prompt": [1, 2], "x": "\xff\xfe"}', {}, "not valid utf-8"),
+        (b'{"prompt": [1, 2]}', {"Content-Type": "application/json; charset=klingon"}, "unknown charset"),
+        (b'{"prompt": "\\ud800abc", "max_tokens": 2}', {}, "not valid Unicode"),
+        (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", {}, "nested too deeply"),
+        (b'{"prompt": [1, 2], "n": ' + b"9" * 5000 + b"}", {}, "malformed JSON"),
+        (b'{"prompt": [1, 2], "n": 1e999}', {}, "n must be"),
+        (b"\x1f\x8b\x08\x00garbage-not-gzip", {"Content-Encoding": "gzip"}, "cannot read the body"),
+    ],
+    ids=[
+        "invalid-utf8",
+        "unknown-charset",
+        "lone-surrogate",
+        "deep-nesting",
+        "huge-integer",
+        "huge-float",
+        "corrupt-gzip",
+    ],
+)
 def test_every_bad_body_is_a_4xx(server, data, headers, match):
     """One case per category of hostile bytes; each used to end in a 500. The server then still serves."""
     path = "/v1/completions" if b'"\\ud800' in data else "/generate"
@@ -353,7 +458,10 @@ def test_a_slow_client_gets_a_read_timeout(server):
     of holding a handler open forever."""
     port = int(server.url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
-        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+        sock.sendall(
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"prompt"'
+        )
         start = time.time()
         reply = sock.recv(65536).decode(errors="replace")
     assert reply.startswith("HTTP/1.1 408") and "did not arrive within 2 s" in reply, reply[:300]

@@ -1,6 +1,7 @@
 """The contract across layouts, on 8 fake CPU devices (a subprocess, since the device count is
 fixed when JAX starts): sampler replicas vs the FSDP learner on 8/4/2/1 devices, bit for bit; and
 a GRPO run with an 8-device learner and 2 sampler replicas against the same run on one device."""
+
 import json
 import math
 import os
@@ -20,7 +21,13 @@ ENV = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 
 @pytest.mark.slow
 def test_sampler_replica_vs_fsdp_learner_on_any_mesh():
-    r = subprocess.run([sys.executable, "-m", "tests.sharded_contract", "contract"], env=ENV, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [sys.executable, "-m", "tests.sharded_contract", "contract"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     for devices in (8, 4, 2, 1):
         assert f"learner on {devices} devices" in r.stdout
@@ -50,16 +57,28 @@ def test_grpo_fsdp_learner_follows_the_single_device_trajectory(tmp_path):
         must agree that closely (measured: 99% of weights do). Slack: one fp32 ulp at 1.0, the largest
         initial weight, for the rounding of initial + step.
     """
-    r = subprocess.run([sys.executable, "-m", "tests.sharded_contract", "grpo", str(tmp_path)], env=ENV,
-                       capture_output=True, text=True, timeout=1200)
+    r = subprocess.run(
+        [sys.executable, "-m", "tests.sharded_contract", "grpo", str(tmp_path)],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
-    runs = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()] for name in ("fsdp", "single")}
+    runs = {
+        name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        for name in ("fsdp", "single")
+    }
     assert len(runs["fsdp"]) == len(runs["single"]) == GRPO_RUN["steps"] == 2
     group, tokens_per_micro_batch = GRPO_RUN["group_size"], GRPO_RUN["micro_batch"] * GRPO_RUN["max_new_tokens"]
     loss_atol = 4 * tokens_per_micro_batch * 2.0**-24 * math.sqrt(group - 1)
     for fsdp, single in zip(runs["fsdp"], runs["single"]):
         for row in (fsdp, single):
-            assert row["tokens_bits_differ"] == 0 and row["tokens_compared"] > 0 and row["ratio_min"] == row["ratio_max"] == 1.0, row
+            assert (
+                row["tokens_bits_differ"] == 0
+                and row["tokens_compared"] > 0
+                and row["ratio_min"] == row["ratio_max"] == 1.0
+            ), row
         for key in ("reward_mean", "reward_std", "entropy_estimate", "tokens_compared"):
             assert fsdp[key] == single[key], (fsdp["step"], key, fsdp[key], single[key])
         assert abs(fsdp["loss"] - single["loss"]) <= loss_atol, (fsdp["step"], fsdp["loss"], single["loss"], loss_atol)
@@ -72,7 +91,9 @@ def test_grpo_fsdp_learner_follows_the_single_device_trajectory(tmp_path):
     max_step = lr_1 * math.sqrt(np.sum(m_weights**2 / v_weights))
     ulp = 2.0**-23
     params = rlkjax.init_params(rlkjax.ModelConfig.preset("qwen3-tiny"), seed=0)
-    initial = {jax.tree_util.keystr(path): np.asarray(x, np.float32) for path, x in jax.tree_util.tree_leaves_with_path(params)}
+    initial = {
+        jax.tree_util.keystr(path): np.asarray(x, np.float32) for path, x in jax.tree_util.tree_leaves_with_path(params)
+    }
     fsdp, single = np.load(tmp_path / "fsdp" / "master.npz"), np.load(tmp_path / "single" / "master.npz")
     assert sorted(fsdp.files) == sorted(single.files) == sorted(initial)
     delta = np.concatenate([(fsdp[k] - single[k]).ravel() for k in single.files])
@@ -82,4 +103,3 @@ def test_grpo_fsdp_learner_follows_the_single_device_trajectory(tmp_path):
         assert np.count_nonzero(moved) > 0.99 * moved.size  # it did train
     assert np.abs(delta).max() <= 2 * max_step + ulp, np.abs(delta).max()
     assert np.median(np.abs(delta)) <= 2.0**-7 * lr_1, np.median(np.abs(delta))
-

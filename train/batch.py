@@ -3,6 +3,7 @@ loss reports (`LossStats`, each with a declared reduction). Both are NamedTuples
 `train/fsdp.py` shards a `Batch` by rows and merges `LossStats` across devices from these declarations,
 with no list of field names of its own.
 """
+
 from typing import NamedTuple
 
 import jax
@@ -16,13 +17,13 @@ class Batch(NamedTuple):
     """B sequences (prompt + completion) padded to T tokens. Every field has rows first, so the FSDP
     learner splits each of them by rows. Logprob column t is log p(token t + 1 | tokens <= t)."""
 
-    tokens: np.ndarray     # [B, T] int32
+    tokens: np.ndarray  # [B, T] int32
     positions: np.ndarray  # [B, T] int32; -1 on padding (written to the trash page, never attended)
-    logp_old: np.ndarray   # [B, T-1] f32: the sampler's recorded logprob on completion tokens, 0 elsewhere
-    mask: np.ndarray       # [B, T-1] f32: 1 on completion tokens (the ones trained), 0 elsewhere
-    adv: np.ndarray        # [B] f32: the sequence's advantage
-    temps: np.ndarray      # [B] f32: the sampling temperature the learner scores at
-    tis: np.ndarray        # [B, T-1] f32: truncated importance weight (1 = none; only --numerics fast sets it)
+    logp_old: np.ndarray  # [B, T-1] f32: the sampler's recorded logprob on completion tokens, 0 elsewhere
+    mask: np.ndarray  # [B, T-1] f32: 1 on completion tokens (the ones trained), 0 elsewhere
+    adv: np.ndarray  # [B] f32: the sequence's advantage
+    temps: np.ndarray  # [B] f32: the sampling temperature the learner scores at
+    tis: np.ndarray  # [B, T-1] f32: truncated importance weight (1 = none; only --numerics fast sets it)
 
 
 # What an all-padding row holds. Positions -1 keep it out of attention; temperature 1 because the
@@ -41,10 +42,15 @@ def pack(samples) -> Batch:
         first, n = len(s["prompt"]) - 1, len(s["tokens"])  # column of the first completion token
         logp_old[i, first : first + n] = s["logprobs"]
         mask[i, first : first + n] = 1
-    return Batch(tokens=tokens, positions=positions, logp_old=logp_old, mask=mask,
-                 adv=np.array([s["adv"] for s in samples], np.float32),
-                 temps=np.array([s["temperature"] for s in samples], np.float32),
-                 tis=np.ones((rows, length - 1), np.float32))
+    return Batch(
+        tokens=tokens,
+        positions=positions,
+        logp_old=logp_old,
+        mask=mask,
+        adv=np.array([s["adv"] for s in samples], np.float32),
+        temps=np.array([s["temperature"] for s in samples], np.float32),
+        tis=np.ones((rows, length - 1), np.float32),
+    )
 
 
 def pad_rows(batch: Batch, multiple: int) -> Batch:
@@ -68,7 +74,7 @@ class LossStats(NamedTuple):
     ratio_min: jax.Array  # min of rho = exp(logp_new - logp_old) over completion tokens
     ratio_max: jax.Array  # max of rho
     ratio_sum: jax.Array  # sum of rho (ratio mean = ratio_sum / tokens)
-    clipped: jax.Array    # tokens whose rho left [1 - eps, 1 + eps]
+    clipped: jax.Array  # tokens whose rho left [1 - eps, 1 + eps]
 
 
 REDUCTION = LossStats(ratio_min="min", ratio_max="max", ratio_sum="sum", clipped="sum")

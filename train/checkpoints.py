@@ -19,6 +19,7 @@ weights, which also keeps it working with several hosts). It detects corruption,
 an H200, 9.7 GB of fp32 arrays (qwen3-8b's stacked layers and embedding) took 2.7 ms (3.6 TB/s), fused
 into one pass with no memory beyond the arrays; the per-step all(isfinite) check took 2.5 ms.
 """
+
 import dataclasses
 import hashlib
 import json
@@ -37,9 +38,23 @@ FORMAT = 1
 # weights move), only how long it runs, where it is written, what is reported, or how it is reached.
 # --steps stretches the cosine learning-rate schedule to the new horizon (logged when it changes); a
 # --data path may change as long as the file's contents (their sha256, checked separately) do not.
-RESUMABLE_CHANGES = frozenset({"steps", "out", "data", "progress", "checkpoint_every", "keep_checkpoints",
-                               "verify_logprobs", "on_mismatch", "resume", "resume_allow_changes", "rollout_url",
-                               "admin_key", "distributed"})
+RESUMABLE_CHANGES = frozenset(
+    {
+        "steps",
+        "out",
+        "data",
+        "progress",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "verify_logprobs",
+        "on_mismatch",
+        "resume",
+        "resume_allow_changes",
+        "rollout_url",
+        "admin_key",
+        "distributed",
+    }
+)
 SECRETS = frozenset({"admin_key"})  # never written to disk
 
 
@@ -69,8 +84,10 @@ def checksums(tree) -> dict[str, str]:
     """{tensor path: "dtype[shape]:checksum"} for every array of `tree`."""
     paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(tree)[0], strict=True)
     sums = jax.device_get(_array_sums(list(leaves)))
-    return {jax.tree_util.keystr(p): f"{x.dtype}{list(x.shape)}:{int(s[0]):08x}{int(s[1]):08x}"
-            for p, x, s in zip(paths, leaves, sums, strict=True)}
+    return {
+        jax.tree_util.keystr(p): f"{x.dtype}{list(x.shape)}:{int(s[0]):08x}{int(s[1]):08x}"
+        for p, x, s in zip(paths, leaves, sums, strict=True)
+    }
 
 
 def run_config(config) -> dict:
@@ -125,8 +142,10 @@ class Checkpoints:
             why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             raise CheckpointError(f"{path}: unreadable checkpoint metadata ({why})") from None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            raise CheckpointError(f"{path}: not a format-{FORMAT} train.grpo checkpoint (written by an older version "
-                                  "without checksums, or not by train.grpo)")
+            raise CheckpointError(
+                f"{path}: not a format-{FORMAT} train.grpo checkpoint (written by an older version "
+                "without checksums, or not by train.grpo)"
+            )
         seal = meta.pop("meta_sha256", None)
         if seal != _sealed(meta):
             raise CheckpointError(f"{path}: its contents do not match their recorded sha256 (edited or corrupted)")
@@ -147,8 +166,10 @@ class Checkpoints:
         found = checksums(state)
         bad = [path for path, want in meta["checksums"].items() if found[path] != want]
         if bad:
-            raise CheckpointError(f"{where}: {len(bad)} of {len(found)} arrays differ from their recorded checksums, "
-                                  f"first {bad[0]} (saved {meta['checksums'][bad[0]]}, read {found[bad[0]]})")
+            raise CheckpointError(
+                f"{where}: {len(bad)} of {len(found)} arrays differ from their recorded checksums, "
+                f"first {bad[0]} (saved {meta['checksums'][bad[0]]}, read {found[bad[0]]})"
+            )
         return state
 
     def restore_newest(self, target: dict, check_meta) -> tuple[dict, dict]:
@@ -167,13 +188,15 @@ class Checkpoints:
             for bad, _ in skipped:
                 self._set_aside(bad)
             if skipped:
-                log.warning("resuming from checkpoint %d, the newest that verifies (skipped %s)",
-                            step, [s for s, _ in skipped])
+                log.warning(
+                    "resuming from checkpoint %d, the newest that verifies (skipped %s)", step, [s for s, _ in skipped]
+                )
             return state, meta
         if not skipped:
             raise ValueError(f"--resume: no checkpoint in {self.directory}")
-        raise CheckpointError(f"--resume: no usable checkpoint in {self.directory}: "
-                              + "; ".join(why for _, why in skipped))
+        raise CheckpointError(
+            f"--resume: no usable checkpoint in {self.directory}: " + "; ".join(why for _, why in skipped)
+        )
 
     def _set_aside(self, step: int) -> None:
         """Move an unusable checkpoint out of the manager's directory, kept for inspection."""

@@ -11,6 +11,7 @@ robin. New weights reach them device to device (`jax.device_put`), never through
 
 One process per host; on several hosts call `jax.distributed.initialize()` first (see README).
 """
+
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
@@ -32,11 +33,15 @@ def make_mesh(devices: int) -> Mesh:
 
 def param_specs(params, devices: int):
     """Shard each leaf along its largest dimension divisible by the mesh size."""
+
     def spec(x):
         dims = [d for d in np.argsort(x.shape)[::-1] if x.shape[d] % devices == 0]
         if not dims:
-            raise ValueError(f"FSDP over {devices} devices needs a dimension divisible by {devices}; a parameter has shape {x.shape}")
+            raise ValueError(
+                f"FSDP over {devices} devices needs a dimension divisible by {devices}; a parameter has shape {x.shape}"
+            )
         return P(*[AXIS if i == dims[0] else None for i in range(x.ndim)])
+
     return jax.tree.map(spec, params)
 
 
@@ -46,30 +51,46 @@ def shard(tree, mesh, specs):
 
 def gather(params, specs):
     """All-gather every shard: exact, so the learner computes with the sampler's weights."""
+
     def full(x, s):
         return jax.lax.all_gather(x, AXIS, axis=list(s).index(AXIS), tiled=True)
+
     return jax.tree.map(full, params, specs)
 
 
 def sharded_logprobs(fn, mesh, specs, **static):
     """fn(params, tokens, positions, temps, rope, **static) -> [B, T-1], with rows sharded over the mesh."""
+
     def body(params, tokens, positions, temps, rope):
         return fn(gather(params, specs), tokens, positions, temps, rope, **static)
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, ROWS, ROWS, ROWS, P()), out_specs=ROWS, check_vma=False))
+
+    return jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(specs, ROWS, ROWS, ROWS, P()), out_specs=ROWS, check_vma=False)
+    )
 
 
 def sharded_value_and_grad(loss_fn, mesh, specs, **static):
     """loss_fn(params, batch, ref_logp, rope, total_tokens, **static) -> (loss, (stats, logp)), the
     loss and LossStats over this device's rows and logp [rows, T-1]; returns the global loss, the
     stats merged by their declared REDUCTION, every row's logp, and FSDP-sharded gradients."""
+
     def body(params, batch, ref_logp, rope, total_tokens):
         def local(p):
             return loss_fn(gather(p, specs), batch, ref_logp, rope, total_tokens=total_tokens, **static)
+
         (loss, (stats, logp)), grads = jax.value_and_grad(local, has_aux=True)(params)
         merged = jax.tree.map(lambda v, how: COLLECTIVES[how](v, AXIS), stats, REDUCTION)
         return (jax.lax.psum(loss, AXIS), (merged, logp)), grads
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, BATCH_SPECS, ROWS, P(), P()),
-                                 out_specs=((P(), (P(), ROWS)), specs), check_vma=False))
+
+    return jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(specs, BATCH_SPECS, ROWS, P(), P()),
+            out_specs=((P(), (P(), ROWS)), specs),
+            check_vma=False,
+        )
+    )
 
 
 def replica_devices(count: int):

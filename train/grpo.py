@@ -40,6 +40,7 @@ Deviations from the GRPO paper (Shao et al., 2024), each on purpose:
   - In --numerics fast the sampler and learner disagree, so truncated importance sampling
     (--tis-cap, as in verl/OpenRLHF) can reweight tokens by min(p_learner_old / p_sampler, cap).
 """
+
 import dataclasses
 import json
 import logging
@@ -76,7 +77,8 @@ class GRPOConfig:
     model: str = "qwen3-tiny"
     """A preset (random weights from --seed), an HF checkpoint dir, or an orbax dir."""
     tokenizer: str | None = None
-    """'bytes' or a directory with tokenizer.json. Default: bytes for a preset, the checkpoint's tokenizer.json otherwise."""
+    """'bytes' or a directory with tokenizer.json. Default: bytes for a preset, the checkpoint's tokenizer.json
+    otherwise."""
     task: Literal["lowercase", "arithmetic", "gsm8k"] = "lowercase"
     """Prompts and reward: lowercase (default demo), arithmetic (a+b=), gsm8k (needs --data)."""
     data: str | None = None
@@ -145,14 +147,25 @@ class GRPOConfig:
     resume: bool = False
     """Continue from the newest checkpoint in --out that verifies (older ones are fallen back to, with a warning)."""
     resume_allow_changes: bool = False
-    """With --resume: continue even if flags that alter the trajectory differ from the checkpoint's (they are logged)."""
+    """With --resume: continue even if flags that alter the trajectory differ from the checkpoint's (they are
+    logged)."""
     progress: bool = True
     """Show a progress bar."""
 
     def __post_init__(self):
-        positive = ("steps", "prompts_per_step", "group_size", "max_new_tokens", "max_prompt_tokens", "updates_per_batch", "micro_batch",
-                    "learner_devices", "sampler_replicas",
-                    "checkpoint_every", "keep_checkpoints")
+        positive = (
+            "steps",
+            "prompts_per_step",
+            "group_size",
+            "max_new_tokens",
+            "max_prompt_tokens",
+            "updates_per_batch",
+            "micro_batch",
+            "learner_devices",
+            "sampler_replicas",
+            "checkpoint_every",
+            "keep_checkpoints",
+        )
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be positive")
@@ -164,8 +177,14 @@ class GRPOConfig:
         check_temperature("--temperature", self.temperature)  # as the float32 the kernels divide by
         # Float flags must be finite as the float32 they are used as: NaN passes every comparison, and
         # 1e39 is a finite Python float but inf in float32.
-        bounds = {"learning_rate": "> 0", "max_grad_norm": "> 0", "clip_eps": "> 0",
-                  "weight_decay": ">= 0", "beta": ">= 0", "tis_cap": ">= 0"}
+        bounds = {
+            "learning_rate": "> 0",
+            "max_grad_norm": "> 0",
+            "clip_eps": "> 0",
+            "weight_decay": ">= 0",
+            "beta": ">= 0",
+            "tis_cap": ">= 0",
+        }
         for name, bound in bounds.items():
             value = getattr(self, name)
             with np.errstate(over="ignore"):
@@ -209,10 +228,12 @@ def grpo_loss(master, batch: Batch, ref_logp, rope, cfg, numerics, clip_eps, bet
     if beta:
         per_token = per_token + beta * (jnp.exp(ref_logp - logp) - (ref_logp - logp) - 1)
     loss = jnp.sum(per_token * mask) / total_tokens
-    stats = LossStats(ratio_min=jnp.min(jnp.where(mask > 0, ratio, jnp.inf)),
-                      ratio_max=jnp.max(jnp.where(mask > 0, ratio, -jnp.inf)),
-                      ratio_sum=jnp.sum(ratio * mask),
-                      clipped=jnp.sum((jnp.abs(ratio - 1) > clip_eps) & (mask > 0)))
+    stats = LossStats(
+        ratio_min=jnp.min(jnp.where(mask > 0, ratio, jnp.inf)),
+        ratio_max=jnp.max(jnp.where(mask > 0, ratio, -jnp.inf)),
+        ratio_sum=jnp.sum(ratio * mask),
+        clipped=jnp.sum((jnp.abs(ratio - 1) > clip_eps) & (mask > 0)),
+    )
     return loss, (stats, logp)
 
 
@@ -232,18 +253,25 @@ def contract_violation(step: int, what: str, batch: Batch, learner: np.ndarray, 
     if not differ.any():
         return None
     row, col = (int(i) for i in np.argwhere(differ)[0])  # the first in batch order, then position
-    return (f"step {step}: {what}: {int(differ.sum())} of {int(batch.mask.sum())} completion tokens differ in their bits; "
-            f"first in sequence {row} of the batch (prompt {row // group_size}, sample {row % group_size}), "
-            f"token position {col + 1} (id {int(batch.tokens[row, col + 1])}): "
-            f"sampler {_float(batch.logp_old[row, col])}, learner {_float(learner[row, col])}")
+    return (
+        f"step {step}: {what}: {int(differ.sum())} of {int(batch.mask.sum())} completion tokens differ in their bits; "
+        f"first in sequence {row} of the batch (prompt {row // group_size}, sample {row % group_size}), "
+        f"token position {col + 1} (id {int(batch.tokens[row, col + 1])}): "
+        f"sampler {_float(batch.logp_old[row, col])}, learner {_float(learner[row, col])}"
+    )
 
 
-def first_update_violation(step: int, batch: Batch, logp_new: np.ndarray, stats: LossStats, group_size: int) -> str | None:
+def first_update_violation(
+    step: int, batch: Batch, logp_new: np.ndarray, stats: LossStats, group_size: int
+) -> str | None:
     """The first update scores at the weights that sampled the batch, so its logp_new must have
     logp_old's bits and every ratio must be exactly 1 (checked on the stats too: NaN has equal bits)."""
     problem = contract_violation(step, "first update's logp_new vs logp_old", batch, logp_new, group_size)
     if problem is None and not stats.ratio_min == stats.ratio_max == 1.0:
-        problem = f"step {step}: first update's ratio in [{float(stats.ratio_min)!r}, {float(stats.ratio_max)!r}], not exactly 1"
+        problem = (
+            f"step {step}: first update's ratio in [{float(stats.ratio_min)!r}, {float(stats.ratio_max)!r}], "
+            "not exactly 1"
+        )
     return problem
 
 
@@ -274,10 +302,15 @@ def nonfinite(step: int, loss: float, grad_norm: float, finite: dict, trees: dic
     for what, tree in trees.items():
         bad = np.flatnonzero(~np.asarray(finite[what]))
         if bad.size:
-            return (f"step {step}: {what} {tensor_paths(tree)[bad[0]]} holds non-finite values "
-                    f"({bad.size} of {len(finite[what])} {what} tensors do)")
+            return (
+                f"step {step}: {what} {tensor_paths(tree)[bad[0]]} holds non-finite values "
+                f"({bad.size} of {len(finite[what])} {what} tensors do)"
+            )
         if what == "gradient" and not math.isfinite(grad_norm):
-            return f"step {step}: the gradient norm is {grad_norm!r} (every gradient tensor is finite: the norm overflowed)"
+            return (
+                f"step {step}: the gradient norm is {grad_norm!r} "
+                "(every gradient tensor is finite: the norm overflowed)"
+            )
     return None
 
 
@@ -297,12 +330,21 @@ class LocalRollout:
                 self.engines.append(Engine(jax.device_put(params, device), cfg, config.numerics, sizing))
 
     def sample(self, prompts, group, max_new_tokens, temperature, seeds):
-        reqs = [self.engines[i % len(self.engines)].submit(p, n=group, max_new_tokens=max_new_tokens, temperature=temperature, seed=s)
-                for i, (p, s) in enumerate(zip(prompts, seeds))]
+        reqs = [
+            self.engines[i % len(self.engines)].submit(
+                p, n=group, max_new_tokens=max_new_tokens, temperature=temperature, seed=s
+            )
+            for i, (p, s) in enumerate(zip(prompts, seeds))
+        ]
         for engine in self.engines:
             engine.run_until_done()
-        return [[{"tokens": c.tokens, "logprobs": c.logprobs, "policy_version": self.first_version + c.policy_version}
-                 for c in r.results] for r in reqs]
+        return [
+            [
+                {"tokens": c.tokens, "logprobs": c.logprobs, "policy_version": self.first_version + c.policy_version}
+                for c in r.results
+            ]
+            for r in reqs
+        ]
 
     def push(self, params, cfg, out_dir):
         for engine, device in zip(self.engines, self.devices):  # device to device, no disk
@@ -315,11 +357,15 @@ class RemoteRollout:
 
     def __init__(self, url, admin_key):
         import os
+
         from rlkjax.client import RolloutClient
+
         self.client = RolloutClient(url, admin_key=admin_key or os.environ.get("RLKJAX_ADMIN_KEY"))
 
     def sample(self, prompts, group, max_new_tokens, temperature, seeds):
-        return self.client.generate(prompts, n=group, max_new_tokens=max_new_tokens, temperature=temperature, seed=seeds)
+        return self.client.generate(
+            prompts, n=group, max_new_tokens=max_new_tokens, temperature=temperature, seed=seeds
+        )
 
     def push(self, params, cfg, out_dir):
         path = Path(out_dir) / "sync"
@@ -333,8 +379,9 @@ def check_prompt_lengths(task, tokenizer, limit: int) -> None:
     for example in getattr(task, "examples", ()):
         length = len(tokenizer.encode(example.prompt))
         if not 0 < length <= limit:
-            raise ValueError(f"{example.source}: the prompt is {length} tokens; "
-                             f"--max-prompt-tokens={limit} accepts 1 to {limit}")
+            raise ValueError(
+                f"{example.source}: the prompt is {length} tokens; --max-prompt-tokens={limit} accepts 1 to {limit}"
+            )
 
 
 def check_resume(meta: dict, config: GRPOConfig, data_sha256: str | None) -> None:
@@ -343,13 +390,18 @@ def check_resume(meta: dict, config: GRPOConfig, data_sha256: str | None) -> Non
     if meta.get("data_sha256") != data_sha256:
         changes.append(f"--data file contents: sha256 {meta.get('data_sha256')} -> {data_sha256}")
     if changes and not config.resume_allow_changes:
-        raise ValueError(f"--resume: {len(changes)} setting(s) differ from the checkpoint's and would change the run's "
-                         f"trajectory: {'; '.join(changes)} (--resume-allow-changes continues anyway)")
+        raise ValueError(
+            f"--resume: {len(changes)} setting(s) differ from the checkpoint's and would change the run's "
+            f"trajectory: {'; '.join(changes)} (--resume-allow-changes continues anyway)"
+        )
     for change in changes:
         log.warning("--resume-allow-changes: %s", change)
     if meta["config"].get("steps") != config.steps:
-        log.warning("--steps %s -> %s: the learning-rate schedule now decays over the new horizon",
-                    meta["config"].get("steps"), config.steps)
+        log.warning(
+            "--steps %s -> %s: the learning-rate schedule now decays over the new horizon",
+            meta["config"].get("steps"),
+            config.steps,
+        )
 
 
 def keep_metrics_until(path: Path, step: int) -> None:
@@ -381,8 +433,10 @@ def train(config: GRPOConfig) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     cfg, params = load_model(config.model, seed=config.seed)
     if config.max_prompt_tokens + config.max_new_tokens > cfg.max_position:
-        raise ValueError(f"--max-prompt-tokens + --max-new-tokens = {config.max_prompt_tokens + config.max_new_tokens} "
-                         f"exceeds the model's context of {cfg.max_position} tokens")
+        raise ValueError(
+            f"--max-prompt-tokens + --max-new-tokens = {config.max_prompt_tokens + config.max_new_tokens} "
+            f"exceeds the model's context of {cfg.max_position} tokens"
+        )
     tokenizer = load_tokenizer(config.model, config.tokenizer)
     task = make_task(config.task, config.data, config.reward)
     check_prompt_lengths(task, tokenizer, config.max_prompt_tokens)
@@ -390,11 +444,20 @@ def train(config: GRPOConfig) -> dict:
     mesh = fsdp.make_mesh(config.learner_devices)
     specs = fsdp.param_specs(params, config.learner_devices)
     master = fsdp.shard(jax.tree.map(lambda w: w.astype(jnp.float32), params), mesh, specs)
-    grad_fn = fsdp.sharded_value_and_grad(grpo_loss, mesh, specs, cfg=cfg, numerics=config.numerics, clip_eps=config.clip_eps, beta=config.beta)
+    grad_fn = fsdp.sharded_value_and_grad(
+        grpo_loss, mesh, specs, cfg=cfg, numerics=config.numerics, clip_eps=config.clip_eps, beta=config.beta
+    )
     score_fn = fsdp.sharded_logprobs(policy_logprobs, mesh, specs, cfg=cfg, numerics=config.numerics)
-    schedule = optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, config.warmup_steps,
-                                                  max(config.steps * config.updates_per_batch, config.warmup_steps + 1), end_value=0.1 * config.learning_rate)
-    optimizer = optax.chain(optax.clip_by_global_norm(config.max_grad_norm), optax.adamw(schedule, weight_decay=config.weight_decay))
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0,
+        config.learning_rate,
+        config.warmup_steps,
+        max(config.steps * config.updates_per_batch, config.warmup_steps + 1),
+        end_value=0.1 * config.learning_rate,
+    )
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(config.max_grad_norm), optax.adamw(schedule, weight_decay=config.weight_decay)
+    )
     opt_state = optimizer.init(master)
 
     @jax.jit
@@ -402,8 +465,11 @@ def train(config: GRPOConfig) -> dict:
         """The optimiser step, plus what the non-finite check needs (a few bytes leave the device)."""
         updates, opt_state = optimizer.update(grads, opt_state, master)
         master = optax.apply_updates(master, updates)
-        finite = {"gradient": finite_leaves(grads), "parameter": finite_leaves(master),
-                  "optimiser state": finite_leaves(opt_state)}
+        finite = {
+            "gradient": finite_leaves(grads),
+            "parameter": finite_leaves(master),
+            "optimiser state": finite_leaves(opt_state),
+        }
         return master, opt_state, optax.tree.norm(grads), finite
 
     data_rng = np.random.default_rng(config.seed)
@@ -413,15 +479,18 @@ def train(config: GRPOConfig) -> dict:
     checkpoints = Checkpoints(out / "checkpoints", config.keep_checkpoints)
     data_sha256 = file_sha256(config.data)
     if config.resume:
-        state, meta = checkpoints.restore_newest(checkpoint_state(master, opt_state, ref),
-                                                 lambda meta: check_resume(meta, config, data_sha256))
+        state, meta = checkpoints.restore_newest(
+            checkpoint_state(master, opt_state, ref), lambda meta: check_resume(meta, config, data_sha256)
+        )
         master, opt_state, ref = state["master"], state["opt_state"], state.get("ref")
         data_rng.bit_generator.state = meta["data_rng"]
         start = meta["step"]
         log.info("resumed from checkpoint %d in %s", start, checkpoints.directory)
     elif checkpoints.steps():
-        raise ValueError(f"{checkpoints.directory} already holds checkpoints {checkpoints.steps()} of an earlier run: "
-                         "--resume continues it; another --out starts afresh")
+        raise ValueError(
+            f"{checkpoints.directory} already holds checkpoints {checkpoints.steps()} of an earlier run: "
+            "--resume continues it; another --out starts afresh"
+        )
 
     policy = to_policy(master, cfg)
     if config.rollout_url:
@@ -447,35 +516,68 @@ def train(config: GRPOConfig) -> dict:
             groups = rollout.sample(prompts, config.group_size, config.max_new_tokens, config.temperature, seeds)
             t1 = time.perf_counter()
             # 2. Rewards and advantages.
-            rewards = np.array([[task.reward(e, tokenizer.decode(s["tokens"])) for s in g] for e, g in zip(examples, groups)], np.float64)
+            rewards = np.array(
+                [[task.reward(e, tokenizer.decode(s["tokens"])) for s in g] for e, g in zip(examples, groups)],
+                np.float64,
+            )
             if not np.isfinite(rewards).all():  # a user reward's NaN would reach the loss as every token's advantage
                 prompt, sample = (int(i) for i in np.argwhere(~np.isfinite(rewards))[0])
-                raise NonFiniteError(f"step {step + 1}: the reward of prompt {prompt}, sample {sample} is "
-                                     f"{float(rewards[prompt, sample])!r} ({examples[prompt].prompt!r})")
+                raise NonFiniteError(
+                    f"step {step + 1}: the reward of prompt {prompt}, sample {sample} is "
+                    f"{float(rewards[prompt, sample])!r} ({examples[prompt].prompt!r})"
+                )
             adv = group_advantages(rewards, config.scale_advantages)
-            samples = [{"prompt": p, "tokens": s["tokens"], "logprobs": np.asarray(s["logprobs"], np.float32), "adv": float(a),
-                        "temperature": config.temperature} for p, g, ar in zip(prompts, groups, adv) for s, a in zip(g, ar)]
+            samples = [
+                {
+                    "prompt": p,
+                    "tokens": s["tokens"],
+                    "logprobs": np.asarray(s["logprobs"], np.float32),
+                    "adv": float(a),
+                    "temperature": config.temperature,
+                }
+                for p, g, ar in zip(prompts, groups, adv)
+                for s, a in zip(g, ar)
+            ]
             batch = pack(samples)
             total_tokens = float(batch.mask.sum())
-            row = {"step": step + 1, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
-                   "entropy_estimate": float(-(batch.logp_old * batch.mask).sum() / total_tokens)}
+            row = {
+                "step": step + 1,
+                "reward_mean": float(rewards.mean()),
+                "reward_std": float(rewards.std()),
+                "entropy_estimate": float(-(batch.logp_old * batch.mask).sum() / total_tokens),
+            }
             # Optional recomputation of logp_old by the learner (TIS needs it; --verify-logprobs checks it).
             if config.verify_logprobs or config.tis_cap:
-                learner_old = np.concatenate([np.asarray(score_fn(master, mb.tokens, mb.positions, mb.temps, rope))
-                                              for mb in micro_batches(batch, config.micro_batch, config.learner_devices)])[: len(samples)]
+                learner_old = np.concatenate(
+                    [
+                        np.asarray(score_fn(master, mb.tokens, mb.positions, mb.temps, rope))
+                        for mb in micro_batches(batch, config.micro_batch, config.learner_devices)
+                    ]
+                )[: len(samples)]
                 sel = batch.mask > 0
                 row |= mismatch_stats(batch.logp_old[sel], learner_old[sel])
                 if strict:  # before any update, so a broken contract never trains
-                    enforce(contract_violation(step + 1, "sampler vs learner logprobs", batch, learner_old, config.group_size),
-                            config.on_mismatch)
+                    enforce(
+                        contract_violation(
+                            step + 1, "sampler vs learner logprobs", batch, learner_old, config.group_size
+                        ),
+                        config.on_mismatch,
+                    )
                 if config.tis_cap:
-                    batch = batch._replace(tis=np.minimum(np.exp(learner_old - batch.logp_old), config.tis_cap).astype(np.float32) * batch.mask)
+                    batch = batch._replace(
+                        tis=np.minimum(np.exp(learner_old - batch.logp_old), config.tis_cap).astype(np.float32)
+                        * batch.mask
+                    )
             # 3. Updates.
             t2 = time.perf_counter()
             for u in range(config.updates_per_batch):
                 grads, losses, stats, logp_new = None, [], [], []
                 for mb in micro_batches(batch, config.micro_batch, config.learner_devices):
-                    ref_logp = score_fn(ref, mb.tokens, mb.positions, mb.temps, rope) if config.beta else np.zeros_like(mb.logp_old)
+                    ref_logp = (
+                        score_fn(ref, mb.tokens, mb.positions, mb.temps, rope)
+                        if config.beta
+                        else np.zeros_like(mb.logp_old)
+                    )
                     (loss, (st, logp)), g = grad_fn(master, mb, ref_logp, rope, np.float32(total_tokens))
                     grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
                     losses.append(float(loss))
@@ -483,20 +585,33 @@ def train(config: GRPOConfig) -> dict:
                     logp_new.append(logp)
                 if u == 0:
                     st = reduce_stats(stats)
-                    row |= {"ratio_min": float(st.ratio_min), "ratio_max": float(st.ratio_max),
-                            "ratio_mean": float(st.ratio_sum / total_tokens), "clip_fraction": float(st.clipped / total_tokens),
-                            "loss": sum(losses)}
+                    row |= {
+                        "ratio_min": float(st.ratio_min),
+                        "ratio_max": float(st.ratio_max),
+                        "ratio_mean": float(st.ratio_sum / total_tokens),
+                        "clip_fraction": float(st.clipped / total_tokens),
+                        "loss": sum(losses),
+                    }
                     if strict:  # before the update is applied
                         logp_new = np.concatenate([np.asarray(x) for x in logp_new])[: len(samples)]
-                        enforce(first_update_violation(step + 1, batch, logp_new, st, config.group_size), config.on_mismatch)
+                        enforce(
+                            first_update_violation(step + 1, batch, logp_new, st, config.group_size), config.on_mismatch
+                        )
                 new_master, new_opt_state, grad_norm, finite = update(grads, opt_state, master)
-                problem = nonfinite(step + 1, sum(losses), float(grad_norm), jax.device_get(finite),
-                                    {"gradient": grads, "parameter": new_master, "optimiser state": new_opt_state})
+                problem = nonfinite(
+                    step + 1,
+                    sum(losses),
+                    float(grad_norm),
+                    jax.device_get(finite),
+                    {"gradient": grads, "parameter": new_master, "optimiser state": new_opt_state},
+                )
                 if problem:  # before any sync, metrics row or checkpoint from this state
                     good = checkpoints.latest()
-                    raise NonFiniteError(f"{problem} (update {u + 1} of {config.updates_per_batch}); stopped before any "
-                                         "checkpoint, weight sync or final_hf from this state; the last good checkpoint is "
-                                         + (f"step {good} in {checkpoints.directory}" if good else "none (none was written yet)"))
+                    raise NonFiniteError(
+                        f"{problem} (update {u + 1} of {config.updates_per_batch}); stopped before any "
+                        "checkpoint, weight sync or final_hf from this state; the last good checkpoint is "
+                        + (f"step {good} in {checkpoints.directory}" if good else "none (none was written yet)")
+                    )
                 master, opt_state = new_master, new_opt_state
                 if u == 0:
                     row["grad_norm"] = float(grad_norm)
@@ -506,18 +621,31 @@ def train(config: GRPOConfig) -> dict:
             jax.block_until_ready(policy)
             rollout.push(policy, cfg, out)
             t4 = time.perf_counter()
-            row |= {"tokens_per_s": total_tokens / (t4 - t0), "rollout_s": t1 - t0, "learn_s": t3 - t2, "sync_s": t4 - t3,
-                    "policy_version": int(groups[0][0]["policy_version"])}
+            row |= {
+                "tokens_per_s": total_tokens / (t4 - t0),
+                "rollout_s": t1 - t0,
+                "learn_s": t3 - t2,
+                "sync_s": t4 - t3,
+                "policy_version": int(groups[0][0]["policy_version"]),
+            }
             history.append(row)
             with metrics_path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", mismatch=row.get("tokens_bits_differ", "-"))
             # 5. Checkpoints (with checksums, the config and the data state; see train/checkpoints.py).
             if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
-                checkpoints.save(step + 1, checkpoint_state(master, opt_state, ref), {
-                    "data_rng": data_rng.bit_generator.state, "config": run_config(config), "data_sha256": data_sha256})
+                checkpoints.save(
+                    step + 1,
+                    checkpoint_state(master, opt_state, ref),
+                    {
+                        "data_rng": data_rng.bit_generator.state,
+                        "config": run_config(config),
+                        "data_sha256": data_sha256,
+                    },
+                )
     finally:
-        checkpoints.close()  # a save in flight completes, so the last good checkpoint is on disk whatever stopped the run
+        # A save in flight completes, so the last good checkpoint is on disk whatever stopped the run.
+        checkpoints.close()
     rlkjax.save_hf_checkpoint(out / "final_hf", cfg, to_policy(master, cfg))
     plot(out)
     return {"master": master, "history": history}
@@ -526,6 +654,7 @@ def train(config: GRPOConfig) -> dict:
 def plot(out: Path) -> None:
     """reward, mismatch, ratio/KL and throughput over steps -> out/plot.png (all steps in metrics.jsonl)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
