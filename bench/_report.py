@@ -23,3 +23,18 @@ def save_report(report: dict, path: str | None) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(report, f, indent=2)
+
+
+def median_time(fn, repeats: int) -> float:
+    """Median seconds of `repeats` calls of fn() (which blocks), after one warm-up call."""
+    import time
+
+    import numpy as np
+
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))

@@ -15,28 +15,16 @@ Times are medians of `--repeats` runs after a warm-up run, strict and fast side 
 
 import argparse
 import json
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import rlkjax
-from bench._report import new_report, save_report
+from bench._report import median_time, new_report, save_report
 from rlkjax import model
 from rlkjax.engine import Engine, EngineConfig, decode_round
 from rlkjax.numerics import PAGE_SIZE
 from rlkjax.shapes import cdiv
-
-
-def median_time(fn, repeats):
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
 
 
 def engine_rate(params, cfg, numerics, batch, context, new_tokens, repeats):

@@ -23,14 +23,13 @@ Times are medians of `--repeats` timed calls after a warm-up call. JSON to --out
 import argparse
 import functools
 import json
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import rlkjax
-from bench._report import new_report, save_report
+from bench._report import median_time, new_report, save_report
 from pallas_kernels import attention, logprob, matmul, swiglu
 from rlkjax import model, numerics
 from rlkjax.engine import prefill_chunk
@@ -41,17 +40,6 @@ PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16 datasheet
 BF16, F32 = jnp.bfloat16, jnp.float32
 SIDES = ("fast", "strict")
 NAN = float("nan")
-
-
-def median_time(fn, repeats):
-    """Median seconds of `repeats` calls of fn() (which blocks), after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
 
 
 def rand(key, shape, dtype=BF16, scale=1.0):

@@ -22,6 +22,21 @@ def assert_bits_equal(a, b, what=""):
     )
 
 
+# A shape every kernel pads, like the tiny random Qwen3 models on the Hub: width 40, group size 3,
+# head dim 24 (RoPE halves of 12), FFN 37, vocab 300 (a padded vocab tile).
+ODD = rlkjax.ModelConfig(
+    vocab_size=300,
+    hidden_size=40,
+    num_layers=1,
+    num_heads=6,
+    num_kv_heads=2,
+    head_dim=24,
+    intermediate_size=37,
+    tie_embeddings=False,
+    max_position=256,
+)
+
+
 @pytest.fixture(scope="session")
 def tiny():
     cfg = rlkjax.ModelConfig.preset("qwen3-tiny")

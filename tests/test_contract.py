@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import rlkjax
+from tests.conftest import ODD
 from tests.contract import check_case, random_case
 
 
@@ -59,17 +60,7 @@ def test_odd_shapes_bitwise():
     """The contract at a shape every kernel pads (bf16): width 40, group size 3, head dim 24 (RoPE
     halves of 12), FFN 37, vocab 300 (a padded vocab tile). Prevents: padding that depends on the
     batch or the chunk (a padded query head or vocab id leaking into a real row's reduction)."""
-    cfg = rlkjax.ModelConfig(
-        vocab_size=300,
-        hidden_size=40,
-        num_layers=1,
-        num_heads=6,
-        num_kv_heads=2,
-        head_dim=24,
-        intermediate_size=37,
-        tie_embeddings=False,
-        max_position=256,
-    )
+    cfg = ODD
     params = rlkjax.init_params(cfg, seed=5)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (3, 17, 30)]

@@ -1,6 +1,8 @@
 """The contract compiled on a GPU (Triton kernels, not the interpreter), with real Qwen3 shapes and
 random weights. Run there with `pytest -m gpu`; skipped elsewhere."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,24 +11,15 @@ import pytest
 import rlkjax
 from rlkjax import audit, model
 from rlkjax.engine import decode_round, decode_step
+from tests import conftest
 from tests.contract import check_case, random_case
 
 pytestmark = pytest.mark.gpu
 
 
-# A tiny-Hub-model shape that every kernel pads (width 40, group size 3, head dim 24, FFN 37,
-# vocab 300): proves the padded tiles compile through Triton and keep the contract there too.
-ODD = rlkjax.ModelConfig(
-    vocab_size=300,
-    hidden_size=40,
-    num_layers=2,
-    num_heads=6,
-    num_kv_heads=2,
-    head_dim=24,
-    intermediate_size=37,
-    tie_embeddings=False,
-    max_position=1024,
-)
+# The conftest's odd shape (every kernel pads it), with 2 layers: the padded tiles compile through
+# Triton and keep the contract there too.
+ODD = dataclasses.replace(conftest.ODD, num_layers=2, max_position=1024)
 
 
 @pytest.fixture(scope="module", params=["qwen3-0.6b", "qwen3-8b", "odd"])

@@ -8,6 +8,7 @@ import pytest
 
 import rlkjax
 from rlkjax import audit, engine, model, numerics
+from tests.conftest import ODD
 
 
 @pytest.fixture
@@ -69,21 +70,6 @@ def lowered(cfg, fn, numerics_mode, b=2, t=16, pages=4):
         numerics_mode,
         num_steps=4,
     )
-
-
-# Every kernel pads this one (width 40, group size 3, head dim 24, FFN 37, vocab 300): the padding,
-# slicing and re-interleaving of RoPE halves must be data movement too.
-ODD = rlkjax.ModelConfig(
-    vocab_size=300,
-    hidden_size=40,
-    num_layers=1,
-    num_heads=6,
-    num_kv_heads=2,
-    head_dim=24,
-    intermediate_size=37,
-    tie_embeddings=False,
-    max_position=256,
-)
 
 
 @pytest.mark.parametrize("shape", ["tiny", "odd"])
