@@ -12,7 +12,8 @@ from tests.conftest import ODD
 from tests.contract import check_case, random_case
 
 
-@pytest.mark.parametrize("chunk", [16, 37])
+# chunk 37 (not a page multiple) runs by default; 16 with the slow tests (.ci/run runs both).
+@pytest.mark.parametrize("chunk", [pytest.param(16, marks=pytest.mark.slow), 37])
 def test_score_equals_generate_bitwise(tiny, chunk):
     cfg, params = tiny
     rng = np.random.default_rng(chunk)
@@ -23,6 +24,7 @@ def test_score_equals_generate_bitwise(tiny, chunk):
     assert compared > 0
 
 
+@pytest.mark.slow
 def test_edge_lengths(tiny):
     """Prompt lengths at and around the page size, length 1, and a full batch of 9."""
     cfg, params = tiny
@@ -32,6 +34,7 @@ def test_edge_lengths(tiny):
     check_case(params, cfg, prompts, list(range(9)), [0.7, 1.0, 1.3] * 3, max_new=5, chunk=16, rng=rng)
 
 
+@pytest.mark.slow
 def test_fast_path_is_the_same_model_to_bf16_accuracy(tiny):
     """numerics='fast' (plain XLA) computes the same model, not the same bits. Tolerance, derived
     rather than picked: score the same sequences with the model evaluated in float32 (the truth up
@@ -56,6 +59,7 @@ def test_fast_path_is_the_same_model_to_bf16_accuracy(tiny):
     assert all(len(c.tokens) == 4 and np.all(np.isfinite(c.logprobs)) and np.all(c.logprobs <= 0) for c in comps)
 
 
+@pytest.mark.slow
 def test_odd_shapes_bitwise():
     """The contract at a shape every kernel pads (bf16): width 40, group size 3, head dim 24 (RoPE
     halves of 12), FFN 37, vocab 300 (a padded vocab tile). Prevents: padding that depends on the

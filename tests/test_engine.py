@@ -198,6 +198,7 @@ def test_two_weight_updates_before_a_swap_both_complete(tiny):
     check_exact(second_params, cfg, after, after.results[0], 1.0)
 
 
+@pytest.mark.slow
 def test_forked_samples_respect_max_batch(tiny):
     """n = 4 samples while another request holds 2 of 4 slots: the forks that find no slot wait
     holding their pages, the batch never exceeds 4, and every sample is exact (a parked one draws
@@ -295,6 +296,7 @@ def test_weight_swap_waits_for_parked_and_preempted_sequences(tiny, case):
             check_exact(params, cfg, r, comp, 1.0)
 
 
+@pytest.mark.slow
 def test_admission_takes_turns_between_groups(tiny):
     """A group of 12 one-sample requests (one HTTP request's prompts) arrives first, then a lone
     request: with 2 batch slots, the lone one is admitted in the second turn, not after all 12

@@ -304,6 +304,7 @@ def length_reward(prompt: str, completion: str) -> float:
     return len(completion) / 100
 
 
+@pytest.mark.slow
 def test_fast_numerics_with_tis_and_a_user_reward(tmp_path):
     """--numerics fast runs end to end with truncated importance sampling, and --reward replaces
     the task's reward with a user function."""

@@ -160,6 +160,7 @@ def test_attention_values_and_grads():
     check_grads(ker, lambda q, k, v: attention.dense_attention(q, k, v, pos), [q, k, v], (0, 1, 2), "attention")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hq,hkv,dh", [(6, 2, 24), (5, 1, 8)])
 def test_attention_odd_shapes(hq, hkv, dh):
     """Group sizes 3 and 5 (padded with zero query heads) and head dims 24 and 8 (zero features,
