@@ -35,6 +35,7 @@ from rlkjax import model, numerics
 from rlkjax.engine import prefill_chunk
 from rlkjax.numerics import PAGE_SIZE
 from train import grpo
+from train.batch import Batch
 
 PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16 datasheet
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -175,19 +176,24 @@ def compiled_bytes(compiled):
     return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
 
 
+def learner_batch(cfg, b, seq):
+    """Random recorded sequences [b, seq] as the learner's typed Batch (every token trained)."""
+    rng = np.random.default_rng(0)
+    return Batch(
+        tokens=jnp.asarray(rng.integers(0, cfg.vocab_size, (b, seq)), jnp.int32),
+        positions=jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (b, seq)),
+        logp_old=jnp.asarray(-rng.random((b, seq - 1)) * 3, F32),
+        mask=jnp.ones((b, seq - 1), F32),
+        adv=jnp.asarray(rng.standard_normal(b), F32),
+        temps=jnp.ones((b,), F32),
+        tis=jnp.ones((b, seq - 1), F32),
+    )
+
+
 def learner_row(cfg, name, seq, tokens_per_call, repeats, rate):
     b = max(1, tokens_per_call // seq)
-    rng = np.random.default_rng(0)
     master = model.init_params(cfg, seed=0, dtype=F32)
-    batch = {
-        "tokens": jnp.asarray(rng.integers(0, cfg.vocab_size, (b, seq)), jnp.int32),
-        "positions": jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (b, seq)),
-        "logp_old": jnp.asarray(-rng.random((b, seq - 1)) * 3, F32),
-        "mask": jnp.ones((b, seq - 1), F32),
-        "adv": jnp.asarray(rng.standard_normal(b), F32),
-        "temps": jnp.ones((b,), F32),
-        "tis": jnp.ones((b, seq - 1), F32),
-    }
+    batch = learner_batch(cfg, b, seq)
     rope = model.rope_tables(cfg)
     ref = jnp.zeros((b, seq - 1), F32)
     flops = 6 * matmul_params(cfg) * b * seq + 6 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq**2 * b

@@ -13,7 +13,8 @@ Returns out [B, T, Hq, Dh] and the updated caches.
 Numerics: keys are visited in blocks of `page_size` aligned to absolute positions (block j holds
 positions [j*ps, (j+1)*ps)), in ascending order, with an fp32 online softmax. A query row's state
 is only updated by blocks in which it sees at least one key (a select, so later blocks are exact
-no-ops), and every program handles `block_q` tokens of one row and one KV head, so a token's bits
+no-ops), and every program handles `block_rows` query rows (block_rows / G tokens) of one
+batch row and one KV head, the same tile in every pass, so a token's bits
 depend on its own keys only: not on the chunking, the batch, or the other queries in its tile.
 
 KV splits (flash-decoding): the positions are cut into fixed absolute ranges of `kv_split` keys
@@ -40,14 +41,14 @@ from pallas_kernels._common import F32, acc_dtype, check_block, compiler_params,
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
     page_size: int = 16  # = the KV block of the online softmax; changing it changes the bits
-    block_q: int = 16  # query tokens per program (free: a row's bits do not depend on it)
+    block_rows: int = 16  # query rows (tokens x group heads) per program: part of the contract
     kv_split: int = 256  # keys per split, merged in order afterwards; changing it changes the bits
     num_warps: int = 4
     num_stages: int = 2
 
     def __post_init__(self):
         check_block("page_size", self.page_size)
-        check_block("block_q", self.block_q, minimum=1)
+        check_block("block_rows", self.block_rows)
         check_block("kv_split", self.kv_split)
         if self.kv_split % self.page_size:
             raise ValueError(f"kv_split={self.kv_split} must be a multiple of page_size={self.page_size}")
@@ -145,9 +146,14 @@ def _pallas_attention(q, k_pages, v_pages, layer, page_table, positions, config,
     b, t, hq, dh = q.shape
     num_layers, hkv, num_pages, ps, _ = k_pages.shape
     g = hq // hkv
-    bq = config.block_q
+    # A program owns block_rows query rows (bq tokens x G heads) in every pass: the row tile's shape
+    # sets the layout of the softmax's row sums, so it must not change between decode and the
+    # learner (measured on the H200: 16- vs 64-row tiles differ in the last bit). 16 rows keeps a
+    # decode step's one token from filling 1/16 of a 16-token tile (1.85x faster decode attention
+    # at batch 64, context 2048; the learner's forward pays ~1.35x for its attention).
+    bq = max(1, config.block_rows // g)
     tp = round_up(t, bq)
-    check_block("block_q * group size", bq * g)
+    check_block("query rows per program", bq * g)
     check_block("head_dim", dh)
     # [B, T, Hkv*G, Dh] -> [B, Hkv, T*G, Dh]: the G query heads of a KV head share its key loads.
     qh = pad_dim(q, 1, bq).reshape(b, tp, hkv, g, dh).transpose(0, 2, 1, 3, 4).reshape(b, hkv, tp * g, dh)
@@ -159,6 +165,7 @@ def _pallas_attention(q, k_pages, v_pages, layer, page_table, positions, config,
     part = lambda *blk: pl.BlockSpec((None, None, None, rows, *blk), lambda i, h, j, s: (i, h, s, j, *[0] * len(blk)))  # noqa: E731
     acc, m, l = pl.pallas_call(
         functools.partial(_kernel, page_size=ps, kv_split=config.kv_split, scale=scale or 1.0 / math.sqrt(dh)),
+        name="attention_split",
         grid=(b, hkv, tp // bq, splits),
         in_specs=[
             pl.BlockSpec((1,), lambda i, h, j, s: (0,)),
@@ -177,6 +184,7 @@ def _pallas_attention(q, k_pages, v_pages, layer, page_table, positions, config,
     whole = lambda *blk: pl.BlockSpec((None, None, splits, rows, *blk), lambda i, h, j: (i, h, 0, j, *[0] * len(blk)))  # noqa: E731
     out = pl.pallas_call(
         functools.partial(_merge_kernel, kv_split=config.kv_split),
+        name="attention_merge",
         grid=(b, hkv, tp // bq),
         in_specs=[pl.BlockSpec((None, rows), lambda i, h, j: (i, j)), whole(dh), whole(), whole()],
         out_specs=pl.BlockSpec((None, None, rows, dh), lambda i, h, j: (i, h, j, 0)),

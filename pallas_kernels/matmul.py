@@ -103,6 +103,7 @@ def _pallas_matmul(x, w, residual, config: MatmulConfig, interpret: bool, layer=
             stacked=layer is not None,
             interpret=interpret,
         ),
+        name=f"matmul_n{n}_k{kp}",  # named by shape: profiles tell the projections apart
         grid=(mp // c.block_m, np_ // c.block_n),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((c.block_m, c.block_n), lambda i, j: (i, j)),

@@ -5,8 +5,9 @@ half-split layout (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). Rounding point
 model: normalise in fp32, round to x.dtype, scale by the weight, round again; RoPE is computed
 in fp32 from the rounded norm output and rounded once.
 
-The sum of squares walks D in `block_d` chunks in ascending order; each program owns `block_rows`
-whole rows, so a row's bits never depend on which other rows share its program.
+The sum of squares adds D's `block_d`-wide chunks elementwise in ascending order, then reduces
+the chunk-wide partial once; each program owns `block_rows` whole rows, so a row's bits never
+depend on which other rows share its program.
 """
 
 import dataclasses
@@ -42,10 +43,14 @@ def _norm(x, inv, w, dtype):
 def _kernel(x_ref, w_ref, *refs, eps, block_d, d, rope, width):
     o_ref = refs[-1]
     chunks = [pl.ds(i, block_d) for i in range(0, d, block_d)]
-    sumsq = jnp.zeros((x_ref.shape[0],), F32)
-    for c in chunks:  # ascending, fixed width: the reduction order is part of the contract
+    # Squares summed elementwise over the chunks (ascending), then ONE row reduction: the order
+    # is part of the contract. (A row reduction per chunk made every chunk wait for a cross-warp
+    # reduce: 28 us for one 4096-wide decode row on the H200, a fifth of a decode step.)
+    sq = jnp.zeros((x_ref.shape[0], block_d), F32)
+    for c in chunks:
         xc = x_ref[:, c].astype(F32)
-        sumsq = sumsq + jnp.sum(xc * xc, axis=1)
+        sq = sq + xc * xc
+    sumsq = jnp.sum(sq, axis=1)
     inv = _math.rsqrt(sumsq / width + eps)[:, None]  # width: the true feature count (d may be padded)
     if not rope:
         for c in chunks:
@@ -97,6 +102,7 @@ def _pallas_rmsnorm(x, w, cos, sin, eps, config, interpret, width=None):
         specs += [pl.BlockSpec((br, d // 2), lambda i: (i, 0))] * 2
     y = pl.pallas_call(
         functools.partial(_kernel, eps=eps, block_d=block_d, d=d, rope=rope, width=width or d),
+        name="rmsnorm",
         grid=(args[0].shape[0] // br,),
         in_specs=specs,
         out_specs=pl.BlockSpec((br, d), lambda i: (i, 0)),

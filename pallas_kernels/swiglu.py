@@ -46,6 +46,7 @@ def swiglu(gate, up, config: SwiGLUConfig, interpret: bool):
     spec = pl.BlockSpec((br, bc), lambda i, j: (i, j))
     y = pl.pallas_call(
         _kernel,
+        name="swiglu",
         grid=(g.shape[0] // br, g.shape[1] // bc),
         in_specs=[spec, spec],
         out_specs=spec,

@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels._common import pad_dim
 from rlkjax.config import ModelConfig
-from rlkjax.numerics import PAGE_SIZE, Numerics, ops
+from rlkjax.numerics import PAGE_SIZE, Numerics, ops, padded_rows
 from rlkjax.shapes import cdiv, fresh_page_table
 
 
@@ -102,10 +103,12 @@ def forward(
     learner passes False because it differentiates through per-layer slices."""
     op = ops(numerics)
     b, t = tokens.shape
+    n = b * t
+    rows = padded_rows(n, numerics)  # activations carry `rows` rows; the padding rows are sliced off for attention
     hq, hkv, dh, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
-    x = params["embed_tokens"][tokens.reshape(-1)]  # [N, D] gather
-    at = jnp.maximum(positions, 0).reshape(-1)
-    cos, sin = rope[0][at], rope[1][at]  # [N, Dh/2] gathers
+    x = pad_dim(params["embed_tokens"][tokens.reshape(-1)], 0, rows)  # [rows, D] gather
+    at = pad_dim(jnp.maximum(positions, 0).reshape(-1), 0, rows)
+    cos, sin = rope[0][at], rope[1][at]  # [rows, Dh/2] gathers
     cos_q, sin_q = jnp.repeat(cos, hq, axis=0), jnp.repeat(sin, hq, axis=0)
     cos_k, sin_k = jnp.repeat(cos, hkv, axis=0), jnp.repeat(sin, hkv, axis=0)
 
@@ -121,16 +124,16 @@ def forward(
         k = op.rmsnorm(mm(h, "k_proj").reshape(-1, dh), layer["k_norm"], cos_k, sin_k, eps)
         v = mm(h, "v_proj")
         attn, k_pages, v_pages = op.attention(
-            q.reshape(b, t, hq, dh),
-            k.reshape(b, t, hkv, dh),
-            v.reshape(b, t, hkv, dh),
+            q[: n * hq].reshape(b, t, hq, dh),
+            k[: n * hkv].reshape(b, t, hkv, dh),
+            v[:n].reshape(b, t, hkv, dh),
             k_pages,
             v_pages,
             index,
             page_table,
             positions,
         )
-        x = mm(attn.reshape(b * t, hq * dh), "o_proj", x)
+        x = mm(pad_dim(attn.reshape(n, hq * dh), 0, rows), "o_proj", x)
         h = op.rmsnorm(x, layer["post_attention_layernorm"], None, None, eps)
         x = mm(op.swiglu(mm(h, "gate_proj"), mm(h, "up_proj")), "down_proj", x)
         return (x, k_pages, v_pages), None
@@ -139,7 +142,7 @@ def forward(
     scanned = {n: w for n, w in params["layers"].items() if not (weights_in_place and n in MATRICES)}
     (x, k_pages, v_pages), _ = jax.lax.scan(layer_step, (x, *kv_cache), (scanned, layer_ids))
     x = op.rmsnorm(x, params["norm"], None, None, eps)
-    return x.reshape(b, t, -1), (k_pages, v_pages)
+    return x[:n].reshape(b, t, -1), (k_pages, v_pages)
 
 
 def token_logprobs(params, hidden, targets, temperature, numerics: Numerics):

@@ -19,7 +19,11 @@ Numerics = Literal["strict", "fast"]
 # op: (inputs, accumulate / statistics, output). "act" = the model dtype (bf16, or fp32 in tests).
 PRECISION = {
     "matmul": ("act", "fp32 acc, K ascending", "act; + residual in fp32, rounded to act"),
-    "rmsnorm": ("act", "fp32 sum of squares, D chunks ascending", "act (normalise, round, scale, round)"),
+    "rmsnorm": (
+        "act",
+        "fp32 squares: D chunks added elementwise ascending, then one reduce",
+        "act (normalise, round, scale, round)",
+    ),
     "rope": ("act (rounded norm output) + fp32 tables", "fp32", "act"),
     "attention": (
         "act q/k/v",
@@ -30,17 +34,18 @@ PRECISION = {
     "logprob": ("act hidden + lm_head", "fp32 logits / T, fp32 running max/sum over vocab tiles ascending", "fp32"),
 }
 
-# Matmul tiles per shape class. block_k sets each output's K grouping (it changes bits in CPU
-# interpret mode), so every class shares it; block_m/block_n/warps/stages only change which
-# program computes a row, and a row's bits were found not to depend on them (tests/test_kernels.py
-# `test_matmul_tile_configs_agree`, also run compiled on the H200; bench.speed's sweep). Decode rows get
-# GEMV-like tiles (16 rows, narrow N tiles so even a 1024-wide output spreads over the GPU);
-# prefill and the learner get tensor-core sized ones.
+# Matmul tiles per shape class. Nothing here changes a row's bits: compiled, each output's K
+# accumulation is one ascending chain whatever the tile (measured on the H200 for every M/N/K tile,
+# warp and stage count tried: bench.speed's sweep, tests/test_kernels.py
+# `test_matmul_tile_configs_agree` run compiled); interpreted, a tile walks K in 32-wide dots
+# whatever block_k is. Decode rows get GEMV-like tiles (16 rows, narrow N tiles so even a
+# 1024-wide output spreads over the GPU, long K tiles); the learner gets 128x256x64 tensor-core
+# tiles (1.4x the 128x128x128 rate at 8192x4096x12288 on the H200).
 MATMUL_BLOCK_K = 128
 MATMUL_DECODE = matmul.MatmulConfig(block_m=16, block_n=32, block_k=MATMUL_BLOCK_K, num_warps=4, num_stages=4)
 MATMUL_SMALL = matmul.MatmulConfig(block_m=64, block_n=32, block_k=MATMUL_BLOCK_K, num_warps=4, num_stages=4)
 MATMUL_MEDIUM = matmul.MatmulConfig(block_m=64, block_n=64, block_k=MATMUL_BLOCK_K, num_warps=4, num_stages=4)
-MATMUL = matmul.MatmulConfig(block_m=128, block_n=128, block_k=MATMUL_BLOCK_K, num_warps=8, num_stages=3)
+MATMUL = matmul.MatmulConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
 
 
 def matmul_config(rows: int) -> matmul.MatmulConfig:
@@ -48,9 +53,20 @@ def matmul_config(rows: int) -> matmul.MatmulConfig:
     return MATMUL_DECODE if rows <= 16 else MATMUL_SMALL if rows <= 64 else MATMUL_MEDIUM if rows <= 256 else MATMUL
 
 
+def padded_rows(rows: int, numerics: "Numerics") -> int:
+    """Rows the strict forward carries its activations at: a multiple of the matmul tile height of
+    `rows`' class (16 for decode), so no kernel pads or slices per call (a decode step of one row
+    spent ~5% of its time in pad/slice copies around every matmul and norm). Rows are independent
+    in every kernel, so padding never changes a real row's bits. The fast path pads nothing."""
+    if numerics == "fast":
+        return rows
+    block = matmul_config(rows).block_m
+    return -(-rows // block) * block
+
+
 RMSNORM = rmsnorm.RMSNormConfig(block_rows=16, block_d=256, num_warps=4)
 SWIGLU = swiglu.SwiGLUConfig(block_rows=16, block_cols=128, num_warps=4)
-ATTENTION = attention.AttentionConfig(page_size=16, block_q=16, kv_split=256, num_warps=4, num_stages=2)
+ATTENTION = attention.AttentionConfig(page_size=16, block_rows=16, kv_split=256, num_warps=4, num_stages=2)
 LOGPROB = logprob.LogprobConfig(block_rows=64, block_vocab=128, block_k=64, vocab_splits=128, num_warps=4, num_stages=2)
 # One LOGPROB config for every row count: block_rows changes the layout of the [rows, vocab tile]
 # reductions (max, sum of exp) and with it their order, so a row's bits depend on it (measured on

@@ -285,10 +285,10 @@ MATMUL_CLASSES = [numerics.MATMUL_DECODE, numerics.MATMUL_SMALL, numerics.MATMUL
 
 
 def test_matmul_tile_configs_agree():
-    """Decode, prefill and the learner use different M/N tiles, warps and stages (one block_k);
-    a row's bits must not depend on which: otherwise sampler and learner logprobs would differ.
-    Also: reading layer i out of a stacked [L, N, K] array in place gives the sliced layer's bits."""
-    assert len({c.block_k for c in MATMUL_CLASSES}) == 1
+    """Decode, prefill and the learner use different M/N/K tiles, warps and stages; a row's bits
+    must not depend on which: otherwise sampler and learner logprobs would differ. Also: reading
+    layer i out of a stacked [L, N, K] array in place gives the sliced layer's bits."""
+    assert len({c.block_k for c in MATMUL_CLASSES}) > 1, "the classes should cover different K tiles"
     x, r = randn(1, (300, 256), BF16), randn(3, (300, 128), BF16)
     ws = randn(2, (3, 128, 256), BF16, 0.1)
     ref = matmul.matmul(x, ws[1], r, numerics.MATMUL, INTERPRET)
