@@ -177,6 +177,9 @@ class Job:
             self.loop = asyncio.get_running_loop()
         if self.s.max_tokens == 0:  # echo only: nothing to sample
             return
+        # The hook detokenises on the engine thread, between rounds: only for what needs the text as it grows.
+        # Otherwise the text is made once the request is done, off the engine's path.
+        hooked = stream or bool(self.s.stop)
         hooks = [lambda j, toks, lps, i=i: self._on_tokens(i * self.n + j, toks, lps) for i in range(len(self.prompts))]
         try:
             self.requests = self.server._submit(
@@ -186,7 +189,7 @@ class Job:
                 self.s.temperature,
                 self.seeds,
                 self.s.stop_token_ids,
-                hooks,
+                hooks if hooked else None,
             )
         except BadRequest as e:  # the engine names its own field; these routes call it max_tokens
             raise BadRequest(str(e).replace("max_new_tokens", "max_tokens")) from None
@@ -221,6 +224,8 @@ class Job:
         for i, r in enumerate(self.requests):
             for j, c in enumerate(r.results):
                 text = self.texts[i * self.n + j]
+                if not text.tokens and c.tokens and not text.stopped:  # no hook: the whole text now
+                    text.add(c.tokens, c.logprobs.tolist())
                 text.finish()
                 assert text.tokens == c.tokens, f"the hook saw every token the engine kept: {text.tokens} {c.tokens}"
         versions = {c.policy_version for r in self.requests for c in r.results}

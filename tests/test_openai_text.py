@@ -6,9 +6,11 @@ import json
 
 import pytest
 
+from rlkjax.engine import Engine, EngineConfig
 from rlkjax.tokenizer import ByteTokenizer, load_tokenizer
 from serve.chat import DEFAULT_TEMPLATE, ChatTemplate, ChatTemplateError, load_chat_template, message_text
 from serve.text import Completion, offsets, token_pieces
+from tests.conftest import assert_bits_equal
 
 TEXT = "héllo wörld, 1 € und 🙂 zwei\n\nnächste Zeile"
 
@@ -124,3 +126,35 @@ def test_chat_templates_render_as_hugging_face_does(bpe):
     assert message_text([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]) == "a\nb"
     with pytest.raises(ValueError, match="content"):
         message_text([{"type": "image_url", "image_url": "x"}])
+
+
+@pytest.mark.slow  # compiles the engine's step functions: about 25 s on 2 cores
+def test_the_engine_hook_stops_one_sample_and_not_the_others(tiny):
+    """Engine.submit(on_tokens=...), what stop strings and streams ride on: the hook sees every token once,
+    in order, a round at a time; returning k stops that sample with the first k tokens of the round kept
+    (finish_reason stop, its pages freed), and the request's other samples run to their length with the
+    tokens and logprob bits of a run without the hook."""
+    cfg, params = tiny
+    config = EngineConfig(num_pages=64, max_batch=4, prefill_chunk=16, token_budget=64, max_context=128, decode_steps=4)
+    plain = Engine(params, cfg, "strict", config)
+    free = plain.submit([5, 6, 7], n=3, max_new_tokens=10, seed=3)
+    plain.run_until_done()
+    rounds = {j: [] for j in range(3)}
+
+    def hook(j, tokens, logprobs):
+        assert len(tokens) == len(logprobs)
+        rounds[j].append(list(tokens))
+        return 2 if j == 1 and sum(map(len, rounds[1])) >= 5 else None
+
+    engine = Engine(params, cfg, "strict", config)
+    hooked = engine.submit([5, 6, 7], n=3, max_new_tokens=10, seed=3, on_tokens=hook)
+    engine.run_until_done()
+    kept = sum(map(len, rounds[1][:-1])) + 2
+    stopped = hooked.results[1]
+    assert stopped.finish_reason == "stop" and stopped.tokens == free.results[1].tokens[:kept]
+    assert_bits_equal(stopped.logprobs, free.results[1].logprobs[:kept], "stopped sample")
+    for j in (0, 2):
+        assert hooked.results[j].tokens == free.results[j].tokens == sum(rounds[j], [])
+        assert hooked.results[j].finish_reason == "length"
+        assert_bits_equal(hooked.results[j].logprobs, free.results[j].logprobs, f"sample {j}")
+    assert engine.metrics()["pages_used"] == 0
