@@ -228,7 +228,7 @@ class Job:
                     text.add(c.tokens, c.logprobs.tolist())
                 text.finish()
                 assert text.tokens == c.tokens, f"the hook saw every token the engine kept: {text.tokens} {c.tokens}"
-        versions = {c.policy_version for r in self.requests for c in r.results}
+        versions = {c.policy_version for r in self.requests for c in r.results} or {self.server.engine.policy_version}
         self.version = versions.pop() if len(versions) == 1 else None
 
     async def _score_prompts(self):

@@ -3,8 +3,9 @@
 Endpoints (JSON in and out; errors are 4xx with OpenAI's {"error": {"message", "type", "param", "code"}}
 and the server keeps serving; a request without a seed gets a fresh one, reported as "seed"):
   POST /generate         token ids in; per sample: tokens, logprobs, finish_reason, policy_version
-  POST /v1/completions   OpenAI-compatible subset (prompt text or ids, max_tokens, temperature, n,
-                         seed, logprobs), using the model's tokenizer
+  POST /v1/completions, POST /v1/chat/completions
+                         OpenAI-compatible (serve/openai_api.py; the README's API section lists the fields),
+                         streaming or not, using the model's tokenizer and chat template
   POST /update_weights   {"path": checkpoint dir}; needs `Authorization: Bearer <admin key>`;
                          swapped between engine steps once in-flight sequences finish
   GET  /v1/models       the served model (OpenAI list shape)
