@@ -163,6 +163,7 @@ class Job:
         tok = server.tokenizer
         self.texts = [Completion(tok, p, s.stop, s.include_stop) for p in prompts for _ in range(s.n)]
         self.sent = [0] * len(self.texts)  # tokens streamed per choice
+        self.closed = [False] * len(self.texts)  # its last chunk (with finish_reason) streamed
         self.requests = []
         self.queue: asyncio.Queue | None = None
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{time.time_ns():x}"
@@ -206,12 +207,20 @@ class Job:
             log.exception("on_tokens failed for %s choice %d", self.id, choice)
             return None
         if self.queue is not None:
-            safe = text.safe_tokens(self.sent[choice])
-            if safe > self.sent[choice]:
-                part = (text.tokens[self.sent[choice] : safe], text.logprobs[self.sent[choice] : safe])
-                pieces = text.pieces[self.sent[choice] : safe]
-                self.sent[choice] = safe
-                self.loop.call_soon_threadsafe(self.queue.put_nowait, ("tokens", choice, *part, pieces))
+            # The engine's own rule for when a sample ends, so its last chunk can go now, not when the
+            # prompt's other samples are done too.
+            if keep is not None or (text.tokens and text.tokens[-1] in self.s.stop_token_ids):
+                reason = "stop"
+            else:
+                reason = "length" if len(text.tokens) >= self.s.max_tokens else None
+            if reason:
+                text.finish()
+            sent = self.sent[choice]
+            safe = len(text.tokens) if reason else text.safe_tokens(sent)
+            if safe > sent or reason:
+                part = (text.tokens[sent:safe], text.logprobs[sent:safe], text.pieces[sent:safe], reason)
+                self.sent[choice], self.closed[choice] = safe, reason is not None
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, ("tokens", choice, *part))
         return keep
 
     async def wait(self):
@@ -347,8 +356,8 @@ class Job:
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
         """Server-sent events: a chunk per engine round with every sample's new text, each sample's last chunk
-        with its finish_reason once its prompt's request is done, the usage chunk if asked, then [DONE]. A client
-        that goes away (or the request's timeout) cancels the sequences and frees their pages."""
+        with its finish_reason in the round it ends, the usage chunk if asked, then [DONE]. A client that goes
+        away cancels the sequences and frees their pages; so does the request's timeout (an error event)."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         done, offset = set(), [0] * len(self.texts)
@@ -364,8 +373,8 @@ class Job:
                         f"the request did not finish within its timeout of {self.s.timeout:g} s"
                     ) from None
                 if event[0] == "tokens":
-                    _, k, tokens, lps, pieces = event
-                    await response.write(self._chunk([self._delta(k, tokens, lps, pieces, offset=offset[k])]))
+                    _, k, tokens, lps, pieces, reason = event
+                    await response.write(self._chunk([self._delta(k, tokens, lps, pieces, reason, offset[k])]))
                     offset[k] += sum(map(len, pieces))
                 elif event[1] not in done:  # when_done may report a request twice
                     done.add(event[1])
@@ -404,12 +413,14 @@ class Job:
             await response.write(self._chunk([self._delta(k, [], [], [], "length") for k in range(len(self.texts))]))
 
     async def _stream_tails(self, response, i: int, offset):
-        """Prompt i's request is done: send each of its samples' held-back tail with its finish_reason."""
+        """Prompt i's request is done: the samples whose last chunk is not out yet (cancelled ones) get it."""
         r = self.requests[i]
         if self.server.deadline_passed and r.cancelled:
             raise ShuttingDown("the server shut down before this request finished (--shutdown-timeout)")
         for j in range(len(r.results)):
             k = i * self.n + j
+            if self.closed[k]:
+                continue
             text = self.texts[k]
             text.finish()
             sent = self.sent[k]

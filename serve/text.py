@@ -28,6 +28,7 @@ class Pieces:
         self.ids = list(context[-CONTEXT:])
         self.prefix, self.read = 0, len(self.ids)
         self.pieces: list[str] = []
+        self.held = 0  # trailing tokens of a character still incomplete (their text comes with a later token)
 
     def add(self, tokens: list[int]) -> None:
         """Append tokens; every token but a held-back tail gets its string now (held ones get "" and the
@@ -36,17 +37,21 @@ class Pieces:
             self.ids.append(int(t))
             before = self.tokenizer.decode(self.ids[self.prefix : self.read])
             after = self.tokenizer.decode(self.ids[self.prefix :])
-            if len(after) > len(before) and not after.endswith(REPLACEMENT):
-                self.pieces.append(after[len(before) :])
-                self.prefix, self.read = self.read, len(self.ids)
-            else:
+            if after.endswith(REPLACEMENT):
                 self.pieces.append("")
+                self.held += 1
+            elif len(after) > len(before):
+                self.pieces.append(after[len(before) :])
+                self.prefix, self.read, self.held = self.read, len(self.ids), 0
+            else:  # a token with no text of its own (a special token)
+                self.pieces.append("")
+                self.held = 0
 
     def flush(self) -> str:
         """Text still held back at the end (an incomplete character decodes as U+FFFD): it belongs to the last token."""
         before = self.tokenizer.decode(self.ids[self.prefix : self.read])
         after = self.tokenizer.decode(self.ids[self.prefix :])
-        self.prefix = self.read = len(self.ids)
+        self.prefix, self.read, self.held = len(self.ids), len(self.ids), 0
         return after[len(before) :] if len(after) > len(before) else ""
 
 
@@ -130,8 +135,7 @@ class Completion:
             if end > limit:
                 break
             count += 1
-        while count > sent and not self.pieces[count - 1]:  # a split character: its text comes with a later token
-            count -= 1
+        count = min(count, len(self.tokens) - self.pieces_state.held)  # a split character waits for its last token
         return max(sent, count)
 
 

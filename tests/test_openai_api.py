@@ -131,7 +131,7 @@ def test_stop_strings_stop_one_sample_and_not_the_others(oai, tiny):
     free = oai.completions.create(**kw)
     text0 = free.choices[0].text
     stop = next(text0[i : i + 2] for i in range(3, len(text0) - 1) if "\ufffd" not in text0[i : i + 2])
-    for include in (False, True):
+    for include in (True, False):
         extra = {"include_stop_str_in_output": include}
         got = oai.completions.create(**kw, stop=[stop, "never seen \u2603"], extra_body=extra)
         c0 = got.choices[0]
@@ -144,6 +144,14 @@ def test_stop_strings_stop_one_sample_and_not_the_others(oai, tiny):
             if stop not in free.choices[k].text:
                 assert got.choices[k].text == free.choices[k].text
                 assert got.choices[k].finish_reason == free.choices[k].finish_reason
+    # Streamed (stop string excluded, as in the last `got`): the same texts, and sample 0's last chunk
+    # (finish_reason stop) comes in the round it stopped, before the other samples end.
+    chunks = [c.choices[0] for c in oai.completions.create(**kw, stop=[stop], stream=True)]
+    for k in range(3):
+        assert "".join(c.text for c in chunks if c.index == k) == got.choices[k].text
+    ends = {c.index: i for i, c in enumerate(chunks) if c.finish_reason}
+    assert chunks[ends[0]].finish_reason == "stop" and len(got.choices[0].logprobs.tokens) < 17
+    assert ends[0] < max(ends[1], ends[2])
     stop_id = free.choices[1].logprobs.model_extra["token_ids"][3]
     got = oai.completions.create(**kw, extra_body={"stop_token_ids": [stop_id]})
     ids1 = got.choices[1].logprobs.model_extra["token_ids"]
@@ -252,9 +260,13 @@ def test_chat_completions(oai, tiny):
 
 def test_a_request_timeout_cancels_it_and_frees_its_pages(server, oai):
     """The `timeout` extension: a request still running after it gets 408 and its pages are freed."""
+    kw = dict(model=MODEL, prompt="slow", max_tokens=200, n=4, seed=1, extra_body={"timeout": 0.5})
     with pytest.raises(openai.APIStatusError) as e:
-        oai.completions.create(model=MODEL, prompt="slow", max_tokens=200, n=4, seed=1, extra_body={"timeout": 0.5})
+        oai.completions.create(**kw)
     assert e.value.status_code == 408 and "timeout of 0.5 s" in str(e.value)
+    stream = oai.completions.create(**kw, stream=True)  # the same as an error event, after the chunks so far
+    with pytest.raises(openai.APIError, match="timeout of 0.5 s"):
+        list(stream)
     deadline = time.time() + 60
     while metric(server, "rlkjax_kv_pages_used") > 0:
         assert time.time() < deadline, "pages still held after the timeout"
