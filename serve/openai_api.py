@@ -359,10 +359,10 @@ class Job:
         with its finish_reason in the round it ends, the usage chunk if asked, then [DONE]. A client that goes
         away cancels the sequences and frees their pages; so does the request's timeout (an error event)."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
         done, offset = set(), [0] * len(self.texts)
         deadline = None if self.s.timeout is None else time.monotonic() + self.s.timeout
         try:
+            await response.prepare(request)
             await self._stream_heads(response, offset)
             while len(done) < len(self.requests):
                 left = None if deadline is None else max(deadline - time.monotonic(), 0)
@@ -379,7 +379,6 @@ class Job:
                 elif event[1] not in done:  # when_done may report a request twice
                     done.add(event[1])
                     await self._stream_tails(response, event[1], offset)
-            self.server.in_flight.difference_update(self.requests)
             if self.s.include_usage:
                 await response.write(self._chunk([], self._usage()))
             await response.write(b"data: [DONE]\n\n")
@@ -387,9 +386,10 @@ class Job:
             self.server.cancel(self.requests)
             error = {"error": {"message": str(e), "type": "timeout", "param": None, "code": None}}
             await response.write(b"data: " + json.dumps(error).encode() + b"\n\n")
-        finally:
-            if any(not r.done.is_set() for r in self.requests):  # client gone (cancelled handler, reset)
+        finally:  # whatever ended the stream (the client gone: a cancelled handler, a reset), nothing stays in flight
+            if any(not r.done.is_set() for r in self.requests):
                 self.server.cancel(self.requests)
+            self.server.in_flight.difference_update(self.requests)
         return response
 
     async def _stream_heads(self, response, offset):

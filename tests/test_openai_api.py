@@ -14,8 +14,11 @@ import openai
 import pytest
 
 import rlkjax
+from rlkjax.tokenizer import load_tokenizer
 from serve.chat import DEFAULT_TEMPLATE, ChatTemplate
+from serve.text import token_pieces
 from tests.conftest import assert_bits_equal
+from tests.test_openai_text import make_bpe_checkpoint
 from tests.test_server import metric, post_raw, start_server
 
 pytestmark = pytest.mark.slow  # a real server process (its first requests compile)
@@ -256,6 +259,32 @@ def test_chat_completions(oai, tiny):
     assert chunks[-1].choices[0].finish_reason == c.finish_reason
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
         oai.chat.completions.create(**kw, top_logprobs=3)
+
+
+def test_chat_with_a_checkpoints_tokenizer_and_template(tmp_path, tiny):
+    """A checkpoint's own tokenizer.json (a byte-level BPE, Qwen's family) and the chat template in its
+    tokenizer_config.json: the prompt ids are HF's rendering encoded without special tokens (the template's
+    eos_token becomes its id), the token strings join into the text, streamed and plain text agree, and the
+    logprobs are the learner's."""
+    tok = load_tokenizer(make_bpe_checkpoint(tmp_path))
+    proc, client = start_server("--tokenizer", str(tmp_path))
+    try:
+        oc = openai.OpenAI(base_url=client.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+        messages = [{"role": "user", "content": "grüß dich"}]
+        prompt = tok.encode('user: "grüß dich"\n') + [tok.eos_token_id]
+        kw = dict(model=MODEL, messages=messages, max_tokens=12, seed=4, logprobs=True)
+        got = oc.chat.completions.create(**kw, extra_body={"return_token_ids": True})
+        c = got.choices[0]
+        assert c.model_extra["prompt_token_ids"] == prompt and tok.eos_token_id == 0
+        ids = c.model_extra["token_ids"]
+        text = "".join(token_pieces(tok, ids, prompt))
+        assert "".join(t.token for t in c.logprobs.content) == c.message.content == text
+        assert_bits_equal(exact([t.logprob for t in c.logprobs.content]), scored(tiny, prompt, ids), "chat, BPE")
+        chunks = list(oc.chat.completions.create(**kw, stream=True))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == c.message.content
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
 
 
 def test_a_request_timeout_cancels_it_and_frees_its_pages(server, oai):

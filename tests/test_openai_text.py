@@ -15,9 +15,9 @@ from tests.conftest import assert_bits_equal
 TEXT = "héllo wörld, 1 € und 🙂 zwei\n\nnächste Zeile"
 
 
-@pytest.fixture(scope="module")
-def bpe(tmp_path_factory):
-    """A byte-level BPE (Qwen's tokenizer family) trained here on a few lines, saved as a checkpoint's tokenizer."""
+def make_bpe_checkpoint(directory):
+    """A byte-level BPE (Qwen's tokenizer family) trained here on a few lines, saved with a tokenizer_config.json
+    that names its eos token and a chat template (a checkpoint's tokenizer files, as the server reads them)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -27,7 +27,6 @@ def bpe(tmp_path_factory):
         vocab_size=300, special_tokens=["<|im_end|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tok.train_from_iterator([TEXT, "hello world", "und zwei und drei"] * 5, trainer)
-    directory = tmp_path_factory.mktemp("bpe")
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(
         json.dumps(
@@ -38,7 +37,12 @@ def bpe(tmp_path_factory):
             }
         )
     )
-    return load_tokenizer(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    return load_tokenizer(make_bpe_checkpoint(tmp_path_factory.mktemp("bpe")))
 
 
 @pytest.mark.parametrize("which", ["bytes", "bpe"])
