@@ -78,10 +78,15 @@ def _bool(body, name, default=False) -> bool:
     return value
 
 
+MAX_STOPS, MAX_STOP_CHARS = 32, 1024  # stop strings are searched after every token on the engine thread
+
+
 def _stop_strings(value) -> list[str]:
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise BadRequest("stop must be a non-empty string or a list of them")
+    if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise BadRequest(f"stop takes at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters")
     return stops
 
 
@@ -345,14 +350,18 @@ class Job:
 
     def _delta(self, choice: int, tokens, lps, pieces, reason=None, offset=0) -> dict:
         if self.chat:
-            return {
+            obj = {
                 "index": choice,
                 "delta": {"content": "".join(pieces)} if pieces or reason is None else {},
                 "logprobs": self._chat_logprobs(lps, pieces) if self.s.logprobs else None,
                 "finish_reason": reason,
             }
-        lp = self._text_logprobs(choice, tokens, lps, pieces, offset) if self.s.logprobs else None
-        return {"index": choice, "text": "".join(pieces), "logprobs": lp, "finish_reason": reason}
+        else:
+            lp = self._text_logprobs(choice, tokens, lps, pieces, offset) if self.s.logprobs else None
+            obj = {"index": choice, "text": "".join(pieces), "logprobs": lp, "finish_reason": reason}
+        if self.s.return_token_ids:  # vLLM's extension: this chunk's token ids
+            obj["token_ids"] = list(tokens)
+        return obj
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
         """Server-sent events: a chunk per engine round with every sample's new text, each sample's last chunk

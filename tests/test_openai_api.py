@@ -280,8 +280,9 @@ def test_chat_with_a_checkpoints_tokenizer_and_template(tmp_path, tiny):
         text = "".join(token_pieces(tok, ids, prompt))
         assert "".join(t.token for t in c.logprobs.content) == c.message.content == text
         assert_bits_equal(exact([t.logprob for t in c.logprobs.content]), scored(tiny, prompt, ids), "chat, BPE")
-        chunks = list(oc.chat.completions.create(**kw, stream=True))
+        chunks = list(oc.chat.completions.create(**kw, stream=True, extra_body={"return_token_ids": True}))
         assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == c.message.content
+        assert sum((ch.choices[0].model_extra.get("token_ids", []) for ch in chunks), []) == ids
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -308,6 +309,7 @@ def test_a_request_timeout_cancels_it_and_frees_its_pages(server, oai):
         ({"prompt": "a", "logprobs": 5}, "top alternatives"),
         ({"prompt": "a", "max_tokens": 0}, "only allowed with echo"),
         ({"prompt": "a", "stop": [""]}, "stop must be"),
+        ({"prompt": "a", "stop": ["x"] * 33}, "at most 32 strings"),
         ({"prompt": "a", "stream_options": {"include_usage": True}}, "only allowed with stream"),
         ({"prompt": "a", "timeout": -1}, "timeout must be"),
         ({"prompt": "a", "best_of": 2}, "unknown field"),
