@@ -254,10 +254,10 @@ class Job:
         if self.version is not None and self.version != version:
             raise ShuttingDown("the weights changed before the prompt could be scored; retry")
         cfg, numerics, temp = self.server.cfg, self.server.config.numerics, self.s.temperature
-        self.prompt_logprobs = []
-        for p in self.prompts:
-            scored = await asyncio.to_thread(rlkjax.score, params, cfg, [p], [1], temp, numerics)
-            self.prompt_logprobs.append([None] + scored[0].tolist())
+        starts = [1] * len(self.prompts)  # every prompt token but the first has a logprob
+        # One call for all the prompts: the learner's pass gives a row the same bits alone or batched.
+        scored = await asyncio.to_thread(rlkjax.score, params, cfg, self.prompts, starts, temp, numerics)
+        self.prompt_logprobs = [[None] + row.tolist() for row in scored]
         self.version = version
 
     # ----- response pieces -----

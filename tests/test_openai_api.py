@@ -199,6 +199,8 @@ def test_echo_returns_the_learners_prompt_logprobs(oai, tiny):
         assert lp.text_offset[len(ids) - 1] == len(prompt) - 1 and "".join(lp.tokens) == got.choices[0].text
     kw = dict(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
     streamed = list(oai.completions.create(**kw, stream=True))
+    batch = oai.completions.create(**kw | {"prompt": ["Hi", prompt, "longer " * 5]})  # scored in one batch
+    assert_bits_equal(exact(batch.choices[1].logprobs.token_logprobs[1:]), learner, "echo, batched")
     assert streamed[0].choices[0].text == prompt and streamed[-1].choices[0].finish_reason == "length"
 
 
