@@ -188,7 +188,7 @@ class Job:
         hooked = stream or bool(self.s.stop)
         hooks = [lambda j, toks, lps, i=i: self._on_tokens(i * self.n + j, toks, lps) for i in range(len(self.prompts))]
         try:
-            self.requests = self.server._submit(
+            self.requests = self.server.submit(
                 self.prompts,
                 self.s.n,
                 self.s.max_tokens,
@@ -229,7 +229,7 @@ class Job:
         return keep
 
     async def wait(self):
-        await self.server._wait(self.requests, self.s.timeout)
+        await self.server.wait(self.requests, self.s.timeout)
         self._finish()
         await self._score_prompts()
 
@@ -444,7 +444,7 @@ async def completions(server, request: web.Request):
     body = _fields(await _json(request, server.config.read_timeout), COMPLETION_FIELDS, {"prompt"})
     prompt = body["prompt"]
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
-        prompts = [server._encode(p) for p in ([prompt] if isinstance(prompt, str) else prompt)]
+        prompts = [server.encode(p) for p in ([prompt] if isinstance(prompt, str) else prompt)]
     else:
         prompts = _prompts(prompt)
     return await _serve(server, request, body, prompts, chat=False)
@@ -472,14 +472,14 @@ async def chat_completions(server, request: web.Request):
         text = server.chat_template.render(rendered, _bool(body, "add_generation_prompt", True), **kwargs)
     except ChatTemplateError as e:
         raise BadRequest(str(e)) from None
-    return await _serve(server, request, body, [server._encode(text)], chat=True)
+    return await _serve(server, request, body, [server.encode(text)], chat=True)
 
 
 async def _serve(server, request: web.Request, body: dict, prompts: list, chat: bool):
     if len(prompts) > server.config.max_prompts:
         raise BadRequest(f"at most {server.config.max_prompts} prompts per request, got {len(prompts)}")
     s = sampling(server, body, chat=chat, prompt_len=max(map(len, prompts), default=0))
-    seeds, seed = server._seeds(body, len(prompts), s.n)
+    seeds, seed = server.seeds(body, len(prompts), s.n)
     job = Job(server, prompts, s, seeds, seed, chat)
     job.submit(stream=s.stream)
     if s.stream:

@@ -164,7 +164,7 @@ class Server:
         with self.wake:
             self.wake.notify()
 
-    def _submit(self, prompts, n, max_new_tokens, temperature, seeds, stop_token_ids, hooks=None) -> list[Request]:
+    def submit(self, prompts, n, max_new_tokens, temperature, seeds, stop_token_ids, hooks=None) -> list[Request]:
         """Submit every prompt (validated first, so a bad one submits nothing). hooks: one engine `on_tokens`
         hook per prompt, or None."""
         if self.draining:
@@ -214,7 +214,7 @@ class Server:
         if request.done.is_set():
             loop.call_soon(callback)  # it may also run from the engine's call: callbacks must be idempotent
 
-    async def _wait(self, requests, timeout: float | None = None) -> list[Request]:
+    async def wait(self, requests, timeout: float | None = None) -> list[Request]:
         """Await the requests; a cancelled handler (client gone) or a timeout cancels them and frees their pages."""
         loop = asyncio.get_running_loop()
         futures = []
@@ -236,10 +236,10 @@ class Server:
         return requests
 
     async def _run(self, prompts, n, max_new_tokens, temperature, seeds, stop_token_ids):
-        return await self._wait(self._submit(prompts, n, max_new_tokens, temperature, seeds, stop_token_ids))
+        return await self.wait(self.submit(prompts, n, max_new_tokens, temperature, seeds, stop_token_ids))
 
     @staticmethod
-    def _seeds(body, prompts: int, n: int) -> tuple[list, int | list]:
+    def seeds(body, prompts: int, n: int) -> tuple[list, int | list]:
         """(one seed per prompt, the seed to report). A list: one seed per prompt, taken as given. An int
         s: prompt i starts at sample_seed(s, i * n), so every sequence of the batch draws its own noise.
         None or absent: a fresh seed from the OS, reported in the response so the sample can be redone
@@ -268,7 +268,7 @@ class Server:
         if len(prompts) > self.config.max_prompts:
             raise BadRequest(f"at most {self.config.max_prompts} prompts per request, got {len(prompts)}")
         n = _opt(body, "n", 1)
-        seeds, seed = self._seeds(body, len(prompts), n if isinstance(n, int) else 1)
+        seeds, seed = self.seeds(body, len(prompts), n if isinstance(n, int) else 1)
         reqs = await self._run(
             prompts,
             n,
@@ -292,7 +292,7 @@ class Server:
     async def chat_completions(self, request: web.Request):
         return await openai_api.chat_completions(self, request)
 
-    def _encode(self, text: str) -> list[int]:
+    def encode(self, text: str) -> list[int]:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:  # JSON can carry lone surrogates ("\ud800"), which are not text
