@@ -23,7 +23,7 @@ import rlkjax
 from rlkjax.requests import MIN_TEMPERATURE, check_int, check_temperature
 from serve.chat import ChatTemplateError, message_text
 from serve.http import BadRequest, RequestTimeout, ShuttingDown, _fields, _json, _json_response, _opt, _prompts
-from serve.text import Completion, offsets, token_pieces
+from serve.text import SampleText, offsets, token_pieces
 
 log = logging.getLogger("serve.rollout")
 
@@ -166,7 +166,7 @@ class Job:
         self.server, self.prompts, self.s, self.seeds, self.seed, self.chat = server, prompts, s, seeds, seed, chat
         self.n = s.n
         tok = server.tokenizer
-        self.texts = [Completion(tok, p, s.stop, s.include_stop) for p in prompts for _ in range(s.n)]
+        self.texts = [SampleText(tok, p, s.stop, s.include_stop) for p in prompts for _ in range(s.n)]
         self.sent = [0] * len(self.texts)  # tokens streamed per choice
         self.closed = [False] * len(self.texts)  # its last chunk (with finish_reason) streamed
         self.requests = []

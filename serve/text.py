@@ -55,7 +55,7 @@ class Pieces:
         return after[len(before) :] if len(after) > len(before) else ""
 
 
-class Completion:
+class SampleText:
     """One sample's text as it grows, with stop strings: `add` says when the text hit one.
 
     stop: strings ending the text at their first occurrence (found in the decoded text, so a stop string

@@ -9,7 +9,7 @@ import pytest
 from rlkjax.engine import Engine, EngineConfig
 from rlkjax.tokenizer import ByteTokenizer, load_tokenizer
 from serve.chat import DEFAULT_TEMPLATE, ChatTemplate, ChatTemplateError, load_chat_template, message_text
-from serve.text import Completion, offsets, token_pieces
+from serve.text import SampleText, offsets, token_pieces
 from tests.conftest import assert_bits_equal
 
 TEXT = "héllo wörld, 1 € und 🙂 zwei\n\nnächste Zeile"
@@ -67,7 +67,7 @@ def test_a_stop_string_split_over_tokens_ends_the_text(include_stop):
     that completed it, cuts the text at it (or after it with include_stop), and the pieces still join."""
     tok = ByteTokenizer()
     ids = tok.encode(TEXT)
-    c = Completion(tok, tok.encode("prompt"), ["zzz", "\n\nn"], include_stop)
+    c = SampleText(tok, tok.encode("prompt"), ["zzz", "\n\nn"], include_stop)
     cut = TEXT.index("\n\nn")
     first = len(TEXT[:cut].encode()) - 1  # the first round ends one byte before the stop string
     assert c.add(ids[:first], [0.0] * first) is None
@@ -82,7 +82,7 @@ def test_streaming_holds_back_what_may_become_a_stop_string():
     moves past them or the sample ends, and a split character waits for its last byte."""
     tok = ByteTokenizer()
     ids = tok.encode(TEXT)
-    c = Completion(tok, [1], ["wörld!", "xx"], False)
+    c = SampleText(tok, [1], ["wörld!", "xx"], False)
     sent, streamed = 0, ""
     for t in ids:
         c.add([t], [0.0])
@@ -97,7 +97,7 @@ def test_streaming_holds_back_what_may_become_a_stop_string():
 def test_a_trailing_split_character_is_flushed_at_the_end():
     """A sample that ends inside a UTF-8 character: its bytes show as U+FFFD on the last token."""
     tok = ByteTokenizer()
-    c = Completion(tok, [1], [], False)
+    c = SampleText(tok, [1], [], False)
     c.add(list("a€".encode())[:-1], [0.0, 0.0, 0.0])
     assert c.text == "a" and c.safe_tokens(0) == 1
     c.finish()
