@@ -16,6 +16,7 @@ import pytest
 import rlkjax
 from rlkjax.tokenizer import load_tokenizer
 from serve.chat import DEFAULT_TEMPLATE, ChatTemplate
+from serve.openai_api import CHAT_FIELDS, COMPLETION_FIELDS
 from serve.text import token_pieces
 from tests.conftest import assert_bits_equal
 from tests.test_openai_text import make_bpe_checkpoint
@@ -303,6 +304,15 @@ def test_a_request_timeout_cancels_it_and_frees_its_pages(server, oai):
     while metric(server, "rlkjax_kv_pages_used") > 0:
         assert time.time() < deadline, "pages still held after the timeout"
         time.sleep(0.1)
+
+
+def test_null_means_default_for_every_optional_field(server):
+    """RL stacks send explicit nulls for what they leave unset: every optional field accepts null."""
+    completion = {"prompt": "Hi"} | {f: None for f in COMPLETION_FIELDS - {"prompt"}}
+    chat = {"messages": [{"role": "user", "content": "Hi"}]} | {f: None for f in CHAT_FIELDS - {"messages"}}
+    for path, body in [("/v1/completions", completion), ("/v1/chat/completions", chat | {"max_tokens": 4})]:
+        status, out = post_raw(server, path, json.dumps(body).encode())
+        assert status == 200 and len(out["choices"]) == 1 and out["usage"]["completion_tokens"] <= 16, out
 
 
 @pytest.mark.parametrize(
