@@ -153,6 +153,10 @@ class Request:
     cancelled: bool = False
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     callbacks: list = dataclasses.field(default_factory=list)  # called (engine thread) when done
+    # Called (engine thread) after each decode round with (sample index, new tokens, their logprobs); returning
+    # an int k keeps the first k of them and stops that sample ("stop"), e.g. on a stop string (the server's
+    # streaming and stop strings). None: no hook.
+    on_tokens: object = None
 
     def finish(self):
         self.done.set()
@@ -268,7 +272,7 @@ class Engine:
 
     # ----- requests -----
     def submit(
-        self, prompt, *, n=1, max_new_tokens=16, temperature=1.0, seed=0, stop_token_ids=(), group=None
+        self, prompt, *, n=1, max_new_tokens=16, temperature=1.0, seed=0, stop_token_ids=(), group=None, on_tokens=None
     ) -> Request:
         """Validate and queue a request; raises ValueError naming the bad field (rlkjax.requests).
         Requests with the same `group` (e.g. the prompts of one HTTP request) share one turn in admission."""
@@ -291,6 +295,7 @@ class Engine:
         stops = [check_int("stop_token_ids[]", t, 0, self.cfg.vocab_size - 1) for t in stop_token_ids]
         req = Request(next(self._ids), prompt, n, max_new_tokens, temperature, seed, frozenset(stops), group)
         req.group = ("request", req.id) if group is None else group
+        req.on_tokens = on_tokens  # set before the engine can see the request (see Request.on_tokens)
         req.results = [None] * n
         if n > 1 and len(req.prompt) > 1:
             req.pending_forks = n - 1  # they fork from the leader once its prompt is cached
@@ -546,9 +551,22 @@ class Engine:
                 if s.tokens[-1] in s.request.stop_token_ids
                 else ("length" if s.generated >= s.request.max_new_tokens else None)
             )
+            if s.request.on_tokens is not None and self._hook_stops(s, int((out_tok[i] >= 0).sum())):
+                reason = "stop"
             if reason and self._finish(s, reason):  # its pages, those the round did not fill included, are freed now
                 finished.append(s.request)
         return finished
+
+    def _hook_stops(self, seq: Sequence, new: int) -> bool:
+        """Show the request's hook the round's `new` tokens; if it keeps only k of them, drop the rest (their
+        K/V is never read: the sequence ends here) and report that the sequence stopped."""
+        tokens, logprobs = seq.tokens[len(seq.tokens) - new :], seq.logprobs[len(seq.logprobs) - new :]
+        keep = seq.request.on_tokens(seq.index, tokens, logprobs)
+        if keep is None:
+            return False
+        drop = new - check_int("on_tokens' keep", keep, 0, new)
+        del seq.tokens[len(seq.tokens) - drop :], seq.logprobs[len(seq.logprobs) - drop :]
+        return True
 
     def _finish(self, seq: Sequence, reason: str) -> bool:
         self.pages.release(seq.pages)

@@ -28,6 +28,7 @@ class HFTokenizer:
 
     def __init__(self, directory):
         directory = Path(directory)
+        self.directory = directory  # where the server finds tokenizer_config.json's chat template
         self.tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
         config = directory / "tokenizer_config.json"
         eos = json.loads(config.read_text()).get("eos_token") if config.exists() else None

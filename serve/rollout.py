@@ -3,8 +3,9 @@
 Endpoints (JSON in and out; errors are 4xx with OpenAI's {"error": {"message", "type", "param", "code"}}
 and the server keeps serving; a request without a seed gets a fresh one, reported as "seed"):
   POST /generate         token ids in; per sample: tokens, logprobs, finish_reason, policy_version
-  POST /v1/completions   OpenAI-compatible subset (prompt text or ids, max_tokens, temperature, n,
-                         seed, logprobs), using the model's tokenizer
+  POST /v1/completions, POST /v1/chat/completions
+                         OpenAI-compatible (serve/openai_api.py; the README's API section lists the fields),
+                         streaming or not, using the model's tokenizer and chat template
   POST /update_weights   {"path": checkpoint dir}; needs `Authorization: Bearer <admin key>`;
                          swapped between engine steps once in-flight sequences finish
   GET  /v1/models       the served model (OpenAI list shape)
@@ -18,12 +19,9 @@ doubles written by Python's shortest round-trip repr, so float32(json value) has
 """
 
 import asyncio
-import codecs
 import collections
 import dataclasses
-import functools
 import hmac
-import json
 import logging
 import math
 import os
@@ -45,6 +43,20 @@ from rlkjax.checkpoint import load_model
 from rlkjax.engine import Engine, EngineConfig, Request
 from rlkjax.requests import check_int, check_seed, sample_seed
 from rlkjax.tokenizer import load_tokenizer
+from serve import openai_api
+from serve.chat import load_chat_template
+from serve.http import (
+    BadRequest,
+    RequestTimeout,
+    ShuttingDown,
+    _error,
+    _errors,
+    _fields,
+    _json,
+    _json_response,
+    _opt,
+    _prompts,
+)
 
 log = logging.getLogger("serve.rollout")
 
@@ -115,43 +127,6 @@ def _admin_key(config: ServerConfig) -> str | None:
     return config.admin_key or os.environ.get("RLKJAX_ADMIN_KEY") or None
 
 
-class BadRequest(ValueError):
-    pass
-
-
-class ReadTimeout(Exception):
-    """The client was too slow sending its body: 408."""
-
-
-class ShuttingDown(Exception):
-    """The server is draining for shutdown: 503."""
-
-
-def _fields(body: dict, allowed: set[str], required: set[str]) -> dict:
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise BadRequest(f"unknown field(s) {unknown}; allowed: {sorted(allowed)}")
-    missing = sorted(required - set(body))
-    if missing:
-        raise BadRequest(f"missing field(s) {missing}")
-    return body
-
-
-def _opt(body: dict, name: str, default):
-    """An optional field: absent or an explicit null mean the default (as OpenAI's API reads them)."""
-    value = body.get(name)
-    return default if value is None else value
-
-
-def _prompts(value, name="prompt"):
-    """One prompt (list of ids) or a batch (list of lists) -> list of lists."""
-    if isinstance(value, list) and value and all(isinstance(p, list) for p in value):
-        return value
-    if isinstance(value, list):
-        return [value]
-    raise BadRequest(f"{name} must be a list of token ids or a list of such lists")
-
-
 class Server:
     def __init__(self, config: ServerConfig):
         self.config = config
@@ -164,6 +139,7 @@ class Server:
                 f"--model {config.model}: non-finite values in {', '.join(bad[:10])}; refusing to serve them"
             )
         self.tokenizer = load_tokenizer(config.model, config.tokenizer)
+        self.chat_template = load_chat_template(self.tokenizer)
         self.engine = Engine(params, self.cfg, config.numerics, config.engine)
         self.wake = threading.Condition()
         self.stopping = False  # the engine thread exits once idle
@@ -188,8 +164,9 @@ class Server:
         with self.wake:
             self.wake.notify()
 
-    async def _run(self, prompts, n, max_new_tokens, temperature, seeds, stop_token_ids):
-        """Submit every prompt (validated first, so a bad one submits nothing) and await them all."""
+    def submit(self, prompts, n, max_new_tokens, temperature, seeds, stop_token_ids, hooks=None) -> list[Request]:
+        """Submit every prompt (validated first, so a bad one submits nothing). hooks: one engine `on_tokens`
+        hook per prompt, or None."""
         if self.draining:
             raise ShuttingDown("the server is shutting down; retry on another replica")
         try:
@@ -201,10 +178,9 @@ class Server:
                 f"{len(prompts)} prompts x n={n} = {len(prompts) * n} sequences, over the limit of "
                 f"{self.config.max_sequences} per request (--max-sequences)"
             )
-        loop = asyncio.get_running_loop()
         requests, group = [], object()  # this HTTP request's prompts take one turn together in admission
         try:
-            for p, s in zip(prompts, seeds):
+            for i, (p, s) in enumerate(zip(prompts, seeds)):
                 requests.append(
                     self.engine.submit(
                         p,
@@ -214,37 +190,56 @@ class Server:
                         seed=s,
                         stop_token_ids=stop_token_ids,
                         group=group,
+                        on_tokens=None if hooks is None else hooks[i],
                     )
                 )
         except ValueError as e:
-            for r in requests:
-                self.engine.cancel(r)
-            self._kick()
+            self.cancel(requests)
             raise BadRequest(str(e)) from None
         self.in_flight.update(requests)
+        self._kick()
+        return requests
+
+    def cancel(self, requests):
+        """Cancel requests (a client gone, a timeout): their pages are freed at the next engine step."""
+        self.in_flight.difference_update(requests)
+        for r in requests:
+            self.engine.cancel(r)
+        self._kick()
+
+    def when_done(self, request: Request, callback) -> None:
+        """Call `callback()` on the event loop once the engine finished `request` (at once if it has)."""
+        loop = asyncio.get_running_loop()
+        request.callbacks.append(lambda: loop.call_soon_threadsafe(callback))
+        if request.done.is_set():
+            loop.call_soon(callback)  # it may also run from the engine's call: callbacks must be idempotent
+
+    async def wait(self, requests, timeout: float | None = None) -> list[Request]:
+        """Await the requests; a cancelled handler (client gone) or a timeout cancels them and frees their pages."""
+        loop = asyncio.get_running_loop()
         futures = []
         for r in requests:
             fut = loop.create_future()
-            r.callbacks.append(lambda fut=fut: loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None)))
-            if r.done.is_set() and not fut.done():
-                fut.set_result(None)
+            self.when_done(r, lambda fut=fut: fut.done() or fut.set_result(None))
             futures.append(fut)
-        self._kick()
         try:
-            await asyncio.gather(*futures)
+            await asyncio.wait_for(asyncio.gather(*futures), timeout)
+        except TimeoutError:
+            self.cancel(requests)
+            raise RequestTimeout(f"the request did not finish within its timeout of {timeout:g} s") from None
         except asyncio.CancelledError:  # client went away: free its pages
-            self.in_flight.difference_update(requests)
-            for r in requests:
-                self.engine.cancel(r)
-            self._kick()
+            self.cancel(requests)
             raise
         self.in_flight.difference_update(requests)
         if self.deadline_passed and any(r.cancelled for r in requests):
             raise ShuttingDown("the server shut down before this request finished (--shutdown-timeout)")
         return requests
 
+    async def _run(self, prompts, n, max_new_tokens, temperature, seeds, stop_token_ids):
+        return await self.wait(self.submit(prompts, n, max_new_tokens, temperature, seeds, stop_token_ids))
+
     @staticmethod
-    def _seeds(body, prompts: int, n: int) -> tuple[list, int | list]:
+    def seeds(body, prompts: int, n: int) -> tuple[list, int | list]:
         """(one seed per prompt, the seed to report). A list: one seed per prompt, taken as given. An int
         s: prompt i starts at sample_seed(s, i * n), so every sequence of the batch draws its own noise.
         None or absent: a fresh seed from the OS, reported in the response so the sample can be redone
@@ -273,7 +268,7 @@ class Server:
         if len(prompts) > self.config.max_prompts:
             raise BadRequest(f"at most {self.config.max_prompts} prompts per request, got {len(prompts)}")
         n = _opt(body, "n", 1)
-        seeds, seed = self._seeds(body, len(prompts), n if isinstance(n, int) else 1)
+        seeds, seed = self.seeds(body, len(prompts), n if isinstance(n, int) else 1)
         reqs = await self._run(
             prompts,
             n,
@@ -292,72 +287,12 @@ class Server:
         )
 
     async def completions(self, request: web.Request):
-        allowed = {"model", "prompt", "max_tokens", "temperature", "n", "seed", "logprobs", "stream", "user"}
-        body = _fields(await _json(request, self.config.read_timeout), allowed, {"prompt"})
-        if body.get("stream"):
-            raise BadRequest("stream=true is not supported")
-        prompt = body["prompt"]
-        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
-            prompts = [self._encode(p) for p in ([prompt] if isinstance(prompt, str) else prompt)]
-        else:
-            prompts = _prompts(prompt)
-        if len(prompts) > self.config.max_prompts:
-            raise BadRequest(f"at most {self.config.max_prompts} prompts per request, got {len(prompts)}")
-        logprobs = body.get("logprobs")
-        if logprobs is not None and (
-            not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= 1
-        ):
-            raise BadRequest("logprobs must be null, 0 or 1 (only the sampled token's logprob is returned)")
-        n = _opt(body, "n", 1)
-        eos = (
-            [self.tokenizer.eos_token_id]
-            if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id < self.cfg.vocab_size
-            else []
-        )
-        seeds, seed = self._seeds(body, len(prompts), n if isinstance(n, int) else 1)
-        try:
-            reqs = await self._run(prompts, n, _opt(body, "max_tokens", 16), _opt(body, "temperature", 1.0), seeds, eos)
-        except BadRequest as e:  # the engine names its own field; this route calls it max_tokens
-            raise BadRequest(str(e).replace("max_new_tokens", "max_tokens")) from None
-        choices, completion_tokens = [], 0
-        for r in reqs:
-            for c in r.results:
-                completion_tokens += len(c.tokens)
-                lp = (
-                    None
-                    if logprobs is None
-                    else {
-                        "tokens": [self.tokenizer.decode([t]) for t in c.tokens],
-                        "token_logprobs": c.logprobs.tolist(),
-                        "token_ids": c.tokens,
-                    }
-                )
-                choices.append(
-                    {
-                        "index": len(choices),
-                        "text": self.tokenizer.decode(c.tokens),
-                        "logprobs": lp,
-                        "finish_reason": c.finish_reason,
-                        "policy_version": c.policy_version,
-                    }
-                )
-        return _json_response(
-            {
-                "id": f"cmpl-{reqs[0].id}",
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": self.config.model,
-                "choices": choices,
-                "seed": seed,
-                "usage": {
-                    "prompt_tokens": sum(map(len, prompts)),
-                    "completion_tokens": completion_tokens,
-                    "total_tokens": sum(map(len, prompts)) + completion_tokens,
-                },
-            }
-        )
+        return await openai_api.completions(self, request)
 
-    def _encode(self, text: str) -> list[int]:
+    async def chat_completions(self, request: web.Request):
+        return await openai_api.chat_completions(self, request)
+
+    def encode(self, text: str) -> list[int]:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:  # JSON can carry lone surrogates ("\ud800"), which are not text
@@ -468,6 +403,7 @@ class Server:
             [
                 web.post("/generate", self.generate),
                 web.post("/v1/completions", self.completions),
+                web.post("/v1/chat/completions", self.chat_completions),
                 web.post("/update_weights", self.update_weights),
                 web.get("/health", self.health),
                 web.get("/v1/models", self.models),
@@ -507,80 +443,6 @@ class Server:
                 self._kick()
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.2)  # let the last handlers write their responses
-
-
-async def _json(request: web.Request, read_timeout: float) -> dict:
-    """The body as a JSON object, or BadRequest saying what is wrong with it: whatever the bytes
-    (bad compression, an unknown charset, invalid UTF-8, nesting deep enough to exhaust the parser,
-    integers longer than Python will parse) the answer is a 4xx, never a 500."""
-    try:
-        raw = await asyncio.wait_for(request.read(), read_timeout)
-    except TimeoutError:
-        raise ReadTimeout(f"the request body did not arrive within {read_timeout:g} s") from None
-    except web.HTTPException:
-        raise
-    except Exception as e:  # e.g. a corrupt gzip/deflate body
-        raise BadRequest(f"cannot read the body ({request.headers.get('Content-Encoding', 'identity')}): {e}") from None
-    charset = request.charset or "utf-8"
-    try:
-        codecs.lookup(charset)
-    except LookupError:
-        raise BadRequest(f"unknown charset {charset!r}; send UTF-8") from None
-    try:
-        text = raw.decode(charset)
-    except UnicodeDecodeError as e:
-        raise BadRequest(f"the body is not valid {charset}: {e.reason} at byte {e.start}") from None
-    try:
-        body = json.loads(text)
-    except RecursionError:
-        raise BadRequest("malformed JSON: nested too deeply") from None
-    except ValueError as e:  # JSONDecodeError, and integers over Python's digit limit
-        raise BadRequest(f"malformed JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    return body
-
-
-def _json_response(data, status: int = 200) -> web.Response:
-    """JSON that is JSON: NaN or Infinity (which json.dumps writes by default, and no parser accepts)
-    raise here, so a non-finite value becomes a logged 500, never a 200 with invalid JSON."""
-    return web.json_response(data, status=status, dumps=functools.partial(json.dumps, allow_nan=False))
-
-
-_ERROR_TYPES = {
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-}
-
-
-def _error(status: int, message: str):
-    """OpenAI's error shape, so its clients show the message (not just the status code)."""
-    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return _json_response({"error": {"message": message, "type": kind, "param": None, "code": None}}, status=status)
-
-
-@web.middleware
-async def _errors(request, handler):
-    try:
-        return await handler(request)
-    except BadRequest as e:
-        return _error(400, str(e))
-    except ShuttingDown as e:
-        return _error(503, str(e))
-    except ReadTimeout as e:
-        return _error(408, str(e))
-    except web.HTTPRequestEntityTooLarge:
-        return _error(413, f"request body over the limit of {request.client_max_size} bytes")
-    except web.HTTPException as e:
-        return _error(e.status, e.reason)
-    except asyncio.CancelledError:
-        raise
-    except Exception:  # a bug of ours: logged with its traceback, answered as JSON, the server keeps serving
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return _error(500, "internal error (logged on the server)")
 
 
 async def serve(server: Server) -> None:

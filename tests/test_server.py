@@ -493,7 +493,7 @@ def test_health_and_metrics_answer_while_the_engine_compiles():
 def test_no_response_carries_nan_or_infinity():
     """json.dumps writes NaN/Infinity by default, which is not JSON: every response goes through a
     writer that refuses them (the middleware turns that into a logged 500, never a 200)."""
-    from serve.rollout import _json_response
+    from serve.http import _json_response
 
     assert json.loads(_json_response({"logprobs": [-0.5]}).body) == {"logprobs": [-0.5]}
     for bad in (float("nan"), float("inf")):

@@ -1,0 +1,488 @@
+"""/v1/completions and /v1/chat/completions: OpenAI's request and response shapes (and vLLM's extensions)
+over the rollout engine, non-streaming or as server-sent events.
+
+A request becomes one engine request per prompt (n samples each); choice i*n + j is sample j of prompt i.
+Each sample's text grows as the engine's rounds arrive (serve.text, through the engine's `on_tokens`
+hook, on the engine thread): a stop string ends that sample in the round it appears (its tokens after the
+stop are dropped; the request's other samples go on), and a stream gets every round's new text at once
+(less a tail that might still become a stop string). Token logprobs are the engine's float32 values,
+written as the doubles that hold them exactly; echoed prompt logprobs come from `rlkjax.score`, the
+learner's own pass, over the weights that served the request.
+"""
+
+import asyncio
+import dataclasses
+import json
+import logging
+import math
+import time
+
+from aiohttp import web
+
+import rlkjax
+from rlkjax.requests import MIN_TEMPERATURE, check_int, check_temperature
+from serve.chat import ChatTemplateError, message_text
+from serve.http import BadRequest, RequestTimeout, ShuttingDown, _fields, _json, _json_response, _opt, _prompts
+from serve.text import SampleText, offsets, token_pieces
+
+log = logging.getLogger("serve.rollout")
+
+COMMON_FIELDS = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "n",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "user",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "return_token_ids",
+    "timeout",
+}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo"}
+CHAT_FIELDS = COMMON_FIELDS | {
+    "messages",
+    "logprobs",
+    "top_logprobs",
+    "max_completion_tokens",
+    "add_generation_prompt",
+    "chat_template_kwargs",
+}
+
+
+@dataclasses.dataclass
+class Sampling:
+    """What one request asks for, validated."""
+
+    n: int
+    max_tokens: int
+    temperature: float
+    stop: list[str]
+    stop_token_ids: list[int]
+    include_stop: bool
+    logprobs: bool
+    echo: bool
+    return_token_ids: bool
+    stream: bool
+    include_usage: bool
+    timeout: float | None
+
+
+def _bool(body, name, default=False) -> bool:
+    value = _opt(body, name, default)
+    if not isinstance(value, bool):
+        raise BadRequest(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+MAX_STOPS, MAX_STOP_CHARS = 32, 1024  # stop strings are searched after every token on the engine thread
+
+
+def _stop_strings(value) -> list[str]:
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise BadRequest("stop must be a non-empty string or a list of them")
+    if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise BadRequest(f"stop takes at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters")
+    return stops
+
+
+def _int_list(body, name) -> list[int]:
+    value = _opt(body, name, [])
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise BadRequest(f"{name} must be a list of token ids")
+    return value
+
+
+def sampling(server, body: dict, *, chat: bool, prompt_len: int) -> Sampling:
+    """The request's sampling fields, checked; the engine checks the rest (n, ids, lengths) with its own messages."""
+    if chat:
+        logprobs = _bool(body, "logprobs")
+        top = _opt(body, "top_logprobs", 0)
+        if not isinstance(top, int) or isinstance(top, bool) or top != 0:
+            raise BadRequest("top_logprobs must be 0 or null: top alternatives are not served yet")
+        default_max = max(server.engine.max_context - prompt_len, 1)  # OpenAI's chat default: up to the context
+        max_tokens = _opt(body, "max_completion_tokens", _opt(body, "max_tokens", default_max))
+        echo = False
+    else:
+        lp = body.get("logprobs")
+        if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= 1):
+            raise BadRequest(
+                "logprobs must be null, 0 or 1: the sampled token's logprob is returned; top alternatives "
+                "(logprobs > 1) are not served yet"
+            )
+        logprobs, max_tokens, echo = lp is not None, _opt(body, "max_tokens", 16), _bool(body, "echo")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
+        raise BadRequest(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
+    if max_tokens == 0 and not echo:
+        raise BadRequest("max_tokens 0 asks for no tokens: it is only allowed with echo (the prompt's logprobs)")
+    temperature = _opt(body, "temperature", 1.0)
+    if temperature == 0 and not isinstance(temperature, bool) and max_tokens > 0:
+        raise BadRequest(
+            f"temperature 0 (greedy decoding) is not served yet: send a temperature >= {MIN_TEMPERATURE}, or "
+            "max_tokens 0 with echo to score a prompt (scored at temperature 1, the distribution greedy samples)"
+        )
+    stream = _bool(body, "stream")
+    options = _opt(body, "stream_options", {})
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise BadRequest('stream_options must be {"include_usage": true|false}')
+    if options and not stream:
+        raise BadRequest("stream_options is only allowed with stream: true")
+    timeout = _opt(body, "timeout", None)
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf
+    ):
+        raise BadRequest(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    try:
+        n = check_int("n", _opt(body, "n", 1), 1, server.engine.config.max_batch)
+        temperature = check_temperature("temperature", 1.0 if temperature == 0 else temperature)
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+    eos = server.tokenizer.eos_token_id
+    eos = [eos] if eos is not None and eos < server.cfg.vocab_size else []
+    return Sampling(
+        n=n,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        stop=_stop_strings(body["stop"]) if body.get("stop") is not None else [],
+        stop_token_ids=sorted(set(eos + _int_list(body, "stop_token_ids"))),
+        include_stop=_bool(body, "include_stop_str_in_output"),
+        logprobs=logprobs,
+        echo=echo,
+        return_token_ids=_bool(body, "return_token_ids"),
+        stream=stream,
+        include_usage=_bool(options, "include_usage"),
+        timeout=timeout,
+    )
+
+
+class Job:
+    """One HTTP request's samples: submitted to the engine, their text followed round by round."""
+
+    def __init__(self, server, prompts: list[list[int]], s: Sampling, seeds, seed, chat: bool):
+        self.server, self.prompts, self.s, self.seeds, self.seed, self.chat = server, prompts, s, seeds, seed, chat
+        self.n = s.n
+        tok = server.tokenizer
+        self.texts = [SampleText(tok, p, s.stop, s.include_stop) for p in prompts for _ in range(s.n)]
+        self.sent = [0] * len(self.texts)  # tokens streamed per choice
+        self.closed = [False] * len(self.texts)  # its last chunk (with finish_reason) streamed
+        self.requests = []
+        self.queue: asyncio.Queue | None = None
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{time.time_ns():x}"
+        self.created = int(time.time())
+        self.prompt_logprobs: list | None = None  # per prompt, when echo asks for them
+        self.version = None  # policy version of the weights that served the request
+
+    # ----- running -----
+    def submit(self, stream: bool):
+        if stream:
+            self.queue = asyncio.Queue()
+            self.loop = asyncio.get_running_loop()
+        if self.s.max_tokens == 0:  # echo only: nothing to sample
+            return
+        # The hook detokenises on the engine thread, between rounds: only for what needs the text as it grows.
+        # Otherwise the text is made once the request is done, off the engine's path.
+        hooked = stream or bool(self.s.stop)
+        hooks = [lambda j, toks, lps, i=i: self._on_tokens(i * self.n + j, toks, lps) for i in range(len(self.prompts))]
+        try:
+            self.requests = self.server.submit(
+                self.prompts,
+                self.s.n,
+                self.s.max_tokens,
+                self.s.temperature,
+                self.seeds,
+                self.s.stop_token_ids,
+                hooks if hooked else None,
+            )
+        except BadRequest as e:  # the engine names its own field; these routes call it max_tokens
+            raise BadRequest(str(e).replace("max_new_tokens", "max_tokens")) from None
+        for i, r in enumerate(self.requests):
+            if self.queue is not None:
+                self.server.when_done(r, lambda i=i: self.queue.put_nowait(("done", i)))
+
+    def _on_tokens(self, choice: int, tokens, logprobs):
+        """Engine thread, after each round: grow the sample's text; stream what is safe to send."""
+        text = self.texts[choice]
+        try:
+            keep = text.add(tokens, [float(x) for x in logprobs])
+        except Exception:  # a bug of ours must not end the engine thread; the response checks its tokens
+            log.exception("on_tokens failed for %s choice %d", self.id, choice)
+            return None
+        if self.queue is not None:
+            # The engine's own rule for when a sample ends, so its last chunk can go now, not when the
+            # prompt's other samples are done too.
+            if keep is not None or (text.tokens and text.tokens[-1] in self.s.stop_token_ids):
+                reason = "stop"
+            else:
+                reason = "length" if len(text.tokens) >= self.s.max_tokens else None
+            if reason:
+                text.finish()
+            sent = self.sent[choice]
+            safe = len(text.tokens) if reason else text.safe_tokens(sent)
+            if safe > sent or reason:
+                part = (text.tokens[sent:safe], text.logprobs[sent:safe], text.pieces[sent:safe], reason)
+                self.sent[choice], self.closed[choice] = safe, reason is not None
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, ("tokens", choice, *part))
+        return keep
+
+    async def wait(self):
+        await self.server.wait(self.requests, self.s.timeout)
+        self._finish()
+        await self._score_prompts()
+
+    def _finish(self):
+        """After the engine finished: flush each sample's text and check it holds the engine's tokens."""
+        for i, r in enumerate(self.requests):
+            for j, c in enumerate(r.results):
+                text = self.texts[i * self.n + j]
+                if not text.tokens and c.tokens and not text.stopped:  # no hook: the whole text now
+                    text.add(c.tokens, c.logprobs.tolist())
+                text.finish()
+                assert text.tokens == c.tokens, f"the hook saw every token the engine kept: {text.tokens} {c.tokens}"
+        versions = {c.policy_version for r in self.requests for c in r.results} or {self.server.engine.policy_version}
+        self.version = versions.pop() if len(versions) == 1 else None
+
+    async def _score_prompts(self):
+        """echo with logprobs: each prompt's token logprobs by the learner's pass (first token: none)."""
+        if not (self.s.echo and self.s.logprobs):
+            return
+        engine = self.server.engine
+        version, params = engine.policy_version, engine.params
+        if self.version is not None and self.version != version:
+            raise ShuttingDown("the weights changed before the prompt could be scored; retry")
+        cfg, numerics, temp = self.server.cfg, self.server.config.numerics, self.s.temperature
+        starts = [1] * len(self.prompts)  # every prompt token but the first has a logprob
+        # One call for all the prompts: the learner's pass gives a row the same bits alone or batched.
+        scored = await asyncio.to_thread(rlkjax.score, params, cfg, self.prompts, starts, temp, numerics)
+        self.prompt_logprobs = [[None] + row.tolist() for row in scored]
+        self.version = version
+
+    # ----- response pieces -----
+    def _usage(self) -> dict:
+        prompt = sum(map(len, self.prompts))  # each prompt once, however many samples it has
+        completion = sum(len(t.tokens) for t in self.texts)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def _finish_reason(self, choice: int) -> str:
+        if self.s.max_tokens == 0:
+            return "length"
+        reason = self.requests[choice // self.n].results[choice % self.n].finish_reason
+        return "stop" if self.texts[choice].stopped else reason
+
+    def _echo(self, i: int) -> tuple[str, list[str], list]:
+        """Prompt i's text, token strings and logprobs for echo."""
+        pieces = token_pieces(self.server.tokenizer, self.prompts[i])
+        return "".join(pieces), pieces, (self.prompt_logprobs[i] if self.prompt_logprobs else [])
+
+    def _text_logprobs(self, choice: int, tokens, lps, pieces, start: int, echo=None) -> dict:
+        """OpenAI's completion logprobs: tokens (strings that join into the text), token_logprobs, text_offset;
+        token_ids is an extension."""
+        ids = list(tokens)
+        if echo is not None:
+            _, prompt_pieces, prompt_lps = echo
+            ids = self.prompts[choice // self.n] + ids
+            pieces, lps = prompt_pieces + pieces, prompt_lps + list(lps)
+        return {"tokens": pieces, "token_logprobs": list(lps), "text_offset": offsets(pieces, start), "token_ids": ids}
+
+    @staticmethod
+    def _chat_logprobs(lps, pieces) -> dict:
+        return {
+            "content": [
+                {"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []} for p, lp in zip(pieces, lps)
+            ]
+        }
+
+    def _extras(self, choice: int, choice_obj: dict) -> dict:
+        if self.s.return_token_ids:  # vLLM's extension
+            choice_obj["prompt_token_ids"] = self.prompts[choice // self.n]
+            choice_obj["token_ids"] = self.texts[choice].tokens
+        if self.version is not None:
+            choice_obj["policy_version"] = self.version
+        return choice_obj
+
+    def response(self) -> dict:
+        choices = []
+        for k, text in enumerate(self.texts):
+            reason = self._finish_reason(k)
+            if self.chat:
+                obj = {
+                    "index": k,
+                    "message": {"role": "assistant", "content": text.text},
+                    "logprobs": self._chat_logprobs(text.logprobs, text.pieces) if self.s.logprobs else None,
+                    "finish_reason": reason,
+                }
+            else:
+                echo = self._echo(k // self.n) if self.s.echo else None
+                head = echo[0] if echo else ""
+                lp = (
+                    self._text_logprobs(k, text.tokens, text.logprobs, text.pieces, 0, echo)
+                    if self.s.logprobs
+                    else None
+                )
+                obj = {"index": k, "text": head + text.text, "logprobs": lp, "finish_reason": reason}
+            choices.append(self._extras(k, obj))
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.server.config.model,
+            "choices": choices,
+            "seed": self.seed,
+            "usage": self._usage(),
+        }
+
+    # ----- streaming -----
+    def _chunk(self, choices: list, usage=None) -> bytes:
+        data = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.server.config.model,
+            "choices": choices,
+            "seed": self.seed,
+        }
+        if self.s.include_usage:
+            data["usage"] = usage
+        return b"data: " + json.dumps(data, allow_nan=False).encode() + b"\n\n"
+
+    def _delta(self, choice: int, tokens, lps, pieces, reason=None, offset=0) -> dict:
+        if self.chat:
+            obj = {
+                "index": choice,
+                "delta": {"content": "".join(pieces)} if pieces or reason is None else {},
+                "logprobs": self._chat_logprobs(lps, pieces) if self.s.logprobs else None,
+                "finish_reason": reason,
+            }
+        else:
+            lp = self._text_logprobs(choice, tokens, lps, pieces, offset) if self.s.logprobs else None
+            obj = {"index": choice, "text": "".join(pieces), "logprobs": lp, "finish_reason": reason}
+        if self.s.return_token_ids:  # vLLM's extension: this chunk's token ids
+            obj["token_ids"] = list(tokens)
+        return obj
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        """Server-sent events: a chunk per engine round with every sample's new text, each sample's last chunk
+        with its finish_reason in the round it ends, the usage chunk if asked, then [DONE]. A client that goes
+        away cancels the sequences and frees their pages; so does the request's timeout (an error event)."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        done, offset = set(), [0] * len(self.texts)
+        deadline = None if self.s.timeout is None else time.monotonic() + self.s.timeout
+        try:
+            await response.prepare(request)
+            await self._stream_heads(response, offset)
+            while len(done) < len(self.requests):
+                left = None if deadline is None else max(deadline - time.monotonic(), 0)
+                try:
+                    event = await asyncio.wait_for(self.queue.get(), left)
+                except TimeoutError:
+                    raise RequestTimeout(
+                        f"the request did not finish within its timeout of {self.s.timeout:g} s"
+                    ) from None
+                if event[0] == "tokens":
+                    _, k, tokens, lps, pieces, reason = event
+                    await response.write(self._chunk([self._delta(k, tokens, lps, pieces, reason, offset[k])]))
+                    offset[k] += sum(map(len, pieces))
+                elif event[1] not in done:  # when_done may report a request twice
+                    done.add(event[1])
+                    await self._stream_tails(response, event[1], offset)
+            if self.s.include_usage:
+                await response.write(self._chunk([], self._usage()))
+            await response.write(b"data: [DONE]\n\n")
+        except (RequestTimeout, ShuttingDown) as e:
+            self.server.cancel(self.requests)
+            error = {"error": {"message": str(e), "type": "timeout", "param": None, "code": None}}
+            await response.write(b"data: " + json.dumps(error).encode() + b"\n\n")
+        finally:  # whatever ended the stream (the client gone: a cancelled handler, a reset), nothing stays in flight
+            if any(not r.done.is_set() for r in self.requests):
+                self.server.cancel(self.requests)
+            self.server.in_flight.difference_update(self.requests)
+        return response
+
+    async def _stream_heads(self, response, offset):
+        """The first chunk of each sample: the assistant role (chat) or the echoed prompt (completions)."""
+        if self.chat:
+            heads = [
+                {"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for k in range(len(self.texts))
+            ]
+            await response.write(self._chunk(heads))
+        elif self.s.echo:
+            await self._score_prompts()
+            for k in range(len(self.texts)):
+                echo = self._echo(k // self.n)
+                lp = self._text_logprobs(k, [], [], [], 0, echo) if self.s.logprobs else None
+                await response.write(
+                    self._chunk([{"index": k, "text": echo[0], "logprobs": lp, "finish_reason": None}])
+                )
+                offset[k] = len(echo[0])
+        if self.s.max_tokens == 0:  # nothing sampled: every sample ends here
+            await response.write(self._chunk([self._delta(k, [], [], [], "length") for k in range(len(self.texts))]))
+
+    async def _stream_tails(self, response, i: int, offset):
+        """Prompt i's request is done: the samples whose last chunk is not out yet (cancelled ones) get it."""
+        r = self.requests[i]
+        if self.server.deadline_passed and r.cancelled:
+            raise ShuttingDown("the server shut down before this request finished (--shutdown-timeout)")
+        for j in range(len(r.results)):
+            k = i * self.n + j
+            if self.closed[k]:
+                continue
+            text = self.texts[k]
+            text.finish()
+            sent = self.sent[k]
+            self.sent[k] = len(text.tokens)
+            chunk = self._delta(
+                k, text.tokens[sent:], text.logprobs[sent:], text.pieces[sent:], self._finish_reason(k), offset[k]
+            )
+            await response.write(self._chunk([chunk]))
+
+
+async def completions(server, request: web.Request):
+    body = _fields(await _json(request, server.config.read_timeout), COMPLETION_FIELDS, {"prompt"})
+    prompt = body["prompt"]
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
+        prompts = [server.encode(p) for p in ([prompt] if isinstance(prompt, str) else prompt)]
+    else:
+        prompts = _prompts(prompt)
+    return await _serve(server, request, body, prompts, chat=False)
+
+
+async def chat_completions(server, request: web.Request):
+    body = _fields(await _json(request, server.config.read_timeout), CHAT_FIELDS, {"messages"})
+    if server.chat_template is None:
+        raise BadRequest(f"{server.config.model} has no chat template (tokenizer_config.json): use /v1/completions")
+    messages = body["messages"]
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise BadRequest("messages must be a non-empty list of {'role': ..., 'content': ...} objects")
+    rendered = []
+    for i, m in enumerate(messages):
+        if not isinstance(m.get("role"), str):
+            raise BadRequest(f"messages[{i}].role must be a string")
+        try:
+            rendered.append(m | {"content": message_text(m.get("content"))})
+        except ValueError as e:
+            raise BadRequest(f"messages[{i}]: {e}") from None
+    kwargs = _opt(body, "chat_template_kwargs", {})
+    if not isinstance(kwargs, dict):
+        raise BadRequest("chat_template_kwargs must be an object")
+    try:
+        text = server.chat_template.render(rendered, _bool(body, "add_generation_prompt", True), **kwargs)
+    except ChatTemplateError as e:
+        raise BadRequest(str(e)) from None
+    return await _serve(server, request, body, [server.encode(text)], chat=True)
+
+
+async def _serve(server, request: web.Request, body: dict, prompts: list, chat: bool):
+    if len(prompts) > server.config.max_prompts:
+        raise BadRequest(f"at most {server.config.max_prompts} prompts per request, got {len(prompts)}")
+    s = sampling(server, body, chat=chat, prompt_len=max(map(len, prompts), default=0))
+    seeds, seed = server.seeds(body, len(prompts), s.n)
+    job = Job(server, prompts, s, seeds, seed, chat)
+    job.submit(stream=s.stream)
+    if s.stream:
+        return await job.stream(request)
+    await job.wait()
+    return _json_response(job.response())

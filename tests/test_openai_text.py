@@ -1,0 +1,164 @@
+"""The OpenAI routes' text handling without a server: per-token strings that join into the text (byte
+tokenizer and a byte-level BPE like Qwen's), stop strings found across token boundaries and cut out,
+streaming that never lets a partial stop string out, and chat templates rendered as Hugging Face does."""
+
+import json
+
+import pytest
+
+from rlkjax.engine import Engine, EngineConfig
+from rlkjax.tokenizer import ByteTokenizer, load_tokenizer
+from serve.chat import DEFAULT_TEMPLATE, ChatTemplate, ChatTemplateError, load_chat_template, message_text
+from serve.text import SampleText, offsets, token_pieces
+from tests.conftest import assert_bits_equal
+
+TEXT = "héllo wörld, 1 € und 🙂 zwei\n\nnächste Zeile"
+
+
+def make_bpe_checkpoint(directory):
+    """A byte-level BPE (Qwen's tokenizer family) trained here on a few lines, saved with a tokenizer_config.json
+    that names its eos token and a chat template (a checkpoint's tokenizer files, as the server reads them)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|im_end|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator([TEXT, "hello world", "und zwei und drei"] * 5, trainer)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "eos_token": "<|im_end|>",
+                "chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] | tojson }}\n{% endfor %}"
+                "{% if add_generation_prompt %}{{ eos_token }}{% endif %}",
+            }
+        )
+    )
+    return directory
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    return load_tokenizer(make_bpe_checkpoint(tmp_path_factory.mktemp("bpe")))
+
+
+@pytest.mark.parametrize("which", ["bytes", "bpe"])
+def test_token_pieces_join_into_the_text(which, bpe):
+    """Each token's string is the text it adds: they join into decode(all tokens), a character split over
+    tokens goes to the token that completes it, and text_offset is where each piece starts."""
+    tok = ByteTokenizer() if which == "bytes" else bpe
+    ids = tok.encode(TEXT)
+    pieces = token_pieces(tok, ids)
+    assert len(pieces) == len(ids) and "".join(pieces) == tok.decode(ids) == TEXT
+    assert offsets(pieces, 7) == [7 + len("".join(pieces[:i])) for i in range(len(pieces))]
+    if which == "bytes":
+        assert pieces[:3] == ["h", "", "é"]  # é is two bytes: the first token adds nothing yet
+    # After a prompt: the pieces still join into the completion's text.
+    prompt, rest = ids[:5], ids[5:]
+    assert "".join(token_pieces(tok, rest, prompt)) == tok.decode(ids)[len(tok.decode(prompt)) :]
+
+
+@pytest.mark.parametrize("include_stop", [False, True])
+def test_a_stop_string_split_over_tokens_ends_the_text(include_stop):
+    """ "\\n\\nn" spans three tokens and arrives in the middle of a round: add() keeps the tokens up to the one
+    that completed it, cuts the text at it (or after it with include_stop), and the pieces still join."""
+    tok = ByteTokenizer()
+    ids = tok.encode(TEXT)
+    c = SampleText(tok, tok.encode("prompt"), ["zzz", "\n\nn"], include_stop)
+    cut = TEXT.index("\n\nn")
+    first = len(TEXT[:cut].encode()) - 1  # the first round ends one byte before the stop string
+    assert c.add(ids[:first], [0.0] * first) is None
+    keep = c.add(ids[first:], [0.0] * (len(ids) - first))
+    assert keep == 4 and c.stopped  # the last byte before "\n\nn" and the three bytes of it
+    assert c.text == TEXT[: cut + (3 if include_stop else 0)] == "".join(c.pieces)
+    assert c.tokens == ids[: first + keep] and len(c.logprobs) == first + keep
+
+
+def test_streaming_holds_back_what_may_become_a_stop_string():
+    """A streamed piece is never cut later: the last len(longest stop) - 1 characters wait until the text
+    moves past them or the sample ends, and a split character waits for its last byte."""
+    tok = ByteTokenizer()
+    ids = tok.encode(TEXT)
+    c = SampleText(tok, [1], ["wörld!", "xx"], False)
+    sent, streamed = 0, ""
+    for t in ids:
+        c.add([t], [0.0])
+        safe = c.safe_tokens(sent)
+        streamed += "".join(c.pieces[sent:safe])
+        sent = safe
+        assert TEXT.startswith(streamed) and len(c.text) - len(streamed) <= len("wörld!") - 1 + 3
+    c.finish()
+    assert streamed + "".join(c.pieces[sent:]) == c.text == TEXT
+
+
+def test_a_trailing_split_character_is_flushed_at_the_end():
+    """A sample that ends inside a UTF-8 character: its bytes show as U+FFFD on the last token."""
+    tok = ByteTokenizer()
+    c = SampleText(tok, [1], [], False)
+    c.add(list("a€".encode())[:-1], [0.0, 0.0, 0.0])
+    assert c.text == "a" and c.safe_tokens(0) == 1
+    c.finish()
+    assert c.text == "a\ufffd" == "".join(c.pieces)
+
+
+def test_chat_templates_render_as_hugging_face_does(bpe):
+    """The checkpoint's template with HF's environment: trim_blocks/lstrip_blocks, tojson that keeps
+    non-ASCII, special tokens by name, raise_exception as a 400-worthy error; the byte-tokenizer default is ChatML."""
+    template = load_chat_template(bpe)
+    messages = [{"role": "user", "content": "grüß dich"}]
+    assert template.render(messages) == 'user: "grüß dich"\n<|im_end|>'
+    assert template.render(messages, add_generation_prompt=False) == 'user: "grüß dich"\n'
+    default = load_chat_template(ByteTokenizer())
+    assert default.source == DEFAULT_TEMPLATE
+    assert default.render(messages + [{"role": "assistant", "content": "hi"}]) == (
+        "<|im_start|>user\ngrüß dich<|im_end|>\n<|im_start|>assistant\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    strict = ChatTemplate(
+        "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+        "{% endfor %}{{ strftime_now('%Y') | length }}",
+        {},
+    )
+    assert strict.render(messages) == "4"
+    with pytest.raises(ChatTemplateError, match="no system role"):
+        strict.render([{"role": "system", "content": "x"}])
+    sandboxed = ChatTemplate("{{ ''.__class__.__mro__ }}", {})
+    with pytest.raises(ChatTemplateError):
+        sandboxed.render(messages)
+    assert message_text([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]) == "a\nb"
+    with pytest.raises(ValueError, match="content"):
+        message_text([{"type": "image_url", "image_url": "x"}])
+
+
+@pytest.mark.slow  # compiles the engine's step functions: about 25 s on 2 cores
+def test_the_engine_hook_stops_one_sample_and_not_the_others(tiny):
+    """Engine.submit(on_tokens=...), what stop strings and streams ride on: the hook sees every token once,
+    in order, a round at a time; returning k stops that sample with the first k tokens of the round kept
+    (finish_reason stop, its pages freed), and the request's other samples run to their length with the
+    tokens and logprob bits of a run without the hook."""
+    cfg, params = tiny
+    config = EngineConfig(num_pages=64, max_batch=4, prefill_chunk=16, token_budget=64, max_context=128, decode_steps=4)
+    plain = Engine(params, cfg, "strict", config)
+    free = plain.submit([5, 6, 7], n=3, max_new_tokens=10, seed=3)
+    plain.run_until_done()
+    rounds = {j: [] for j in range(3)}
+
+    def hook(j, tokens, logprobs):
+        assert len(tokens) == len(logprobs)
+        rounds[j].append(list(tokens))
+        return 2 if j == 1 and sum(map(len, rounds[1])) >= 5 else None
+
+    engine = Engine(params, cfg, "strict", config)
+    hooked = engine.submit([5, 6, 7], n=3, max_new_tokens=10, seed=3, on_tokens=hook)
+    engine.run_until_done()
+    kept = sum(map(len, rounds[1][:-1])) + 2
+    stopped = hooked.results[1]
+    assert stopped.finish_reason == "stop" and stopped.tokens == free.results[1].tokens[:kept]
+    assert_bits_equal(stopped.logprobs, free.results[1].logprobs[:kept], "stopped sample")
+    for j in (0, 2):
+        assert hooked.results[j].tokens == free.results[j].tokens == sum(rounds[j], [])
+        assert hooked.results[j].finish_reason == "length"
+        assert_bits_equal(hooked.results[j].logprobs, free.results[j].logprobs, f"sample {j}")
+    assert engine.metrics()["pages_used"] == 0
