@@ -9,59 +9,15 @@ import argparse
 import concurrent.futures
 import json
 import os
-import subprocess
-import sys
 import time
 
 import numpy as np
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen3-tiny", help="preset served (random weights, seed 0)")
-    ap.add_argument("--numerics", default="strict", choices=["strict", "fast"], help="server numerics")
-    ap.add_argument("--requests", type=int, default=64, help="concurrent requests")
-    ap.add_argument("--max-prompt", type=int, default=512, help="longest prompt (shortest is 1)")
-    ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens per sample")
-    ap.add_argument("--port", type=int, default=8765, help="loopback port")
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
-    args = ap.parse_args()
-    env = os.environ | {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.45"}  # server and scorer share one GPU
-    os.environ.update(env)
+def fire(client, args):
+    """All requests at once (mixed prompt lengths, n 1 or 4); returns results, wall time, metrics, jobs."""
     import rlkjax
-    from bench._report import new_report, save_report
-    from rlkjax.client import RolloutClient
-    from rlkjax.mismatch import mismatch_stats
 
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "serve.rollout",
-            "--model",
-            args.model,
-            "--numerics",
-            args.numerics,
-            "--port",
-            str(args.port),
-            "--max-batch",
-            "64",
-            "--num-pages",
-            "8192",
-            "--max-context",
-            "1024",
-        ],
-        env=env,
-    )
-    client = RolloutClient(f"http://127.0.0.1:{args.port}", timeout=3600)
-    while True:
-        try:
-            client.health()
-            break
-        except OSError:
-            if proc.poll() is not None:
-                raise SystemExit("server failed to start") from None
-            time.sleep(0.5)
     cfg = rlkjax.ModelConfig.preset(args.model)
     rng = np.random.default_rng(0)
     jobs = [
@@ -86,10 +42,36 @@ def main():
     wall = time.perf_counter() - t
     metrics = client.metrics()
     print(f"{len(jobs)} requests answered in {wall:.1f} s; stopping the server", flush=True)
-    proc.terminate()
-    proc.wait(timeout=300)
-    print("server exited with", proc.returncode, "; scoring every completion", flush=True)
+    return results, wall, metrics, jobs
 
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-tiny", help="preset served (random weights, seed 0)")
+    ap.add_argument("--numerics", default="strict", choices=["strict", "fast"], help="server numerics")
+    ap.add_argument("--requests", type=int, default=64, help="concurrent requests")
+    ap.add_argument("--max-prompt", type=int, default=512, help="longest prompt (shortest is 1)")
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens per sample")
+    ap.add_argument("--max-batch", type=int, default=256, help="the server's --max-batch")
+    ap.add_argument("--port", type=int, default=8765, help="loopback port")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args()
+    os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = "0.45"  # this process scores on the server's GPU
+    import rlkjax
+    from bench._report import new_report, save_report
+    from bench._server import running_server
+    from rlkjax.client import RolloutClient
+    from rlkjax.mismatch import mismatch_stats
+
+    server_args = [
+        "--model", args.model, "--numerics", args.numerics,
+        "--max-batch", str(args.max_batch), "--num-pages", "16384", "--max-context", "1024",
+    ]  # fmt: skip
+    with running_server(server_args, args.port) as url:
+        client = RolloutClient(url, timeout=3600)
+        results, wall, metrics, jobs = fire(client, args)
+    print("server stopped; scoring every completion", flush=True)
+    cfg = rlkjax.ModelConfig.preset(args.model)
     params = rlkjax.init_params(cfg, seed=0)
     seqs, plens, sampled = [], [], []
     for job, samples in zip(jobs, results):
