@@ -76,8 +76,8 @@ def make_mesh(devices: list[jax.Device]) -> Mesh:
     missing = sorted({d.process_index for d in jax.devices()} - {d.process_index for d in devices})
     if missing:
         raise ValueError(
-            f"--learner-devices {[d.id for d in devices]}: processes {missing} hold none of them; with several "
-            "processes each needs at least one learner device (it receives its samplers' weights there)"
+            f"--learner-devices {[jax.devices().index(d) for d in devices]}: processes {missing} hold none of them; "
+            "with several processes each needs at least one learner device (it receives its samplers' weights there)"
         )
     return Mesh(np.array(devices), (AXIS,))
 
@@ -192,30 +192,33 @@ def sharded_logprobs(fn, mesh, specs, dtype=None, **static):
 def sharded_value_and_grad(loss_fn, mesh, specs, dtype=None, **static):
     """loss_fn(params, batch, ref_logp, rope, total_tokens, **static) -> (loss, (stats, logp)), the
     loss and LossStats over this device's rows and logp [rows, T-1], with the weights gathered as
-    `dtype`; returns the global loss, the stats merged by their declared REDUCTION, every row's logp,
-    and FSDP-sharded gradients (in the params' own dtype)."""
+    `dtype`. The jitted function takes (params, batch, ref_logp, rope, total_tokens, grads_so_far)
+    and returns the global loss, the stats merged by their declared REDUCTION, every row's logp, and
+    grads_so_far + this micro-batch's FSDP-sharded gradients (in the params' dtype), added in place:
+    grads_so_far is donated, so a micro-batch's gradients never take a second copy of that memory."""
     collectives = {
         "min": lambda v: jax.lax.pmin(v, AXIS),
         "max": lambda v: jax.lax.pmax(v, AXIS),
         "sum": ordered_sum,
     }
 
-    def body(params, batch, ref_logp, rope, total_tokens):
+    def body(params, batch, ref_logp, rope, total_tokens, grads_so_far):
         def local(p):
             return loss_fn(gather(p, specs, dtype), batch, ref_logp, rope, total_tokens=total_tokens, **static)
 
         (loss, (stats, logp)), grads = jax.value_and_grad(local, has_aux=True)(params)
         merged = jax.tree.map(lambda v, how: collectives[how](v), stats, REDUCTION)
-        return (ordered_sum(loss), (merged, logp)), grads
+        return (ordered_sum(loss), (merged, logp)), jax.tree.map(jnp.add, grads_so_far, grads)
 
     return jax.jit(
         jax.shard_map(
             body,
             mesh=mesh,
-            in_specs=(specs, BATCH_SPECS, ROWS, P(), P()),
+            in_specs=(specs, BATCH_SPECS, ROWS, P(), P(), specs),
             out_specs=((P(), (P(), ROWS)), specs),
             check_vma=False,
-        )
+        ),
+        donate_argnums=5,
     )
 
 

@@ -668,15 +668,15 @@ def train(config: GRPOConfig) -> dict:
             tokens_on_mesh = fsdp.put(np.float32(total_tokens), mesh, fsdp.REPLICATED)
             t2 = time.perf_counter()
             for u in range(config.updates_per_batch):
-                grads, losses, stats, logp_new = None, [], [], []
+                # Zeros to start the sum: 0 + g is g exactly (a -0.0 becomes +0.0, the same to AdamW).
+                grads, losses, stats, logp_new = jax.tree.map(jnp.zeros_like, master), [], [], []
                 for mb in on_mesh(micro_batches(batch, config.micro_batch, n_learner)):
                     ref_logp = (
                         score_fn(ref, mb.tokens, mb.positions, mb.temps, rope)
                         if config.beta
                         else fsdp.put(np.zeros(mb.logp_old.shape, np.float32), mesh, fsdp.ROWS)
                     )
-                    (loss, (st, logp)), g = grad_fn(master, mb, ref_logp, rope, tokens_on_mesh)
-                    grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+                    (loss, (st, logp)), grads = grad_fn(master, mb, ref_logp, rope, tokens_on_mesh, grads)
                     losses.append(float(fsdp.to_host(loss)))
                     stats.append(fsdp.to_host(st))
                     logp_new.append(logp)
