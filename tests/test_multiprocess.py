@@ -38,12 +38,14 @@ def launch(out, devices: int, extra=()) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def finish(procs, timeout=600) -> None:
-    """Wait for every process; if one fails or hangs, stop the others (they would wait for it)."""
+def finish(procs, timeout=600) -> list[tuple[int, str]]:
+    """(exit status, output) of every process; if one hangs, the others are stopped too (they would wait for it)."""
     try:
+        results = []
         for p in procs:
             output, _ = p.communicate(timeout=timeout)
-            assert p.returncode == 0, output[-4000:]
+            results.append((p.returncode, output))
+        return results
     finally:
         for p in procs:
             if p.poll() is None:
@@ -56,9 +58,12 @@ def test_two_processes_have_the_bits_of_one(tmp_path, steps):
     """Prevents the multi-process path from rotting (it had never run), and a collective library's
     summation order (gloo here, NCCL on GPUs) from leaking into the weights."""
     port, flags = free_port(), ["--steps", str(steps)]
-    finish([launch(tmp_path / "one", 4, flags)])
     coordinator = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
-    finish([launch(tmp_path / "two", 2, [*flags, *coordinator, "--process-id", str(i)]) for i in (1, 0)])
+    for returncode, output in [
+        *finish([launch(tmp_path / "one", 4, flags)]),
+        *finish([launch(tmp_path / "two", 2, [*flags, *coordinator, "--process-id", str(i)]) for i in (1, 0)]),
+    ]:
+        assert returncode == 0, output[-4000:]
 
     result = compare(tmp_path / "one", tmp_path / "two")  # what bench/two_gpu.sh runs on two GPUs
     assert result["identical"] and result["steps"] == [steps, steps], result
@@ -76,3 +81,10 @@ def test_two_processes_have_the_bits_of_one(tmp_path, steps):
     for path, x in jax.tree_util.tree_leaves_with_path(initial):
         master = arrays["['master']" + jax.tree_util.keystr(path)]
         assert np.mean(master != np.asarray(x, np.float32)) > 0.9, path
+
+
+def test_a_process_without_learner_devices_is_refused(tmp_path):
+    """Process 1 would have no device to receive its samplers' weights on; both processes say so at start."""
+    coordinator = ["--coordinator", f"127.0.0.1:{free_port()}", "--num-processes", "2", "--learner-devices", "0,1"]
+    for returncode, output in finish([launch(tmp_path, 2, [*coordinator, "--process-id", str(i)]) for i in (1, 0)]):
+        assert returncode != 0 and "--learner-devices [0, 1]: processes [1] hold none of them" in output, output[-3000:]
