@@ -42,19 +42,19 @@ def contract():
     master = jax.tree.map(lambda w: w.astype(jnp.float32), params)
     sel = batch.mask > 0
     for devices in (8, 4, 2, 1):
-        mesh = fsdp.make_mesh(devices)
+        mesh = fsdp.make_mesh(jax.devices()[:devices])
         specs = fsdp.param_specs(master, devices)
         score = fsdp.sharded_logprobs(grpo.policy_logprobs, mesh, specs, cfg=cfg, numerics="strict")
         mb = pad_rows(batch, devices)
         logp = np.asarray(
-            score(fsdp.shard(master, mesh, specs), mb.tokens, mb.positions, mb.temps, model.rope_tables(cfg))
+            score(fsdp.put(master, mesh, specs), mb.tokens, mb.positions, mb.temps, model.rope_tables(cfg))
         )
         assert_bits_equal(logp[: len(samples)][sel], batch.logp_old[sel], f"learner on {devices} devices vs sampler")
         print(f"learner on {devices} devices: {int(sel.sum())} logprobs, 0 differing bits", flush=True)
 
 
 def grpo_runs(out: Path):
-    for name, layout in {"fsdp": dict(learner_devices=8, sampler_replicas=2), "single": {}}.items():
+    for name, layout in {"fsdp": dict(learner_devices="0-7", sampler_devices="6,7"), "single": {}}.items():
         result = grpo.train(grpo.GRPOConfig(out=str(out / name), **GRPO_RUN, **layout))
         leaves = jax.tree_util.tree_leaves_with_path(result["master"])
         np.savez(out / name / "master.npz", **{jax.tree_util.keystr(path): np.asarray(x) for path, x in leaves})

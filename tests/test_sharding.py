@@ -1,6 +1,7 @@
-"""The contract across layouts, on 8 fake CPU devices (a subprocess, since the device count is
-fixed when JAX starts): sampler replicas vs the FSDP learner on 8/4/2/1 devices, bit for bit; and
-a GRPO run with an 8-device learner and 2 sampler replicas against the same run on one device."""
+"""The contract across layouts, on fake CPU devices (a subprocess, since the device count is fixed
+when JAX starts): a sampler engine vs the FSDP learner on 8/4/2/1 devices, bit for bit; GRPO with
+the learner and the samplers on different, overlapping or the same devices; a GRPO run with an
+8-device learner and 2 samplers against the same run on one device; and the device flags' errors."""
 
 import json
 import math
@@ -14,6 +15,7 @@ import pytest
 
 import rlkjax
 from tests.sharded_contract import GRPO_RUN
+from train.fsdp import parse_devices, pick_devices
 from train.grpo import GRPOConfig
 
 ENV = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
@@ -33,17 +35,71 @@ def test_sampler_replica_vs_fsdp_learner_on_any_mesh():
         assert f"learner on {devices} devices" in r.stdout
 
 
+@pytest.mark.parametrize(
+    "learner, sampler",
+    [
+        ("0,1", "2"),  # learner on 2 devices, the sampler on a third
+        pytest.param("0", "1,2", marks=pytest.mark.slow),  # learner on 1, samplers on 2 others
+        pytest.param("0,1", "0,1", marks=pytest.mark.slow),  # both on both
+    ],
+)
+def test_grpo_is_exact_on_any_device_layout(tmp_path, learner, sampler):
+    """Every step: the learner recomputes the sampler's logprobs with 0 bits differing and the first
+    update's ratio is exactly 1 (the run stops otherwise); step 2 samples with the weights pushed to
+    the sampler devices after step 1 (policy version 1). Prevents a layout whose weight push or
+    batch placement goes astray, e.g. a sampler left with stale weights on a device the learner
+    does not hold."""
+    cmd = [sys.executable, "-m", "train.grpo", "--steps", "2", "--prompts-per-step", "3", "--group-size", "2"]
+    cmd += ["--max-new-tokens", "4", "--warmup-steps", "0", "--no-progress", "--out", str(tmp_path)]
+    cmd += ["--learner-devices", learner, "--sampler-devices", sampler]
+    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=3"}
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["policy_version"] for row in rows] == [0, 1]
+    for row in rows:
+        assert row["tokens_compared"] > 0 and row["tokens_bits_differ"] == 0, row
+        assert row["ratio_min"] == row["ratio_max"] == 1.0, row
+
+
+@pytest.mark.parametrize(
+    "spec, match",
+    [("", "expected device indices"), ("0,x", "expected device indices"), ("1-0", "empty"), ("0,0-1", "twice")],
+)
+def test_device_flags_reject_bad_syntax(spec, match):
+    for flag in ("learner_devices", "sampler_devices"):
+        with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')}=.*{match}"):
+            GRPOConfig(**{flag: spec})
+
+
+def test_device_flags_reject_missing_devices():
+    assert parse_devices("--learner-devices", "0-2,5") == [0, 1, 2, 5]
+    assert pick_devices("--sampler-devices", "all") == jax.devices()
+    with pytest.raises(ValueError, match=r"--learner-devices='0,1': device 1 does not exist; 1 devices are visible"):
+        pick_devices("--learner-devices", "0,1")
+
+
+def test_process_flags_are_checked():
+    with pytest.raises(ValueError, match="--num-processes=2 needs --coordinator"):
+        GRPOConfig(num_processes=2)
+    with pytest.raises(ValueError, match=r"--process-id=2 must be in \[0, --num-processes=2\)"):
+        GRPOConfig(num_processes=2, process_id=2, coordinator="127.0.0.1:1234")
+    with pytest.raises(ValueError, match="--rollout-url runs with one learner process"):
+        GRPOConfig(num_processes=2, coordinator="127.0.0.1:1234", rollout_url="http://127.0.0.1:8000")
+
+
 @pytest.mark.slow
 def test_grpo_fsdp_learner_follows_the_single_device_trajectory(tmp_path):
-    """The same 2-step GRPO run with an 8-device FSDP learner + 2 sampler replicas and on 1 device.
+    """The same 2-step GRPO run with an 8-device FSDP learner + 2 sampler devices and on 1 device.
 
     Bits where bits are promised: on both layouts every step has mismatch 0 and first-update ratio
     exactly 1 (the run would stop otherwise). The first update's learning rate is 0 (the warmup starts
     at 0), so both steps sample with the initial weights on both layouts: the same rollouts, so reward
     mean/std and the sampler's logprobs (entropy estimate) are equal exactly.
 
-    Where they are not: FSDP reduce-scatters gradients that each device rounded to bf16 over its own
-    rows, so gradients differ in their last bf16 bits (and losses in the summation order). Tolerances:
+    Where they are not: FSDP sums gradients that each device rounded to bf16 over its own rows (in
+    device order, train/fsdp.py), so gradients differ in their last bf16 bits (and losses in the
+    summation order). Tolerances:
       - loss (at ratio 1 it is -sum(A * mask) / tokens, from identical fp32 terms): each side's fp32 sum
         of n <= 32 terms per micro-batch errs by at most n u max|A| (u = 2^-24; Samuelson: a group-
         normalised |A| <= sqrt(G - 1)); doubled for both sides, doubled again for the division and the

@@ -52,7 +52,9 @@ RESUMABLE_CHANGES = frozenset(
         "resume_allow_changes",
         "rollout_url",
         "admin_key",
-        "distributed",
+        "coordinator",  # how many processes compute a step does not change its bits (tests/test_multiprocess.py)
+        "num_processes",
+        "process_id",
     }
 )
 SECRETS = frozenset({"admin_key"})  # never written to disk

@@ -1,19 +1,36 @@
-"""Scale-out: an FSDP learner over a `data` mesh axis, and data-parallel sampler replicas.
+"""Scale-out: an FSDP learner over a `data` mesh axis, sampler engines on chosen devices, and the
+same run over one process or several.
 
 Learner: every parameter (and so its gradient and optimiser state) is sharded along one dimension
 over the `data` axis. Inside `shard_map` each device all-gathers the weights exactly (an
 all-gather only moves data) and runs the one model function on its own rows, so a row's logprob
-bits do not depend on the mesh. The gradient of the gather is a reduce-scatter: each device ends
-with the summed gradient of its own shard (gradients are not bitwise-promised across meshes).
+bits do not depend on the mesh.
 
-Samplers: one engine per device, each with a full copy of the weights; prompts are spread round
-robin. New weights reach them device to device (`jax.device_put`), never through disk.
+Reductions across devices never go through a collective's own arithmetic: gradients are
+reduce-scattered as an all-to-all (data movement) followed by a sum in ascending device order on
+each device, and scalar sums (loss, stats, gradient norm) are all-gathered and summed in the same
+order. A collective's summation order is the library's choice (XLA's in-process CPU collectives,
+gloo, NCCL's ring or tree); ours is fixed, so one process on N devices and several processes on
+the same N devices compute the same bits. (Gradients still differ between meshes of different
+sizes: each device rounds its own rows' partial gradient.)
 
-One process per host; on several hosts call `jax.distributed.initialize()` first (see README).
+Samplers: one engine per sampler device, each with a full copy of the weights; prompt i goes to
+sampler device i mod M. New weights reach them device to device, never through disk.
+
+Several processes (`jax.distributed`): every process runs the same program, holds the same host
+batch (same seed, same data RNG) and feeds its own devices' rows of it; it runs the engines of
+its own sampler devices and the completions are exchanged (as int32 bits) so that every process
+packs the same batch. Every process must hold at least one learner device (that is where it
+receives the weights for its samplers).
 """
 
+import functools
+
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -21,14 +38,48 @@ from train.batch import PAD, REDUCTION
 
 AXIS = "data"
 ROWS = P(AXIS)
+REPLICATED = P()
 BATCH_SPECS = jax.tree.map(lambda _: ROWS, PAD)  # every Batch field has rows first: split them all by rows
-COLLECTIVES = {"min": jax.lax.pmin, "max": jax.lax.pmax, "sum": jax.lax.psum}
 
 
-def make_mesh(devices: int) -> Mesh:
-    if devices > len(jax.devices()):
-        raise ValueError(f"--learner-devices={devices}, but only {len(jax.devices())} devices are visible")
-    return Mesh(np.array(jax.devices()[:devices]), (AXIS,))
+# ----- which devices -----
+def parse_devices(flag: str, spec: str) -> list[int]:
+    """'0', '0,2', '0-3', '0-1,4' -> sorted device indices (in jax.devices() order, over every
+    process); 'all' -> [] (resolved by pick_devices). Syntax only: the device count is known later."""
+    if spec == "all":
+        return []
+    indices = []
+    for part in spec.split(","):
+        first, _, last = part.strip().partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            raise ValueError(f"{flag}={spec!r}: expected device indices like 0 / 0,2 / 0-3 / all (got {part!r})")
+        if last and int(last) < int(first):
+            raise ValueError(f"{flag}={spec!r}: the range {part!r} is empty")
+        indices += range(int(first), int(last or first) + 1)
+    if len(set(indices)) != len(indices):
+        raise ValueError(f"{flag}={spec!r} names a device twice")
+    return sorted(indices)
+
+
+def pick_devices(flag: str, spec: str) -> list[jax.Device]:
+    devices = jax.devices()  # every process's devices, the same list in every process
+    indices = parse_devices(flag, spec) or range(len(devices))
+    if max(indices) >= len(devices):
+        raise ValueError(
+            f"{flag}={spec!r}: device {max(indices)} does not exist; {len(devices)} devices are visible "
+            f"(0-{len(devices) - 1}{f', over {jax.process_count()} processes' if jax.process_count() > 1 else ''})"
+        )
+    return [devices[i] for i in indices]
+
+
+def make_mesh(devices: list[jax.Device]) -> Mesh:
+    missing = sorted({d.process_index for d in jax.devices()} - {d.process_index for d in devices})
+    if missing:
+        raise ValueError(
+            f"--learner-devices {[jax.devices().index(d) for d in devices]}: processes {missing} hold none of them; "
+            "with several processes each needs at least one learner device (it receives its samplers' weights there)"
+        )
+    return Mesh(np.array(devices), (AXIS,))
 
 
 def param_specs(params, devices: int):
@@ -45,55 +96,161 @@ def param_specs(params, devices: int):
     return jax.tree.map(spec, params)
 
 
-def shard(tree, mesh, specs):
-    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
+# ----- moving data on and off the mesh -----
+def put(tree, mesh, specs, dtype=None):
+    """Host (or one-device) arrays -> global arrays on the mesh. Every process passes the same values
+    and supplies its own devices' slices (jit refuses sharded numpy inputs with several processes).
+    `dtype` casts each slice (exactly, for bf16 -> fp32) so no full-size copy of the cast is made."""
+
+    def one(x, spec):
+        x = x if hasattr(x, "shape") else np.asarray(x)
+        sliced = (lambda i: x[i].astype(dtype)) if dtype else (lambda i: x[i])
+        return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), sliced)
+
+    if isinstance(specs, P):  # one spec for every leaf
+        specs = jax.tree.map(lambda _: specs, tree)
+    return jax.tree.map(one, tree, specs)
 
 
-def gather(params, specs):
-    """All-gather every shard: exact, so the learner computes with the sampler's weights."""
-
-    def full(x, s):
-        return jax.lax.all_gather(x, AXIS, axis=list(s).index(AXIS), tiled=True)
-
-    return jax.tree.map(full, params, specs)
+@functools.cache
+def _replicate(mesh):
+    return jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh, P()))  # an all-gather: exact
 
 
-def sharded_logprobs(fn, mesh, specs, **static):
-    """fn(params, tokens, positions, temps, rope, **static) -> [B, T-1], with rows sharded over the mesh."""
+def local_copy(tree, mesh):
+    """A full copy of every leaf on one of this process's mesh devices (all processes must call it)."""
+    return jax.tree.map(lambda x: x.addressable_data(0), _replicate(mesh)(tree))
+
+
+def to_host(tree):
+    """numpy copies of (possibly sharded, possibly several-process) arrays; with several processes
+    every process must call it for a sharded array (it is gathered)."""
+
+    def one(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
+            return np.asarray(x)
+        if x.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))
+        return np.asarray(_replicate(x.sharding.mesh)(x).addressable_data(0))
+
+    return jax.tree.map(one, tree)
+
+
+def exchange(local: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """{name: array} from every process -> {name: [processes, ...]} (the arrays are moved as bits)."""
+    if jax.process_count() == 1:
+        return {k: v[None] for k, v in local.items()}
+    return {k: np.asarray(multihost_utils.process_allgather(v)) for k, v in local.items()}
+
+
+# ----- reductions in a fixed order -----
+def ordered_sum(x):
+    """Inside shard_map: the sum over the `data` axis of x, added in ascending device order."""
+    parts = jax.lax.all_gather(x, AXIS)
+    return functools.reduce(jnp.add, [parts[i] for i in range(parts.shape[0])])
+
+
+def _gather_leaf(axis: int, dtype, shard_dtype):
+    """The all-gather of one parameter shard along `axis`, cast to `dtype` first (the cast is
+    elementwise, so it commutes with the gather; gathering the bf16 policy moves half the bytes of
+    fp32). Its gradient is reduce-scattered: the cotangent's chunks are exchanged in `dtype`
+    (all-to-all), then widened and summed in device order, as the cast's and the gather's
+    transposes would, in a fixed order."""
+
+    @jax.custom_vjp
+    def gather(x):
+        return jax.lax.all_gather(x.astype(dtype), AXIS, axis=axis, tiled=True)
+
+    def backward(_, g):
+        n = jax.lax.axis_size(AXIS)
+        chunks = jnp.moveaxis(g.reshape(*g.shape[:axis], n, -1, *g.shape[axis + 1 :]), axis, 0)
+        parts = jax.lax.all_to_all(chunks, AXIS, 0, 0, tiled=True)  # parts[i]: device i's gradient of our shard
+        return (functools.reduce(jnp.add, [parts[i].astype(shard_dtype) for i in range(n)]),)
+
+    gather.defvjp(lambda x: (gather(x), None), backward)
+    return gather
+
+
+def gather(params, specs, dtype=None):
+    """All-gather every shard (cast to `dtype`): exact, so the learner computes with the sampler's weights."""
+    return jax.tree.map(lambda x, s: _gather_leaf(list(s).index(AXIS), dtype or x.dtype, x.dtype)(x), params, specs)
+
+
+# ----- the learner's jitted functions -----
+def sharded_logprobs(fn, mesh, specs, dtype=None, **static):
+    """fn(params, tokens, positions, temps, rope, **static) -> [B, T-1], with rows sharded over the
+    mesh and the weights gathered as `dtype` (default: their own)."""
 
     def body(params, tokens, positions, temps, rope):
-        return fn(gather(params, specs), tokens, positions, temps, rope, **static)
+        return fn(gather(params, specs, dtype), tokens, positions, temps, rope, **static)
 
     return jax.jit(
         jax.shard_map(body, mesh=mesh, in_specs=(specs, ROWS, ROWS, ROWS, P()), out_specs=ROWS, check_vma=False)
     )
 
 
-def sharded_value_and_grad(loss_fn, mesh, specs, **static):
+def sharded_value_and_grad(loss_fn, mesh, specs, dtype=None, **static):
     """loss_fn(params, batch, ref_logp, rope, total_tokens, **static) -> (loss, (stats, logp)), the
-    loss and LossStats over this device's rows and logp [rows, T-1]; returns the global loss, the
-    stats merged by their declared REDUCTION, every row's logp, and FSDP-sharded gradients."""
+    loss and LossStats over this device's rows and logp [rows, T-1], with the weights gathered as
+    `dtype`. The jitted function takes (params, batch, ref_logp, rope, total_tokens, grads_so_far)
+    and returns the global loss, the stats merged by their declared REDUCTION, every row's logp, and
+    grads_so_far + this micro-batch's FSDP-sharded gradients (in the params' dtype), added in place:
+    grads_so_far is donated, so a micro-batch's gradients never take a second copy of that memory."""
+    collectives = {
+        "min": lambda v: jax.lax.pmin(v, AXIS),
+        "max": lambda v: jax.lax.pmax(v, AXIS),
+        "sum": ordered_sum,
+    }
 
-    def body(params, batch, ref_logp, rope, total_tokens):
+    def body(params, batch, ref_logp, rope, total_tokens, grads_so_far):
         def local(p):
-            return loss_fn(gather(p, specs), batch, ref_logp, rope, total_tokens=total_tokens, **static)
+            return loss_fn(gather(p, specs, dtype), batch, ref_logp, rope, total_tokens=total_tokens, **static)
 
         (loss, (stats, logp)), grads = jax.value_and_grad(local, has_aux=True)(params)
-        merged = jax.tree.map(lambda v, how: COLLECTIVES[how](v, AXIS), stats, REDUCTION)
-        return (jax.lax.psum(loss, AXIS), (merged, logp)), grads
+        merged = jax.tree.map(lambda v, how: collectives[how](v), stats, REDUCTION)
+        return (ordered_sum(loss), (merged, logp)), jax.tree.map(jnp.add, grads_so_far, grads)
 
     return jax.jit(
         jax.shard_map(
             body,
             mesh=mesh,
-            in_specs=(specs, BATCH_SPECS, ROWS, P(), P()),
+            in_specs=(specs, BATCH_SPECS, ROWS, P(), P(), specs),
             out_specs=((P(), (P(), ROWS)), specs),
             check_vma=False,
-        )
+        ),
+        donate_argnums=5,
     )
 
 
-def replica_devices(count: int):
-    if count > len(jax.devices()):
-        raise ValueError(f"--sampler-replicas={count}, but only {len(jax.devices())} devices are visible")
-    return jax.devices()[-count:]  # samplers on the last devices, so a small learner mesh and they can differ
+def global_norm(tree, mesh, specs):
+    """The l2 norm of a sharded pytree (inside the caller's jit): per-device sums of squares, summed
+    over leaves, then over devices in ascending order."""
+
+    def body(tree):
+        local = functools.reduce(jnp.add, [jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)])
+        return jnp.sqrt(ordered_sum(local))
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=P(), check_vma=False)(tree)
+
+
+def clip_by_global_norm(max_norm: float, mesh, specs) -> optax.GradientTransformation:
+    """optax.clip_by_global_norm's rule (scale by max_norm / norm when the norm exceeds it), with the
+    norm from global_norm: its state is as empty, so checkpoints keep their tensors."""
+
+    def update(grads, state, params=None):
+        norm = global_norm(grads, mesh, specs)
+        return jax.tree.map(
+            lambda g: jax.lax.select(norm < max_norm, g, (g / norm.astype(g.dtype)) * max_norm), grads
+        ), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def peak_memory() -> list[int] | None:
+    """Peak bytes allocated on every device (jax.devices() order, all processes), or None where the
+    platform does not report it (CPU)."""
+    stats = [d.memory_stats() for d in jax.local_devices()]
+    if any(s is None or "peak_bytes_in_use" not in s for s in stats):
+        return None
+    local = np.array([s["peak_bytes_in_use"] for s in stats], np.int64)
+    return [int(b) for b in exchange({"peak": local})["peak"].reshape(-1)]

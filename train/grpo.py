@@ -42,10 +42,12 @@ Deviations from the GRPO paper (Shao et al., 2024), each on purpose:
 """
 
 import dataclasses
+import functools
 import json
 import logging
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
@@ -126,12 +128,19 @@ class GRPOConfig:
     on_mismatch: Literal["error", "warn"] = "error"
     """Strict numerics broken (bits differ, or the first update's ratio is not exactly 1): stop with an
     error, or warn (log it and keep training, for investigation)."""
-    learner_devices: int = 1
-    """Devices of the FSDP learner mesh (parameters, gradients and optimiser state sharded over them)."""
-    sampler_replicas: int = 1
-    """In-process sampler engines, one per device (the last devices), each with a full copy of the weights."""
-    distributed: bool = False
-    """Call jax.distributed.initialize() first (one process per host; the launcher's environment names the peers)."""
+    learner_devices: str = "0"
+    """Devices of the FSDP learner mesh (parameters, gradients and optimiser state sharded over them), as indices
+    into jax.devices() (every process's devices, process 0's first): 0 / 0,1 / 0-7 / all."""
+    sampler_devices: str = "0"
+    """Devices of the in-process sampler engines (same syntax), one engine per device with a full copy of the
+    weights; prompt i goes to the (i mod M)-th. They may be the learner's devices, overlap them, or not."""
+    coordinator: str | None = None
+    """HOST:PORT of process 0, to run as one of --num-processes processes (jax.distributed): every process runs
+    the same command with its own --process-id, and the devices above count over all of them. CPU runs use gloo."""
+    num_processes: int = 1
+    """Processes of the run (one per host, or per GPU); more than 1 needs --coordinator."""
+    process_id: int = 0
+    """This process's index, 0 to --num-processes - 1; process 0 writes metrics.jsonl, plot.png and final_hf/."""
     rollout_url: str | None = None
     """Use a running `serve.rollout` server instead of the in-process engine (weights pushed each step)."""
     admin_key: str | None = None
@@ -141,7 +150,7 @@ class GRPOConfig:
     out: str = "runs/grpo"
     """Output directory: metrics.jsonl, plot.png, checkpoints/, final_hf/."""
     checkpoint_every: int = 10
-    """Save an orbax checkpoint every this many steps (and at the end)."""
+    """Save an orbax checkpoint every this many steps (and at the end); 0 = none (benchmarks)."""
     keep_checkpoints: int = 2
     """Checkpoints kept."""
     resume: bool = False
@@ -161,9 +170,7 @@ class GRPOConfig:
             "max_prompt_tokens",
             "updates_per_batch",
             "micro_batch",
-            "learner_devices",
-            "sampler_replicas",
-            "checkpoint_every",
+            "num_processes",
             "keep_checkpoints",
         )
         for name in positive:
@@ -171,6 +178,8 @@ class GRPOConfig:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be positive")
         if self.group_size < 2:
             raise ValueError(f"--group-size={self.group_size} must be >= 2 (advantages compare samples of one prompt)")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"--checkpoint-every={self.checkpoint_every} must be >= 0 (0: no checkpoints)")
         if self.warmup_steps < 0:
             raise ValueError(f"--warmup-steps={self.warmup_steps} must be >= 0")
         check_seed("--seed", self.seed)
@@ -195,6 +204,14 @@ class GRPOConfig:
             raise ValueError(f"--clip-eps={self.clip_eps!r} must be in (0, 1)")
         if self.tis_cap and self.numerics == "strict":
             raise ValueError("--tis-cap is for --numerics fast: in strict mode the ratio needs no correction")
+        fsdp.parse_devices("--learner-devices", self.learner_devices)  # the syntax now; the indices at start
+        fsdp.parse_devices("--sampler-devices", self.sampler_devices)
+        if not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"--process-id={self.process_id} must be in [0, --num-processes={self.num_processes})")
+        if self.num_processes > 1 and not self.coordinator:
+            raise ValueError(f"--num-processes={self.num_processes} needs --coordinator HOST:PORT (process 0's)")
+        if self.num_processes > 1 and self.rollout_url:
+            raise ValueError("--rollout-url runs with one learner process (--num-processes=1)")
         if self.data is not None and self.task != "gsm8k":
             raise ValueError(f"--data {self.data!r} is read only by --task gsm8k (--task {self.task} would ignore it)")
 
@@ -316,39 +333,69 @@ def nonfinite(step: int, loss: float, grad_norm: float, finite: dict, trees: dic
 
 # ----- rollout backends -----
 class LocalRollout:
-    """One engine per sampler device, each with a full copy of the weights; prompts round robin."""
+    """One engine per sampler device, each with a full copy of the weights; prompt i goes to sampler
+    device i mod M. With several processes each runs its own devices' engines and the completions
+    are exchanged, so every process returns the same groups."""
 
-    def __init__(self, params, cfg, config: GRPOConfig, first_version: int = 0):
+    def __init__(self, policy, cfg, config: GRPOConfig, mesh, devices, first_version: int = 0):
         # Caches for exactly one step's P x G sequences: nothing is preempted, nothing idles.
-        rows = cdiv(config.prompts_per_step, config.sampler_replicas) * config.group_size
+        rows = cdiv(config.prompts_per_step, len(devices)) * config.group_size
         sizing = EngineConfig.for_batch([config.max_prompt_tokens + config.max_new_tokens] * rows)
-        self.devices = fsdp.replica_devices(config.sampler_replicas)
+        self.mesh, self.devices = mesh, devices
         self.first_version = first_version  # a resumed run's weights have had `start` updates: versions continue
-        self.engines = []
-        for device in self.devices:
-            with jax.default_device(device):
-                self.engines.append(Engine(jax.device_put(params, device), cfg, config.numerics, sizing))
+        self.engines = {}
+        local = fsdp.local_copy(policy, mesh)
+        for device in devices:
+            if device.process_index == jax.process_index():
+                with jax.default_device(device):
+                    self.engines[device] = Engine(jax.device_put(local, device), cfg, config.numerics, sizing)
 
     def sample(self, prompts, group, max_new_tokens, temperature, seeds):
-        reqs = [
-            self.engines[i % len(self.engines)].submit(
-                p, n=group, max_new_tokens=max_new_tokens, temperature=temperature, seed=s
+        owners = [self.devices[i % len(self.devices)] for i in range(len(prompts))]
+        reqs = {
+            i: self.engines[device].submit(p, n=group, max_new_tokens=max_new_tokens, temperature=temperature, seed=s)
+            for i, (p, s, device) in enumerate(zip(prompts, seeds, owners))
+            if device in self.engines
+        }
+        # One thread per engine, so engines on different devices decode at the same time (JAX releases
+        # the GIL while a device works); each engine's bits do not depend on the others.
+        with ThreadPoolExecutor(len(self.engines) or 1) as pool:
+            list(pool.map(Engine.run_until_done, self.engines.values()))
+        # Every process fills the rows it sampled; the exchange moves them as int32 bits.
+        shape = (len(prompts), group)
+        mine = {
+            "tokens": np.zeros((*shape, max_new_tokens), np.int32),
+            "logprob_bits": np.zeros((*shape, max_new_tokens), np.int32),
+            "length": np.zeros(shape, np.int32),
+            "version": np.zeros(shape, np.int32),
+        }
+        for i, req in reqs.items():
+            for j, c in enumerate(req.results):
+                n = len(c.tokens)
+                mine["tokens"][i, j, :n] = c.tokens
+                mine["logprob_bits"][i, j, :n] = np.asarray(c.logprobs, np.float32).view(np.int32)
+                mine["length"][i, j] = n
+                mine["version"][i, j] = self.first_version + c.policy_version
+        every = fsdp.exchange(mine)
+        groups = []
+        for i, device in enumerate(owners):
+            theirs = {k: v[device.process_index, i] for k, v in every.items()}
+            groups.append(
+                [
+                    {
+                        "tokens": theirs["tokens"][j, :n].tolist(),
+                        "logprobs": theirs["logprob_bits"][j, :n].view(np.float32),
+                        "policy_version": int(theirs["version"][j]),
+                    }
+                    for j, n in enumerate(theirs["length"])
+                ]
             )
-            for i, (p, s) in enumerate(zip(prompts, seeds))
-        ]
-        for engine in self.engines:
-            engine.run_until_done()
-        return [
-            [
-                {"tokens": c.tokens, "logprobs": c.logprobs, "policy_version": self.first_version + c.policy_version}
-                for c in r.results
-            ]
-            for r in reqs
-        ]
+        return groups
 
-    def push(self, params, cfg, out_dir):
-        for engine, device in zip(self.engines, self.devices):  # device to device, no disk
-            engine.update_weights(jax.device_put(params, device))  # live before the next request is admitted
+    def push(self, policy, cfg, out_dir):
+        local = fsdp.local_copy(policy, self.mesh)  # every process takes part, samplers or not
+        for device, engine in self.engines.items():  # device to device, no disk
+            engine.update_weights(jax.device_put(local, device))  # live before the next request is admitted
 
 
 class RemoteRollout:
@@ -426,9 +473,37 @@ def checkpoint_state(master, opt_state, ref) -> dict:
     return {"master": master, "opt_state": opt_state} | ({"ref": ref} if ref is not None else {})
 
 
+def start_processes(config: GRPOConfig) -> None:
+    """Join the other processes of the run (before anything starts a JAX backend). On CPU their
+    collectives go through gloo (XLA's CPU client has no other cross-process implementation)."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(config.coordinator, config.num_processes, config.process_id)
+
+
+def learner_flops(cfg, batch: Batch, config: GRPOConfig) -> float:
+    """Model FLOPs of one step's learner work: 2 x matmul params per token per forward pass, a backward
+    pass counting two; over every real token (prompt and completion) of the batch. Attention's own
+    FLOPs are left out (small at these lengths), so MFU errs low."""
+    per_layer = sum(int(np.prod(shape)) for name, shape in model.layer_shapes(cfg).items() if name in model.MATRICES)
+    matmul_params = cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size
+    forwards = (1 if config.verify_logprobs or config.tis_cap else 0) + config.updates_per_batch * (
+        3 + (1 if config.beta else 0)
+    )
+    return 2.0 * matmul_params * int((batch.positions >= 0).sum()) * forwards
+
+
+# Dense bf16 peak FLOP/s by device kind, for the learner's MFU (datasheet figures).
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}
+
+
+def peak_flops(device) -> float | None:
+    return next((f for kind, f in PEAK_BF16_FLOPS.items() if kind in device.device_kind), None)
+
+
 def train(config: GRPOConfig) -> dict:
-    if config.distributed:
-        jax.distributed.initialize()
+    if config.coordinator:
+        start_processes(config)
+    primary = jax.process_index() == 0  # writes metrics.jsonl, plot.png and final_hf/
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg, params = load_model(config.model, seed=config.seed)
@@ -440,14 +515,27 @@ def train(config: GRPOConfig) -> dict:
     tokenizer = load_tokenizer(config.model, config.tokenizer)
     task = make_task(config.task, config.data, config.reward)
     check_prompt_lengths(task, tokenizer, config.max_prompt_tokens)
-    rope = model.rope_tables(cfg)
-    mesh = fsdp.make_mesh(config.learner_devices)
-    specs = fsdp.param_specs(params, config.learner_devices)
-    master = fsdp.shard(jax.tree.map(lambda w: w.astype(jnp.float32), params), mesh, specs)
+    learner_devices = fsdp.pick_devices("--learner-devices", config.learner_devices)
+    sampler_devices = fsdp.pick_devices("--sampler-devices", config.sampler_devices)
+    mesh = fsdp.make_mesh(learner_devices)
+    n_learner = len(learner_devices)
+    specs = fsdp.param_specs(params, n_learner)
+    master = fsdp.put(params, mesh, specs, dtype=jnp.float32)
+    del params  # the sampler gets the policy from the mesh, as it will after every update
+    rope = fsdp.put(model.rope_tables(cfg), mesh, fsdp.REPLICATED)
+    # The weights are gathered as the policy's dtype (policy_logprobs' own cast is then a no-op): the same
+    # bits as casting after the gather, with half the bytes moved and held.
     grad_fn = fsdp.sharded_value_and_grad(
-        grpo_loss, mesh, specs, cfg=cfg, numerics=config.numerics, clip_eps=config.clip_eps, beta=config.beta
+        grpo_loss,
+        mesh,
+        specs,
+        dtype=cfg.dtype,
+        cfg=cfg,
+        numerics=config.numerics,
+        clip_eps=config.clip_eps,
+        beta=config.beta,
     )
-    score_fn = fsdp.sharded_logprobs(policy_logprobs, mesh, specs, cfg=cfg, numerics=config.numerics)
+    score_fn = fsdp.sharded_logprobs(policy_logprobs, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics=config.numerics)
     schedule = optax.warmup_cosine_decay_schedule(
         0.0,
         config.learning_rate,
@@ -456,11 +544,14 @@ def train(config: GRPOConfig) -> dict:
         end_value=0.1 * config.learning_rate,
     )
     optimizer = optax.chain(
-        optax.clip_by_global_norm(config.max_grad_norm), optax.adamw(schedule, weight_decay=config.weight_decay)
+        fsdp.clip_by_global_norm(config.max_grad_norm, mesh, specs),
+        optax.adamw(schedule, weight_decay=config.weight_decay),
     )
     opt_state = optimizer.init(master)
 
-    @jax.jit
+    # Donated: the old state is dropped either way (a non-finite update stops the run), and at 8B the
+    # spare copy of the master weights and AdamW moments would not fit next to the new one.
+    @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
     def update(grads, opt_state, master):
         """The optimiser step, plus what the non-finite check needs (a few bytes leave the device)."""
         updates, opt_state = optimizer.update(grads, opt_state, master)
@@ -470,7 +561,7 @@ def train(config: GRPOConfig) -> dict:
             "parameter": finite_leaves(master),
             "optimiser state": finite_leaves(opt_state),
         }
-        return master, opt_state, optax.tree.norm(grads), finite
+        return master, opt_state, fsdp.global_norm(grads, mesh, specs), finite
 
     data_rng = np.random.default_rng(config.seed)
     start = 0
@@ -497,13 +588,18 @@ def train(config: GRPOConfig) -> dict:
         rollout = RemoteRollout(config.rollout_url, config.admin_key)
         rollout.push(policy, cfg, out)
     else:  # built with the (restored) policy; it has had `start` updates, so versions continue from there
-        rollout = LocalRollout(policy, cfg, config, first_version=start)
+        rollout = LocalRollout(policy, cfg, config, mesh, sampler_devices, first_version=start)
     metrics_path = out / "metrics.jsonl"
-    if config.resume:
+    if config.resume and primary:
         keep_metrics_until(metrics_path, start)
-    elif metrics_path.exists():
+    elif metrics_path.exists() and primary:
         metrics_path.unlink()
+    peak = peak_flops(learner_devices[0])
     history = []
+
+    def on_mesh(micro_batches):  # each process supplies its own devices' rows of the (same) host batch
+        return (fsdp.put(mb, mesh, fsdp.BATCH_SPECS) for mb in micro_batches)
+
     strict = config.numerics == "strict"  # the contract is checked (and enforced) only where it is promised
     bar = tqdm(range(start, config.steps), initial=start, total=config.steps, disable=not config.progress, desc="grpo")
     try:
@@ -550,8 +646,8 @@ def train(config: GRPOConfig) -> dict:
             if config.verify_logprobs or config.tis_cap:
                 learner_old = np.concatenate(
                     [
-                        np.asarray(score_fn(master, mb.tokens, mb.positions, mb.temps, rope))
-                        for mb in micro_batches(batch, config.micro_batch, config.learner_devices)
+                        fsdp.to_host(score_fn(master, mb.tokens, mb.positions, mb.temps, rope))
+                        for mb in on_mesh(micro_batches(batch, config.micro_batch, n_learner))
                     ]
                 )[: len(samples)]
                 sel = batch.mask > 0
@@ -569,19 +665,20 @@ def train(config: GRPOConfig) -> dict:
                         * batch.mask
                     )
             # 3. Updates.
+            tokens_on_mesh = fsdp.put(np.float32(total_tokens), mesh, fsdp.REPLICATED)
             t2 = time.perf_counter()
             for u in range(config.updates_per_batch):
-                grads, losses, stats, logp_new = None, [], [], []
-                for mb in micro_batches(batch, config.micro_batch, config.learner_devices):
+                # Zeros to start the sum: 0 + g is g exactly (a -0.0 becomes +0.0, the same to AdamW).
+                grads, losses, stats, logp_new = jax.tree.map(jnp.zeros_like, master), [], [], []
+                for mb in on_mesh(micro_batches(batch, config.micro_batch, n_learner)):
                     ref_logp = (
                         score_fn(ref, mb.tokens, mb.positions, mb.temps, rope)
                         if config.beta
-                        else np.zeros_like(mb.logp_old)
+                        else fsdp.put(np.zeros(mb.logp_old.shape, np.float32), mesh, fsdp.ROWS)
                     )
-                    (loss, (st, logp)), g = grad_fn(master, mb, ref_logp, rope, np.float32(total_tokens))
-                    grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
-                    losses.append(float(loss))
-                    stats.append(jax.device_get(st))
+                    (loss, (st, logp)), grads = grad_fn(master, mb, ref_logp, rope, tokens_on_mesh, grads)
+                    losses.append(float(fsdp.to_host(loss)))
+                    stats.append(fsdp.to_host(st))
                     logp_new.append(logp)
                 if u == 0:
                     st = reduce_stats(stats)
@@ -593,7 +690,7 @@ def train(config: GRPOConfig) -> dict:
                         "loss": sum(losses),
                     }
                     if strict:  # before the update is applied
-                        logp_new = np.concatenate([np.asarray(x) for x in logp_new])[: len(samples)]
+                        logp_new = np.concatenate([fsdp.to_host(x) for x in logp_new])[: len(samples)]
                         enforce(
                             first_update_violation(step + 1, batch, logp_new, st, config.group_size), config.on_mismatch
                         )
@@ -601,8 +698,8 @@ def train(config: GRPOConfig) -> dict:
                 problem = nonfinite(
                     step + 1,
                     sum(losses),
-                    float(grad_norm),
-                    jax.device_get(finite),
+                    float(fsdp.to_host(grad_norm)),
+                    fsdp.to_host(finite),
                     {"gradient": grads, "parameter": new_master, "optimiser state": new_opt_state},
                 )
                 if problem:  # before any sync, metrics row or checkpoint from this state
@@ -614,7 +711,7 @@ def train(config: GRPOConfig) -> dict:
                     )
                 master, opt_state = new_master, new_opt_state
                 if u == 0:
-                    row["grad_norm"] = float(grad_norm)
+                    row["grad_norm"] = float(fsdp.to_host(grad_norm))
             # 4. Weight sync.
             t3 = time.perf_counter()
             policy = to_policy(master, cfg)
@@ -627,13 +724,21 @@ def train(config: GRPOConfig) -> dict:
                 "learn_s": t3 - t2,
                 "sync_s": t4 - t3,
                 "policy_version": int(groups[0][0]["policy_version"]),
+                # the learner's work per learner device per second (verify pass + updates; see learner_flops)
+                "learner_tflops_per_device": learner_flops(cfg, batch, config) / (t3 - t1) / n_learner / 1e12,
             }
+            if peak:
+                row["learner_mfu"] = row["learner_tflops_per_device"] * 1e12 / peak
+            memory = fsdp.peak_memory()
+            if memory:
+                row["peak_bytes_per_device"] = memory  # jax.devices() order, since the start of the run
             history.append(row)
-            with metrics_path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+            if primary:
+                with metrics_path.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", mismatch=row.get("tokens_bits_differ", "-"))
             # 5. Checkpoints (with checksums, the config and the data state; see train/checkpoints.py).
-            if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
+            if config.checkpoint_every and ((step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps):
                 checkpoints.save(
                     step + 1,
                     checkpoint_state(master, opt_state, ref),
@@ -646,8 +751,10 @@ def train(config: GRPOConfig) -> dict:
     finally:
         # A save in flight completes, so the last good checkpoint is on disk whatever stopped the run.
         checkpoints.close()
-    rlkjax.save_hf_checkpoint(out / "final_hf", cfg, to_policy(master, cfg))
-    plot(out)
+    final = fsdp.to_host(to_policy(master, cfg))  # every process takes part in the gather
+    if primary:
+        rlkjax.save_hf_checkpoint(out / "final_hf", cfg, final)
+        plot(out)
     return {"master": master, "history": history}
 
 

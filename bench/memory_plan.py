@@ -1,0 +1,119 @@
+"""Per-GPU memory of train.grpo with an FSDP learner over all N GPUs and a sampler engine on each.
+
+`python -m bench.memory_plan` prints a markdown table for Qwen3-8B on 2, 4 and 8 GPUs at the run
+bench/two_gpu.sh makes (P16 x G8, 256 new tokens, prompts up to 64 tokens, micro-batch 4: at 16
+the 2-GPU plan does not fit);
+`--metrics runs/x/metrics.jsonl` adds the peak bytes that run measured on each of its devices
+(`peak_bytes_per_device`, from `device.memory_stats()`), in the column of its device count.
+
+What each row counts (P = parameter count; B = bytes; 1/N = sharded over the learner mesh):
+  - sampler weights: the engine's full bf16 copy (2P B).
+  - KV cache: the engine's pages for its share of one step's sequences (train.grpo sizes it so),
+    bf16 K and V for every layer.
+  - master weights (fp32, 1/N), AdamW moments (two fp32, 1/N), gradients (fp32, 1/N: the running
+    sum over micro-batches, updated in place).
+  - gathered weights: the bf16 all-gather a learner pass computes with (2P B, full, also held for
+    the backward).
+  - gradient exchange: during the backward, the bf16 cotangent of the gathered weights (full) and
+    the all-to-all that spreads it (train/fsdp.py), 4P B at most.
+  - activations: what the backward keeps per token and layer (the inputs of every matmul and norm,
+    bf16: 4d + q + 2 kv + attention out + 3 FFN widths), times micro-batch / N rows of T tokens (the
+    batch is padded to a power of two). An estimate: XLA may keep less (fusions) or more
+    (temporaries); the measured row is the figure to trust.
+The peak adds them all, as if the learner's backward ran while the sampler's weights and cache stay
+resident (they do: the engines persist across steps). Compare with the allocator's limit: JAX takes
+75% of a GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says more (bench/two_gpu.sh sets 0.95).
+"""
+
+import argparse
+import json
+
+import numpy as np
+
+from rlkjax import model
+from rlkjax.config import ModelConfig
+from rlkjax.numerics import PAGE_SIZE
+from rlkjax.shapes import bucket, cdiv
+
+GIB = 2**30
+H200_BYTES = 143771 * 2**20  # nvidia-smi's memory.total
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    per_layer = sum(int(np.prod(shape)) for shape in model.layer_shapes(cfg).values())
+    embeddings = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_embeddings else 2)
+    return cfg.num_layers * per_layer + embeddings + cfg.hidden_size  # + the final norm
+
+
+def plan(cfg: ModelConfig, gpus: int, prompts: int, group: int, new_tokens: int, prompt_tokens: int, micro_batch: int):
+    """{row: bytes per GPU}."""
+    p = parameter_count(cfg)
+    engine_rows = cdiv(prompts, gpus) * group
+    pages = 1 + engine_rows * cdiv(prompt_tokens + new_tokens, PAGE_SIZE)
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * pages * PAGE_SIZE * cfg.head_dim * 2
+    tokens = bucket(prompt_tokens + new_tokens, PAGE_SIZE) * cdiv(micro_batch, gpus)
+    d, f, dh = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    per_token_layer = 2 * (4 * d + cfg.num_heads * dh * 2 + 2 * cfg.num_kv_heads * dh + 3 * f)
+    return {
+        "sampler weights (bf16, full copy)": 2 * p,
+        "KV cache (the engine's share of a step)": kv,
+        "master weights (fp32, 1/N)": 4 * p / gpus,
+        "AdamW moments (2 x fp32, 1/N)": 8 * p / gpus,
+        "gradients (fp32, 1/N)": 4 * p / gpus,
+        "gathered weights (bf16, full, learner pass)": 2 * p,
+        "gradient exchange (bf16 cotangent + all-to-all)": 4 * p,
+        "activations (micro-batch / N rows, estimate)": per_token_layer * cfg.num_layers * tokens,
+    }
+
+
+def measured_peak(path: str) -> tuple[int, float]:
+    """(devices, the largest peak of any device over the run) from a train.grpo metrics.jsonl."""
+    rows = [json.loads(line) for line in open(path) if "peak_bytes_per_device" in line]
+    if not rows:
+        raise ValueError(f"{path}: no peak_bytes_per_device (the platform reported no memory stats)")
+    peaks = [r["peak_bytes_per_device"] for r in rows]
+    return len(peaks[0]), float(max(max(p) for p in peaks))
+
+
+def table(args) -> str:
+    cfg = ModelConfig.preset(args.model)
+    plans = {
+        n: plan(cfg, n, args.prompts, args.group, args.new_tokens, args.prompt_tokens, args.micro_batch)
+        for n in args.gpus
+    }
+    header = f"| {args.model}, GiB per GPU | " + " | ".join(f"{n} GPUs" for n in args.gpus) + " |"
+    lines = [header, "|---|" + "---:|" * len(args.gpus)]
+    for row in plans[args.gpus[0]]:
+        values = [plans[n][row] for n in args.gpus]
+        lines.append(f"| {row} | " + " | ".join(f"{v / GIB:.1f}" for v in values) + " |")
+    totals = [sum(plans[n].values()) for n in args.gpus]
+    lines.append("| **peak estimate** | " + " | ".join(f"**{t / GIB:.1f}**" for t in totals) + " |")
+    lines.append(
+        "| fits one H200 (140.4 GiB) | " + " | ".join("yes" if t < H200_BYTES else "no" for t in totals) + " |"
+    )
+    for path in args.metrics:
+        devices, peak = measured_peak(path)
+        cells = [f"{peak / GIB:.1f}" if n == devices else "" for n in args.gpus]
+        lines.append(f"| measured peak ({path}) | " + " | ".join(cells) + " |")
+    setting = (
+        f"P{args.prompts} x G{args.group}, {args.new_tokens} new tokens, prompts up to {args.prompt_tokens} tokens, "
+        f"micro-batch {args.micro_batch}; {parameter_count(cfg) / 1e9:.2f}B parameters"
+    )
+    return setting + "\n\n" + "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-8b")
+    parser.add_argument("--gpus", type=lambda s: [int(n) for n in s.split(",")], default=[2, 4, 8])
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--metrics", action="append", default=[], help="a train.grpo metrics.jsonl (repeatable)")
+    print(table(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""What bench/two_gpu.sh reads back from train.grpo runs (and tests/test_multiprocess.py uses too).
+
+`python -m bench.two_gpu summarize RUN_DIR [--out JSON]`: one JSON row from RUN_DIR/metrics.jsonl:
+logprobs compared and bits differing over all steps, the first update's ratio range, mean seconds
+per step split into rollout / learn / sync (the first step, which compiles, left out when there are
+more), learner TFLOP/s per device and MFU, and the peak bytes of every device.
+
+`python -m bench.two_gpu compare RUN_A RUN_B [--out JSON]`: the same run computed two ways (one
+process on N devices, N processes): every metric but timings, every array of the last checkpoint
+(fp32 master weights, AdamW state) and final_hf/ compared as bits. Exits 1 if anything differs.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+TIMINGS = {"tokens_per_s", "rollout_s", "learn_s", "sync_s", "learner_tflops_per_device", "learner_mfu"}
+TIMINGS |= {"peak_bytes_per_device"}  # allocator state, not a result of the run
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+
+
+def summarize(run: Path) -> dict:
+    rows = metrics(run)
+    timed = rows[1:] or rows  # step 1 compiles every program
+
+    def mean(key):
+        values = [r[key] for r in timed if key in r]
+        return float(np.mean(values)) if values else None
+
+    peaks = [r["peak_bytes_per_device"] for r in rows if "peak_bytes_per_device" in r]
+    return {
+        "run": str(run),
+        "steps": len(rows),
+        "logprobs_compared": sum(r.get("tokens_compared", 0) for r in rows),
+        "logprobs_bits_differ": sum(r.get("tokens_bits_differ", 0) for r in rows),
+        "max_abs_delta": max((r.get("max_abs_delta", 0.0) for r in rows), default=None),
+        "first_update_ratio_min": min(r["ratio_min"] for r in rows),
+        "first_update_ratio_max": max(r["ratio_max"] for r in rows),
+        "reward_first": rows[0]["reward_mean"],
+        "reward_last": rows[-1]["reward_mean"],
+        "step_s": sum(mean(k) for k in ("rollout_s", "learn_s", "sync_s")),
+        "rollout_s": mean("rollout_s"),
+        "learn_s": mean("learn_s"),
+        "sync_s": mean("sync_s"),
+        "learner_tflops_per_device": mean("learner_tflops_per_device"),
+        "learner_mfu": mean("learner_mfu"),
+        "peak_gib_per_device": [round(max(p) / 2**30, 2) for p in zip(*peaks)] if peaks else None,
+    }
+
+
+def checkpoint_arrays(run: Path) -> dict[str, np.ndarray]:
+    """Every array of the run's last orbax checkpoint, as numpy, by tensor path."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    steps = sorted(int(p.name) for p in (Path(run) / "checkpoints").iterdir() if p.name.isdigit())
+    path = (Path(run) / "checkpoints" / str(steps[-1]) / "state").absolute()
+    with ocp.PyTreeCheckpointer() as ckptr:
+        tree = ckptr.metadata(path).item_metadata.tree
+        as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+        restored = ckptr.restore(path, restore_args=as_numpy)
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(restored)}
+
+
+def raw_bits(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+
+
+def compare(run_a: Path, run_b: Path) -> dict:
+    rows_a, rows_b = metrics(run_a), metrics(run_b)
+    metrics_differ = [
+        f"step {a['step']}: {key} {a.get(key)!r} vs {b.get(key)!r}"
+        for a, b in zip(rows_a, rows_b)
+        for key in sorted((set(a) | set(b)) - TIMINGS)
+        if a.get(key) != b.get(key)
+    ]
+    arrays_a, arrays_b = checkpoint_arrays(run_a), checkpoint_arrays(run_b)
+    arrays_differ = sorted(set(arrays_a) ^ set(arrays_b)) + [
+        path
+        for path in sorted(set(arrays_a) & set(arrays_b))
+        if arrays_a[path].dtype != arrays_b[path].dtype
+        or arrays_a[path].shape != arrays_b[path].shape
+        or not np.array_equal(raw_bits(arrays_a[path]), raw_bits(arrays_b[path]))
+    ]
+    files = sorted(p.name for p in (Path(run_a) / "final_hf").iterdir())
+    hf_differ = [
+        name
+        for name in files
+        if (Path(run_a) / "final_hf" / name).read_bytes() != (Path(run_b) / "final_hf" / name).read_bytes()
+    ]
+    return {
+        "runs": [str(run_a), str(run_b)],
+        "steps": [len(rows_a), len(rows_b)],
+        "metrics_differ": metrics_differ,
+        "arrays_compared": len(arrays_a),
+        "elements_compared": int(sum(x.size for x in arrays_a.values())),
+        "arrays_differ": arrays_differ,
+        "final_hf_files_differ": hf_differ,
+        "identical": len(rows_a) == len(rows_b) and not (metrics_differ or arrays_differ or hf_differ),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["summarize", "compare"])
+    parser.add_argument("runs", nargs="+", type=Path)
+    parser.add_argument("--out", help="also write the JSON here")
+    args = parser.parse_args()
+    if len(args.runs) != {"summarize": 1, "compare": 2}[args.what]:
+        parser.error(f"{args.what} takes {'one run directory' if args.what == 'summarize' else 'two run directories'}")
+    result = summarize(*args.runs) if args.what == "summarize" else compare(*args.runs)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    if args.what == "compare" and not result["identical"]:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

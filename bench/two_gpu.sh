@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Issue 12 on one host with 2 GPUs, one piece per call (each under `timeout`, so it fits one device call):
+#
+#   bash bench/two_gpu.sh strict STEPS     # Qwen3-8B shapes, strict, verify on: FSDP learner over both GPUs,
+#   bash bench/two_gpu.sh fast STEPS       #   samplers on both, P16 x G8, 256 new tokens; the same with --numerics fast
+#   bash bench/two_gpu.sh processes STEPS  # small shape: two processes (one per GPU) vs one process on both GPUs,
+#                                          #   final weights, AdamW state, final_hf and metrics compared as bits
+#   bash bench/two_gpu.sh dry-run          # all three at tiny shapes on 2 x 2 fake CPU devices (checks the script)
+#
+# Writes to $OUT (default /tmp/out): <piece>.log, <piece>.json (bench/two_gpu.py's summary or comparison) and the
+# run's metrics.jsonl / plot.png; checkpoints and final_hf stay in $RUNS (default /tmp/two_gpu_runs: 8B ones are
+# 16 GB). Environment: TIMEOUT (seconds per piece, default 540), MICRO_BATCH (default 4 sequences: at 16 the
+# 8B learner does not fit two GPUs, see `python -m bench.memory_plan`),
+# PY (default python3), BIG_MODEL (default qwen3-8b), SMALL_MODEL (default qwen3-0.6b).
+set -uo pipefail
+PIECE=${1:?usage: bash bench/two_gpu.sh strict|fast|processes STEPS, or bash bench/two_gpu.sh dry-run}
+STEPS=${2:-3}
+OUT=${OUT:-/tmp/out}; RUNS=${RUNS:-/tmp/two_gpu_runs}; PY=${PY:-python3}; TIMEOUT=${TIMEOUT:-540}
+mkdir -p "$OUT" "$RUNS"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+# This workplace's GPUs must never use NVLink multicast (KINDS.md): kept set for every process started here.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+GPU_PIECES=1
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.95}  # JAX takes 75% of a GPU by default; 8B needs more
+if [ "$PIECE" = dry-run ]; then  # every piece at tiny shapes, 2 fake CPU devices per process
+  export XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu
+  BIG_MODEL=qwen3-tiny SMALL_MODEL=qwen3-tiny GPU_PIECES=0
+  SHAPE_BIG=(--prompts-per-step 4 --group-size 2 --max-new-tokens 8 --max-prompt-tokens 32)
+  SHAPE_SMALL=(--prompts-per-step 4 --group-size 2 --max-new-tokens 4 --max-prompt-tokens 32)
+  STEPS=2
+else
+  SHAPE_BIG=(--prompts-per-step 16 --group-size 8 --max-new-tokens 256 --max-prompt-tokens 64)
+  SHAPE_SMALL=(--prompts-per-step 8 --group-size 4 --max-new-tokens 32 --max-prompt-tokens 64)
+fi
+BIG_MODEL=${BIG_MODEL:-qwen3-8b}; SMALL_MODEL=${SMALL_MODEL:-qwen3-0.6b}
+COMMON=(--task arithmetic --learner-devices 0,1 --sampler-devices 0,1 --verify-logprobs --no-progress)
+
+record_env() {
+  { date -u +%FT%TZ; git rev-parse HEAD 2>/dev/null; echo "$0 $*"
+    if [ "$GPU_PIECES" = 1 ]; then nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; fi
+    "$PY" -c 'import jax, jaxlib; print("jax", jax.__version__, "jaxlib", jaxlib.__version__, jax.devices())'
+  } > "$OUT/env.txt" 2>&1
+}
+
+big() {  # $1: strict | fast
+  local run="$RUNS/big_$1"; rm -rf "$run"
+  timeout -k 30 "$TIMEOUT" "$PY" -m train.grpo --model "$BIG_MODEL" "${SHAPE_BIG[@]}" "${COMMON[@]}" --numerics "$1" \
+    --steps "$STEPS" --micro-batch "${MICRO_BATCH:-4}" --learning-rate 1e-6 --checkpoint-every 0 --out "$run" \
+    > "$OUT/big_$1.log" 2>&1
+  echo "big_$1: exit $?" | tee -a "$OUT/big_$1.log"
+  cp "$run/metrics.jsonl" "$OUT/big_$1.metrics.jsonl" 2>/dev/null; cp "$run/plot.png" "$OUT/big_$1.png" 2>/dev/null
+  "$PY" -m bench.two_gpu summarize "$run" --out "$OUT/big_$1.json" >> "$OUT/big_$1.log" 2>&1
+  cat "$OUT/big_$1.json" 2>/dev/null
+}
+
+processes() {
+  local one="$RUNS/one_process" two="$RUNS/two_processes"; rm -rf "$one" "$two"
+  local flags=(--model "$SMALL_MODEL" "${SHAPE_SMALL[@]}" "${COMMON[@]}" --steps "$STEPS" --warmup-steps 0
+               --checkpoint-every "$STEPS")
+  local port; port=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  {
+    echo "== one process on both devices"
+    timeout -k 30 "$TIMEOUT" "$PY" -m train.grpo "${flags[@]}" --out "$one"; echo "one process: exit $?"
+    echo "== two processes, one device each (coordinator 127.0.0.1:$port)"
+    local pids=() i
+    for i in 1 0; do
+      if [ "$GPU_PIECES" = 1 ]; then export CUDA_VISIBLE_DEVICES=$i; else export XLA_FLAGS=--xla_force_host_platform_device_count=1; fi
+      timeout -k 30 "$TIMEOUT" "$PY" -m train.grpo "${flags[@]}" --out "$two" \
+        --coordinator "127.0.0.1:$port" --num-processes 2 --process-id "$i" > "$OUT/process_$i.log" 2>&1 &
+      pids+=($!)
+    done
+    for i in "${pids[@]}"; do wait "$i"; echo "process pid $i: exit $?"; done
+    unset CUDA_VISIBLE_DEVICES
+    "$PY" -m bench.two_gpu compare "$one" "$two" --out "$OUT/processes.json"; echo "compare: exit $?"
+  } > "$OUT/processes.log" 2>&1
+  cp "$one/metrics.jsonl" "$OUT/one_process.metrics.jsonl" 2>/dev/null
+  cp "$two/metrics.jsonl" "$OUT/two_processes.metrics.jsonl" 2>/dev/null
+  tail -n 40 "$OUT/processes.log"
+}
+
+record_env "$@"
+case "$PIECE" in
+  strict|fast) big "$PIECE" ;;
+  processes) processes ;;
+  dry-run) big strict; big fast; processes ;;
+  *) echo "unknown piece $PIECE: strict | fast | processes | dry-run" >&2; exit 2 ;;
+esac
