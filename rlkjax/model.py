@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels._common import pad_dim
 from rlkjax.config import ModelConfig
 from rlkjax.numerics import PAGE_SIZE, Numerics, ops
 from rlkjax.shapes import cdiv, fresh_page_table
@@ -163,3 +164,35 @@ def sequence_logprobs(params, tokens, positions, temperature, rope, cfg: ModelCo
     h = hidden[:, :-1].reshape(b * (t - 1), -1)
     temps = jnp.repeat(temperature, t - 1)
     return token_logprobs(params, h, tokens[:, 1:].reshape(-1), temps, numerics).reshape(b, t - 1)
+
+
+def sample_with_alternatives(params, hidden, seeds, steps, temperature, k: int, numerics: Numerics):
+    """`sample` (same bits) plus each row's k most likely ids and their logprobs [N, k]."""
+    return ops(numerics).sample_tokens_with_alternatives(hidden, lm_head(params), seeds, steps, temperature, k)
+
+
+def sequence_logprobs_with_alternatives(
+    params, tokens, positions, temperature, rope, cfg: ModelConfig, numerics: Numerics, k: int, chunk: int = 64
+):
+    """`sequence_logprobs` (same bits) plus, per position, the k most likely next ids and their
+    logprobs ([B, T - 1, k]). The logits behind the alternatives are materialised `chunk` positions
+    at a time (a [chunk, vocab] fp32 array, never [tokens, vocab]). Not differentiable."""
+    b, t = tokens.shape
+    pages_per_row = cdiv(t, PAGE_SIZE)
+    cache = init_kv_cache(cfg, 1 + b * pages_per_row)
+    page_table = fresh_page_table(b, pages_per_row)
+    hidden, _ = forward(params, tokens, positions, cache, page_table, rope, cfg, numerics, weights_in_place=False)
+    n = b * (t - 1)
+    rows = cdiv(n, chunk) * chunk
+
+    def chunks(x):  # [n, ...] -> [rows / chunk, chunk, ...]; padding rows are sliced away below
+        return pad_dim(x, 0, chunk).reshape(rows // chunk, chunk, *x.shape[1:])  # a pad of x's dtype: no convert
+
+    h = chunks(hidden[:, :-1].reshape(n, -1))
+    targets = chunks(tokens[:, 1:].reshape(n))
+    temps = chunks(jnp.repeat(temperature, t - 1))
+    op = ops(numerics)
+    lp, ids, top = jax.lax.map(
+        lambda xs: op.token_logprobs_with_alternatives(xs[0], lm_head(params), xs[1], xs[2], k), (h, targets, temps)
+    )
+    return lp.reshape(rows)[:n].reshape(b, t - 1), *(a.reshape(rows, k)[:n].reshape(b, t - 1, k) for a in (ids, top))

@@ -107,6 +107,9 @@ class Ops(NamedTuple):
     attention: Callable  # (q, k, v, k_pages, v_pages, layer, page_table, positions) -> (out, k_pages, v_pages)
     token_logprobs: Callable  # (h, w, targets, temperature)
     sample_tokens: Callable  # (h, w, seeds, steps, temperature) -> (tokens, logprobs)
+    # (h, w, seeds, steps, temperature, k) -> (tokens, logprobs, top_ids [N, k], top_logprobs [N, k])
+    sample_tokens_with_alternatives: Callable
+    token_logprobs_with_alternatives: Callable  # (h, w, targets, temperature, k) -> (logprobs, top_ids, top_logprobs)
 
 
 @functools.cache
@@ -120,6 +123,8 @@ def ops(numerics: Numerics) -> Ops:
             attention.paged_attention_reference,
             logprob.token_logprobs_reference,
             logprob.sample_tokens_reference,
+            logprob.sample_tokens_with_alternatives_reference,
+            logprob.token_logprobs_with_alternatives_reference,
         )
     if numerics != "strict":
         raise ValueError(f"numerics={numerics!r} must be 'strict' or 'fast'")
@@ -133,4 +138,6 @@ def ops(numerics: Numerics) -> Ops:
         lambda *a: attention.paged_attention(*a, ATTENTION, interp),
         lambda h, w, t, temp: logprob.token_logprobs(h, w, t, temp, LOGPROB, interp),
         lambda h, w, s, st, temp: logprob.sample_tokens(h, w, s, st, temp, LOGPROB, interp),
+        lambda h, w, s, st, temp, k: logprob.sample_tokens_with_alternatives(h, w, s, st, temp, k, LOGPROB, interp),
+        lambda h, w, t, temp, k: logprob.token_logprobs_with_alternatives(h, w, t, temp, k, LOGPROB, interp),
     )

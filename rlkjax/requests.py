@@ -9,8 +9,9 @@ import numpy as np
 SEED_LIMIT = 2**32
 # Smallest temperature accepted. Logits are divided by T in float32 inside the kernels: at T = 1e-4
 # a logit of 1e30 would still be finite, while float32 underflow (1e-46 -> 0) or overflow near
-# T ~ 1e-38 would give NaN logprobs. Below this, ask for greedy decoding instead (not offered yet).
+# T ~ 1e-38 would give NaN logprobs. Below this, ask for greedy decoding: temperature 0.
 MIN_TEMPERATURE = 1e-4
+MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's limit); one compiled decode variant serves every k
 _GOLDEN = 0x9E3779B9
 
 
@@ -56,14 +57,20 @@ def check_batch(name: str, sequences, vocab_size: int) -> list[list[int]]:
     return [check_tokens(f"{name}[{i}]", s, vocab_size) for i, s in enumerate(sequences)]
 
 
-def check_temperature(name: str, value) -> float:
-    """A finite number >= MIN_TEMPERATURE, checked as the float32 the kernels divide by (1e-46
-    passes a float64 `> 0` check, becomes 0 in float32 and would give NaN logprobs)."""
+def check_temperature(name: str, value, greedy: bool = False) -> float:
+    """0 (greedy, where `greedy` allows it) or a finite number >= MIN_TEMPERATURE, checked as the
+    float32 the kernels divide by (1e-46 passes a float64 `> 0` check, becomes 0 in float32 and
+    would be greedy, or NaN logprobs, instead of the tiny temperature asked for). Greedy rows take
+    the argmax and record (and score) temperature-1 logprobs. Off by default: the learner
+    (train.grpo) refuses 0, since a group of greedy samples is one sample G times (zero advantage)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.floating, np.integer)):
         raise ValueError(f"{name} must be a number, got {value!r}")
+    if greedy and value == 0:
+        return 0.0  # -0.0 too: the kernels test `T == 0`
     t32 = np.float32(value) if math.isfinite(float(value)) else np.float32("nan")
     if not (np.isfinite(t32) and t32 >= np.float32(MIN_TEMPERATURE)):
-        raise ValueError(f"{name} must be finite and >= {MIN_TEMPERATURE}, got {value!r}")
+        zero = "0 (greedy) or " if greedy else ""
+        raise ValueError(f"{name} must be {zero}finite and >= {MIN_TEMPERATURE}, got {value!r}")
     return float(value)
 
 
