@@ -31,6 +31,10 @@ def generate(
     ignore_eos: bool = False,
     top_logprobs: int = 0,
     prompt_logprobs: int | None = None,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    truncated_logprobs: bool = False,
 ) -> list[Completion]:
     """Sample up to `max_new_tokens` tokens after each prompt, recording each token's logprob.
 
@@ -38,8 +42,9 @@ def generate(
     ties to the lowest id; the logprobs are the temperature-1 ones, as `score(..., temperature=1)`
     gives them). A request's tokens depend on its prompt, seed and temperature only, not on the
     batch it ran in. A thin wrapper over the rollout engine, sized so nothing is preempted: there is
-    one generation path. Stops, min_tokens, eos_token_id/ignore_eos and top_logprobs=k are
-    `Engine.submit`'s (a completion then has top_ids, top_logprobs [T, k]). prompt_logprobs=k
+    one generation path. Stops, min_tokens, eos_token_id/ignore_eos, top_logprobs=k (a completion
+    then has top_ids, top_logprobs [T, k]) and the truncation top_k/top_p/min_p (logprobs of the
+    full distribution unless truncated_logprobs) are `Engine.submit`'s. prompt_logprobs=k
     (None: off) adds each completion's prompt logprobs (prompt[1:], by `score`, the learner's
     pass) and, for k > 0, their k alternatives.
     """
@@ -60,7 +65,14 @@ def generate(
         )
     engine = Engine(params, cfg, numerics, EngineConfig.for_batch(lengths, prefill_chunk_size), eos_token_id)
     options = dict(
-        stop_token_ids=stop_token_ids, min_tokens=min_tokens, ignore_eos=ignore_eos, top_logprobs=top_logprobs
+        stop_token_ids=stop_token_ids,
+        min_tokens=min_tokens,
+        ignore_eos=ignore_eos,
+        top_logprobs=top_logprobs,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        truncated_logprobs=truncated_logprobs,
     )
     requests = [
         engine.submit(p, max_new_tokens=max_new_tokens, temperature=t, seed=s, **options)

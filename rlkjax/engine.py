@@ -29,16 +29,27 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlkjax.config import ModelConfig
-from rlkjax.model import forward, init_kv_cache, rope_tables, sample, sample_with_alternatives
+from rlkjax.model import forward, init_kv_cache, rope_tables, sample, sample_truncated, sample_with_alternatives
 from rlkjax.numerics import PAGE_SIZE, Numerics, ops
-from rlkjax.requests import MAX_TOP_LOGPROBS, check_int, check_seed, check_temperature, check_tokens, sample_seed
+from rlkjax.requests import (
+    MAX_TOP_LOGPROBS,
+    check_fraction,
+    check_int,
+    check_seed,
+    check_temperature,
+    check_tokens,
+    sample_seed,
+)
 from rlkjax.shapes import bucket, cdiv
 
 
 @dataclasses.dataclass
 class Completion:
     tokens: list[int]
-    logprobs: np.ndarray  # float32, one per token: log p(token | prefix) at the sampling temperature (greedy: T = 1)
+    # float32, one per token: log p(token | prefix) at the sampling temperature (greedy: T = 1), over the
+    # full vocabulary even when top_k/top_p/min_p truncated the draw (the learner's value), or over the
+    # renormalised kept set when the request asked for truncated_logprobs
+    logprobs: np.ndarray
     finish_reason: str = "length"  # "length" | "stop" | "cancelled"
     policy_version: int = 0
     # Asked for with top_logprobs=k: per token, the k most likely ids of the same distribution
@@ -160,12 +171,21 @@ class Request:
     stop_token_ids: frozenset
     min_tokens: int = 0  # no stop id ends a sample before it has this many tokens
     top_logprobs: int = 0  # alternatives recorded per token
+    top_k: int = 0  # truncation (pallas_kernels.truncation); 0 / 1.0 / 0.0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    truncated_logprobs: bool = False  # record the renormalised logprob instead of the full one
     group: object = None  # admission takes turns between groups (the server: one per HTTP request); None = its own
     results: list = dataclasses.field(default_factory=list)  # Completion per sample index, None until done
     pending_forks: int = 0  # samples waiting for the leader's prompt pages
     cancelled: bool = False
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     callbacks: list = dataclasses.field(default_factory=list)  # called (engine thread) when done
+
+    @property
+    def truncated(self) -> bool:
+        """Drawn from a truncated distribution, or recording renormalised logprobs."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0 or self.truncated_logprobs
 
     def finish(self):
         self.done.set()
@@ -181,13 +201,34 @@ def prefill_chunk(params, tokens, positions, kv_cache, page_table, rope, cfg, nu
 
 @functools.partial(jax.jit, static_argnames=("cfg", "numerics", "alternatives"), donate_argnames=("kv_cache",))
 def decode_step(
-    params, tokens, positions, kv_cache, page_table, seeds, steps, temps, rope, cfg, numerics, alternatives=0
+    params,
+    tokens,
+    positions,
+    kv_cache,
+    page_table,
+    seeds,
+    steps,
+    temps,
+    rope,
+    cfg,
+    numerics,
+    alternatives=0,
+    truncation=None,
 ):
     """Feed one token per row [B, 1]; sample the next with keys (seed, step); temperature 0 is
     greedy. With `alternatives` = k > 0 (a separate variant: it materialises [B, vocab] fp32
     logits) also returns each row's k most likely ids and their logprobs [B, k]; the tokens and
-    logprobs are the same bits either way."""
+    logprobs are the same bits either way. `truncation` = (top_k [B] (vocab: off), top_p, min_p,
+    renormalised [B] bool), or None: draws from the truncated distribution (another variant; a row
+    with nothing truncated draws the default path's token and bits) and records the full or, where
+    `renormalised`, the renormalised logprob."""
     hidden, kv_cache = forward(params, tokens, positions, kv_cache, page_table, rope, cfg, numerics)
+    if truncation is not None:
+        top_k, top_p, min_p, renormalised = truncation
+        nxt, lp, renorm_lp, *top = sample_truncated(
+            params, hidden[:, 0], seeds, steps, temps, top_k, top_p, min_p, alternatives, numerics
+        )
+        return nxt, jnp.where(renormalised, renorm_lp, lp), kv_cache, *top
     if alternatives:
         nxt, lp, top_ids, top_lp = sample_with_alternatives(
             params, hidden[:, 0], seeds, steps, temps, alternatives, numerics
@@ -217,6 +258,7 @@ def decode_round(
     num_steps,
     min_tokens=None,
     alternatives=0,
+    truncation=None,
 ):
     """Up to `num_steps` decode steps on the device per host round trip.
 
@@ -228,7 +270,8 @@ def decode_round(
     is never changed, so the logprobs stay the learner's); from then on it is fed as padding
     (position -1: written to the trash page, read by nobody). The loop ends early once every row
     has stopped. Returns tokens [B, num_steps] (-1 after a row stopped), their logprobs, and the
-    cache; with `alternatives` = k > 0 also top ids and logprobs [B, num_steps, k].
+    cache; with `alternatives` = k > 0 also top ids and logprobs [B, num_steps, k]. `truncation`:
+    as in `decode_step`.
     """
     rows = tokens.shape[0]
     min_tokens = jnp.zeros_like(steps) if min_tokens is None else min_tokens
@@ -253,6 +296,7 @@ def decode_round(
             cfg,
             numerics,
             alternatives,
+            truncation,
         )
         nxt = jnp.where(active, nxt, -1)
         new = (nxt, jnp.where(active, lp, jnp.zeros_like(lp)), *top)
@@ -330,6 +374,10 @@ class Engine:
         min_tokens=0,
         ignore_eos=False,
         top_logprobs=0,
+        top_k=0,
+        top_p=1.0,
+        min_p=0.0,
+        truncated_logprobs=False,
         group=None,
     ) -> Request:
         """Validate and queue a request; raises ValueError naming the bad field (rlkjax.requests).
@@ -339,7 +387,11 @@ class Engine:
         engine's eos_token_id unless ignore_eos) once it has min_tokens tokens; a stop id drawn
         before that is kept as an ordinary token (the distribution is not changed, unlike vLLM's
         min_tokens, so the logprobs stay the learner's). top_logprobs=k (0..20) records, per token,
-        the k most likely ids of the distribution it was drawn from and their logprobs.
+        the k most likely ids of the full distribution at the temperature and their logprobs.
+        top_k (0: off), top_p (1: off), min_p (0: off) truncate the distribution the tokens are drawn
+        from (rules in pallas_kernels/truncation.py); the logprobs recorded are still those of the
+        full distribution (what the learner computes), or with truncated_logprobs=True those of the
+        renormalised kept set (then without top_logprobs: those are full-distribution values).
         Requests with the same `group` (e.g. the prompts of one HTTP request) share one turn in admission."""
         prompt = check_tokens("prompt", prompt, self.cfg.vocab_size)
         n = check_int("n", n, 1, self.config.max_batch)
@@ -364,6 +416,15 @@ class Engine:
         if self.eos_token_id is not None and not ignore_eos:
             stops.append(self.eos_token_id)
         top_logprobs = check_int("top_logprobs", top_logprobs, 0, min(MAX_TOP_LOGPROBS, self.cfg.vocab_size))
+        top_k = min(check_int("top_k", top_k, 0), self.cfg.vocab_size)  # more than the vocabulary keeps it all
+        top_p = check_fraction("top_p", top_p, 0.0, 1.0, lo_open=True)
+        min_p = check_fraction("min_p", min_p, 0.0, 1.0)
+        if not isinstance(truncated_logprobs, (bool, np.bool_)):
+            raise ValueError(f"truncated_logprobs must be true or false, got {truncated_logprobs!r}")
+        if truncated_logprobs and top_logprobs:
+            raise ValueError(
+                "truncated_logprobs cannot be combined with top_logprobs (alternatives are full-distribution)"
+            )
         req = Request(
             next(self._ids),
             prompt,
@@ -374,6 +435,10 @@ class Engine:
             frozenset(stops),
             min_tokens,
             top_logprobs,
+            top_k,
+            top_p,
+            min_p,
+            bool(truncated_logprobs),
             group,
         )
         req.group = ("request", req.id) if group is None else group
@@ -600,7 +665,10 @@ class Engine:
         # One variant with alternatives (k = the most any request may ask, so every k shares one
         # compilation), used only by rounds where some row asked: the default round keeps its speed.
         alternatives = self._alternatives if any(s.request.top_logprobs for s in seqs) else 0
-        self._note_shape("decode_round", (rows, stops, alternatives))
+        # Likewise one variant for rounds with a truncating row; the other rows run it untruncated
+        # (top_k = vocab, top_p = 1, min_p = 0), which draws their default tokens and bits.
+        truncation = self._truncation(seqs, rows) if any(s.request.truncated for s in seqs) else None
+        self._note_shape("decode_round", (rows, stops, alternatives, truncation is not None))
         out_tok, out_lp, self.cache, *top = decode_round(
             self.params,
             tokens,
@@ -618,8 +686,19 @@ class Engine:
             self.config.decode_steps,
             min_tokens,
             alternatives,
+            truncation,
         )
         return seqs, out_tok, out_lp, top
+
+    def _truncation(self, seqs, rows):
+        top_k = np.full(rows, self.cfg.vocab_size, np.int32)
+        top_p, min_p = np.ones(rows, np.float32), np.zeros(rows, np.float32)
+        renormalised = np.zeros(rows, bool)
+        for i, s in enumerate(seqs):
+            r = s.request
+            top_k[i] = r.top_k or self.cfg.vocab_size
+            top_p[i], min_p[i], renormalised[i] = r.top_p, r.min_p, r.truncated_logprobs
+        return top_k, top_p, min_p, renormalised
 
     def _collect_decode(self, seqs, out_tok, out_lp, top) -> list[Request]:
         """Read a round's tokens (this waits for the device) and finish the sequences that stopped."""

@@ -171,6 +171,14 @@ def sample_with_alternatives(params, hidden, seeds, steps, temperature, k: int, 
     return ops(numerics).sample_tokens_with_alternatives(hidden, lm_head(params), seeds, steps, temperature, k)
 
 
+def sample_truncated(params, hidden, seeds, steps, temperature, top_k, top_p, min_p, k: int, numerics: Numerics):
+    """Draw from the top_k / top_p / min_p truncated, renormalised distribution (pallas_kernels.truncation):
+    (tokens, full-distribution logprobs, renormalised logprobs[, top ids, top logprobs [N, k]])."""
+    return ops(numerics).sample_tokens_truncated(
+        hidden, lm_head(params), seeds, steps, temperature, top_k, top_p, min_p, k
+    )
+
+
 def sequence_logprobs_with_alternatives(
     params, tokens, positions, temperature, rope, cfg: ModelConfig, numerics: Numerics, k: int, chunk: int = 64
 ):

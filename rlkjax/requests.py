@@ -74,6 +74,16 @@ def check_temperature(name: str, value, greedy: bool = False) -> float:
     return float(value)
 
 
+def check_fraction(name: str, value, lo: float, hi: float, lo_open: bool = False) -> float:
+    """A number in [lo, hi] ((lo, hi] if lo_open), checked as the float32 the kernels compare with."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    v32 = np.float32(value) if math.isfinite(float(value)) else np.float32("nan")
+    if not (np.isfinite(v32) and (v32 > lo if lo_open else v32 >= lo) and v32 <= hi):
+        raise ValueError(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {value!r}")
+    return float(value)
+
+
 def check_seed(name: str, value) -> int:
     return check_int(name, value, 0, SEED_LIMIT - 1)
 

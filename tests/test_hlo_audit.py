@@ -76,7 +76,10 @@ def lowered(cfg, fn, numerics_mode, b=2, t=16, pages=4):
         numerics_mode,
         num_steps=4,
         min_tokens=vec(jnp.int32),
-        alternatives=20 if fn == "sampler_round_alternatives" else 0,
+        alternatives=20 if fn in ("sampler_round_alternatives", "sampler_round_truncation") else 0,
+        truncation=(vec(jnp.int32), vec(jnp.float32), vec(jnp.float32), vec(jnp.bool_))
+        if fn == "sampler_round_truncation"
+        else None,
     )
 
 
@@ -84,16 +87,17 @@ def lowered(cfg, fn, numerics_mode, b=2, t=16, pages=4):
 @pytest.mark.parametrize(
     "fn",
     ["learner", "sampler", "sampler_round"]
-    + ["learner_alternatives", "sampler_alternatives", "sampler_round_alternatives"],
+    + ["learner_alternatives", "sampler_alternatives", "sampler_round_alternatives", "sampler_round_truncation"],
 )
 def test_strict_path_has_no_xla_float_arithmetic(tiny, compiled_kernels, fn, shape):
-    """Also the variants with top alternatives: their logits kernel's output goes through XLA's
-    top_k (selection only), then back into a kernel for the subtraction of the log-sum-exp."""
+    """Also the variants with top alternatives and truncation: their logits kernel's output goes
+    through XLA's top_k (selection only) and gathers, then back into kernels for every exp, sum,
+    cumulative mass, log and subtraction."""
     cfg = tiny[0] if shape == "tiny" else ODD
     text = lowered(cfg, fn, "strict")
     assert "__gpu$xla.gpu.triton" in text  # the kernels really are there
     assert audit.float_arithmetic(text) == []
-    if "alternatives" in fn:
+    if fn.endswith(("alternatives", "truncation")):
         assert "chlo.top_k" in text or "stablehlo.sort" in text
 
 

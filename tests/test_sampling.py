@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import rlkjax
-from pallas_kernels import logprob
+from pallas_kernels import logprob, truncation
 from rlkjax import numerics
 from rlkjax.engine import Engine, EngineConfig
 from tests.conftest import assert_bits_equal, bits
@@ -81,23 +81,37 @@ def test_greedy_ties_go_to_the_lowest_id(tied, expected):
     np.testing.assert_array_equal(np.asarray(ref_tokens), expected)
 
 
-def test_greedy_generate_equals_score_at_temperature_one_and_mixed_batches(tiny):
-    """Engine level: greedy rows in a batch with sampled rows (one decode round holds both) give
-    the tokens and bits each gets alone, and score(T=1) reproduces greedy logprobs bit for bit."""
+def run(engine, *requests):
+    """Submit (prompt, options) pairs together, run them to the end, return their first samples."""
+    reqs = [engine.submit(prompt, max_new_tokens=6, **options) for prompt, options in requests]
+    engine.run_until_done()
+    return [r.results[0] for r in reqs]
+
+
+def scored(params, cfg, prompts, comps, temps, **kw):
+    """score() of every finished sequence in one call (a row's bits do not depend on the batch)."""
+    return rlkjax.score(
+        params, cfg, [p + c.tokens for p, c in zip(prompts, comps)], [len(p) for p in prompts], temps, **kw
+    )
+
+
+def test_greedy_rows_mixed_with_sampled_rows_and_scored_at_temperature_one(tiny):
+    """Engine level: greedy rows share decode rounds with sampled rows and get the tokens and bits
+    each gets alone (a greedy row whatever its seed); score(T=1) reproduces greedy logprobs."""
     cfg, params = tiny
+    engine = Engine(params, cfg, config=ENGINE)
     prompts = [[1, 2, 3], list(range(40, 77)), [9, 8], [5] * 20]
     temps, seeds = [0.0, 0.7, 0.0, 1.3], [4, 5, 6, 7]
-    mixed = rlkjax.generate(params, cfg, prompts, max_new_tokens=6, temperature=temps, seeds=seeds)
-    for i in range(len(prompts)):
-        alone = rlkjax.generate(params, cfg, [prompts[i]], max_new_tokens=6, temperature=temps[i], seeds=99)[0]
-        if temps[i] == 0:  # a greedy row does not depend on its seed either
-            assert alone.tokens == mixed[i].tokens
-            assert_bits_equal(alone.logprobs, mixed[i].logprobs, f"greedy row {i} alone vs mixed")
-        scored = rlkjax.score(params, cfg, [prompts[i] + mixed[i].tokens], [len(prompts[i])], temperature=temps[i] or 1)
-        assert_bits_equal(scored[0], mixed[i].logprobs, f"row {i}: score vs generate")
-    sampled_alone = rlkjax.generate(params, cfg, [prompts[1]], max_new_tokens=6, temperature=0.7, seeds=5)[0]
-    assert sampled_alone.tokens == mixed[1].tokens
-    assert_bits_equal(sampled_alone.logprobs, mixed[1].logprobs, "sampled row alone vs mixed with greedy rows")
+    mixed = run(engine, *[(p, dict(temperature=t, seed=s)) for p, t, s in zip(prompts, temps, seeds)])
+    alone = [
+        run(engine, (p, dict(temperature=t, seed=99 if t == 0 else s)))[0] for p, t, s in zip(prompts, temps, seeds)
+    ]
+    for i, (m, a) in enumerate(zip(mixed, alone)):
+        assert a.tokens == m.tokens
+        assert_bits_equal(a.logprobs, m.logprobs, f"row {i} (T={temps[i]}) alone vs mixed")
+    for i, lp in enumerate(scored(params, cfg, prompts, mixed, [t or 1.0 for t in temps])):
+        assert_bits_equal(lp, mixed[i].logprobs, f"row {i}: score vs generate")
+    assert mixed[0].tokens != run(engine, (prompts[0], dict(temperature=1.0, seed=4)))[0].tokens, "greedy is not T=1"
 
 
 # ----- top alternatives -----
@@ -135,20 +149,24 @@ def test_alternatives_are_the_top_k_of_the_same_distribution():
 
 
 def test_generate_alternatives_equal_score_alternatives(tiny):
-    """top_logprobs=k from generate (decode rows, mixed greedy and sampled, k per request) equal
-    score(..., top_logprobs=k) over the finished sequence (the learner's rows), ids and bits; the
-    sampled token's entry has its logprob's bits; the logprobs are the default path's bits."""
+    """top_logprobs=k from the engine (decode rows, greedy and sampled, k per request) equal
+    score(..., top_logprobs=k) over the finished sequences (the learner's rows), ids and bits; the
+    drawn token's entry has its logprob's bits; tokens and logprobs are the default round's bits."""
     cfg, params = tiny
-    prompts, temps, seeds = [[1, 2, 3], list(range(60, 81))], [0.0, 0.9], [3, 4]
-    plain = rlkjax.generate(params, cfg, prompts, max_new_tokens=5, temperature=temps, seeds=seeds)
-    comps = rlkjax.generate(params, cfg, prompts, max_new_tokens=5, temperature=temps, seeds=seeds, top_logprobs=4)
-    for p, t, c, c0 in zip(prompts, temps, comps, plain):
-        assert c.tokens == c0.tokens and c.top_ids.shape == (5, 4) and c.top_logprobs.dtype == np.float32
-        assert_bits_equal(c.logprobs, c0.logprobs, "logprobs with vs without alternatives")
-        lp, ids, top = rlkjax.score(params, cfg, [p + c.tokens], [len(p)], temperature=t, top_logprobs=4)[0]
+    engine = Engine(params, cfg, config=ENGINE)
+    prompts, temps = [[1, 2, 3], list(range(60, 81))], [0.0, 0.9]
+    options = [dict(temperature=t, seed=s) for t, s in zip(temps, (3, 4))]
+    plain = run(engine, *zip(prompts, options))
+    comps = run(
+        engine, (prompts[0], options[0] | dict(top_logprobs=4)), (prompts[1], options[1] | dict(top_logprobs=2))
+    )
+    for i, (lp, ids, top) in enumerate(scored(params, cfg, prompts, comps, temps, top_logprobs=4)):
+        c, k = comps[i], (4, 2)[i]
+        assert c.tokens == plain[i].tokens and c.top_ids.shape == (6, k) and c.top_logprobs.dtype == np.float32
+        assert_bits_equal(c.logprobs, plain[i].logprobs, "logprobs with vs without alternatives")
         assert_bits_equal(lp, c.logprobs, "score vs generate")
-        np.testing.assert_array_equal(ids, c.top_ids)
-        assert_bits_equal(top, c.top_logprobs, "score alternatives vs generate alternatives")
+        np.testing.assert_array_equal(ids[:, :k], c.top_ids)
+        assert_bits_equal(top[:, :k], c.top_logprobs, "score alternatives vs generate alternatives")
         rows, cols = np.nonzero(c.top_ids == np.asarray(c.tokens)[:, None])
         assert_bits_equal(c.top_logprobs[rows, cols], c.logprobs[rows], "sampled token's entry")
     assert (comps[0].top_ids[:, 0] == comps[0].tokens).all(), "a greedy token is its own first alternative"
@@ -156,21 +174,18 @@ def test_generate_alternatives_equal_score_alternatives(tiny):
 
 def test_prompt_logprobs_are_the_learners(tiny):
     """prompt_logprobs (what echo needs): the logprob of every prompt token after the first, bit-equal
-    to score(prompt, prompt_lens=1), with and without alternatives; a 1-token prompt has none."""
+    to score(prompt, prompt_lens=1), alternatives included; a 1-token prompt has none; the prompt
+    inside its full sequence (causal attention) gives the same bits."""
     cfg, params = tiny
     prompts, temps = [[7, 8, 9, 10, 11], [3], list(range(100, 170))], [1.0, 0.0, 0.6]
     comps = rlkjax.generate(params, cfg, prompts, max_new_tokens=2, temperature=temps, prompt_logprobs=3)
-    bare = rlkjax.generate(params, cfg, prompts[:1], max_new_tokens=2, prompt_logprobs=0)[0]
-    assert bare.prompt_top_ids is None
-    assert_bits_equal(bare.prompt_logprobs, comps[0].prompt_logprobs, "prompt logprobs with vs without alternatives")
-    for p, t, c in zip(prompts, temps, comps):
+    plain = rlkjax.score(params, cfg, prompts + [prompts[2] + comps[2].tokens], 1, temps + [0.6])
+    for p, c, lp in zip(prompts, comps, plain):
         assert c.prompt_logprobs.shape == (len(p) - 1,) and c.prompt_top_ids.shape == (len(p) - 1, 3)
-        assert_bits_equal(rlkjax.score(params, cfg, [p], [1], temperature=t)[0], c.prompt_logprobs, "prompt logprobs")
+        assert_bits_equal(lp, c.prompt_logprobs, "prompt logprobs vs score")
         rows, cols = np.nonzero(c.prompt_top_ids == np.asarray(p[1:])[:, None])
         assert_bits_equal(c.prompt_top_logprobs[rows, cols], c.prompt_logprobs[rows], "prompt token's entry")
-    # The same prompt inside a longer sequence (causal attention): the same bits.
-    whole = rlkjax.score(params, cfg, [prompts[2] + comps[2].tokens], [1], temperature=0.6)[0]
-    assert_bits_equal(whole[: len(prompts[2]) - 1], comps[2].prompt_logprobs, "prompt within the full sequence")
+    assert_bits_equal(plain[3][: len(prompts[2]) - 1], comps[2].prompt_logprobs, "prompt within the full sequence")
 
 
 # ----- min_tokens, ignore_eos -----
@@ -180,7 +195,7 @@ def stop_run(engine, prompt, **kw):
     return req.results[0]
 
 
-@pytest.mark.parametrize("decode_steps", [1, 4])
+@pytest.mark.parametrize("decode_steps", [4, pytest.param(1, marks=pytest.mark.slow)])
 def test_min_tokens_and_ignore_eos(tiny, decode_steps):
     """A stop id (or the engine's EOS) drawn before min_tokens is kept as an ordinary token and the
     sample goes on: the completion is the unconstrained one cut at the first stop at or after
@@ -208,3 +223,128 @@ def test_min_tokens_and_ignore_eos(tiny, decode_steps):
     expect(stop_run(eos, prompt, ignore_eos=True), 9, "length")
     expect(stop_run(eos, prompt, ignore_eos=True, stop_token_ids=[stop], min_tokens=2), *end(2))
     assert plain.pages.used == 0 and eos.pages.used == 0
+
+
+# ----- top_k, top_p, min_p -----
+def kept_reference(z, top_k, top_p, min_p):
+    """The kept set in float64 by the rules of pallas_kernels/truncation.py, and the cumulative
+    mass margin of the top_p cut (how far the cut is from flipping)."""
+    order = np.argsort(-z, kind="stable")
+    s = z[order]
+    in_k = s >= s[(top_k or len(z)) - 1]
+    p = np.where(in_k, np.exp(s - s[0]), 0.0)
+    before = np.cumsum(p) - p
+    cut = top_p * p.sum()
+    kept_sorted = in_k & ((top_p >= 1) | (before < cut))
+    thr = s[kept_sorted.sum() - 1]
+    kept = (z >= thr) & (np.exp(z - s[0]) >= min_p)
+    margin = np.inf if top_p >= 1 else np.abs(before[in_k] - cut).min() / p.sum()
+    return kept, margin
+
+
+TRUNCATIONS = [  # (temperature, top_k, top_p, min_p)
+    (1.0, 5, 1.0, 0.0),
+    (0.7, 0, 0.6, 0.0),
+    (1.3, 0, 1.0, 0.2),
+    (1.0, 12, 0.8, 0.1),
+    (0.5, 0, 0.95, 0.0),
+]
+
+
+def designed_case(draws):
+    """One-hot hidden states pick lm_head column 0, whose bf16 values are the logits exactly:
+    -rank / 16 over a random order of the 300 ids (ranks past 255 share -16), so the float64
+    truth is exact and the kept sets are far from any rounding edge (checked)."""
+    vocab, d = 300, 48
+    rank = np.random.default_rng(0).permutation(vocab)
+    z = np.maximum(-rank / 16.0, -16.0)
+    w = np.zeros((vocab, d), np.float32)
+    w[:, 0] = z
+    h = np.zeros((draws * len(TRUNCATIONS), d), np.float32)
+    h[:, 0] = 1.0
+    return jnp.asarray(h, BF16), jnp.asarray(w, BF16), z
+
+
+def test_truncated_sampling_keeps_the_reference_set_and_renormalises():
+    """4,000 draws per setting (20,000 in all): no draw leaves the float64 reference's kept set, every
+    kept id is drawn (each has >= 10 expected draws: the sets are equal), the counts fit the
+    renormalised distribution (chi-square), the renormalised logprob matches the truth, and the
+    full-distribution logprob is token_logprobs' bits (the learner's)."""
+    draws = 4000
+    h, w, z = designed_case(draws)
+    cols = lambda i: jnp.asarray(np.repeat([c[i] for c in TRUNCATIONS], draws))  # noqa: E731
+    temps, top_k, top_p, min_p = cols(0).astype(F32), cols(1).astype(jnp.int32), cols(2).astype(F32), cols(3)
+    top_k = jnp.where(top_k == 0, w.shape[0], top_k)
+    n = h.shape[0]
+    seeds, steps = jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.int32)
+    tokens, lp, renorm = (
+        np.asarray(a)
+        for a in truncation.sample_tokens_truncated(
+            h, w, seeds, steps, temps, top_k, top_p, min_p.astype(F32), 0, CONFIG, INTERPRET
+        )
+    )
+    assert_bits_equal(lp, logprob.token_logprobs(h, w, jnp.asarray(tokens), temps, CONFIG, INTERPRET), "full lp")
+    for j, (t, k, p, m) in enumerate(TRUNCATIONS):
+        rows = slice(j * draws, (j + 1) * draws)
+        zt = z / t
+        kept, margin = kept_reference(zt, k, p, m)
+        ratio = np.exp(zt - zt.max())  # p / p_max, what min_p compares
+        assert margin > 1e-4 and (m == 0 or np.abs(ratio - m).min() > 1e-4), "the case sits clear of rounding edges"
+        probs = np.where(kept, np.exp(zt - zt.max()), 0.0)
+        probs /= probs.sum()
+        assert probs[kept].min() * draws >= 10, "every kept id must be likely enough to be drawn"
+        counts = np.bincount(tokens[rows], minlength=len(z))
+        assert set(np.flatnonzero(counts)) == set(np.flatnonzero(kept)), f"setting {j}: kept set"
+        chi2 = ((counts[kept] - draws * probs[kept]) ** 2 / (draws * probs[kept])).sum()
+        dof = kept.sum() - 1
+        assert chi2 < dof + 5 * np.sqrt(2 * dof) + 5, (j, chi2, dof)
+        # Renormalised logprob: the logits / T are within one fp32 rounding of the truth, and the
+        # kept set's fp32 log-sum-exp sums at most 300 terms (relative error <= 300 * 2**-24):
+        # 2e-5 nats bounds the difference with room for exp/log's few ulps.
+        truth = np.log(probs[tokens[rows]])
+        assert np.abs(renorm[rows] - truth).max() < 2e-5, j
+
+
+def test_untruncated_rows_draw_the_default_tokens_and_bits():
+    """A row with nothing truncated (top_k = vocab, top_p = 1, min_p = 0) in the truncation variant
+    draws the default path's token with the same logprob bits (its noise and logits are the same),
+    so rounds that mix truncated and plain rows leave the plain rows alone; its renormalised logprob
+    is its full one up to rounding."""
+    h, w = kernel_case()
+    n = h.shape[0]
+    temps = jnp.asarray([0.0, 0.8, 1.0, 1.2] * 9 + [1.0], F32)
+    seeds, steps = jnp.arange(n, dtype=jnp.uint32) * 7, jnp.arange(n, dtype=jnp.int32)
+    tok, lp, renorm, ids, top = truncation.sample_tokens_truncated(
+        h, w, seeds, steps, temps, jnp.full(n, w.shape[0]), jnp.ones(n, F32), jnp.zeros(n, F32), 3, CONFIG, INTERPRET
+    )
+    tok0, lp0, ids0, top0 = logprob.sample_tokens_with_alternatives(h, w, seeds, steps, temps, 3, CONFIG, INTERPRET)
+    np.testing.assert_array_equal(np.asarray(tok), np.asarray(tok0))
+    assert_bits_equal(lp, lp0, "truncation variant vs default")
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids0))
+    assert_bits_equal(top, top0, "alternatives")
+    np.testing.assert_allclose(np.asarray(renorm), np.asarray(lp), atol=1e-5)
+
+
+def test_generate_with_truncation(tiny):
+    """Engine level: truncated rows record the full-distribution logprob (score's bits) or, asked,
+    the renormalised one (<= 0, >= the full one) for the same tokens; a plain row sharing their
+    rounds (the truncation variant) gets the tokens and bits it gets alone (the default variant)."""
+    cfg, params = tiny
+    engine = Engine(params, cfg, config=ENGINE)
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    truncate = dict(temperature=1.0, seed=11, top_k=3, top_p=0.9, min_p=0.05)
+    full, renorm, plain = run(
+        engine,
+        (prompts[0], truncate),
+        (prompts[1], truncate | dict(truncated_logprobs=True)),
+        (prompts[2], dict(seed=12)),
+    )
+    assert ("decode_round", (4, 1, 0, True)) in engine.shapes_seen, "the rows shared the truncation variant"
+    alone = run(engine, (prompts[2], dict(seed=12)))[0]
+    assert plain.tokens == alone.tokens
+    assert_bits_equal(plain.logprobs, alone.logprobs, "plain row in truncation rounds vs alone")
+    same = run(engine, (prompts[1], truncate))[0]
+    assert same.tokens == renorm.tokens and (renorm.logprobs <= 0).all() and (renorm.logprobs >= same.logprobs).all()
+    lps = scored(params, cfg, [prompts[0], prompts[1]], [full, same], 1.0)
+    assert_bits_equal(lps[0], full.logprobs, "full lp vs score")
+    assert_bits_equal(lps[1], same.logprobs, "full lp vs score")
