@@ -11,7 +11,9 @@ The draw is Gumbel-max over the kept ids with `logprob.sample_tokens`'s noise (g
 argmax), so it samples the renormalised distribution, and with nothing truncated it draws exactly
 the untruncated token. Returned per row: the token, its logprob under the full distribution at T
 (logit - lse with the fused kernel's lse: the bits `token_logprobs`, the learner, computes) and
-its logprob under the renormalised kept set (logit - log-sum-exp of the kept logits).
+its logprob under the renormalised kept set (logit - log-sum-exp of the kept logits). The
+learner's side, `token_logprobs_truncated`, runs the same kernels on target ids and gives the
+same bits for the same row (rows never mix; tile configs are the sampler's).
 
 Float arithmetic (exp, sums, the cumulative mass, log) runs in the two kernels below, over vocab
 tiles in ascending order; XLA only sorts (top_k over the whole vocabulary: selection) and gathers.
@@ -63,21 +65,24 @@ def _sample_kernel(
     min_p_ref,
     key_ref,
     temp_ref,
+    tgt_ref,
     tok_ref,
     lp_ref,
     renorm_ref,
+    tgt_renorm_ref,
     *,
     block_vocab,
     num_tiles,
     vocab,
 ):
-    """Gumbel-max over the kept ids and the kept set's log-sum-exp, vocab tiles ascending."""
+    """Gumbel-max over the kept ids and the kept set's log-sum-exp, vocab tiles ascending; the
+    drawn token's and the target's renormalised logprobs (-inf for a target outside the set)."""
     rows = z_ref.shape[0]
-    thr, zmax, min_p, key = thr_ref[...], max_ref[...], min_p_ref[...], key_ref[...]
+    thr, zmax, min_p, key, tgt = thr_ref[...], max_ref[...], min_p_ref[...], key_ref[...], tgt_ref[...]
     greedy = temp_ref[...] == 0.0
 
     def body(vi, carry):
-        m, s, best_score, best_tok, best_logit = carry
+        m, s, best_score, best_tok, best_logit, tgt_logit = carry
         v0 = pl.multiple_of(vi * block_vocab, block_vocab)
         z = z_ref[:, pl.ds(v0, block_vocab)]
         cols = v0 + jnp.arange(block_vocab, dtype=jnp.int32)[None, :]
@@ -99,14 +104,17 @@ def _sample_kernel(
             jnp.where(better, tile_best, best_score),
             jnp.where(better, tile_tok, best_tok),
             jnp.where(better, tile_logit, best_logit),
+            jnp.maximum(tgt_logit, jnp.max(jnp.where(cols == tgt[:, None], zk, -jnp.inf), axis=1)),
         )
 
     neg = jnp.full((rows,), -jnp.inf, F32)
-    init = (neg, jnp.zeros((rows,), F32), neg, jnp.zeros((rows,), jnp.int32), neg)
-    m, s, _, tok, logit = jax.lax.fori_loop(0, num_tiles, body, init)
+    init = (neg, jnp.zeros((rows,), F32), neg, jnp.zeros((rows,), jnp.int32), neg, neg)
+    m, s, _, tok, logit, tgt_logit = jax.lax.fori_loop(0, num_tiles, body, init)
+    lse_kept = m + _math.log(s)
     tok_ref[...] = tok
     lp_ref[...] = logit - lse_ref[...]
-    renorm_ref[...] = logit - (m + _math.log(s))
+    renorm_ref[...] = logit - lse_kept
+    tgt_renorm_ref[...] = tgt_logit - lse_kept
 
 
 def _check_rows(n, *rows):
@@ -115,17 +123,13 @@ def _check_rows(n, *rows):
             raise ValueError(f"per-row input of shape {r.shape} does not match {n} rows")
 
 
-def sample_tokens_truncated(h, w, seeds, steps, temperature, top_k, top_p, min_p, k, config, interpret):
-    """Draw one token per row from the truncated, renormalised softmax(h @ w.T / T) (temperature 0:
-    the argmax). top_k [N] int32 in [1, V] (V: off), top_p [N] fp32 in (0, 1], min_p [N] fp32 in
-    [0, 1]. Returns (tokens, logprobs under the full distribution, logprobs under the renormalised
-    kept set), each [N], and with k > 0 also the k most likely ids of the full distribution and their
-    logprobs [N, k] (the same values `sample_tokens_with_alternatives` gives)."""
+def _truncated(h, w, targets, keys, temperature, top_k, top_p, min_p, config, interpret):
+    """Returns the drawn tokens, their full and renormalised logprobs, the targets' full and
+    renormalised logprobs [N], and the row's logits sorted descending with their ids [N, V]."""
     n, vocab = h.shape[0], w.shape[0]
-    _check_rows(n, seeds, steps, temperature, top_k, top_p, min_p)
+    _check_rows(n, targets, keys, temperature, top_k, top_p, min_p)
     c = config
-    keys = _math.row_key(seeds, steps)
-    _, _, _, lse = logprob._fused(h, w, jnp.zeros((n,), jnp.int32), temperature, keys, c, interpret)
+    tgt_lp, _, _, lse = logprob._fused(h, w, targets, temperature, keys, c, interpret)
     z = logprob._logits(h, w, temperature, c, interpret)  # [N, V]
     values, ids = jax.lax.top_k(z, vocab)  # a full sort, descending (selection: no rounding)
     thr_k = jnp.take_along_axis(values, (top_k - 1)[:, None], axis=1)[:, 0]
@@ -147,28 +151,49 @@ def sample_tokens_truncated(h, w, seeds, steps, temperature, top_k, top_p, min_p
     zp = pad_dim(pad_dim(z, 1, bv, value=-jnp.inf), 0, br)
     per_row = [pad_dim(a, 0, br) for a in (lse, thr, values[:, 0], min_p.astype(F32), keys)]
     per_row.append(pad_dim(temperature.astype(F32), 0, br, value=1.0))  # padding rows: finite, not greedy
-    tok, lp, renorm = pl.pallas_call(
+    per_row.append(pad_dim(targets.astype(jnp.int32), 0, br))
+    tok, lp, renorm, tgt_renorm = pl.pallas_call(
         functools.partial(_sample_kernel, block_vocab=bv, num_tiles=num_tiles, vocab=vocab),
         grid=(rows_p // br,),
         in_specs=[pl.BlockSpec((br, zp.shape[1]), lambda i: (i, 0))] + [row] * len(per_row),
-        out_specs=[row] * 3,
-        out_shape=[jax.ShapeDtypeStruct((rows_p,), t) for t in (jnp.int32, F32, F32)],
+        out_specs=[row] * 4,
+        out_shape=[jax.ShapeDtypeStruct((rows_p,), t) for t in (jnp.int32, F32, F32, F32)],
         compiler_params=compiler_params(c.num_warps, 1),
         interpret=interpret,
     )(zp, *per_row)
-    out = (tok[:n], lp[:n], renorm[:n])
+    return tok[:n], lp[:n], renorm[:n], tgt_lp, tgt_renorm[:n], lse, values, ids
+
+
+def sample_tokens_truncated(h, w, seeds, steps, temperature, top_k, top_p, min_p, k, config, interpret):
+    """Draw one token per row from the truncated, renormalised softmax(h @ w.T / T) (temperature 0:
+    the argmax). top_k [N] int32 in [1, V] (V: off), top_p [N] fp32 in (0, 1], min_p [N] fp32 in
+    [0, 1]. Returns (tokens, logprobs under the full distribution, logprobs under the renormalised
+    kept set), each [N], and with k > 0 also the k most likely ids of the full distribution and their
+    logprobs [N, k] (the same values `sample_tokens_with_alternatives` gives)."""
+    targets = jnp.zeros(seeds.shape, jnp.int32)
+    keys = _math.row_key(seeds, steps)
+    tok, lp, renorm, _, _, lse, values, ids = _truncated(
+        h, w, targets, keys, temperature, top_k, top_p, min_p, config, interpret
+    )
+    out = (tok, lp, renorm)
     if k:
-        out += (ids[:, :k].astype(jnp.int32), logprob._minus_lse(values[:, :k], lse, c, interpret))
+        out += (ids[:, :k].astype(jnp.int32), logprob._minus_lse(values[:, :k], lse, config, interpret))
     return out
 
 
-def sample_tokens_truncated_reference(
-    h, w, seeds, steps, temperature, top_k, top_p, min_p, k, config=None, interpret=None
-):
-    """The same rules in plain XLA (what `numerics="fast"` runs)."""
+def token_logprobs_truncated(h, w, targets, temperature, top_k, top_p, min_p, config, interpret):
+    """The learner's side: each target's logprob under the full distribution (`token_logprobs`'
+    bits) and under the truncated, renormalised one (-inf outside the kept set): the bits the
+    sampler records for a drawn token with truncated_logprobs. Not differentiable."""
+    keys = jnp.zeros(targets.shape, jnp.uint32)
+    out = _truncated(h, w, targets, keys, temperature, top_k, top_p, min_p, config, interpret)
+    return out[3], out[4]
+
+
+def _truncated_reference(h, w, temperature, top_k, top_p, min_p):
+    """The same rules in plain XLA: (logits, lse, kept-set lse, kept mask, sorted values and ids)."""
     z = logprob._logits_reference(h, w, temperature)
     vocab = z.shape[1]
-    lse = jax.nn.logsumexp(z, axis=1)
     values, ids = jax.lax.top_k(z, vocab)
     thr_k = jnp.take_along_axis(values, (top_k - 1)[:, None], axis=1)
     in_k = values >= thr_k
@@ -177,11 +202,25 @@ def sample_tokens_truncated_reference(
     thr = jnp.take_along_axis(values, kept.sum(1, keepdims=True) - 1, axis=1)
     kept = (z >= thr) & (jnp.exp(z - values[:, :1]) >= min_p[:, None])
     zk = jnp.where(kept, z, -jnp.inf)
-    cols = jnp.arange(vocab, dtype=jnp.int32)[None, :]
+    return z, jax.nn.logsumexp(z, axis=1), jax.nn.logsumexp(zk, axis=1), zk, values, ids
+
+
+def sample_tokens_truncated_reference(
+    h, w, seeds, steps, temperature, top_k, top_p, min_p, k, config=None, interpret=None
+):
+    """What `numerics="fast"` runs: plain XLA."""
+    z, lse, lse_kept, zk, values, ids = _truncated_reference(h, w, temperature, top_k, top_p, min_p)
+    cols = jnp.arange(z.shape[1], dtype=jnp.int32)[None, :]
     noise = _math.gumbel_noise(_math.row_key(seeds, steps)[:, None], cols)
     tok = jnp.argmax(jnp.where((temperature == 0)[:, None], zk, zk + noise), axis=1).astype(jnp.int32)
     logit = jnp.take_along_axis(z, tok[:, None], axis=1)[:, 0]
-    out = (tok, logit - lse, logit - jax.nn.logsumexp(zk, axis=1))
+    out = (tok, logit - lse, logit - lse_kept)
     if k:
         out += (ids[:, :k].astype(jnp.int32), values[:, :k] - lse[:, None])
     return out
+
+
+def token_logprobs_truncated_reference(h, w, targets, temperature, top_k, top_p, min_p, config=None, interpret=None):
+    z, lse, lse_kept, zk, _, _ = _truncated_reference(h, w, temperature, top_k, top_p, min_p)
+    at = targets[:, None].astype(jnp.int32)
+    return jnp.take_along_axis(z, at, axis=1)[:, 0] - lse, jnp.take_along_axis(zk, at, axis=1)[:, 0] - lse_kept

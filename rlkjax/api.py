@@ -9,9 +9,22 @@ import numpy as np
 
 from rlkjax.config import ModelConfig
 from rlkjax.engine import Completion, Engine, EngineConfig
-from rlkjax.model import rope_tables, sequence_logprobs, sequence_logprobs_with_alternatives
+from rlkjax.model import (
+    rope_tables,
+    sequence_logprobs,
+    sequence_logprobs_truncated,
+    sequence_logprobs_with_alternatives,
+)
 from rlkjax.numerics import PAGE_SIZE, Numerics, ops
-from rlkjax.requests import MAX_TOP_LOGPROBS, check_batch, check_int, check_seed, check_temperature, per_row
+from rlkjax.requests import (
+    MAX_TOP_LOGPROBS,
+    check_batch,
+    check_fraction,
+    check_int,
+    check_seed,
+    check_temperature,
+    per_row,
+)
 from rlkjax.shapes import bucket, pad_sequences
 
 
@@ -100,6 +113,7 @@ _sequence_logprobs = jax.jit(sequence_logprobs, static_argnames=("cfg", "numeric
 _sequence_logprobs_with_alternatives = jax.jit(
     sequence_logprobs_with_alternatives, static_argnames=("cfg", "numerics", "k")
 )
+_sequence_logprobs_truncated = jax.jit(sequence_logprobs_truncated, static_argnames=("cfg", "numerics"))
 
 
 def score(
@@ -110,13 +124,23 @@ def score(
     temperature=1.0,
     numerics: Numerics = "strict",
     top_logprobs: int = 0,
+    *,
+    top_k=0,
+    top_p=1.0,
+    min_p=0.0,
+    truncated_logprobs: bool = False,
 ) -> list:
     """Log-probs of sequences[i][prompt_lens[i]:] given their prefixes: the learner's computation.
 
     Temperature 0 scores greedy samples: the temperature-1 distribution. With top_logprobs=k > 0,
     row i is a tuple (logprobs [L], top_ids [L, k], top_logprobs [L, k]): the same logprob bits
     plus the k most likely ids at each position (a prompt_lens of 1 gives every prompt token's
-    logprob after the first: what `echo` / `prompt_logprobs` return)."""
+    logprob after the first: what `echo` / `prompt_logprobs` return).
+
+    truncated_logprobs=True with top_k / top_p / min_p (scalars or one per row; 0 / 1 / 0: off):
+    the logprobs under the truncated, renormalised distribution (-inf for a token outside the kept
+    set), the bits the sampler records with truncated_logprobs. Without it the truncation settings
+    do not matter: the full distribution's logprob is the same however the token was drawn."""
     ops(numerics)
     sequences = check_batch("sequences", sequences, cfg.vocab_size)
     n = len(sequences)
@@ -131,13 +155,34 @@ def score(
         [check_temperature("temperature", t, greedy=True) for t in per_row("temperature", temperature, n)], np.float32
     )
     k = check_int("top_logprobs", top_logprobs, 0, min(MAX_TOP_LOGPROBS, cfg.vocab_size))
+    if not isinstance(truncated_logprobs, (bool, np.bool_)):
+        raise ValueError(f"truncated_logprobs must be true or false, got {truncated_logprobs!r}")
+    if truncated_logprobs and k:
+        raise ValueError("truncated_logprobs cannot be combined with top_logprobs (alternatives are full-distribution)")
+    if truncated_logprobs:
+        truncation = _truncation(cfg, n, top_k, top_p, min_p)
     b, t = bucket(n), bucket(max(len(s) for s in sequences), minimum=PAGE_SIZE)
     tokens, positions = pad_sequences(sequences, b, t)
     temps = np.pad(temps, (0, b - n), constant_values=1.0)
     rows = [slice(p - 1, len(s) - 1) for s, p in zip(sequences, plens)]
+    if truncated_logprobs:
+        truncation = [np.pad(a, (0, b - n), mode="edge") for a in truncation]
+        outs = _sequence_logprobs_truncated(
+            params, tokens, positions, temps, *truncation, rope_tables(cfg), cfg, numerics
+        )
+        logp = np.asarray(outs[1])
+        return [logp[i, r].copy() for i, r in enumerate(rows)]
     if k == 0:
         logp = np.asarray(_sequence_logprobs(params, tokens, positions, temps, rope_tables(cfg), cfg, numerics))
         return [logp[i, r].copy() for i, r in enumerate(rows)]
     outs = _sequence_logprobs_with_alternatives(params, tokens, positions, temps, rope_tables(cfg), cfg, numerics, k)
     logp, ids, top = (np.asarray(o) for o in outs)
     return [(logp[i, r].copy(), ids[i, r].copy(), top[i, r].copy()) for i, r in enumerate(rows)]
+
+
+def _truncation(cfg: ModelConfig, n: int, top_k, top_p, min_p):
+    """Per-row truncation arrays as the kernels take them (top_k 0 -> the vocabulary: off)."""
+    top_k = [min(check_int("top_k", k, 0), cfg.vocab_size) or cfg.vocab_size for k in per_row("top_k", top_k, n)]
+    top_p = [check_fraction("top_p", p, 0.0, 1.0, lo_open=True) for p in per_row("top_p", top_p, n)]
+    min_p = [check_fraction("min_p", p, 0.0, 1.0) for p in per_row("min_p", min_p, n)]
+    return np.asarray(top_k, np.int32), np.asarray(top_p, np.float32), np.asarray(min_p, np.float32)

@@ -179,28 +179,58 @@ def sample_truncated(params, hidden, seeds, steps, temperature, top_k, top_p, mi
     )
 
 
-def sequence_logprobs_with_alternatives(
-    params, tokens, positions, temperature, rope, cfg: ModelConfig, numerics: Numerics, k: int, chunk: int = 64
-):
-    """`sequence_logprobs` (same bits) plus, per position, the k most likely next ids and their
-    logprobs ([B, T - 1, k]). The logits behind the alternatives are materialised `chunk` positions
-    at a time (a [chunk, vocab] fp32 array, never [tokens, vocab]). Not differentiable."""
+def _learner_hidden(params, tokens, positions, rope, cfg: ModelConfig, numerics: Numerics):
+    """The learner's pass (whole sequences into fresh pages) up to the final norm: hidden [B, T, D]."""
     b, t = tokens.shape
     pages_per_row = cdiv(t, PAGE_SIZE)
     cache = init_kv_cache(cfg, 1 + b * pages_per_row)
     page_table = fresh_page_table(b, pages_per_row)
-    hidden, _ = forward(params, tokens, positions, cache, page_table, rope, cfg, numerics, weights_in_place=False)
-    n = b * (t - 1)
+    return forward(params, tokens, positions, cache, page_table, rope, cfg, numerics, weights_in_place=False)[0]
+
+
+def _over_chunks(fn, chunk: int, *per_position):
+    """fn over [chunk]-row slices of [n, ...] arrays (lax.map, padded to whole chunks; padding rows
+    have target 0 and temperature 0, finite, and are sliced away): the materialised logits behind
+    alternatives or truncation are [chunk, vocab], never [tokens, vocab]."""
+    n = per_position[0].shape[0]
     rows = cdiv(n, chunk) * chunk
+    xs = tuple(pad_dim(x, 0, chunk).reshape(rows // chunk, chunk, *x.shape[1:]) for x in per_position)
+    return tuple(o.reshape(rows, *o.shape[2:])[:n] for o in jax.lax.map(lambda x: fn(*x), xs))
 
-    def chunks(x):  # [n, ...] -> [rows / chunk, chunk, ...]; padding rows are sliced away below
-        return pad_dim(x, 0, chunk).reshape(rows // chunk, chunk, *x.shape[1:])  # a pad of x's dtype: no convert
 
-    h = chunks(hidden[:, :-1].reshape(n, -1))
-    targets = chunks(tokens[:, 1:].reshape(n))
-    temps = chunks(jnp.repeat(temperature, t - 1))
+def sequence_logprobs_truncated(
+    params, tokens, positions, temperature, top_k, top_p, min_p, rope, cfg: ModelConfig, numerics: Numerics, chunk=64
+):
+    """`sequence_logprobs` (same bits) and the logprobs under each row's truncated, renormalised
+    distribution (top_k, top_p, min_p [B]; pallas_kernels.truncation): the bits the sampler records
+    with truncated_logprobs. [B, T - 1] each. Not differentiable."""
+    b, t = tokens.shape
+    hidden = _learner_hidden(params, tokens, positions, rope, cfg, numerics)
+    per_row = [jnp.repeat(a, t - 1) for a in (temperature, top_k, top_p, min_p)]
     op = ops(numerics)
-    lp, ids, top = jax.lax.map(
-        lambda xs: op.token_logprobs_with_alternatives(xs[0], lm_head(params), xs[1], xs[2], k), (h, targets, temps)
+    out = _over_chunks(
+        lambda h, tgt, *trunc: op.token_logprobs_truncated(h, lm_head(params), tgt, *trunc),
+        chunk,
+        hidden[:, :-1].reshape(b * (t - 1), -1),
+        tokens[:, 1:].reshape(-1),
+        *per_row,
     )
-    return lp.reshape(rows)[:n].reshape(b, t - 1), *(a.reshape(rows, k)[:n].reshape(b, t - 1, k) for a in (ids, top))
+    return tuple(o.reshape(b, t - 1) for o in out)
+
+
+def sequence_logprobs_with_alternatives(
+    params, tokens, positions, temperature, rope, cfg: ModelConfig, numerics: Numerics, k: int, chunk: int = 64
+):
+    """`sequence_logprobs` (same bits) plus, per position, the k most likely next ids and their
+    logprobs ([B, T - 1, k]), `chunk` positions at a time. Not differentiable."""
+    b, t = tokens.shape
+    hidden = _learner_hidden(params, tokens, positions, rope, cfg, numerics)
+    op = ops(numerics)
+    lp, ids, top = _over_chunks(
+        lambda h, tgt, temp: op.token_logprobs_with_alternatives(h, lm_head(params), tgt, temp, k),
+        chunk,
+        hidden[:, :-1].reshape(b * (t - 1), -1),
+        tokens[:, 1:].reshape(-1),
+        jnp.repeat(temperature, t - 1),
+    )
+    return lp.reshape(b, t - 1), ids.reshape(b, t - 1, k), top.reshape(b, t - 1, k)

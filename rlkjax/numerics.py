@@ -112,6 +112,8 @@ class Ops(NamedTuple):
     token_logprobs_with_alternatives: Callable  # (h, w, targets, temperature, k) -> (logprobs, top_ids, top_logprobs)
     # (h, w, seeds, steps, temperature, top_k, top_p, min_p, k) -> (tokens, logprobs, renormalised logprobs[, alts])
     sample_tokens_truncated: Callable
+    # (h, w, targets, temperature, top_k, top_p, min_p) -> (logprobs, renormalised logprobs)
+    token_logprobs_truncated: Callable
 
 
 @functools.cache
@@ -128,6 +130,7 @@ def ops(numerics: Numerics) -> Ops:
             logprob.sample_tokens_with_alternatives_reference,
             logprob.token_logprobs_with_alternatives_reference,
             truncation.sample_tokens_truncated_reference,
+            truncation.token_logprobs_truncated_reference,
         )
     if numerics != "strict":
         raise ValueError(f"numerics={numerics!r} must be 'strict' or 'fast'")
@@ -144,4 +147,5 @@ def ops(numerics: Numerics) -> Ops:
         lambda h, w, s, st, temp, k: logprob.sample_tokens_with_alternatives(h, w, s, st, temp, k, LOGPROB, interp),
         lambda h, w, t, temp, k: logprob.token_logprobs_with_alternatives(h, w, t, temp, k, LOGPROB, interp),
         lambda *a: truncation.sample_tokens_truncated(*a, LOGPROB, interp),
+        lambda *a: truncation.token_logprobs_truncated(*a, LOGPROB, interp),
     )

@@ -33,6 +33,11 @@ def lowered(cfg, fn, numerics_mode, b=2, t=16, pages=4):
         return audit.lower_for_gpu(
             f, params, tok, tok, jax.ShapeDtypeStruct((b,), jnp.float32), rope, cfg, numerics_mode
         )
+    if fn == "learner_truncation":  # score(..., truncated_logprobs=True)
+        f = jax.jit(model.sequence_logprobs_truncated, static_argnames=("cfg", "numerics"))
+        trunc = (jax.ShapeDtypeStruct((b,), jnp.int32),) + (jax.ShapeDtypeStruct((b,), jnp.float32),) * 2
+        temps = jax.ShapeDtypeStruct((b,), jnp.float32)
+        return audit.lower_for_gpu(f, params, tok, tok, temps, *trunc, rope, cfg, numerics_mode)
     if fn == "learner_alternatives":  # prompt logprobs with top alternatives (score(..., top_logprobs=k))
         f = jax.jit(model.sequence_logprobs_with_alternatives, static_argnames=("cfg", "numerics", "k"))
         return audit.lower_for_gpu(
@@ -87,7 +92,8 @@ def lowered(cfg, fn, numerics_mode, b=2, t=16, pages=4):
 @pytest.mark.parametrize(
     "fn",
     ["learner", "sampler", "sampler_round"]
-    + ["learner_alternatives", "sampler_alternatives", "sampler_round_alternatives", "sampler_round_truncation"],
+    + ["learner_alternatives", "sampler_alternatives", "sampler_round_alternatives"]
+    + ["sampler_round_truncation", "learner_truncation"],
 )
 def test_strict_path_has_no_xla_float_arithmetic(tiny, compiled_kernels, fn, shape):
     """Also the variants with top alternatives and truncation: their logits kernel's output goes

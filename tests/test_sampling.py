@@ -284,6 +284,16 @@ def test_truncated_sampling_keeps_the_reference_set_and_renormalises():
         )
     )
     assert_bits_equal(lp, logprob.token_logprobs(h, w, jnp.asarray(tokens), temps, CONFIG, INTERPRET), "full lp")
+    # The learner's side of the same rule: the drawn tokens score to the same bits, both ways, and
+    # an id outside the kept set (the least likely one) scores -inf renormalised.
+    trunc = (top_k, top_p, min_p.astype(F32))
+    full_t, renorm_t = truncation.token_logprobs_truncated(h, w, jnp.asarray(tokens), temps, *trunc, CONFIG, INTERPRET)
+    assert_bits_equal(full_t, lp, "learner full lp")
+    assert_bits_equal(renorm_t, renorm, "learner renormalised lp")
+    last = jnp.full(h.shape[0], int(np.argmin(z)), jnp.int32)
+    assert (
+        np.asarray(truncation.token_logprobs_truncated(h, w, last, temps, *trunc, CONFIG, INTERPRET)[1]) == -np.inf
+    ).all()
     for j, (t, k, p, m) in enumerate(TRUNCATIONS):
         rows = slice(j * draws, (j + 1) * draws)
         zt = z / t
@@ -348,3 +358,8 @@ def test_generate_with_truncation(tiny):
     lps = scored(params, cfg, [prompts[0], prompts[1]], [full, same], 1.0)
     assert_bits_equal(lps[0], full.logprobs, "full lp vs score")
     assert_bits_equal(lps[1], same.logprobs, "full lp vs score")
+    # The renormalised logprobs are the learner's too: score with the same truncation.
+    options = dict(top_k=[3, 0], top_p=[0.9, 1.0], min_p=[0.05, 0.0], truncated_logprobs=True)
+    lps = scored(params, cfg, [prompts[1], prompts[2]], [renorm, plain], [1.0, 1.0], **options)
+    assert_bits_equal(lps[0], renorm.logprobs, "renormalised lp vs score(truncated_logprobs=True)")
+    np.testing.assert_allclose(lps[1], plain.logprobs, atol=1e-5)  # nothing truncated: the full lp up to rounding
