@@ -19,8 +19,10 @@ from rlkjax.numerics import PAGE_SIZE, Numerics, ops
 from rlkjax.requests import (
     MAX_TOP_LOGPROBS,
     check_batch,
+    check_bool,
     check_fraction,
     check_int,
+    check_sampling,
     check_seed,
     check_temperature,
     per_row,
@@ -76,7 +78,6 @@ def generate(
         raise ValueError(
             f"prompt + max_new_tokens = {max(lengths)} tokens exceeds the model's context of {cfg.max_position}"
         )
-    engine = Engine(params, cfg, numerics, EngineConfig.for_batch(lengths, prefill_chunk_size), eos_token_id)
     options = dict(
         stop_token_ids=stop_token_ids,
         min_tokens=min_tokens,
@@ -87,6 +88,8 @@ def generate(
         min_p=min_p,
         truncated_logprobs=truncated_logprobs,
     )
+    check_sampling(cfg.vocab_size, max_new_tokens, **options)  # before any device work
+    engine = Engine(params, cfg, numerics, EngineConfig.for_batch(lengths, prefill_chunk_size), eos_token_id)
     requests = [
         engine.submit(p, max_new_tokens=max_new_tokens, temperature=t, seed=s, **options)
         for p, t, s in zip(prompts, temps, seeds)
@@ -155,9 +158,7 @@ def score(
         [check_temperature("temperature", t, greedy=True) for t in per_row("temperature", temperature, n)], np.float32
     )
     k = check_int("top_logprobs", top_logprobs, 0, min(MAX_TOP_LOGPROBS, cfg.vocab_size))
-    if not isinstance(truncated_logprobs, (bool, np.bool_)):
-        raise ValueError(f"truncated_logprobs must be true or false, got {truncated_logprobs!r}")
-    if truncated_logprobs and k:
+    if check_bool("truncated_logprobs", truncated_logprobs) and k:
         raise ValueError("truncated_logprobs cannot be combined with top_logprobs (alternatives are full-distribution)")
     if truncated_logprobs:
         truncation = _truncation(cfg, n, top_k, top_p, min_p)

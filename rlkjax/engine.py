@@ -33,8 +33,8 @@ from rlkjax.model import forward, init_kv_cache, rope_tables, sample, sample_tru
 from rlkjax.numerics import PAGE_SIZE, Numerics, ops
 from rlkjax.requests import (
     MAX_TOP_LOGPROBS,
-    check_fraction,
     check_int,
+    check_sampling,
     check_seed,
     check_temperature,
     check_tokens,
@@ -407,39 +407,23 @@ class Engine:
             )
         temperature = check_temperature("temperature", temperature, greedy=True)
         seed = check_seed("seed", seed)
-        if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, (list, tuple, set, frozenset)):
-            raise ValueError("stop_token_ids must be a list of token ids")
-        stops = [check_int("stop_token_ids[]", t, 0, self.cfg.vocab_size - 1) for t in stop_token_ids]
-        min_tokens = check_int("min_tokens", min_tokens, 0, max_new_tokens)
-        if not isinstance(ignore_eos, (bool, np.bool_)):
-            raise ValueError(f"ignore_eos must be true or false, got {ignore_eos!r}")
+        opts = check_sampling(
+            self.cfg.vocab_size,
+            max_new_tokens,
+            stop_token_ids=stop_token_ids,
+            min_tokens=min_tokens,
+            ignore_eos=ignore_eos,
+            top_logprobs=top_logprobs,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            truncated_logprobs=truncated_logprobs,
+        )
+        stops, ignore_eos = opts.pop("stop_token_ids"), opts.pop("ignore_eos")
         if self.eos_token_id is not None and not ignore_eos:
             stops.append(self.eos_token_id)
-        top_logprobs = check_int("top_logprobs", top_logprobs, 0, min(MAX_TOP_LOGPROBS, self.cfg.vocab_size))
-        top_k = min(check_int("top_k", top_k, 0), self.cfg.vocab_size)  # more than the vocabulary keeps it all
-        top_p = check_fraction("top_p", top_p, 0.0, 1.0, lo_open=True)
-        min_p = check_fraction("min_p", min_p, 0.0, 1.0)
-        if not isinstance(truncated_logprobs, (bool, np.bool_)):
-            raise ValueError(f"truncated_logprobs must be true or false, got {truncated_logprobs!r}")
-        if truncated_logprobs and top_logprobs:
-            raise ValueError(
-                "truncated_logprobs cannot be combined with top_logprobs (alternatives are full-distribution)"
-            )
         req = Request(
-            next(self._ids),
-            prompt,
-            n,
-            max_new_tokens,
-            temperature,
-            seed,
-            frozenset(stops),
-            min_tokens,
-            top_logprobs,
-            top_k,
-            top_p,
-            min_p,
-            bool(truncated_logprobs),
-            group,
+            next(self._ids), prompt, n, max_new_tokens, temperature, seed, frozenset(stops), group=group, **opts
         )
         req.group = ("request", req.id) if group is None else group
         req.results = [None] * n
