@@ -8,12 +8,12 @@ The kept set of a row, each filter applied to what the previous one kept (HF's a
   min_p (0: off): exp(logit - max logit) >= min_p, i.e. p >= min_p * p_max (renormalising does not
       change that ratio, so the order does not matter for it).
 The draw is Gumbel-max over the kept ids with `logprob.sample_tokens`'s noise (greedy rows: plain
-argmax), so it samples the renormalised distribution, and with nothing truncated it draws exactly
-the untruncated token. Returned per row: the token, its logprob under the full distribution at T
-(logit - lse with the fused kernel's lse: the bits `token_logprobs`, the learner, computes) and
-its logprob under the renormalised kept set (logit - log-sum-exp of the kept logits). The
-learner's side, `token_logprobs_truncated`, runs the same kernels on target ids and gives the
-same bits for the same row (rows never mix; tile configs are the sampler's).
+argmax), so it samples the renormalised distribution, and with nothing truncated it draws the
+untruncated token (`logprob._logits` runs the fused kernel's tile code: tested). Returned per row:
+the token, its logprob under the full distribution at T (the fused kernel of logprob.py scores the
+drawn token: the learner's bits by construction) and its logprob under the renormalised kept set
+(logit - log-sum-exp of the kept logits). The learner's side, `token_logprobs_truncated`, runs the
+same kernels on target ids and gives the same bits for the same row (rows never mix).
 
 Float arithmetic (exp, sums, the cumulative mass, log) runs in the two kernels below, over vocab
 tiles in ascending order; XLA only sorts (top_k over the whole vocabulary: selection) and gathers.
@@ -59,7 +59,6 @@ def _top_p_kernel(sorted_ref, thr_k_ref, top_p_ref, count_ref, *, block_vocab, n
 
 def _sample_kernel(
     z_ref,
-    lse_ref,
     thr_ref,
     max_ref,
     min_p_ref,
@@ -67,7 +66,6 @@ def _sample_kernel(
     temp_ref,
     tgt_ref,
     tok_ref,
-    lp_ref,
     renorm_ref,
     tgt_renorm_ref,
     *,
@@ -112,7 +110,6 @@ def _sample_kernel(
     m, s, _, tok, logit, tgt_logit = jax.lax.fori_loop(0, num_tiles, body, init)
     lse_kept = m + _math.log(s)
     tok_ref[...] = tok
-    lp_ref[...] = logit - lse_ref[...]
     renorm_ref[...] = logit - lse_kept
     tgt_renorm_ref[...] = tgt_logit - lse_kept
 
@@ -124,12 +121,13 @@ def _check_rows(n, *rows):
 
 
 def _truncated(h, w, targets, keys, temperature, top_k, top_p, min_p, config, interpret):
-    """Returns the drawn tokens, their full and renormalised logprobs, the targets' full and
-    renormalised logprobs [N], and the row's logits sorted descending with their ids [N, V]."""
+    """Returns the drawn tokens and their renormalised logprobs, the targets' renormalised logprobs
+    [N], and the row's logits sorted descending with their ids [N, V]. Full-distribution logprobs
+    come from the fused kernel itself (`logprob._fused` with the token as target), so they are the
+    learner's bits by construction, not by the two kernels' logits agreeing."""
     n, vocab = h.shape[0], w.shape[0]
     _check_rows(n, targets, keys, temperature, top_k, top_p, min_p)
     c = config
-    tgt_lp, _, _, lse = logprob._fused(h, w, targets, temperature, keys, c, interpret)
     z = logprob._logits(h, w, temperature, c, interpret)  # [N, V]
     values, ids = jax.lax.top_k(z, vocab)  # a full sort, descending (selection: no rounding)
     thr_k = jnp.take_along_axis(values, (top_k - 1)[:, None], axis=1)[:, 0]
@@ -149,19 +147,19 @@ def _truncated(h, w, targets, keys, temperature, top_k, top_p, min_p, config, in
     )(padded, pad_dim(thr_k, 0, br), pad_dim(top_p.astype(F32), 0, br, value=1.0))[:n]
     thr = jnp.take_along_axis(values, (count - 1)[:, None], axis=1)[:, 0]
     zp = pad_dim(pad_dim(z, 1, bv, value=-jnp.inf), 0, br)
-    per_row = [pad_dim(a, 0, br) for a in (lse, thr, values[:, 0], min_p.astype(F32), keys)]
+    per_row = [pad_dim(a, 0, br) for a in (thr, values[:, 0], min_p.astype(F32), keys)]
     per_row.append(pad_dim(temperature.astype(F32), 0, br, value=1.0))  # padding rows: finite, not greedy
     per_row.append(pad_dim(targets.astype(jnp.int32), 0, br))
-    tok, lp, renorm, tgt_renorm = pl.pallas_call(
+    tok, renorm, tgt_renorm = pl.pallas_call(
         functools.partial(_sample_kernel, block_vocab=bv, num_tiles=num_tiles, vocab=vocab),
         grid=(rows_p // br,),
         in_specs=[pl.BlockSpec((br, zp.shape[1]), lambda i: (i, 0))] + [row] * len(per_row),
-        out_specs=[row] * 4,
-        out_shape=[jax.ShapeDtypeStruct((rows_p,), t) for t in (jnp.int32, F32, F32, F32)],
+        out_specs=[row] * 3,
+        out_shape=[jax.ShapeDtypeStruct((rows_p,), t) for t in (jnp.int32, F32, F32)],
         compiler_params=compiler_params(c.num_warps, 1),
         interpret=interpret,
     )(zp, *per_row)
-    return tok[:n], lp[:n], renorm[:n], tgt_lp, tgt_renorm[:n], lse, values, ids
+    return tok[:n], renorm[:n], tgt_renorm[:n], values, ids
 
 
 def sample_tokens_truncated(h, w, seeds, steps, temperature, top_k, top_p, min_p, k, config, interpret):
@@ -172,9 +170,8 @@ def sample_tokens_truncated(h, w, seeds, steps, temperature, top_k, top_p, min_p
     logprobs [N, k] (the same values `sample_tokens_with_alternatives` gives)."""
     targets = jnp.zeros(seeds.shape, jnp.int32)
     keys = _math.row_key(seeds, steps)
-    tok, lp, renorm, _, _, lse, values, ids = _truncated(
-        h, w, targets, keys, temperature, top_k, top_p, min_p, config, interpret
-    )
+    tok, renorm, _, values, ids = _truncated(h, w, targets, keys, temperature, top_k, top_p, min_p, config, interpret)
+    lp, _, _, lse = logprob._fused(h, w, tok, temperature, keys, config, interpret)  # scores the drawn token
     out = (tok, lp, renorm)
     if k:
         out += (ids[:, :k].astype(jnp.int32), logprob._minus_lse(values[:, :k], lse, config, interpret))
@@ -186,8 +183,8 @@ def token_logprobs_truncated(h, w, targets, temperature, top_k, top_p, min_p, co
     bits) and under the truncated, renormalised one (-inf outside the kept set): the bits the
     sampler records for a drawn token with truncated_logprobs. Not differentiable."""
     keys = jnp.zeros(targets.shape, jnp.uint32)
-    out = _truncated(h, w, targets, keys, temperature, top_k, top_p, min_p, config, interpret)
-    return out[3], out[4]
+    renorm = _truncated(h, w, targets, keys, temperature, top_k, top_p, min_p, config, interpret)[2]
+    return logprob._fused(h, w, targets, temperature, keys, config, interpret)[0], renorm
 
 
 def _truncated_reference(h, w, temperature, top_k, top_p, min_p):
