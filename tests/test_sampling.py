@@ -363,3 +363,26 @@ def test_generate_with_truncation(tiny):
     lps = scored(params, cfg, [prompts[1], prompts[2]], [renorm, plain], [1.0, 1.0], **options)
     assert_bits_equal(lps[0], renorm.logprobs, "renormalised lp vs score(truncated_logprobs=True)")
     np.testing.assert_allclose(lps[1], plain.logprobs, atol=1e-5)  # nothing truncated: the full lp up to rounding
+
+
+@pytest.mark.parametrize("numerics_mode", ["strict", "fast"])
+def test_top_k_draws_are_among_the_top_alternatives(tiny, numerics_mode):
+    """top_k=3 with top_logprobs=3: every drawn token is one of the 3 listed alternatives (ties
+    aside, the kept set is the top 3), on the strict path and on the plain-XLA fast path (which
+    runs the same rules in XLA: fast has every option strict has)."""
+    cfg, params = tiny
+    comps = rlkjax.generate(
+        params,
+        cfg,
+        [[1, 2, 3], [4, 5]],
+        max_new_tokens=6,
+        temperature=[1.3, 0.0],
+        seeds=[1, 2],
+        numerics=numerics_mode,
+        top_k=3,
+        top_logprobs=3,
+    )
+    for c in comps:
+        assert c.top_ids.shape == (6, 3) and (np.diff(c.top_logprobs, axis=1) <= 0).all()
+        assert all(t in ids for t, ids in zip(c.tokens, c.top_ids)), (c.tokens, c.top_ids)
+    assert (comps[1].top_ids[:, 0] == comps[1].tokens).all(), "greedy"
