@@ -13,6 +13,16 @@ The sampler and the learner run this same kernel (one body computes the log-sum-
 logit and the Gumbel-max sample every time), so the logit of a drawn token and its log-sum-exp are
 the same bits whether the row was sampled or scored. The sample draws from softmax(logits / T):
 argmax(logits / T + Gumbel noise), the noise a hash of (seed, step, vocab id).
+
+Temperature 0 is greedy: the kernel divides by 1 and adds no noise, so the drawn token is the argmax
+of the logits (ties to the lowest id) and its logprob is the temperature-1 one; scoring at T = 0 is
+scoring at T = 1, so `score(..., temperature=1)` gives the same bits.
+
+Top alternatives (`*_with_alternatives`) need the k largest logits of a row: `_logits_kernel`
+writes the fp32 logits / T of every vocab tile with the fused kernel's own tile code, XLA's top_k
+selects (no rounding), and `_minus_kernel` subtracts the fused kernel's log-sum-exp, the one
+rounding a logprob has (logit - lse, as in `_merge_kernel`). That materialises [rows, vocab] fp32,
+so it is a separate variant for the few rows that ask, never the default path.
 """
 
 import dataclasses
@@ -42,6 +52,13 @@ class LogprobConfig:
         check_block("block_vocab", self.block_vocab)
         check_block("block_k", self.block_k)
         check_block("vocab_splits", self.vocab_splits, minimum=1)
+
+
+def _greedy_and_temperature(temp):
+    """Rows with temperature 0 are greedy: they divide by 1 (the temperature-1 distribution) and
+    draw without noise."""
+    greedy = temp == 0.0
+    return greedy, jnp.where(greedy, 1.0, temp)
 
 
 def _tile_logits(h_ref, w_ref, v0, temp, *, block_vocab, block_k, k_steps):
@@ -74,7 +91,8 @@ def _split_kernel(
     vocab,
 ):
     rows = h_ref.shape[0]
-    temp, tgt, key = temp_ref[...], tgt_ref[...], key_ref[...]
+    tgt, key = tgt_ref[...], key_ref[...]
+    greedy, temp = _greedy_and_temperature(temp_ref[...])
     first = pl.program_id(1) * tiles_per_split
 
     def body(vi, carry):
@@ -89,8 +107,9 @@ def _split_kernel(
         s = s * _math.exp(m - m_new) + jnp.sum(_math.exp(logits - m_new[:, None]), axis=1)
         # Target logit: one id matches, so a max over a -inf background is an exact gather.
         tgt_logit = jnp.maximum(tgt_logit, jnp.max(jnp.where(cols == tgt[:, None], logits, -jnp.inf), axis=1))
-        # Gumbel-max sample; ties go to the lowest id (strict > across tiles, min id within one).
-        score = logits + _math.gumbel_noise(key[:, None], cols)
+        # Gumbel-max sample (greedy rows: plain argmax); ties go to the lowest id (strict > across
+        # tiles, min id within one).
+        score = jnp.where(greedy[:, None], logits, logits + _math.gumbel_noise(key[:, None], cols))
         tile_best = jnp.max(score, axis=1)
         tile_tok = jnp.min(jnp.where(score == tile_best[:, None], cols, _NO_TOKEN), axis=1)
         tile_logit = jnp.max(jnp.where(cols == tile_tok[:, None], logits, -jnp.inf), axis=1)
@@ -145,19 +164,25 @@ def _check(h, w, *rows):
             raise ValueError(f"per-row input of shape {r.shape} does not match {h.shape[0]} rows")
 
 
+def _pad(h, w, temperature, config: LogprobConfig):
+    """Odd shapes: D gets zero features (exact zero products) up to whole K steps, and the vocabulary
+    zero rows up to whole tiles, whose ids the kernels mask to -inf. Rows are padded to whole row
+    blocks; padding rows get temperature 1 so they stay finite (their outputs are sliced away).
+    Tile multiples copy nothing. Returns h, w, temperature and the vocab to mask (None: no padding)."""
+    c = config
+    masked_vocab = w.shape[0] if w.shape[0] % c.block_vocab else None
+    h, w = pad_dim(h, 1, c.block_k), pad_dim(pad_dim(w, 1, c.block_k), 0, c.block_vocab)
+    h = pad_dim(h, 0, c.block_rows)
+    return h, w, pad_dim(temperature.astype(F32), 0, c.block_rows, value=1.0), masked_vocab
+
+
 def _fused(h, w, targets, temperature, keys, config: LogprobConfig, interpret: bool):
     """Returns (target_logprobs, sampled_tokens, sampled_logprobs, lse), each [N]."""
-    n, vocab = h.shape[0], w.shape[0]
+    n = h.shape[0]
     c = config
-    masked_vocab = vocab if vocab % c.block_vocab else None
-    # Odd shapes: D gets zero features (exact zero products) up to whole K steps, and the vocabulary
-    # zero rows up to whole tiles, whose ids the kernel masks to -inf. Tile multiples copy nothing.
-    h, w = pad_dim(h, 1, c.block_k), pad_dim(pad_dim(w, 1, c.block_k), 0, c.block_vocab)
+    h, w, temperature, masked_vocab = _pad(h, w, temperature, c)
     d = h.shape[1]
     br = c.block_rows
-    h = pad_dim(h, 0, br)
-    # Padding rows get temperature 1 so they stay finite; their outputs are sliced away.
-    temperature = pad_dim(temperature.astype(F32), 0, br, value=1.0)
     targets, keys = pad_dim(targets.astype(jnp.int32), 0, br), pad_dim(keys, 0, br)
     rows_p = h.shape[0]
     num_tiles = w.shape[0] // c.block_vocab
@@ -204,6 +229,72 @@ def _fused(h, w, targets, temperature, keys, config: LogprobConfig, interpret: b
     return tuple(o[:n] for o in outs)
 
 
+def _logits_kernel(h_ref, w_ref, temp_ref, out_ref, *, block_vocab, block_k, k_steps, vocab):
+    """One vocab tile's fp32 logits / T: `_tile_logits` on the same blocks as `_split_kernel`, so
+    each value has the bits the fused kernel reduces over (tested)."""
+    _, temp = _greedy_and_temperature(temp_ref[...])
+    v0 = pl.multiple_of(pl.program_id(1) * block_vocab, block_vocab)
+    logits = _tile_logits(h_ref, w_ref, v0, temp, block_vocab=block_vocab, block_k=block_k, k_steps=k_steps)
+    if vocab is not None:
+        cols = v0 + jnp.arange(block_vocab, dtype=jnp.int32)[None, :]
+        logits = jnp.where(cols < vocab, logits, -jnp.inf)
+    out_ref[...] = logits
+
+
+def _logits(h, w, temperature, config: LogprobConfig, interpret: bool):
+    """fp32 logits / T [N, V] (greedy rows: T = 1). Materialised: only for the rows that need them."""
+    n, vocab = h.shape[0], w.shape[0]
+    c = config
+    h, w, temperature, masked_vocab = _pad(h, w, temperature, c)
+    br, d = c.block_rows, h.shape[1]
+    out = pl.pallas_call(
+        functools.partial(
+            _logits_kernel, block_vocab=c.block_vocab, block_k=c.block_k, k_steps=d // c.block_k, vocab=masked_vocab
+        ),
+        grid=(h.shape[0] // br, w.shape[0] // c.block_vocab),
+        in_specs=[
+            pl.BlockSpec((br, d), lambda i, j: (i, 0)),
+            pl.BlockSpec(w.shape, lambda i, j: (0, 0)),
+            pl.BlockSpec((br,), lambda i, j: (i,)),
+        ],
+        out_specs=pl.BlockSpec((br, c.block_vocab), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((h.shape[0], w.shape[0]), F32),
+        compiler_params=compiler_params(c.num_warps, c.num_stages),
+        interpret=interpret,
+    )(h, w, temperature)
+    return out[:n, :vocab]
+
+
+def _minus_kernel(x_ref, lse_ref, o_ref):
+    o_ref[...] = x_ref[...] - lse_ref[...][:, None]
+
+
+def _minus_lse(x, lse, config: LogprobConfig, interpret: bool):
+    """x [N, K] - lse [N, None]: logits to logprobs, the same one fp32 subtraction `_merge_kernel`
+    does for the sampled token, so a token's value is the same bits in either list."""
+    n, k = x.shape
+    br, bk = config.block_rows, pl.next_power_of_2(k)
+    xp, lp = pad_dim(pad_dim(x, 0, br), 1, bk), pad_dim(lse, 0, br)
+    out = pl.pallas_call(
+        _minus_kernel,
+        grid=(xp.shape[0] // br,),
+        in_specs=[pl.BlockSpec((br, bk), lambda i: (i, 0)), pl.BlockSpec((br,), lambda i: (i,))],
+        out_specs=pl.BlockSpec((br, bk), lambda i: (i, 0)),
+        out_shape=jax.ShapeDtypeStruct(xp.shape, F32),
+        compiler_params=compiler_params(config.num_warps, 1),
+        interpret=interpret,
+    )(xp, lp)
+    return out[:n, :k]
+
+
+def _alternatives(h, w, temperature, lse, k: int, config: LogprobConfig, interpret: bool):
+    """The k most likely ids per row (descending; equal logits: lowest id first) and their logprobs."""
+    if not 1 <= k <= w.shape[0]:
+        raise ValueError(f"k={k} alternatives must be in [1, vocab={w.shape[0]}]")
+    values, ids = jax.lax.top_k(_logits(h, w, temperature, config, interpret), k)  # selection: no rounding
+    return ids.astype(jnp.int32), _minus_lse(values, lse, config, interpret)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def token_logprobs(h, w, targets, temperature, config: LogprobConfig, interpret: bool):
     """log softmax(h @ w.T / temperature)[targets] -> [N] fp32 (the learner's side)."""
@@ -219,6 +310,25 @@ def sample_tokens(h, w, seeds, steps, temperature, config: LogprobConfig, interp
     targets = jnp.zeros(seeds.shape, jnp.int32)
     _, tokens, logprobs, _ = _fused(h, w, targets, temperature, _math.row_key(seeds, steps), config, interpret)
     return tokens, logprobs
+
+
+def sample_tokens_with_alternatives(h, w, seeds, steps, temperature, k: int, config: LogprobConfig, interpret: bool):
+    """`sample_tokens` plus the k most likely ids of each row's distribution and their logprobs
+    (top_ids [N, k] int32, top_logprobs [N, k] fp32). The tokens and logprobs are `sample_tokens`'s
+    bits; a drawn token that is among the k has the same bits in both lists."""
+    _check(h, w, seeds, steps, temperature)
+    targets = jnp.zeros(seeds.shape, jnp.int32)
+    _, tokens, logprobs, lse = _fused(h, w, targets, temperature, _math.row_key(seeds, steps), config, interpret)
+    return (tokens, logprobs, *_alternatives(h, w, temperature, lse, k, config, interpret))
+
+
+def token_logprobs_with_alternatives(h, w, targets, temperature, k: int, config: LogprobConfig, interpret: bool):
+    """`token_logprobs` (same bits) plus each row's k most likely ids and their logprobs. Not
+    differentiable: it is for reporting (prompt logprobs), not for the loss."""
+    _check(h, w, targets, temperature)
+    keys = jnp.zeros(targets.shape, jnp.uint32)
+    logprobs, _, _, lse = _fused(h, w, targets, temperature, keys, config, interpret)
+    return (logprobs, *_alternatives(h, w, temperature, lse, k, config, interpret))
 
 
 def _fwd(h, w, targets, temperature, config, interpret):
@@ -269,7 +379,9 @@ token_logprobs.defvjp(_fwd, _bwd)
 
 def _logits_reference(h, w, temperature):
     acc = acc_dtype(h.dtype)
-    return jnp.dot(h, w.T, preferred_element_type=acc) / temperature.astype(acc)[:, None]
+    temperature = temperature.astype(acc)
+    temperature = jnp.where(temperature == 0, jnp.ones_like(temperature), temperature)  # greedy: T = 1
+    return jnp.dot(h, w.T, preferred_element_type=acc) / temperature[:, None]
 
 
 def token_logprobs_reference(h, w, targets, temperature, config=None, interpret=None):
@@ -279,11 +391,26 @@ def token_logprobs_reference(h, w, targets, temperature, config=None, interpret=
 
 
 def sample_tokens_reference(h, w, seeds, steps, temperature, config=None, interpret=None):
-    """Same Gumbel noise as the kernel, so fast and strict draw the same tokens up to rounding."""
+    """Same Gumbel noise as the kernel, so fast and strict draw the same tokens up to rounding;
+    temperature 0 rows take the argmax (jnp.argmax: ties to the lowest id)."""
     logits = _logits_reference(h, w, temperature)
     cols = jnp.arange(w.shape[0], dtype=jnp.int32)[None, :]
-    tokens = jnp.argmax(logits + _math.gumbel_noise(_math.row_key(seeds, steps)[:, None], cols), axis=1).astype(
-        jnp.int32
-    )
+    noise = _math.gumbel_noise(_math.row_key(seeds, steps)[:, None], cols)
+    scores = jnp.where((temperature == 0)[:, None], logits, logits + noise)
+    tokens = jnp.argmax(scores, axis=1).astype(jnp.int32)
     logp = jax.nn.log_softmax(logits, axis=-1)
     return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=1)[:, 0]
+
+
+def _alternatives_reference(h, w, temperature, k):
+    values, ids = jax.lax.top_k(jax.nn.log_softmax(_logits_reference(h, w, temperature), axis=-1), k)
+    return ids.astype(jnp.int32), values
+
+
+def sample_tokens_with_alternatives_reference(h, w, seeds, steps, temperature, k, config=None, interpret=None):
+    return (*sample_tokens_reference(h, w, seeds, steps, temperature), *_alternatives_reference(h, w, temperature, k))
+
+
+def token_logprobs_with_alternatives_reference(h, w, targets, temperature, k, config=None, interpret=None):
+    lp = token_logprobs_reference(h, w, targets, temperature)
+    return (lp, *_alternatives_reference(h, w, temperature, k))

@@ -9,9 +9,24 @@ import numpy as np
 
 from rlkjax.config import ModelConfig
 from rlkjax.engine import Completion, Engine, EngineConfig
-from rlkjax.model import rope_tables, sequence_logprobs
+from rlkjax.model import (
+    rope_tables,
+    sequence_logprobs,
+    sequence_logprobs_truncated,
+    sequence_logprobs_with_alternatives,
+)
 from rlkjax.numerics import PAGE_SIZE, Numerics, ops
-from rlkjax.requests import check_batch, check_int, check_seed, check_temperature, per_row
+from rlkjax.requests import (
+    MAX_TOP_LOGPROBS,
+    check_batch,
+    check_bool,
+    check_fraction,
+    check_int,
+    check_sampling,
+    check_seed,
+    check_temperature,
+    per_row,
+)
 from rlkjax.shapes import bucket, pad_sequences
 
 
@@ -24,39 +39,111 @@ def generate(
     seeds=0,
     numerics: Numerics = "strict",
     prefill_chunk_size: int = 64,
+    *,
+    stop_token_ids=(),
+    min_tokens: int = 0,
+    eos_token_id: int | None = None,
+    ignore_eos: bool = False,
+    top_logprobs: int = 0,
+    prompt_logprobs: int | None = None,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    truncated_logprobs: bool = False,
 ) -> list[Completion]:
-    """Sample `max_new_tokens` tokens after each prompt, recording each token's logprob.
+    """Sample up to `max_new_tokens` tokens after each prompt, recording each token's logprob.
 
-    temperature and seeds: one per prompt, or a scalar for all. A request's tokens depend on its
-    prompt, seed and temperature only, not on the batch it ran in. A thin wrapper over the rollout
-    engine, sized so nothing is preempted: there is one generation path.
+    temperature and seeds: one per prompt, or a scalar for all; temperature 0 is greedy (argmax,
+    ties to the lowest id; the logprobs are the temperature-1 ones, as `score(..., temperature=1)`
+    gives them). A request's tokens depend on its prompt, seed and temperature only, not on the
+    batch it ran in. A thin wrapper over the rollout engine, sized so nothing is preempted: there is
+    one generation path. Stops, min_tokens, eos_token_id/ignore_eos, top_logprobs=k (a completion
+    then has top_ids, top_logprobs [T, k]) and the truncation top_k/top_p/min_p (logprobs of the
+    full distribution unless truncated_logprobs) are `Engine.submit`'s. prompt_logprobs=k
+    (None: off) adds each completion's prompt logprobs (prompt[1:], by `score`, the learner's
+    pass) and, for k > 0, their k alternatives.
     """
     ops(numerics)  # validates the mode (and the strict XLA flags) before any work
     prompts = check_batch("prompts", prompts, cfg.vocab_size)
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
     prefill_chunk_size = check_int("prefill_chunk_size", prefill_chunk_size, 1)
-    temps = [check_temperature("temperature", t) for t in per_row("temperature", temperature, len(prompts))]
+    temps = [
+        check_temperature("temperature", t, greedy=True) for t in per_row("temperature", temperature, len(prompts))
+    ]
     seeds = [check_seed("seeds", s) for s in per_row("seeds", seeds, len(prompts))]
+    if prompt_logprobs is not None:
+        prompt_logprobs = check_int("prompt_logprobs", prompt_logprobs, 0, min(MAX_TOP_LOGPROBS, cfg.vocab_size))
     lengths = [len(p) + max_new_tokens for p in prompts]
     if max(lengths) > cfg.max_position:
         raise ValueError(
             f"prompt + max_new_tokens = {max(lengths)} tokens exceeds the model's context of {cfg.max_position}"
         )
-    engine = Engine(params, cfg, numerics, EngineConfig.for_batch(lengths, prefill_chunk_size))
+    options = dict(
+        stop_token_ids=stop_token_ids,
+        min_tokens=min_tokens,
+        ignore_eos=ignore_eos,
+        top_logprobs=top_logprobs,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        truncated_logprobs=truncated_logprobs,
+    )
+    check_sampling(cfg.vocab_size, max_new_tokens, **options)  # before any device work
+    engine = Engine(params, cfg, numerics, EngineConfig.for_batch(lengths, prefill_chunk_size), eos_token_id)
     requests = [
-        engine.submit(p, max_new_tokens=max_new_tokens, temperature=t, seed=s) for p, t, s in zip(prompts, temps, seeds)
+        engine.submit(p, max_new_tokens=max_new_tokens, temperature=t, seed=s, **options)
+        for p, t, s in zip(prompts, temps, seeds)
     ]
     engine.run_until_done()
-    return [r.results[0] for r in requests]
+    comps = [r.results[0] for r in requests]
+    if prompt_logprobs is not None:
+        _add_prompt_logprobs(params, cfg, prompts, temps, comps, prompt_logprobs, numerics)
+    return comps
+
+
+def _add_prompt_logprobs(params, cfg, prompts, temps, comps, k, numerics):
+    """Prompt logprobs from the learner's pass over the prompts alone (the completion cannot change
+    them: attention is causal), at each row's temperature."""
+    scored = score(params, cfg, prompts, 1, temperature=temps, numerics=numerics, top_logprobs=k)
+    for comp, row in zip(comps, scored):
+        if k:
+            comp.prompt_logprobs, comp.prompt_top_ids, comp.prompt_top_logprobs = row
+        else:
+            comp.prompt_logprobs = row
 
 
 _sequence_logprobs = jax.jit(sequence_logprobs, static_argnames=("cfg", "numerics"))
+_sequence_logprobs_with_alternatives = jax.jit(
+    sequence_logprobs_with_alternatives, static_argnames=("cfg", "numerics", "k")
+)
+_sequence_logprobs_truncated = jax.jit(sequence_logprobs_truncated, static_argnames=("cfg", "numerics"))
 
 
 def score(
-    params, cfg: ModelConfig, sequences, prompt_lens, temperature=1.0, numerics: Numerics = "strict"
-) -> list[np.ndarray]:
-    """Log-probs of sequences[i][prompt_lens[i]:] given their prefixes: the learner's computation."""
+    params,
+    cfg: ModelConfig,
+    sequences,
+    prompt_lens,
+    temperature=1.0,
+    numerics: Numerics = "strict",
+    top_logprobs: int = 0,
+    *,
+    top_k=0,
+    top_p=1.0,
+    min_p=0.0,
+    truncated_logprobs: bool = False,
+) -> list:
+    """Log-probs of sequences[i][prompt_lens[i]:] given their prefixes: the learner's computation.
+
+    Temperature 0 scores greedy samples: the temperature-1 distribution. With top_logprobs=k > 0,
+    row i is a tuple (logprobs [L], top_ids [L, k], top_logprobs [L, k]): the same logprob bits
+    plus the k most likely ids at each position (a prompt_lens of 1 gives every prompt token's
+    logprob after the first: what `echo` / `prompt_logprobs` return).
+
+    truncated_logprobs=True with top_k / top_p / min_p (scalars or one per row; 0 / 1 / 0: off):
+    the logprobs under the truncated, renormalised distribution (-inf for a token outside the kept
+    set), the bits the sampler records with truncated_logprobs. Without it the truncation settings
+    do not matter: the full distribution's logprob is the same however the token was drawn."""
     ops(numerics)
     sequences = check_batch("sequences", sequences, cfg.vocab_size)
     n = len(sequences)
@@ -68,10 +155,35 @@ def score(
         if len(s) > cfg.max_position:
             raise ValueError(f"sequences[{i}] has {len(s)} tokens, over the model's context of {cfg.max_position}")
     temps = np.asarray(
-        [check_temperature("temperature", t) for t in per_row("temperature", temperature, n)], np.float32
+        [check_temperature("temperature", t, greedy=True) for t in per_row("temperature", temperature, n)], np.float32
     )
+    k = check_int("top_logprobs", top_logprobs, 0, min(MAX_TOP_LOGPROBS, cfg.vocab_size))
+    if check_bool("truncated_logprobs", truncated_logprobs) and k:
+        raise ValueError("truncated_logprobs cannot be combined with top_logprobs (alternatives are full-distribution)")
+    if truncated_logprobs:
+        truncation = _truncation(cfg, n, top_k, top_p, min_p)
     b, t = bucket(n), bucket(max(len(s) for s in sequences), minimum=PAGE_SIZE)
     tokens, positions = pad_sequences(sequences, b, t)
     temps = np.pad(temps, (0, b - n), constant_values=1.0)
-    logp = np.asarray(_sequence_logprobs(params, tokens, positions, temps, rope_tables(cfg), cfg, numerics))
-    return [logp[i, p - 1 : len(s) - 1].copy() for i, (s, p) in enumerate(zip(sequences, plens))]
+    rows = [slice(p - 1, len(s) - 1) for s, p in zip(sequences, plens)]
+    if truncated_logprobs:
+        truncation = [np.pad(a, (0, b - n), mode="edge") for a in truncation]
+        outs = _sequence_logprobs_truncated(
+            params, tokens, positions, temps, *truncation, rope_tables(cfg), cfg, numerics
+        )
+        logp = np.asarray(outs[1])
+        return [logp[i, r].copy() for i, r in enumerate(rows)]
+    if k == 0:
+        logp = np.asarray(_sequence_logprobs(params, tokens, positions, temps, rope_tables(cfg), cfg, numerics))
+        return [logp[i, r].copy() for i, r in enumerate(rows)]
+    outs = _sequence_logprobs_with_alternatives(params, tokens, positions, temps, rope_tables(cfg), cfg, numerics, k)
+    logp, ids, top = (np.asarray(o) for o in outs)
+    return [(logp[i, r].copy(), ids[i, r].copy(), top[i, r].copy()) for i, r in enumerate(rows)]
+
+
+def _truncation(cfg: ModelConfig, n: int, top_k, top_p, min_p):
+    """Per-row truncation arrays as the kernels take them (top_k 0 -> the vocabulary: off)."""
+    top_k = [min(check_int("top_k", k, 0), cfg.vocab_size) or cfg.vocab_size for k in per_row("top_k", top_k, n)]
+    top_p = [check_fraction("top_p", p, 0.0, 1.0, lo_open=True) for p in per_row("top_p", top_p, n)]
+    min_p = [check_fraction("min_p", p, 0.0, 1.0) for p in per_row("min_p", min_p, n)]
+    return np.asarray(top_k, np.int32), np.asarray(top_p, np.float32), np.asarray(min_p, np.float32)

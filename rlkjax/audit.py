@@ -35,9 +35,12 @@ DATA_MOVEMENT = {
     "custom_call",
     "func",
     "call",
+    # chlo.top_k: picks and orders the k largest values of a row by comparison (top alternatives
+    # over logits our kernel wrote); it copies values, it never rounds one.
+    "top_k",
 }
 _FLOAT = re.compile(r"[x<](bf16|f16|f32|f64|f8E\w+)>")  # element type of a tensor<...>
-_OP = re.compile(r"stablehlo\.(\w+)")
+_OP = re.compile(r"(?:stablehlo|chlo)\.(\w+)")  # chlo ops too: anything not listed above is flagged
 
 
 def float_arithmetic(stablehlo_text: str) -> list[str]:
@@ -97,6 +100,8 @@ HLO_DATA_MOVEMENT = {
     "reverse",
     "opt-barrier",
     "bitcast-convert",
+    # top_k (above) becomes a sort, or a TopK custom call: comparisons and permutation, no rounding.
+    "sort",
 }
 
 

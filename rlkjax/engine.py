@@ -29,18 +29,38 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlkjax.config import ModelConfig
-from rlkjax.model import forward, init_kv_cache, rope_tables, sample
+from rlkjax.model import forward, init_kv_cache, rope_tables, sample, sample_truncated, sample_with_alternatives
 from rlkjax.numerics import PAGE_SIZE, Numerics, ops
-from rlkjax.requests import check_int, check_seed, check_temperature, check_tokens, sample_seed
+from rlkjax.requests import (
+    MAX_TOP_LOGPROBS,
+    check_int,
+    check_sampling,
+    check_seed,
+    check_temperature,
+    check_tokens,
+    sample_seed,
+)
 from rlkjax.shapes import bucket, cdiv
 
 
 @dataclasses.dataclass
 class Completion:
     tokens: list[int]
-    logprobs: np.ndarray  # float32, one per token: log p(token | prefix) at the sampling temperature
+    # float32, one per token: log p(token | prefix) at the sampling temperature (greedy: T = 1), over the
+    # full vocabulary even when top_k/top_p/min_p truncated the draw (the learner's value), or over the
+    # renormalised kept set when the request asked for truncated_logprobs
+    logprobs: np.ndarray
     finish_reason: str = "length"  # "length" | "stop" | "cancelled"
     policy_version: int = 0
+    # Asked for with top_logprobs=k: per token, the k most likely ids of the same distribution
+    # (descending; equal values: lowest id first) [T, k] int32, and their logprobs [T, k] float32.
+    top_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
+    # Asked for with prompt_logprobs (rlkjax.generate): the learner's logprobs of prompt[1:] [P - 1],
+    # and, with k alternatives, their top ids and logprobs [P - 1, k].
+    prompt_logprobs: np.ndarray | None = None
+    prompt_top_ids: np.ndarray | None = None
+    prompt_top_logprobs: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +140,8 @@ class Sequence:
     seed: int
     tokens: list[int]  # prompt + generated
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_ids: list = dataclasses.field(default_factory=list)  # [k] arrays, one per token (top_logprobs=k)
+    top_logprobs: list = dataclasses.field(default_factory=list)
     pages: list[int] = dataclasses.field(default_factory=list)
     cached: int = 0  # positions whose K/V are in the cache
     admitted: int = -1  # admission order, for preemption
@@ -147,6 +169,12 @@ class Request:
     temperature: float
     seed: int
     stop_token_ids: frozenset
+    min_tokens: int = 0  # no stop id ends a sample before it has this many tokens
+    top_logprobs: int = 0  # alternatives recorded per token
+    top_k: int = 0  # truncation (pallas_kernels.truncation); 0 / 1.0 / 0.0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    truncated_logprobs: bool = False  # record the renormalised logprob instead of the full one
     group: object = None  # admission takes turns between groups (the server: one per HTTP request); None = its own
     results: list = dataclasses.field(default_factory=list)  # Completion per sample index, None until done
     pending_forks: int = 0  # samples waiting for the leader's prompt pages
@@ -157,6 +185,11 @@ class Request:
     # an int k keeps the first k of them and stops that sample ("stop"), e.g. on a stop string (the server's
     # streaming and stop strings). None: no hook.
     on_tokens: object = None
+
+    @property
+    def truncated(self) -> bool:
+        """Drawn from a truncated distribution, or recording renormalised logprobs."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0 or self.truncated_logprobs
 
     def finish(self):
         self.done.set()
@@ -170,15 +203,48 @@ def prefill_chunk(params, tokens, positions, kv_cache, page_table, rope, cfg, nu
     return forward(params, tokens, positions, kv_cache, page_table, rope, cfg, numerics)[1]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "numerics"), donate_argnames=("kv_cache",))
-def decode_step(params, tokens, positions, kv_cache, page_table, seeds, steps, temps, rope, cfg, numerics):
-    """Feed one token per row [B, 1]; sample the next with keys (seed, step)."""
+@functools.partial(jax.jit, static_argnames=("cfg", "numerics", "alternatives"), donate_argnames=("kv_cache",))
+def decode_step(
+    params,
+    tokens,
+    positions,
+    kv_cache,
+    page_table,
+    seeds,
+    steps,
+    temps,
+    rope,
+    cfg,
+    numerics,
+    alternatives=0,
+    truncation=None,
+):
+    """Feed one token per row [B, 1]; sample the next with keys (seed, step); temperature 0 is
+    greedy. With `alternatives` = k > 0 (a separate variant: it materialises [B, vocab] fp32
+    logits) also returns each row's k most likely ids and their logprobs [B, k]; the tokens and
+    logprobs are the same bits either way. `truncation` = (top_k [B] (vocab: off), top_p, min_p,
+    renormalised [B] bool), or None: draws from the truncated distribution (another variant; a row
+    with nothing truncated draws the default path's token and bits) and records the full or, where
+    `renormalised`, the renormalised logprob."""
     hidden, kv_cache = forward(params, tokens, positions, kv_cache, page_table, rope, cfg, numerics)
+    if truncation is not None:
+        top_k, top_p, min_p, renormalised = truncation
+        nxt, lp, renorm_lp, *top = sample_truncated(
+            params, hidden[:, 0], seeds, steps, temps, top_k, top_p, min_p, alternatives, numerics
+        )
+        return nxt, jnp.where(renormalised, renorm_lp, lp), kv_cache, *top
+    if alternatives:
+        nxt, lp, top_ids, top_lp = sample_with_alternatives(
+            params, hidden[:, 0], seeds, steps, temps, alternatives, numerics
+        )
+        return nxt, lp, kv_cache, top_ids, top_lp
     next_tokens, logprobs = sample(params, hidden[:, 0], seeds, steps, temps, numerics)
     return next_tokens, logprobs, kv_cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "numerics", "num_steps"), donate_argnames=("kv_cache",))
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "numerics", "num_steps", "alternatives"), donate_argnames=("kv_cache",)
+)
 def decode_round(
     params,
     tokens,
@@ -194,45 +260,62 @@ def decode_round(
     cfg,
     numerics,
     num_steps,
+    min_tokens=None,
+    alternatives=0,
+    truncation=None,
 ):
     """Up to `num_steps` decode steps on the device per host round trip.
 
-    tokens, positions, seeds, steps (tokens sampled so far), temps, budget (tokens the row may still
-    sample) [B]; stop_ids [B, S] (-1 pads). Every step is exactly `decode_step` (same forward, same
-    sample, keys (seed, steps + i)), so a round gives the bits single steps give. A row stops after
-    sampling one of its stop ids or its budget; from then on it is fed as padding (position -1:
-    written to the trash page, read by nobody). The loop ends early once every row has stopped.
-    Returns tokens [B, num_steps] (-1 after a row stopped), their logprobs, and the cache.
+    tokens, positions, seeds, steps (tokens sampled so far), temps (0: greedy), budget (tokens the
+    row may still sample) [B]; stop_ids [B, S] (-1 pads); min_tokens [B] (None: 0). Every step is
+    exactly `decode_step` (same forward, same sample, keys (seed, steps + i)), so a round gives the
+    bits single steps give. A row stops after sampling its budget, or one of its stop ids once it
+    has min_tokens tokens (a stop id drawn earlier is kept as an ordinary token: the distribution
+    is never changed, so the logprobs stay the learner's); from then on it is fed as padding
+    (position -1: written to the trash page, read by nobody). The loop ends early once every row
+    has stopped. Returns tokens [B, num_steps] (-1 after a row stopped), their logprobs, and the
+    cache; with `alternatives` = k > 0 also top ids and logprobs [B, num_steps, k]. `truncation`:
+    as in `decode_step`.
     """
     rows = tokens.shape[0]
+    min_tokens = jnp.zeros_like(steps) if min_tokens is None else min_tokens
 
     def cond(carry):
         i, _, _, active, *_ = carry
         return (i < num_steps) & jnp.any(active)
 
     def body(carry):
-        i, tok, pos, active, cache, out_tok, out_lp = carry
+        i, tok, pos, active, cache, out = carry
         fed = jnp.where(active, pos, -1)
-        nxt, lp, cache = decode_step(
-            params, tok[:, None], fed[:, None], cache, page_table, seeds, steps + i, temps, rope, cfg, numerics
+        nxt, lp, cache, *top = decode_step(
+            params,
+            tok[:, None],
+            fed[:, None],
+            cache,
+            page_table,
+            seeds,
+            steps + i,
+            temps,
+            rope,
+            cfg,
+            numerics,
+            alternatives,
+            truncation,
         )
         nxt = jnp.where(active, nxt, -1)
-        out_tok = jax.lax.dynamic_update_index_in_dim(out_tok, nxt, i, axis=1)
-        out_lp = jax.lax.dynamic_update_index_in_dim(out_lp, jnp.where(active, lp, jnp.zeros_like(lp)), i, axis=1)
-        stop = jnp.any(nxt[:, None] == stop_ids, axis=1) | (i + 1 >= budget)
-        return i + 1, jnp.where(active, nxt, tok), pos + 1, active & ~stop, cache, out_tok, out_lp
+        new = (nxt, jnp.where(active, lp, jnp.zeros_like(lp)), *top)
+        out = tuple(jax.lax.dynamic_update_index_in_dim(o, x, i, axis=1) for o, x in zip(out, new))
+        stop = (jnp.any(nxt[:, None] == stop_ids, axis=1) & (steps + i + 1 >= min_tokens)) | (i + 1 >= budget)
+        return i + 1, jnp.where(active, nxt, tok), pos + 1, active & ~stop, cache, out
 
-    init = (
-        jnp.int32(0),
-        tokens,
-        positions,
-        budget > 0,
-        kv_cache,
-        jnp.full((rows, num_steps), -1, jnp.int32),
-        jnp.zeros((rows, num_steps), jnp.float32),
+    out = (jnp.full((rows, num_steps), -1, jnp.int32), jnp.zeros((rows, num_steps), jnp.float32))
+    if alternatives:
+        k = (rows, num_steps, alternatives)
+        out += (jnp.zeros(k, jnp.int32), jnp.zeros(k, jnp.float32))
+    _, _, _, _, kv_cache, out = jax.lax.while_loop(
+        cond, body, (jnp.int32(0), tokens, positions, budget > 0, kv_cache, out)
     )
-    _, _, _, _, kv_cache, out_tok, out_lp = jax.lax.while_loop(cond, body, init)
-    return out_tok, out_lp, kv_cache
+    return out[0], out[1], kv_cache, *out[2:]
 
 
 @functools.partial(jax.jit, donate_argnames=("kv_cache",))
@@ -242,14 +325,26 @@ def copy_pages(kv_cache, src, dst):
 
 
 class Engine:
-    def __init__(self, params, cfg: ModelConfig, numerics: Numerics = "strict", config: EngineConfig = EngineConfig()):
+    def __init__(
+        self,
+        params,
+        cfg: ModelConfig,
+        numerics: Numerics = "strict",
+        config: EngineConfig = EngineConfig(),
+        eos_token_id: int | None = None,
+    ):
+        """eos_token_id: the model's end-of-sequence id, a stop id of every request that does not
+        ask for ignore_eos (None: no implicit stop)."""
         ops(numerics)  # validates the mode before any work
-        self.cfg, self.numerics, self.config = cfg, numerics, config
+        if eos_token_id is not None:
+            check_int("eos_token_id", eos_token_id, 0, cfg.vocab_size - 1)
+        self.cfg, self.numerics, self.config, self.eos_token_id = cfg, numerics, config, eos_token_id
         self.max_context = min(config.max_context or cfg.max_position, cfg.max_position)
         self.pages_per_seq = bucket(cdiv(self.max_context, PAGE_SIZE))
         self.params, self.policy_version = params, 0
         self.cache = init_kv_cache(cfg, config.num_pages)
         self.rope = rope_tables(cfg)
+        self._alternatives = min(MAX_TOP_LOGPROBS, cfg.vocab_size)
         self.pages = PageAllocator(config.num_pages)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -272,9 +367,36 @@ class Engine:
 
     # ----- requests -----
     def submit(
-        self, prompt, *, n=1, max_new_tokens=16, temperature=1.0, seed=0, stop_token_ids=(), group=None, on_tokens=None
+        self,
+        prompt,
+        *,
+        n=1,
+        max_new_tokens=16,
+        temperature=1.0,
+        seed=0,
+        stop_token_ids=(),
+        min_tokens=0,
+        ignore_eos=False,
+        top_logprobs=0,
+        top_k=0,
+        top_p=1.0,
+        min_p=0.0,
+        truncated_logprobs=False,
+        group=None,
+        on_tokens=None,
     ) -> Request:
         """Validate and queue a request; raises ValueError naming the bad field (rlkjax.requests).
+
+        temperature 0 is greedy (argmax, ties to the lowest id; logprobs of the temperature-1
+        distribution). A sample stops at max_new_tokens, or at a stop id (stop_token_ids, and the
+        engine's eos_token_id unless ignore_eos) once it has min_tokens tokens; a stop id drawn
+        before that is kept as an ordinary token (the distribution is not changed, unlike vLLM's
+        min_tokens, so the logprobs stay the learner's). top_logprobs=k (0..20) records, per token,
+        the k most likely ids of the full distribution at the temperature and their logprobs.
+        top_k (0: off), top_p (1: off), min_p (0: off) truncate the distribution the tokens are drawn
+        from (rules in pallas_kernels/truncation.py); the logprobs recorded are still those of the
+        full distribution (what the learner computes), or with truncated_logprobs=True those of the
+        renormalised kept set (then without top_logprobs: those are full-distribution values).
         Requests with the same `group` (e.g. the prompts of one HTTP request) share one turn in admission."""
         prompt = check_tokens("prompt", prompt, self.cfg.vocab_size)
         n = check_int("n", n, 1, self.config.max_batch)
@@ -288,12 +410,26 @@ class Engine:
             raise ValueError(
                 f"prompt + max_new_tokens needs more KV pages than the cache holds ({self.config.num_pages - 1})"
             )
-        temperature = check_temperature("temperature", temperature)
+        temperature = check_temperature("temperature", temperature, greedy=True)
         seed = check_seed("seed", seed)
-        if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, (list, tuple, set, frozenset)):
-            raise ValueError("stop_token_ids must be a list of token ids")
-        stops = [check_int("stop_token_ids[]", t, 0, self.cfg.vocab_size - 1) for t in stop_token_ids]
-        req = Request(next(self._ids), prompt, n, max_new_tokens, temperature, seed, frozenset(stops), group)
+        opts = check_sampling(
+            self.cfg.vocab_size,
+            max_new_tokens,
+            stop_token_ids=stop_token_ids,
+            min_tokens=min_tokens,
+            ignore_eos=ignore_eos,
+            top_logprobs=top_logprobs,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            truncated_logprobs=truncated_logprobs,
+        )
+        stops, ignore_eos = opts.pop("stop_token_ids"), opts.pop("ignore_eos")
+        if self.eos_token_id is not None and not ignore_eos:
+            stops.append(self.eos_token_id)
+        req = Request(
+            next(self._ids), prompt, n, max_new_tokens, temperature, seed, frozenset(stops), group=group, **opts
+        )
         req.group = ("request", req.id) if group is None else group
         req.on_tokens = on_tokens  # set before the engine can see the request (see Request.on_tokens)
         req.results = [None] * n
@@ -510,13 +646,20 @@ class Engine:
         stops = bucket(max(len(s.request.stop_token_ids) for s in seqs))
         tokens, positions, remaining = np.zeros(rows, np.int32), np.full(rows, -1, np.int32), np.zeros(rows, np.int32)
         seeds, steps, temps = np.zeros(rows, np.uint32), np.zeros(rows, np.int32), np.ones(rows, np.float32)
-        stop_ids = np.full((rows, stops), -1, np.int32)
+        stop_ids, min_tokens = np.full((rows, stops), -1, np.int32), np.zeros(rows, np.int32)
         for i, s in enumerate(seqs):
             tokens[i], positions[i], remaining[i] = s.tokens[-1], len(s.tokens) - 1, budget[s]
             seeds[i], steps[i], temps[i] = s.seed, s.generated, s.request.temperature
             stop_ids[i, : len(s.request.stop_token_ids)] = sorted(s.request.stop_token_ids)
-        self._note_shape("decode_round", (rows, stops))
-        out_tok, out_lp, self.cache = decode_round(
+            min_tokens[i] = s.request.min_tokens
+        # One variant with alternatives (k = the most any request may ask, so every k shares one
+        # compilation), used only by rounds where some row asked: the default round keeps its speed.
+        alternatives = self._alternatives if any(s.request.top_logprobs for s in seqs) else 0
+        # Likewise one variant for rounds with a truncating row; the other rows run it untruncated
+        # (top_k = vocab, top_p = 1, min_p = 0), which draws their default tokens and bits.
+        truncation = self._truncation(seqs, rows) if any(s.request.truncated for s in seqs) else None
+        self._note_shape("decode_round", (rows, stops, alternatives, truncation is not None))
+        out_tok, out_lp, self.cache, *top = decode_round(
             self.params,
             tokens,
             positions,
@@ -531,27 +674,43 @@ class Engine:
             self.cfg,
             self.numerics,
             self.config.decode_steps,
+            min_tokens,
+            alternatives,
+            truncation,
         )
-        return seqs, out_tok, out_lp
+        return seqs, out_tok, out_lp, top
 
-    def _collect_decode(self, seqs, out_tok, out_lp) -> list[Request]:
+    def _truncation(self, seqs, rows):
+        top_k = np.full(rows, self.cfg.vocab_size, np.int32)
+        top_p, min_p = np.ones(rows, np.float32), np.zeros(rows, np.float32)
+        renormalised = np.zeros(rows, bool)
+        for i, s in enumerate(seqs):
+            r = s.request
+            top_k[i] = r.top_k or self.cfg.vocab_size
+            top_p[i], min_p[i], renormalised[i] = r.top_p, r.min_p, r.truncated_logprobs
+        return top_k, top_p, min_p, renormalised
+
+    def _collect_decode(self, seqs, out_tok, out_lp, top) -> list[Request]:
         """Read a round's tokens (this waits for the device) and finish the sequences that stopped."""
         out_tok, out_lp = np.asarray(out_tok), np.asarray(out_lp)
+        top_ids, top_lp = (np.asarray(a) for a in top) if top else (None, None)
         finished = []
         for i, s in enumerate(seqs):
-            for tok, lp in zip(out_tok[i], out_lp[i]):
+            k = s.request.top_logprobs
+            for j, (tok, lp) in enumerate(zip(out_tok[i], out_lp[i])):
                 if tok < 0:
                     break
                 s.tokens.append(int(tok))
                 s.logprobs.append(lp)
+                if k:
+                    s.top_ids.append(top_ids[i, j, :k])
+                    s.top_logprobs.append(top_lp[i, j, :k])
                 s.cached += 1
                 self.stats["decode_tokens"] += 1
-            reason = (
-                "stop"
-                if s.tokens[-1] in s.request.stop_token_ids
-                else ("length" if s.generated >= s.request.max_new_tokens else None)
-            )
-            if s.request.on_tokens is not None and self._hook_stops(s, int((out_tok[i] >= 0).sum())):
+            req = s.request
+            stopped = s.tokens[-1] in req.stop_token_ids and s.generated >= req.min_tokens
+            reason = "stop" if stopped else ("length" if s.generated >= req.max_new_tokens else None)
+            if req.on_tokens is not None and self._hook_stops(s, int((out_tok[i] >= 0).sum())):
                 reason = "stop"
             if reason and self._finish(s, reason):  # its pages, those the round did not fill included, are freed now
                 finished.append(s.request)
@@ -574,9 +733,14 @@ class Engine:
         if seq in self.running:
             self.running.remove(seq)
         req = seq.request
-        req.results[seq.index] = Completion(
+        comp = Completion(
             seq.tokens[len(req.prompt) :], np.asarray(seq.logprobs, np.float32), reason, self.policy_version
         )
+        if req.top_logprobs:
+            k = req.top_logprobs
+            comp.top_ids = np.asarray(seq.top_ids, np.int32).reshape(-1, k)
+            comp.top_logprobs = np.asarray(seq.top_logprobs, np.float32).reshape(-1, k)
+        req.results[seq.index] = comp
         if all(r is not None for r in req.results) and not req.pending_forks:
             req.finish()
             self.requests.pop(req.id, None)

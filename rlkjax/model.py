@@ -166,3 +166,73 @@ def sequence_logprobs(params, tokens, positions, temperature, rope, cfg: ModelCo
     h = hidden[:, :-1].reshape(b * (t - 1), -1)
     temps = jnp.repeat(temperature, t - 1)
     return token_logprobs(params, h, tokens[:, 1:].reshape(-1), temps, numerics).reshape(b, t - 1)
+
+
+def sample_with_alternatives(params, hidden, seeds, steps, temperature, k: int, numerics: Numerics):
+    """`sample` (same bits) plus each row's k most likely ids and their logprobs [N, k]."""
+    return ops(numerics).sample_tokens_with_alternatives(hidden, lm_head(params), seeds, steps, temperature, k)
+
+
+def sample_truncated(params, hidden, seeds, steps, temperature, top_k, top_p, min_p, k: int, numerics: Numerics):
+    """Draw from the top_k / top_p / min_p truncated, renormalised distribution (pallas_kernels.truncation):
+    (tokens, full-distribution logprobs, renormalised logprobs[, top ids, top logprobs [N, k]])."""
+    return ops(numerics).sample_tokens_truncated(
+        hidden, lm_head(params), seeds, steps, temperature, top_k, top_p, min_p, k
+    )
+
+
+def _learner_hidden(params, tokens, positions, rope, cfg: ModelConfig, numerics: Numerics):
+    """The learner's pass (whole sequences into fresh pages) up to the final norm: hidden [B, T, D]."""
+    b, t = tokens.shape
+    pages_per_row = cdiv(t, PAGE_SIZE)
+    cache = init_kv_cache(cfg, 1 + b * pages_per_row)
+    page_table = fresh_page_table(b, pages_per_row)
+    return forward(params, tokens, positions, cache, page_table, rope, cfg, numerics, weights_in_place=False)[0]
+
+
+def _over_chunks(fn, chunk: int, *per_position):
+    """fn over [chunk]-row slices of [n, ...] arrays (lax.map, padded to whole chunks; padding rows
+    have target 0 and temperature 0, finite, and are sliced away): the materialised logits behind
+    alternatives or truncation are [chunk, vocab], never [tokens, vocab]."""
+    n = per_position[0].shape[0]
+    rows = cdiv(n, chunk) * chunk
+    xs = tuple(pad_dim(x, 0, chunk).reshape(rows // chunk, chunk, *x.shape[1:]) for x in per_position)
+    return tuple(o.reshape(rows, *o.shape[2:])[:n] for o in jax.lax.map(lambda x: fn(*x), xs))
+
+
+def sequence_logprobs_truncated(
+    params, tokens, positions, temperature, top_k, top_p, min_p, rope, cfg: ModelConfig, numerics: Numerics, chunk=64
+):
+    """`sequence_logprobs` (same bits) and the logprobs under each row's truncated, renormalised
+    distribution (top_k, top_p, min_p [B]; pallas_kernels.truncation): the bits the sampler records
+    with truncated_logprobs. [B, T - 1] each. Not differentiable."""
+    b, t = tokens.shape
+    hidden = _learner_hidden(params, tokens, positions, rope, cfg, numerics)
+    per_row = [jnp.repeat(a, t - 1) for a in (temperature, top_k, top_p, min_p)]
+    op = ops(numerics)
+    out = _over_chunks(
+        lambda h, tgt, *trunc: op.token_logprobs_truncated(h, lm_head(params), tgt, *trunc),
+        chunk,
+        hidden[:, :-1].reshape(b * (t - 1), -1),
+        tokens[:, 1:].reshape(-1),
+        *per_row,
+    )
+    return tuple(o.reshape(b, t - 1) for o in out)
+
+
+def sequence_logprobs_with_alternatives(
+    params, tokens, positions, temperature, rope, cfg: ModelConfig, numerics: Numerics, k: int, chunk: int = 64
+):
+    """`sequence_logprobs` (same bits) plus, per position, the k most likely next ids and their
+    logprobs ([B, T - 1, k]), `chunk` positions at a time. Not differentiable."""
+    b, t = tokens.shape
+    hidden = _learner_hidden(params, tokens, positions, rope, cfg, numerics)
+    op = ops(numerics)
+    lp, ids, top = _over_chunks(
+        lambda h, tgt, temp: op.token_logprobs_with_alternatives(h, lm_head(params), tgt, temp, k),
+        chunk,
+        hidden[:, :-1].reshape(b * (t - 1), -1),
+        tokens[:, 1:].reshape(-1),
+        jnp.repeat(temperature, t - 1),
+    )
+    return lp.reshape(b, t - 1), ids.reshape(b, t - 1, k), top.reshape(b, t - 1, k)

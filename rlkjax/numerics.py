@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable
 from typing import Literal, NamedTuple
 
-from pallas_kernels import attention, logprob, matmul, rmsnorm, swiglu
+from pallas_kernels import attention, logprob, matmul, rmsnorm, swiglu, truncation
 from pallas_kernels._common import interpret_mode
 
 Numerics = Literal["strict", "fast"]
@@ -123,6 +123,13 @@ class Ops(NamedTuple):
     attention: Callable  # (q, k, v, k_pages, v_pages, layer, page_table, positions) -> (out, k_pages, v_pages)
     token_logprobs: Callable  # (h, w, targets, temperature)
     sample_tokens: Callable  # (h, w, seeds, steps, temperature) -> (tokens, logprobs)
+    # (h, w, seeds, steps, temperature, k) -> (tokens, logprobs, top_ids [N, k], top_logprobs [N, k])
+    sample_tokens_with_alternatives: Callable
+    token_logprobs_with_alternatives: Callable  # (h, w, targets, temperature, k) -> (logprobs, top_ids, top_logprobs)
+    # (h, w, seeds, steps, temperature, top_k, top_p, min_p, k) -> (tokens, logprobs, renormalised logprobs[, alts])
+    sample_tokens_truncated: Callable
+    # (h, w, targets, temperature, top_k, top_p, min_p) -> (logprobs, renormalised logprobs)
+    token_logprobs_truncated: Callable
 
 
 @functools.cache
@@ -136,6 +143,10 @@ def ops(numerics: Numerics) -> Ops:
             attention.paged_attention_reference,
             logprob.token_logprobs_reference,
             logprob.sample_tokens_reference,
+            logprob.sample_tokens_with_alternatives_reference,
+            logprob.token_logprobs_with_alternatives_reference,
+            truncation.sample_tokens_truncated_reference,
+            truncation.token_logprobs_truncated_reference,
         )
     if numerics != "strict":
         raise ValueError(f"numerics={numerics!r} must be 'strict' or 'fast'")
@@ -149,4 +160,8 @@ def ops(numerics: Numerics) -> Ops:
         lambda *a: attention.paged_attention(*a, ATTENTION, interp),
         lambda h, w, t, temp: logprob.token_logprobs(h, w, t, temp, LOGPROB, interp),
         lambda h, w, s, st, temp: logprob.sample_tokens(h, w, s, st, temp, LOGPROB, interp),
+        lambda h, w, s, st, temp, k: logprob.sample_tokens_with_alternatives(h, w, s, st, temp, k, LOGPROB, interp),
+        lambda h, w, t, temp, k: logprob.token_logprobs_with_alternatives(h, w, t, temp, k, LOGPROB, interp),
+        lambda *a: truncation.sample_tokens_truncated(*a, LOGPROB, interp),
+        lambda *a: truncation.token_logprobs_truncated(*a, LOGPROB, interp),
     )

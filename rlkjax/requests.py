@@ -9,8 +9,9 @@ import numpy as np
 SEED_LIMIT = 2**32
 # Smallest temperature accepted. Logits are divided by T in float32 inside the kernels: at T = 1e-4
 # a logit of 1e30 would still be finite, while float32 underflow (1e-46 -> 0) or overflow near
-# T ~ 1e-38 would give NaN logprobs. Below this, ask for greedy decoding instead (not offered yet).
+# T ~ 1e-38 would give NaN logprobs. Below this, ask for greedy decoding: temperature 0.
 MIN_TEMPERATURE = 1e-4
+MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's limit); one compiled decode variant serves every k
 _GOLDEN = 0x9E3779B9
 
 
@@ -56,15 +57,69 @@ def check_batch(name: str, sequences, vocab_size: int) -> list[list[int]]:
     return [check_tokens(f"{name}[{i}]", s, vocab_size) for i, s in enumerate(sequences)]
 
 
-def check_temperature(name: str, value) -> float:
-    """A finite number >= MIN_TEMPERATURE, checked as the float32 the kernels divide by (1e-46
-    passes a float64 `> 0` check, becomes 0 in float32 and would give NaN logprobs)."""
+def check_temperature(name: str, value, greedy: bool = False) -> float:
+    """0 (greedy, where `greedy` allows it) or a finite number >= MIN_TEMPERATURE, checked as the
+    float32 the kernels divide by (1e-46 passes a float64 `> 0` check, becomes 0 in float32 and
+    would be greedy, or NaN logprobs, instead of the tiny temperature asked for). Greedy rows take
+    the argmax and record (and score) temperature-1 logprobs. Off by default: the learner
+    (train.grpo) refuses 0, since a group of greedy samples is one sample G times (zero advantage)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.floating, np.integer)):
         raise ValueError(f"{name} must be a number, got {value!r}")
+    if greedy and value == 0:
+        return 0.0  # -0.0 too: the kernels test `T == 0`
     t32 = np.float32(value) if math.isfinite(float(value)) else np.float32("nan")
     if not (np.isfinite(t32) and t32 >= np.float32(MIN_TEMPERATURE)):
-        raise ValueError(f"{name} must be finite and >= {MIN_TEMPERATURE}, got {value!r}")
+        zero = "0 (greedy) or " if greedy else ""
+        raise ValueError(f"{name} must be {zero}finite and >= {MIN_TEMPERATURE}, got {value!r}")
     return float(value)
+
+
+def check_fraction(name: str, value, lo: float, hi: float, lo_open: bool = False) -> float:
+    """A number in [lo, hi] ((lo, hi] if lo_open), checked as the float32 the kernels compare with."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    v32 = np.float32(value) if math.isfinite(float(value)) else np.float32("nan")
+    if not (np.isfinite(v32) and (v32 > lo if lo_open else v32 >= lo) and v32 <= hi):
+        raise ValueError(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {value!r}")
+    return float(value)
+
+
+def check_bool(name: str, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+    return bool(value)
+
+
+def check_sampling(
+    vocab_size: int,
+    max_new_tokens: int,
+    *,
+    stop_token_ids=(),
+    min_tokens=0,
+    ignore_eos=False,
+    top_logprobs=0,
+    top_k=0,
+    top_p=1.0,
+    min_p=0.0,
+    truncated_logprobs=False,
+) -> dict:
+    """A request's sampling options (Engine.submit's keywords), checked and normalised: stop ids as
+    a list, top_k over the vocabulary size clamped to it (it keeps everything)."""
+    if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, (list, tuple, set, frozenset)):
+        raise ValueError("stop_token_ids must be a list of token ids")
+    options = dict(
+        stop_token_ids=[check_int("stop_token_ids[]", t, 0, vocab_size - 1) for t in stop_token_ids],
+        min_tokens=check_int("min_tokens", min_tokens, 0, max_new_tokens),
+        ignore_eos=check_bool("ignore_eos", ignore_eos),
+        top_logprobs=check_int("top_logprobs", top_logprobs, 0, min(MAX_TOP_LOGPROBS, vocab_size)),
+        top_k=min(check_int("top_k", top_k, 0), vocab_size),
+        top_p=check_fraction("top_p", top_p, 0.0, 1.0, lo_open=True),
+        min_p=check_fraction("min_p", min_p, 0.0, 1.0),
+        truncated_logprobs=check_bool("truncated_logprobs", truncated_logprobs),
+    )
+    if options["truncated_logprobs"] and options["top_logprobs"]:
+        raise ValueError("truncated_logprobs cannot be combined with top_logprobs (alternatives are full-distribution)")
+    return options
 
 
 def check_seed(name: str, value) -> int:

@@ -19,7 +19,7 @@ import rlkjax
         (dict(prompts=[]), "non-empty"),
         (dict(prompts=[[1.5, 2.0]]), "integer"),
         (dict(prompts=[[[1, 2]]]), "1-D"),
-        (dict(temperature=0.0), "temperature"),
+        (dict(temperature=5e-5), "temperature"),  # 0 is greedy; 0 < T < 1e-4 underflows
         (dict(temperature=-1.0), "temperature"),
         (dict(temperature=float("nan")), "temperature"),
         (dict(temperature=float("inf")), "temperature"),
@@ -32,6 +32,12 @@ import rlkjax
         (dict(seeds=2**32), "seeds"),
         (dict(numerics="exact"), "numerics"),
         (dict(prefill_chunk_size=0), "prefill_chunk_size"),
+        (dict(top_logprobs=21), "top_logprobs"),
+        (dict(top_logprobs=-1), "top_logprobs"),
+        (dict(prompt_logprobs=21), "prompt_logprobs"),
+        (dict(min_tokens=3), "min_tokens"),  # more than max_new_tokens
+        (dict(ignore_eos="no"), "ignore_eos"),  # a truthy string
+        (dict(eos_token_id=512), "eos_token_id"),
     ],
 )
 def test_generate_rejects(tiny, kwargs, match):

@@ -166,9 +166,18 @@ def test_weight_update_between_steps(tiny):
         (dict(max_new_tokens=0), "max_new_tokens"),
         (dict(max_new_tokens=10**6), "context"),
         (dict(temperature=float("nan")), "temperature"),
-        (dict(temperature=0), "temperature"),
+        (dict(temperature=5e-5), "temperature"),  # 0 is greedy; 0 < T < 1e-4 underflows
         (dict(seed=-3), "seed"),
         (dict(stop_token_ids=[-1]), "stop_token_ids"),
+        (dict(min_tokens=17), "min_tokens"),  # more than max_new_tokens (16)
+        (dict(top_logprobs=21), "top_logprobs"),
+        (dict(top_k=-1), "top_k"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(min_p=float("nan")), "min_p"),
+        (dict(truncated_logprobs=1), "truncated_logprobs"),
+        (dict(truncated_logprobs=True, top_logprobs=2), "cannot be combined"),
+        (dict(ignore_eos=None), "ignore_eos"),
     ],
 )
 def test_submit_rejects_bad_requests(tiny, kwargs, match):

@@ -33,11 +33,21 @@ def lowered(cfg, fn, numerics_mode, b=2, t=16, pages=4):
         return audit.lower_for_gpu(
             f, params, tok, tok, jax.ShapeDtypeStruct((b,), jnp.float32), rope, cfg, numerics_mode
         )
+    if fn == "learner_truncation":  # score(..., truncated_logprobs=True)
+        f = jax.jit(model.sequence_logprobs_truncated, static_argnames=("cfg", "numerics"))
+        trunc = (jax.ShapeDtypeStruct((b,), jnp.int32),) + (jax.ShapeDtypeStruct((b,), jnp.float32),) * 2
+        temps = jax.ShapeDtypeStruct((b,), jnp.float32)
+        return audit.lower_for_gpu(f, params, tok, tok, temps, *trunc, rope, cfg, numerics_mode)
+    if fn == "learner_alternatives":  # prompt logprobs with top alternatives (score(..., top_logprobs=k))
+        f = jax.jit(model.sequence_logprobs_with_alternatives, static_argnames=("cfg", "numerics", "k"))
+        return audit.lower_for_gpu(
+            f, params, tok, tok, jax.ShapeDtypeStruct((b,), jnp.float32), rope, cfg, numerics_mode, k=5
+        )
     cache = abstract(model.init_kv_cache(cfg, 1 + b * pages))
     pt = jax.ShapeDtypeStruct((b, pages), jnp.int32)
     one = jax.ShapeDtypeStruct((b, 1), jnp.int32)
     vec = lambda dt: jax.ShapeDtypeStruct((b,), dt)  # noqa: E731
-    if fn == "sampler":
+    if fn in ("sampler", "sampler_alternatives"):
         return audit.lower_for_gpu(
             engine.decode_step,
             params,
@@ -51,6 +61,7 @@ def lowered(cfg, fn, numerics_mode, b=2, t=16, pages=4):
             rope,
             cfg,
             numerics_mode,
+            alternatives=20 if fn == "sampler_alternatives" else 0,
         )
     stops = jax.ShapeDtypeStruct((b, 2), jnp.int32)
     return audit.lower_for_gpu(
@@ -69,16 +80,38 @@ def lowered(cfg, fn, numerics_mode, b=2, t=16, pages=4):
         cfg,
         numerics_mode,
         num_steps=4,
+        min_tokens=vec(jnp.int32),
+        alternatives=20 if fn in ("sampler_round_alternatives", "sampler_round_truncation") else 0,
+        truncation=(vec(jnp.int32), vec(jnp.float32), vec(jnp.float32), vec(jnp.bool_))
+        if fn == "sampler_round_truncation"
+        else None,
     )
 
 
 @pytest.mark.parametrize("shape", ["tiny", "odd"])
-@pytest.mark.parametrize("fn", ["learner", "sampler", "sampler_round"])
+@pytest.mark.parametrize(
+    "fn",
+    ["learner", "sampler", "sampler_round"]
+    + ["learner_alternatives", "sampler_alternatives", "sampler_round_alternatives"]
+    + ["sampler_round_truncation", "learner_truncation"],
+)
 def test_strict_path_has_no_xla_float_arithmetic(tiny, compiled_kernels, fn, shape):
+    """Also the variants with top alternatives and truncation: their logits kernel's output goes
+    through XLA's top_k (selection only) and gathers, then back into kernels for every exp, sum,
+    cumulative mass, log and subtraction."""
     cfg = tiny[0] if shape == "tiny" else ODD
     text = lowered(cfg, fn, "strict")
     assert "__gpu$xla.gpu.triton" in text  # the kernels really are there
     assert audit.float_arithmetic(text) == []
+    if fn.endswith(("alternatives", "truncation")):
+        assert "chlo.top_k" in text or "stablehlo.sort" in text
+
+
+def test_audit_reads_chlo_ops():
+    """chlo ops are audited too (chlo.top_k is listed as selection; an unlisted one is flagged)."""
+    line = "%0 = chlo.erf %arg0 : tensor<4xf32> -> tensor<4xf32>"
+    assert audit.float_arithmetic(line) == [line]
+    assert audit.float_arithmetic("%v, %i = chlo.top_k(%arg0, k = 4) : tensor<4x300xf32> -> (...)") == []
 
 
 def test_audit_catches_the_fast_path(tiny, compiled_kernels):

@@ -37,6 +37,7 @@ SMALL = dict(prompts_per_step=2, group_size=4, max_new_tokens=4, max_prompt_toke
         ("learning_rate", 1e39),  # finite as a float64, inf as the float32 it is used as
         ("warmup_steps", -1),
         ("temperature", 1e-46),
+        ("temperature", 0.0),  # greedy: every sample of a group the same, zero advantage
         ("temperature", float("nan")),
         ("seed", -1),
         ("seed", 2**32),
