@@ -733,20 +733,23 @@ class Engine:
         if seq in self.running:
             self.running.remove(seq)
         req = seq.request
-        comp = Completion(
-            seq.tokens[len(req.prompt) :], np.asarray(seq.logprobs, np.float32), reason, self.policy_version
+        req.results[seq.index] = self._completion(
+            req, seq.tokens[len(req.prompt) :], seq.logprobs, seq.top_ids, seq.top_logprobs, reason
         )
-        if req.top_logprobs:
-            k = req.top_logprobs
-            comp.top_ids = np.asarray(seq.top_ids, np.int32).reshape(-1, k)
-            comp.top_logprobs = np.asarray(seq.top_logprobs, np.float32).reshape(-1, k)
-        req.results[seq.index] = comp
         if all(r is not None for r in req.results) and not req.pending_forks:
             req.finish()
             self.requests.pop(req.id, None)
             self.stats["finished"] += 1
             return True
         return False
+
+    def _completion(self, req, tokens, logprobs, top_ids, top_logprobs, reason) -> Completion:
+        comp = Completion(tokens, np.asarray(logprobs, np.float32), reason, self.policy_version)
+        if req.top_logprobs:  # [T, k]; T = 0 for a sample cancelled before it started
+            k = req.top_logprobs
+            comp.top_ids = np.asarray(top_ids, np.int32).reshape(-1, k)
+            comp.top_logprobs = np.asarray(top_logprobs, np.float32).reshape(-1, k)
+        return comp
 
     def _reap_cancelled(self) -> list[Request]:
         finished = []
@@ -759,7 +762,7 @@ class Engine:
         for req in [r for r in self.requests.values() if r.cancelled]:
             for j, r in enumerate(req.results):  # forks that never started
                 if r is None:
-                    req.results[j] = Completion([], np.zeros(0, np.float32), "cancelled", self.policy_version)
+                    req.results[j] = self._completion(req, [], [], [], [], "cancelled")
             if not req.done.is_set():
                 req.finish()
                 self.requests.pop(req.id, None)

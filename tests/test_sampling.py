@@ -386,3 +386,15 @@ def test_top_k_draws_are_among_the_top_alternatives(tiny, numerics_mode):
         assert c.top_ids.shape == (6, 3) and (np.diff(c.top_logprobs, axis=1) <= 0).all()
         assert all(t in ids for t, ids in zip(c.tokens, c.top_ids)), (c.tokens, c.top_ids)
     assert (comps[1].top_ids[:, 0] == comps[1].tokens).all(), "greedy"
+
+
+def test_cancelled_samples_keep_the_alternatives_shape(tiny):
+    """A request with top_logprobs=k cancelled before it started still returns [0, k] arrays, so a
+    server can format every sample the same way."""
+    cfg, params = tiny
+    engine = Engine(params, cfg, config=ENGINE)
+    req = engine.submit(list(range(1, 40)), n=3, max_new_tokens=4, top_logprobs=2)
+    engine.cancel(req)
+    engine.run_until_done()
+    assert [c.finish_reason for c in req.results] == ["cancelled"] * 3
+    assert all(c.top_ids.shape == (0, 2) and c.top_logprobs.shape == (0, 2) for c in req.results)
