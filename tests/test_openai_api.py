@@ -475,15 +475,19 @@ def test_chat_top_logprobs_and_streamed_alternatives(oai, tiny):
     chunks = list(oai.chat.completions.create(**kw, stream=True))
     streamed = [t for ch in chunks if ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
     assert [t.model_dump() for t in streamed] == [t.model_dump() for t in c.logprobs.content]
-    kw = dict(
-        model=MODEL, prompt="Hello", max_tokens=12, n=2, seed=9, logprobs=4, echo=True, extra_body={"stop": ["e"]}
-    )
-    plain = oai.completions.create(**kw)
-    chunks = list(oai.completions.create(**kw, stream=True))
+    # Completions, echoed, with a stop string that ends sample 0 inside an engine round (the tokens after it in
+    # that round are dropped, their alternatives with them): streamed and plain agree, one entry per token.
+    kw = dict(model=MODEL, prompt="Hello", max_tokens=12, n=2, seed=9, logprobs=4, echo=True)
+    free = oai.completions.create(**kw).choices[0].logprobs
+    stop = next(p for p in free.tokens[len("Hello") + 3 :] if p)  # the first text of a token mid-round
+    plain = oai.completions.create(**kw, stop=[stop])
+    chunks = list(oai.completions.create(**kw, stop=[stop], stream=True))
+    assert plain.choices[0].finish_reason == "stop" and len(plain.choices[0].logprobs.tokens) < len(free.tokens)
     for k, choice in enumerate(plain.choices):
+        lp = choice.logprobs
         mine = [ch.choices[0].logprobs for ch in chunks if ch.choices[0].index == k]
-        assert sum((m.top_logprobs for m in mine), []) == choice.logprobs.top_logprobs
-        assert sum((m.model_extra["top_token_ids"] for m in mine), []) == choice.logprobs.model_extra["top_token_ids"]
-        assert choice.logprobs.top_logprobs[0] is None and len(choice.logprobs.top_logprobs) == len(
-            choice.logprobs.tokens
+        assert sum((m.top_logprobs for m in mine), []) == lp.top_logprobs
+        assert sum((m.model_extra["top_token_ids"] for m in mine), []) == lp.model_extra["top_token_ids"]
+        assert lp.top_logprobs[0] is None and len(lp.top_logprobs) == len(lp.model_extra["top_token_ids"]) == len(
+            lp.tokens
         )
