@@ -181,7 +181,8 @@ class Request:
     cancelled: bool = False
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     callbacks: list = dataclasses.field(default_factory=list)  # called (engine thread) when done
-    # Called (engine thread) after each decode round with (sample index, new tokens, their logprobs); returning
+    # Called (engine thread) after each decode round with (sample index, new tokens, their logprobs, their
+    # alternatives (top ids, top logprobs: a [k] array each per token) if top_logprobs, else None); returning
     # an int k keeps the first k of them and stops that sample ("stop"), e.g. on a stop string (the server's
     # streaming and stop strings). None: no hook.
     on_tokens: object = None
@@ -717,14 +718,18 @@ class Engine:
         return finished
 
     def _hook_stops(self, seq: Sequence, new: int) -> bool:
-        """Show the request's hook the round's `new` tokens; if it keeps only k of them, drop the rest (their
-        K/V is never read: the sequence ends here) and report that the sequence stopped."""
+        """Show the request's hook the round's `new` tokens (and, when it asked for top_logprobs, their
+        alternatives: (top ids, top logprobs), one [k] array each per token; else None); if it keeps only k of
+        them, drop the rest (their K/V is never read: the sequence ends here) and report that the sequence stopped."""
         tokens, logprobs = seq.tokens[len(seq.tokens) - new :], seq.logprobs[len(seq.logprobs) - new :]
-        keep = seq.request.on_tokens(seq.index, tokens, logprobs)
+        top = (seq.top_ids[len(seq.top_ids) - new :], seq.top_logprobs[len(seq.top_logprobs) - new :])
+        keep = seq.request.on_tokens(seq.index, tokens, logprobs, top if seq.request.top_logprobs else None)
         if keep is None:
             return False
         drop = new - check_int("on_tokens' keep", keep, 0, new)
         del seq.tokens[len(seq.tokens) - drop :], seq.logprobs[len(seq.logprobs) - drop :]
+        if seq.request.top_logprobs:  # the alternatives stay one per kept token
+            del seq.top_ids[len(seq.top_ids) - drop :], seq.top_logprobs[len(seq.top_logprobs) - drop :]
         return True
 
     def _finish(self, seq: Sequence, reason: str) -> bool:

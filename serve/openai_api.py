@@ -8,6 +8,15 @@ stop are dropped; the request's other samples go on), and a stream gets every ro
 (less a tail that might still become a stop string). Token logprobs are the engine's float32 values,
 written as the doubles that hold them exactly; echoed prompt logprobs come from `rlkjax.score`, the
 learner's own pass, over the weights that served the request.
+
+temperature 0 is greedy (the argmax; its logprobs are those of the temperature-1 distribution). top_k, top_p,
+min_p (vLLM's names) truncate the distribution tokens are drawn from; the logprobs returned stay those of the
+full distribution (the learner's) unless truncated_logprobs asks for the renormalised ones. Top alternatives
+(completions: logprobs=k, chat: top_logprobs=k, k <= 20) are the engine's: the k most likely ids of the same
+distribution, the sampled token's entry the same bits as its own logprob. Completions give them as OpenAI's
+legacy {token string: logprob} per position: an alternative's string is its id decoded alone, the sampled
+token's is its string in `tokens`; when two ids have the same string the sampled token's value is kept, else
+the more likely one's, and the extension `top_token_ids` lists the k ids themselves.
 """
 
 import asyncio
@@ -20,7 +29,7 @@ import time
 from aiohttp import web
 
 import rlkjax
-from rlkjax.requests import MIN_TEMPERATURE, check_int, check_temperature
+from rlkjax.requests import MAX_TOP_LOGPROBS, check_int, check_sampling, check_temperature
 from serve.chat import ChatTemplateError, message_text
 from serve.http import BadRequest, RequestTimeout, ShuttingDown, _fields, _json, _json_response, _opt, _prompts
 from serve.text import SampleText, offsets, token_pieces
@@ -41,6 +50,12 @@ COMMON_FIELDS = {
     "include_stop_str_in_output",
     "return_token_ids",
     "timeout",
+    "top_k",
+    "top_p",
+    "min_p",
+    "min_tokens",
+    "ignore_eos",
+    "truncated_logprobs",
 }
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {
@@ -61,7 +76,10 @@ class Sampling:
     max_tokens: int
     temperature: float
     stop: list[str]
-    stop_token_ids: list[int]
+    stop_token_ids: list[int]  # the request's, and the tokenizer's eos unless ignore_eos
+    min_tokens: int  # a stop id before this many tokens is an ordinary token
+    top_logprobs: int  # alternatives per token
+    engine: dict  # Engine.submit's other sampling keywords (top_k, top_p, min_p, truncated_logprobs)
     include_stop: bool
     logprobs: bool
     echo: bool
@@ -99,32 +117,29 @@ def _int_list(body, name) -> list[int]:
 
 def sampling(server, body: dict, *, chat: bool, prompt_len: int) -> Sampling:
     """The request's sampling fields, checked; the engine checks the rest (n, ids, lengths) with its own messages."""
+    most = min(MAX_TOP_LOGPROBS, server.cfg.vocab_size)
     if chat:
         logprobs = _bool(body, "logprobs")
         top = _opt(body, "top_logprobs", 0)
-        if not isinstance(top, int) or isinstance(top, bool) or top != 0:
-            raise BadRequest("top_logprobs must be 0 or null: top alternatives are not served yet")
+        if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= most:
+            raise BadRequest(f"top_logprobs must be null or an integer in [0, {most}], got {top!r}")
+        if top and not logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true")
         default_max = max(server.engine.max_context - prompt_len, 1)  # OpenAI's chat default: up to the context
         max_tokens = _opt(body, "max_completion_tokens", _opt(body, "max_tokens", default_max))
         echo = False
     else:
         lp = body.get("logprobs")
-        if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= 1):
+        if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= most):
             raise BadRequest(
-                "logprobs must be null, 0 or 1: the sampled token's logprob is returned; top alternatives "
-                "(logprobs > 1) are not served yet"
+                f"logprobs must be null or an integer in [0, {most}] (top alternatives per token), got {lp!r}"
             )
+        top = lp or 0
         logprobs, max_tokens, echo = lp is not None, _opt(body, "max_tokens", 16), _bool(body, "echo")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
         raise BadRequest(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
     if max_tokens == 0 and not echo:
         raise BadRequest("max_tokens 0 asks for no tokens: it is only allowed with echo (the prompt's logprobs)")
-    temperature = _opt(body, "temperature", 1.0)
-    if temperature == 0 and not isinstance(temperature, bool) and max_tokens > 0:
-        raise BadRequest(
-            f"temperature 0 (greedy decoding) is not served yet: send a temperature >= {MIN_TEMPERATURE}, or "
-            "max_tokens 0 with echo to score a prompt (scored at temperature 1, the distribution greedy samples)"
-        )
     stream = _bool(body, "stream")
     options = _opt(body, "stream_options", {})
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
@@ -136,19 +151,37 @@ def sampling(server, body: dict, *, chat: bool, prompt_len: int) -> Sampling:
         isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf
     ):
         raise BadRequest(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    top_k = _opt(body, "top_k", 0)
+    top_k = 0 if top_k == -1 and not isinstance(top_k, bool) else top_k  # vLLM's "off" is -1 (ours: 0)
     try:
         n = check_int("n", _opt(body, "n", 1), 1, server.engine.config.max_batch)
-        temperature = check_temperature("temperature", 1.0 if temperature == 0 else temperature)
-    except ValueError as e:
-        raise BadRequest(str(e)) from None
+        temperature = check_temperature("temperature", _opt(body, "temperature", 1.0), greedy=True)
+        opts = check_sampling(
+            server.cfg.vocab_size,
+            max_tokens,
+            stop_token_ids=_int_list(body, "stop_token_ids"),
+            min_tokens=_opt(body, "min_tokens", 0),
+            ignore_eos=_opt(body, "ignore_eos", False),
+            top_logprobs=top,
+            top_k=top_k,
+            top_p=_opt(body, "top_p", 1.0),
+            min_p=_opt(body, "min_p", 0.0),
+            truncated_logprobs=_opt(body, "truncated_logprobs", False),
+        )
+    except ValueError as e:  # completions call the alternatives logprobs
+        raise BadRequest(str(e) if chat else str(e).replace("top_logprobs", "logprobs (top alternatives)")) from None
+    # The one eos rule: the tokenizer's eos is a stop id unless ignore_eos (the engine is given none of its own).
     eos = server.tokenizer.eos_token_id
-    eos = [eos] if eos is not None and eos < server.cfg.vocab_size else []
+    eos = [eos] if eos is not None and eos < server.cfg.vocab_size and not opts["ignore_eos"] else []
     return Sampling(
         n=n,
         max_tokens=max_tokens,
         temperature=temperature,
         stop=_stop_strings(body["stop"]) if body.get("stop") is not None else [],
-        stop_token_ids=sorted(set(eos + _int_list(body, "stop_token_ids"))),
+        stop_token_ids=sorted(set(eos + opts["stop_token_ids"])),
+        min_tokens=opts["min_tokens"],
+        top_logprobs=opts["top_logprobs"],
+        engine={k: opts[k] for k in ("top_k", "top_p", "min_p", "truncated_logprobs")},
         include_stop=_bool(body, "include_stop_str_in_output"),
         logprobs=logprobs,
         echo=echo,
@@ -167,6 +200,7 @@ class Job:
         self.n = s.n
         tok = server.tokenizer
         self.texts = [SampleText(tok, p, s.stop, s.include_stop) for p in prompts for _ in range(s.n)]
+        self.tops = [[] for _ in self.texts]  # per choice and token (hooked): (top ids, top logprobs) or None
         self.sent = [0] * len(self.texts)  # tokens streamed per choice
         self.closed = [False] * len(self.texts)  # its last chunk (with finish_reason) streamed
         self.requests = []
@@ -174,6 +208,8 @@ class Job:
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{time.time_ns():x}"
         self.created = int(time.time())
         self.prompt_logprobs: list | None = None  # per prompt, when echo asks for them
+        self.prompt_tops: list | None = None  # per prompt and token: (top ids, top logprobs) or None
+        self.names: dict[int, str] = {}  # an alternative's string: its id decoded alone
         self.version = None  # policy version of the weights that served the request
 
     # ----- running -----
@@ -186,7 +222,10 @@ class Job:
         # The hook detokenises on the engine thread, between rounds: only for what needs the text as it grows.
         # Otherwise the text is made once the request is done, off the engine's path.
         hooked = stream or bool(self.s.stop)
-        hooks = [lambda j, toks, lps, i=i: self._on_tokens(i * self.n + j, toks, lps) for i in range(len(self.prompts))]
+        hooks = [
+            lambda j, toks, lps, top, i=i: self._on_tokens(i * self.n + j, toks, lps, top)
+            for i in range(len(self.prompts))
+        ]
         try:
             self.requests = self.server.submit(
                 self.prompts,
@@ -196,6 +235,9 @@ class Job:
                 self.seeds,
                 self.s.stop_token_ids,
                 hooks if hooked else None,
+                min_tokens=self.s.min_tokens,
+                top_logprobs=self.s.top_logprobs,
+                **self.s.engine,
             )
         except BadRequest as e:  # the engine names its own field; these routes call it max_tokens
             raise BadRequest(str(e).replace("max_new_tokens", "max_tokens")) from None
@@ -203,18 +245,21 @@ class Job:
             if self.queue is not None:
                 self.server.when_done(r, lambda i=i: self.queue.put_nowait(("done", i)))
 
-    def _on_tokens(self, choice: int, tokens, logprobs):
+    def _on_tokens(self, choice: int, tokens, logprobs, top):
         """Engine thread, after each round: grow the sample's text; stream what is safe to send."""
-        text = self.texts[choice]
+        text, tops = self.texts[choice], self.tops[choice]
         try:
             keep = text.add(tokens, [float(x) for x in logprobs])
+            rows = [None] * len(tokens) if top is None else [(i.tolist(), lp.tolist()) for i, lp in zip(*top)]
+            tops += rows[: len(text.tokens) - len(tops)]  # those of the tokens the text kept
         except Exception:  # a bug of ours must not end the engine thread; the response checks its tokens
             log.exception("on_tokens failed for %s choice %d", self.id, choice)
             return None
         if self.queue is not None:
             # The engine's own rule for when a sample ends, so its last chunk can go now, not when the
-            # prompt's other samples are done too.
-            if keep is not None or (text.tokens and text.tokens[-1] in self.s.stop_token_ids):
+            # prompt's other samples are done too: a stop id ends it once it has min_tokens tokens.
+            ended = text.tokens and text.tokens[-1] in self.s.stop_token_ids and len(text.tokens) >= self.s.min_tokens
+            if keep is not None or ended:
                 reason = "stop"
             else:
                 reason = "length" if len(text.tokens) >= self.s.max_tokens else None
@@ -223,7 +268,8 @@ class Job:
             sent = self.sent[choice]
             safe = len(text.tokens) if reason else text.safe_tokens(sent)
             if safe > sent or reason:
-                part = (text.tokens[sent:safe], text.logprobs[sent:safe], text.pieces[sent:safe], reason)
+                part = (text.tokens[sent:safe], text.logprobs[sent:safe], text.pieces[sent:safe], tops[sent:safe])
+                part += (reason,)
                 self.sent[choice], self.closed[choice] = safe, reason is not None
                 self.loop.call_soon_threadsafe(self.queue.put_nowait, ("tokens", choice, *part))
         return keep
@@ -253,11 +299,16 @@ class Job:
         version, params = engine.policy_version, engine.params
         if self.version is not None and self.version != version:
             raise ShuttingDown("the weights changed before the prompt could be scored; retry")
-        cfg, numerics, temp = self.server.cfg, self.server.config.numerics, self.s.temperature
+        cfg, numerics, temp, k = self.server.cfg, self.server.config.numerics, self.s.temperature, self.s.top_logprobs
         starts = [1] * len(self.prompts)  # every prompt token but the first has a logprob
         # One call for all the prompts: the learner's pass gives a row the same bits alone or batched.
-        scored = await asyncio.to_thread(rlkjax.score, params, cfg, self.prompts, starts, temp, numerics)
-        self.prompt_logprobs = [[None] + row.tolist() for row in scored]
+        scored = await asyncio.to_thread(rlkjax.score, params, cfg, self.prompts, starts, temp, numerics, k)
+        rows = scored if k else [(row, None, None) for row in scored]
+        self.prompt_logprobs = [[None] + lps.tolist() for lps, _, _ in rows]
+        self.prompt_tops = [
+            [None] * (len(lps) + 1) if ids is None else [None] + list(zip(ids.tolist(), alts.tolist()))
+            for lps, ids, alts in rows
+        ]
         self.version = version
 
     # ----- response pieces -----
@@ -272,28 +323,65 @@ class Job:
         reason = self.requests[choice // self.n].results[choice % self.n].finish_reason
         return "stop" if self.texts[choice].stopped else reason
 
-    def _echo(self, i: int) -> tuple[str, list[str], list]:
-        """Prompt i's text, token strings and logprobs for echo."""
+    def _echo(self, i: int) -> tuple[str, list[str], list, list]:
+        """Prompt i's text, token strings, logprobs and alternatives for echo."""
         pieces = token_pieces(self.server.tokenizer, self.prompts[i])
-        return "".join(pieces), pieces, (self.prompt_logprobs[i] if self.prompt_logprobs else [])
+        if not self.prompt_logprobs:
+            return "".join(pieces), pieces, [], []
+        return "".join(pieces), pieces, self.prompt_logprobs[i], self.prompt_tops[i]
 
-    def _text_logprobs(self, choice: int, tokens, lps, pieces, start: int, echo=None) -> dict:
-        """OpenAI's completion logprobs: tokens (strings that join into the text), token_logprobs, text_offset;
-        token_ids is an extension."""
+    def _result_tops(self, choice: int) -> list:
+        """The engine's alternatives of a finished sample, per token: (top ids, top logprobs) or None."""
+        if self.s.max_tokens == 0:
+            return []
+        c = self.requests[choice // self.n].results[choice % self.n]
+        if c.top_ids is None:
+            return [None] * len(c.tokens)
+        return list(zip(c.top_ids.tolist(), c.top_logprobs.tolist()))
+
+    def _name(self, token: int) -> str:
+        if token not in self.names:
+            self.names[token] = self.server.tokenizer.decode([token])
+        return self.names[token]
+
+    def _alternatives(self, token: int, piece: str, top) -> list[tuple[int, str, float]]:
+        """(id, string, logprob) of a token's alternatives, most likely first: the sampled token's string is its
+        piece of the text, another's its id decoded alone."""
+        if top is None:
+            return []
+        return [(t, piece if t == token else self._name(t), lp) for t, lp in zip(*top)]
+
+    def _top_dict(self, token: int, piece: str, top) -> dict | None:
+        """OpenAI's legacy {string: logprob}: on equal strings the sampled token's value wins, else the first
+        (the more likely) one's; the ids themselves are in top_token_ids."""
+        if top is None:
+            return None
+        out = {}
+        for t, name, lp in self._alternatives(token, piece, top):
+            if t == token or name not in out:
+                out[name] = lp
+        return out
+
+    def _text_logprobs(self, choice: int, tokens, lps, pieces, tops, start: int, echo=None) -> dict:
+        """OpenAI's completion logprobs: tokens (strings that join into the text), token_logprobs, text_offset,
+        top_logprobs (logprobs=k >= 1); token_ids and top_token_ids are extensions."""
         ids = list(tokens)
         if echo is not None:
-            _, prompt_pieces, prompt_lps = echo
+            _, prompt_pieces, prompt_lps, prompt_tops = echo
             ids = self.prompts[choice // self.n] + ids
-            pieces, lps = prompt_pieces + pieces, prompt_lps + list(lps)
-        return {"tokens": pieces, "token_logprobs": list(lps), "text_offset": offsets(pieces, start), "token_ids": ids}
+            pieces, lps, tops = prompt_pieces + pieces, prompt_lps + list(lps), prompt_tops + list(tops)
+        out = {"tokens": pieces, "token_logprobs": list(lps), "text_offset": offsets(pieces, start), "token_ids": ids}
+        if self.s.top_logprobs:
+            out["top_logprobs"] = [self._top_dict(t, p, top) for t, p, top in zip(ids, pieces, tops)]
+            out["top_token_ids"] = [None if top is None else top[0] for top in tops]
+        return out
 
-    @staticmethod
-    def _chat_logprobs(lps, pieces) -> dict:
-        return {
-            "content": [
-                {"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []} for p, lp in zip(pieces, lps)
-            ]
-        }
+    def _chat_logprobs(self, tokens, lps, pieces, tops) -> dict:
+        content = []
+        for t, p, lp, top in zip(tokens, pieces, lps, tops):
+            alts = [{"token": s, "logprob": a, "bytes": list(s.encode())} for _, s, a in self._alternatives(t, p, top)]
+            content.append({"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": alts})
+        return {"content": content}
 
     def _extras(self, choice: int, choice_obj: dict) -> dict:
         if self.s.return_token_ids:  # vLLM's extension
@@ -311,14 +399,19 @@ class Job:
                 obj = {
                     "index": k,
                     "message": {"role": "assistant", "content": text.text},
-                    "logprobs": self._chat_logprobs(text.logprobs, text.pieces) if self.s.logprobs else None,
+                    "logprobs": (
+                        self._chat_logprobs(text.tokens, text.logprobs, text.pieces, self._result_tops(k))
+                        if self.s.logprobs
+                        else None
+                    ),
                     "finish_reason": reason,
                 }
             else:
                 echo = self._echo(k // self.n) if self.s.echo else None
                 head = echo[0] if echo else ""
+                tops = self._result_tops(k)
                 lp = (
-                    self._text_logprobs(k, text.tokens, text.logprobs, text.pieces, 0, echo)
+                    self._text_logprobs(k, text.tokens, text.logprobs, text.pieces, tops, 0, echo)
                     if self.s.logprobs
                     else None
                 )
@@ -348,16 +441,16 @@ class Job:
             data["usage"] = usage
         return b"data: " + json.dumps(data, allow_nan=False).encode() + b"\n\n"
 
-    def _delta(self, choice: int, tokens, lps, pieces, reason=None, offset=0) -> dict:
+    def _delta(self, choice: int, tokens, lps, pieces, tops, reason=None, offset=0) -> dict:
         if self.chat:
             obj = {
                 "index": choice,
                 "delta": {"content": "".join(pieces)} if pieces or reason is None else {},
-                "logprobs": self._chat_logprobs(lps, pieces) if self.s.logprobs else None,
+                "logprobs": self._chat_logprobs(tokens, lps, pieces, tops) if self.s.logprobs else None,
                 "finish_reason": reason,
             }
         else:
-            lp = self._text_logprobs(choice, tokens, lps, pieces, offset) if self.s.logprobs else None
+            lp = self._text_logprobs(choice, tokens, lps, pieces, tops, offset) if self.s.logprobs else None
             obj = {"index": choice, "text": "".join(pieces), "logprobs": lp, "finish_reason": reason}
         if self.s.return_token_ids:  # vLLM's extension: this chunk's token ids
             obj["token_ids"] = list(tokens)
@@ -382,8 +475,8 @@ class Job:
                         f"the request did not finish within its timeout of {self.s.timeout:g} s"
                     ) from None
                 if event[0] == "tokens":
-                    _, k, tokens, lps, pieces, reason = event
-                    await response.write(self._chunk([self._delta(k, tokens, lps, pieces, reason, offset[k])]))
+                    _, k, tokens, lps, pieces, tops, reason = event
+                    await response.write(self._chunk([self._delta(k, tokens, lps, pieces, tops, reason, offset[k])]))
                     offset[k] += sum(map(len, pieces))
                 elif event[1] not in done:  # when_done may report a request twice
                     done.add(event[1])
@@ -413,13 +506,15 @@ class Job:
             await self._score_prompts()
             for k in range(len(self.texts)):
                 echo = self._echo(k // self.n)
-                lp = self._text_logprobs(k, [], [], [], 0, echo) if self.s.logprobs else None
+                lp = self._text_logprobs(k, [], [], [], [], 0, echo) if self.s.logprobs else None
                 await response.write(
                     self._chunk([{"index": k, "text": echo[0], "logprobs": lp, "finish_reason": None}])
                 )
                 offset[k] = len(echo[0])
         if self.s.max_tokens == 0:  # nothing sampled: every sample ends here
-            await response.write(self._chunk([self._delta(k, [], [], [], "length") for k in range(len(self.texts))]))
+            await response.write(
+                self._chunk([self._delta(k, [], [], [], [], "length") for k in range(len(self.texts))])
+            )
 
     async def _stream_tails(self, response, i: int, offset):
         """Prompt i's request is done: the samples whose last chunk is not out yet (cancelled ones) get it."""
@@ -434,8 +529,9 @@ class Job:
             text.finish()
             sent = self.sent[k]
             self.sent[k] = len(text.tokens)
+            tops = self.tops[k][sent:]
             chunk = self._delta(
-                k, text.tokens[sent:], text.logprobs[sent:], text.pieces[sent:], self._finish_reason(k), offset[k]
+                k, text.tokens[sent:], text.logprobs[sent:], text.pieces[sent:], tops, self._finish_reason(k), offset[k]
             )
             await response.write(self._chunk([chunk]))
 

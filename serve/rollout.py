@@ -164,9 +164,11 @@ class Server:
         with self.wake:
             self.wake.notify()
 
-    def submit(self, prompts, n, max_new_tokens, temperature, seeds, stop_token_ids, hooks=None) -> list[Request]:
+    def submit(
+        self, prompts, n, max_new_tokens, temperature, seeds, stop_token_ids, hooks=None, **options
+    ) -> list[Request]:
         """Submit every prompt (validated first, so a bad one submits nothing). hooks: one engine `on_tokens`
-        hook per prompt, or None."""
+        hook per prompt, or None; options: Engine.submit's sampling keywords (min_tokens, top_logprobs, top_k...)."""
         if self.draining:
             raise ShuttingDown("the server is shutting down; retry on another replica")
         try:
@@ -191,6 +193,7 @@ class Server:
                         stop_token_ids=stop_token_ids,
                         group=group,
                         on_tokens=None if hooks is None else hooks[i],
+                        **options,
                     )
                 )
         except ValueError as e:

@@ -207,9 +207,9 @@ def test_echo_returns_the_learners_prompt_logprobs(oai, tiny):
 
 def test_lm_eval_harness_bodies(server, tiny):
     """The exact bodies lm-eval-harness 0.4's `local-completions` sends (tokenized prompts, seed 1234).
-    loglikelihood asks temperature 0 with max_tokens 1: refused with a message naming greedy until greedy
-    decoding is served; with max_tokens 0 (scoring only) it is answered, and the context's continuation
-    logprobs are the learner's. generate_until: stop strings and max_tokens."""
+    loglikelihood (temperature 0, max_tokens 1, logprobs 1, echo): the continuation's logprobs are the
+    learner's, and each position's top_logprobs (one entry, the learner's top id and bits) is what lm-eval's
+    is_greedy reads; with max_tokens 0 (scoring only) the same. generate_until: greedy, stop strings, max_tokens."""
     cfg, params = tiny
     context, continuation = list(b"Question: 2+2=? Answer:"), list(b" 4")
     loglikelihood = {
@@ -221,13 +221,24 @@ def test_lm_eval_harness_bodies(server, tiny):
         "seed": 1234,
         "echo": True,
     }
-    status, out = post_raw(server, "/v1/completions", json.dumps(loglikelihood).encode())
-    assert status == 400 and "temperature 0 (greedy decoding) is not served yet" in out["error"]["message"]
-    status, out = post_raw(server, "/v1/completions", json.dumps(loglikelihood | {"max_tokens": 0}).encode())
-    assert status == 200
-    token_logprobs = out["choices"][0]["logprobs"]["token_logprobs"]
-    whole = rlkjax.score(params, cfg, [context + continuation], [len(context)])[0]
-    assert_bits_equal(exact(token_logprobs[len(context) :]), whole, "continuation")
+    whole, top_ids, top_lps = rlkjax.score(params, cfg, [context + continuation], [1], top_logprobs=1)[0]
+    for max_tokens in (1, 0):
+        status, out = post_raw(
+            server, "/v1/completions", json.dumps(loglikelihood | {"max_tokens": max_tokens}).encode()
+        )
+        assert status == 200, out
+        lp = out["choices"][0]["logprobs"]
+        end = len(context + continuation)
+        assert_bits_equal(exact(lp["token_logprobs"][1:end]), whole, "prompt and continuation")
+        assert lp["top_logprobs"][0] is None and lp["top_token_ids"][1:end] == top_ids.tolist()
+        assert_bits_equal(exact([list(d.values()) for d in lp["top_logprobs"][1:end]]), top_lps, "top alternatives")
+        # lm-eval's is_greedy: the continuation is greedy iff each position's most likely string is its token
+        greedy = all(
+            max(d, key=d.get) == t
+            for d, t in zip(lp["top_logprobs"][len(context) : end], lp["tokens"][len(context) : end])
+        )
+        assert greedy == (top_ids[len(context) - 1 :, 0].tolist() == continuation)
+        assert len(lp["tokens"]) == end + max_tokens
     generate_until = {
         "prompt": [list(b"Q: say something\nA:")],
         "model": MODEL,
@@ -237,8 +248,6 @@ def test_lm_eval_harness_bodies(server, tiny):
         "seed": 1234,
     }
     status, out = post_raw(server, "/v1/completions", json.dumps(generate_until).encode())
-    assert status == 400 and "greedy" in out["error"]["message"]
-    status, out = post_raw(server, "/v1/completions", json.dumps(generate_until | {"temperature": 1.0}).encode())
     text = out["choices"][0]["text"]
     assert status == 200 and "\n\n" not in text and "Q:" not in text
     assert out["choices"][0]["finish_reason"] in ("stop", "length") and out["usage"]["completion_tokens"] <= 32
@@ -260,8 +269,8 @@ def test_chat_completions(oai, tiny):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == c.message.content
     assert chunks[-1].choices[0].finish_reason == c.finish_reason
-    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
-        oai.chat.completions.create(**kw, top_logprobs=3)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+        oai.chat.completions.create(**kw | {"logprobs": False}, top_logprobs=3)
 
 
 def test_chat_with_a_checkpoints_tokenizer_and_template(tmp_path, tiny):
@@ -319,7 +328,14 @@ def test_null_means_default_for_every_optional_field(server):
 @pytest.mark.parametrize(
     "body,match",
     [
-        ({"prompt": "a", "logprobs": 5}, "top alternatives"),
+        ({"prompt": "a", "logprobs": 21}, r"logprobs must be null or an integer in \[0, 20\]"),
+        ({"prompt": "a", "temperature": -1}, "temperature must be 0"),
+        ({"prompt": "a", "top_k": -2}, "top_k must be"),
+        ({"prompt": "a", "top_p": 0}, r"top_p must be in \(0.0, 1.0\]"),
+        ({"prompt": "a", "min_p": 1.5}, "min_p must be in"),
+        ({"prompt": "a", "max_tokens": 4, "min_tokens": 5}, r"min_tokens must be an integer in \[0, 4\]"),
+        ({"prompt": "a", "ignore_eos": "yes"}, "ignore_eos must be true or false"),
+        ({"prompt": "a", "truncated_logprobs": True, "logprobs": 2}, "truncated_logprobs cannot be combined"),
         ({"prompt": "a", "max_tokens": 0}, "only allowed with echo"),
         ({"prompt": "a", "stop": [""]}, "stop must be"),
         ({"prompt": "a", "stop": ["x"] * 33}, "at most 32 strings"),
@@ -357,3 +373,121 @@ def test_online_batch_invariance(server, tiny):
     a, b = exact(alone.choices[0].logprobs.token_logprobs), exact(crowded.choices[0].logprobs.token_logprobs)
     assert_bits_equal(a, b, "alone vs among 32")
     assert_bits_equal(a, scored(tiny, b"batch invariance probe", ids), "vs the learner")
+
+
+def alternatives(tiny, prompt, ids, k):
+    """The learner's top-k ids and logprobs (temperature 1) at each of the completion's positions."""
+    cfg, params = tiny
+    return rlkjax.score(params, cfg, [list(prompt) + list(ids)], [len(prompt)], top_logprobs=k)[0]
+
+
+def test_greedy_is_the_argmax_with_the_learners_bits(oai, tiny):
+    """temperature 0: each token is the learner's most likely one (its top id), its logprob the learner's
+    temperature-1 bits, and logprobs=k gives the learner's k alternatives with their bits; the sampled
+    token's entry in top_logprobs is its token_logprobs value, bit for bit. top_k=1 at temperature 1 draws
+    the same tokens (and with truncated_logprobs their renormalised logprob: 0)."""
+    kw = dict(model=MODEL, prompt="Hello", max_tokens=10, logprobs=5, seed=1)
+    lp = oai.completions.create(**kw, temperature=0).choices[0].logprobs
+    ids = lp.model_extra["token_ids"]
+    learner, top_ids, top_lps = alternatives(tiny, b"Hello", ids, 5)
+    assert ids == top_ids[:, 0].tolist(), "greedy takes the argmax"
+    assert_bits_equal(exact(lp.token_logprobs), learner, "greedy logprobs vs score at T=1")
+    assert lp.model_extra["top_token_ids"] == top_ids.tolist()
+    for i, (t, d) in enumerate(zip(lp.tokens, lp.top_logprobs)):
+        assert_bits_equal(exact([d[t]]), exact([lp.token_logprobs[i]]), f"sampled entry {i}")
+        assert lp.tokens[i] == t and len(d) <= 5  # ids that decode alike share a key
+    top1 = oai.completions.create(**kw, extra_body={"top_k": 1}).choices[0].logprobs
+    assert top1.model_extra["token_ids"] == ids
+    assert_bits_equal(exact(top1.token_logprobs), learner, "top_k 1: the full distribution's logprobs")
+    renormalised = oai.completions.create(
+        **kw | {"logprobs": 0}, extra_body={"top_k": 1, "truncated_logprobs": True}
+    ).choices[0]
+    assert renormalised.logprobs.model_extra["token_ids"] == ids and renormalised.logprobs.token_logprobs == [0.0] * 10
+
+
+def test_top_p_and_min_p_draws_stay_in_the_kept_set(oai, tiny):
+    """Several samples with top_p (then min_p): every drawn token is in the kept set worked out from the
+    learner's alternatives (top_p: the mass of the ids more likely than it is < top_p; min_p: p >= min_p p_max),
+    and its logprob is the learner's full-distribution value."""
+    for extra, k in [({"top_p": 0.02}, 20), ({"min_p": 0.9}, 1)]:
+        got = oai.completions.create(model=MODEL, prompt="Hi", max_tokens=6, n=4, seed=2, logprobs=0, extra_body=extra)
+        for c in got.choices:
+            ids = c.logprobs.model_extra["token_ids"]
+            learner, top_ids, top_lps = alternatives(tiny, b"Hi", ids, k)
+            assert_bits_equal(exact(c.logprobs.token_logprobs), learner, f"{extra}")
+            for t, lp, alt_ids, alt_lps in zip(ids, learner, top_ids, top_lps.astype(np.float64)):
+                if "top_p" in extra:
+                    assert t in alt_ids.tolist(), "a token kept by top_p 0.02 is among the 20 most likely"
+                    assert np.exp(alt_lps[alt_lps > lp]).sum() < 0.02 * (1 + 1e-5)
+                else:
+                    assert lp >= alt_lps[0] + np.log(0.9) - 1e-6
+
+
+def test_min_tokens_and_ignore_eos(oai):
+    """A stop id drawn before min_tokens is an ordinary token (plain and streamed: the stream's last chunk
+    agrees); ignore_eos keeps sampling past the tokenizer's eos (256 for the byte tokenizer), which
+    otherwise ends the sample with the same tokens up to it."""
+    kw = dict(model=MODEL, prompt="Hello", max_tokens=12, temperature=0, logprobs=0)
+    free = oai.completions.create(**kw).choices[0].logprobs.model_extra["token_ids"]
+    stop = free[2]
+    for min_tokens in (0, 3, 6):
+        end = next((j + 1 for j in range(max(min_tokens - 1, 0), 12) if free[j] == stop), 12)
+        extra = {"stop_token_ids": [stop], "min_tokens": min_tokens}
+        got = oai.completions.create(**kw, extra_body=extra).choices[0]
+        assert got.logprobs.model_extra["token_ids"] == free[:end], min_tokens
+        assert got.finish_reason == ("stop" if free[end - 1] == stop else "length")
+        chunks = [c.choices[0] for c in oai.completions.create(**kw, extra_body=extra, stream=True)]
+        assert sum((c.logprobs.model_extra["token_ids"] for c in chunks), []) == free[:end]
+        assert chunks[-1].finish_reason == got.finish_reason and [c.finish_reason for c in chunks[:-1]] == [None] * (
+            len(chunks) - 1
+        )
+    kw = dict(model=MODEL, prompt="eos", max_tokens=40, n=8, seed=11, logprobs=0)
+    endless = oai.completions.create(**kw, extra_body={"ignore_eos": True}).choices
+    stopped = oai.completions.create(**kw).choices
+    hits = 0
+    for a, b in zip(endless, stopped):
+        ids = a.logprobs.model_extra["token_ids"]
+        assert a.finish_reason == "length" and len(ids) == 40
+        if 256 in ids[:-1]:
+            hits += 1
+            cut = ids.index(256) + 1
+            assert b.logprobs.model_extra["token_ids"] == ids[:cut] and b.finish_reason == "stop"
+        else:
+            assert b.logprobs.model_extra["token_ids"] == ids
+    assert hits, "seed 11 draws the eos in some sample (the tiny model is near uniform over 512 ids)"
+
+
+def test_chat_top_logprobs_and_streamed_alternatives(oai, tiny):
+    """Chat top_logprobs=k: per token the learner's k alternatives [{token, logprob, bytes}] with its bits,
+    the sampled token's entry its own logprob; streamed, the same alternatives (chat and completions)."""
+    messages = [{"role": "user", "content": "Hi there"}]
+    prompt = list(ChatTemplate(DEFAULT_TEMPLATE, {}).render(messages).encode())
+    kw = dict(model=MODEL, messages=messages, max_tokens=10, seed=5, logprobs=True, top_logprobs=3)
+    c = oai.chat.completions.create(**kw, extra_body={"return_token_ids": True}).choices[0]
+    ids = c.model_extra["token_ids"]
+    learner, top_ids, top_lps = alternatives(tiny, prompt, ids, 3)
+    assert_bits_equal(exact([[a.logprob for a in t.top_logprobs] for t in c.logprobs.content]), top_lps, "chat alts")
+    for t, tok, alt_ids in zip(c.logprobs.content, ids, top_ids.tolist()):
+        assert len(t.top_logprobs) == 3 and all(a.bytes == list(a.token.encode()) for a in t.top_logprobs)
+        if tok in alt_ids:
+            entry = t.top_logprobs[alt_ids.index(tok)]
+            assert entry.token == t.token and exact([entry.logprob]).view("uint32") == exact([t.logprob]).view("uint32")
+    chunks = list(oai.chat.completions.create(**kw, stream=True))
+    streamed = [t for ch in chunks if ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    assert [t.model_dump() for t in streamed] == [t.model_dump() for t in c.logprobs.content]
+    # Completions, echoed, with a stop string that ends sample 0 inside an engine round (the tokens after it in
+    # that round are dropped, their alternatives with them): streamed and plain agree, one entry per token.
+    kw = dict(model=MODEL, prompt="Hello", max_tokens=12, n=2, seed=9, logprobs=4, echo=True)
+    free = oai.completions.create(**kw).choices[0].logprobs
+    stop = next(p for p in free.tokens[len("Hello") + 3 :] if p)  # the first text of a token mid-round
+    plain = oai.completions.create(**kw, stop=[stop])
+    chunks = list(oai.completions.create(**kw, stop=[stop], stream=True))
+    assert plain.choices[0].finish_reason == "stop" and len(plain.choices[0].logprobs.tokens) < len(free.tokens)
+    for k, choice in enumerate(plain.choices):
+        lp = choice.logprobs
+        mine = [ch.choices[0].logprobs for ch in chunks if ch.choices[0].index == k]
+        assert sum((m.top_logprobs for m in mine), []) == lp.top_logprobs
+        assert sum((m.model_extra["top_token_ids"] for m in mine), []) == lp.model_extra["top_token_ids"]
+        assert lp.top_logprobs[0] is None and len(lp.top_logprobs) == len(lp.model_extra["top_token_ids"]) == len(
+            lp.tokens
+        )

@@ -145,8 +145,8 @@ def test_the_engine_hook_stops_one_sample_and_not_the_others(tiny):
     plain.run_until_done()
     rounds = {j: [] for j in range(3)}
 
-    def hook(j, tokens, logprobs):
-        assert len(tokens) == len(logprobs)
+    def hook(j, tokens, logprobs, top):
+        assert len(tokens) == len(logprobs) and top is None  # no top_logprobs asked
         rounds[j].append(list(tokens))
         return 2 if j == 1 and sum(map(len, rounds[1])) >= 5 else None
 

@@ -122,6 +122,7 @@ def post_raw(client, path, data: bytes, headers=None):
         (json.dumps({"prompt": [1, 2], "max_new_tokens": 10**9}).encode(), 400, "max_new_tokens"),
         (json.dumps({"prompt": [1] * 200, "max_new_tokens": 100}).encode(), 400, "context"),
         (json.dumps({"prompt": [1, 2], "temperature": 5e-5}).encode(), 400, "temperature"),  # 0 is greedy
+        (json.dumps({"prompt": [1, 2], "temperature": -1}).encode(), 400, "temperature"),  # 0 is greedy
         (b'{"prompt": [1, 2], "temperature": NaN}', 400, "temperature"),
         (b'{"prompt": [1, 2], "temperature": Infinity}', 400, "temperature"),
         (json.dumps({"prompt": [1, 2], "temperature": "hot"}).encode(), 400, "temperature"),
