@@ -229,15 +229,21 @@ def to_policy(master, cfg):
     return jax.tree.map(lambda w: w.astype(cfg.dtype), master)
 
 
-def policy_logprobs(master, tokens, positions, temps, rope, cfg, numerics):
-    return model.sequence_logprobs(to_policy(master, cfg), tokens, positions, temps, rope, cfg, numerics)
+def policy_logprobs(master, tokens, positions, temps, rope, cfg, numerics, layer_weights=None):
+    """layer_weights: the FSDP learner's per-layer all-gather (train/fsdp.py gather); master["layers"]
+    are then this device's shards, which it casts to the policy dtype itself (before the gather), so
+    they are passed on uncast."""
+    policy = to_policy({k: w for k, w in master.items() if k != "layers" or layer_weights is None}, cfg)
+    if layer_weights is not None:
+        policy["layers"] = master["layers"]
+    return model.sequence_logprobs(policy, tokens, positions, temps, rope, cfg, numerics, layer_weights)
 
 
-def grpo_loss(master, batch: Batch, ref_logp, rope, cfg, numerics, clip_eps, beta, total_tokens):
+def grpo_loss(master, batch: Batch, ref_logp, rope, cfg, numerics, clip_eps, beta, total_tokens, layer_weights=None):
     """Token-level PPO-clip (+ k3 KL) summed over this micro-batch, divided by the whole batch's
     token count, so summing micro-batch gradients gives the full-batch gradient.
     Returns (loss, (LossStats, logp_new [B, T-1])); logp_new lets the first update check the contract."""
-    logp = policy_logprobs(master, batch.tokens, batch.positions, batch.temps, rope, cfg, numerics)
+    logp = policy_logprobs(master, batch.tokens, batch.positions, batch.temps, rope, cfg, numerics, layer_weights)
     mask, adv = batch.mask, batch.adv[:, None]
     ratio = jnp.exp(logp - batch.logp_old)
     surrogate = jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - clip_eps, 1 + clip_eps) * adv) * batch.tis
