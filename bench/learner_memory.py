@@ -1,10 +1,11 @@
 """XLA's compiled memory analysis of train.grpo's sharded learner step (no execution, no weights).
 
-`python -m bench.learner_memory --model qwen3-8b --devices 2 --layers 1,2` lowers and compiles
+`python -m bench.learner_memory --model qwen3-8b --devices=2 --layers 1,2` lowers and compiles
 fsdp.sharded_value_and_grad(grpo.grpo_loss) (and the scoring pass, fsdp.sharded_logprobs) with
 abstract inputs (jax.ShapeDtypeStruct + shardings) on N fake CPU devices, and prints what one device
 holds: arguments, outputs, temporaries (XLA's compiled memory analysis on CPU, not a GPU
-measurement). Several layer counts show the per-layer slope, so 36 layers need not be compiled.
+measurement). Several layer counts show the per-layer slope; the scan compiles its body once, so
+the preset's own depth (--layers '') takes about as long.
 """
 
 import os
@@ -17,6 +18,7 @@ if __name__ == "__main__":  # fake CPU devices, before jax is imported
 
 import argparse
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -96,12 +98,18 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64 + 256, help="prompt + new tokens (bucketed as pack does)")
     parser.add_argument("--hlo", help="write each compiled HLO to this prefix")
+    parser.add_argument("--json", action="store_true", help="one JSON line per layer count: {function: {what: bytes}}")
     args = parser.parse_args()
     base = ModelConfig.preset(args.model)
     tokens = bucket(args.tokens, PAGE_SIZE)
     for layers in [int(n) for n in args.layers.split(",")] if args.layers else [base.num_layers]:
         cfg = dataclasses.replace(base, num_layers=layers)
-        for name, m in compiled_memory(cfg, args.devices, args.micro_batch, tokens).items():
+        rows = -(-args.micro_batch // args.devices) * args.devices  # micro_batches pads to a multiple of the mesh
+        results = compiled_memory(cfg, args.devices, rows, tokens)
+        if args.json:
+            print(json.dumps({name: {k: v for k, v in m.items() if k != "hlo"} for name, m in results.items()}))
+            continue
+        for name, m in results.items():
             if args.hlo:
                 with open(f"{args.hlo}.{layers}.{name.split()[0]}.hlo", "w") as f:
                     f.write(m["hlo"])

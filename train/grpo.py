@@ -595,6 +595,7 @@ def train(config: GRPOConfig) -> dict:
         rollout.push(policy, cfg, out)
     else:  # built with the (restored) policy; it has had `start` updates, so versions continue from there
         rollout = LocalRollout(policy, cfg, config, mesh, sampler_devices, first_version=start)
+    del policy  # the samplers hold their copies; the learner's bf16 shards (P / N x 2 B) need not outlive the push
     metrics_path = out / "metrics.jsonl"
     if config.resume and primary:
         keep_metrics_until(metrics_path, start)
@@ -723,6 +724,7 @@ def train(config: GRPOConfig) -> dict:
             policy = to_policy(master, cfg)
             jax.block_until_ready(policy)
             rollout.push(policy, cfg, out)
+            del policy
             t4 = time.perf_counter()
             row |= {
                 "tokens_per_s": total_tokens / (t4 - t0),
