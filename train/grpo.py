@@ -231,11 +231,14 @@ def to_policy(master, cfg):
 
 def policy_logprobs(master, tokens, positions, temps, rope, cfg, numerics, layer_weights=None):
     """layer_weights: the FSDP learner's per-layer all-gather (train/fsdp.py gather); master["layers"]
-    are then this device's shards, which it casts to the policy dtype itself (before the gather), so
-    they are passed on uncast."""
-    policy = to_policy({k: w for k, w in master.items() if k != "layers" or layer_weights is None}, cfg)
-    if layer_weights is not None:
-        policy["layers"] = master["layers"]
+    are then this device's shards, passed on uncast and cast after the gather (a no-op when the
+    gather already casts to the policy dtype, as train() asks: half the bytes moved and held)."""
+    if layer_weights is None:
+        policy = to_policy(master, cfg)
+    else:
+        policy = {**to_policy({k: w for k, w in master.items() if k != "layers"}, cfg), "layers": master["layers"]}
+        gather = layer_weights
+        layer_weights = lambda name, shard: gather(name, shard).astype(cfg.dtype)  # noqa: E731
     return model.sequence_logprobs(policy, tokens, positions, temps, rope, cfg, numerics, layer_weights)
 
 
