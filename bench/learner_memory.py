@@ -96,6 +96,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--layers", default="1,2", help="layer counts to compile (the preset's own if empty)")
     parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--numerics", choices=["strict", "fast"], default="strict")
     parser.add_argument("--tokens", type=int, default=64 + 256, help="prompt + new tokens (bucketed as pack does)")
     parser.add_argument("--hlo", help="write each compiled HLO to this prefix")
     parser.add_argument("--json", action="store_true", help="one JSON line per layer count: {function: {what: bytes}}")
@@ -105,7 +106,7 @@ def main() -> None:
     for layers in [int(n) for n in args.layers.split(",")] if args.layers else [base.num_layers]:
         cfg = dataclasses.replace(base, num_layers=layers)
         rows = -(-args.micro_batch // args.devices) * args.devices  # micro_batches pads to a multiple of the mesh
-        results = compiled_memory(cfg, args.devices, rows, tokens)
+        results = compiled_memory(cfg, args.devices, rows, tokens, args.numerics)
         if args.json:
             print(json.dumps({name: {k: v for k, v in m.items() if k != "hlo"} for name, m in results.items()}))
             continue
