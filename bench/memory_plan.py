@@ -12,21 +12,29 @@ What each row counts (P = parameter count; B = bytes; 1/N = sharded over the lea
     bf16 K and V for every layer.
   - master weights (fp32, 1/N), AdamW moments (two fp32, 1/N), gradients (fp32, 1/N: the running
     sum over micro-batches, updated in place).
-  - gathered weights: the bf16 all-gather a learner pass computes with (2P B, full, also held for
-    the backward).
-  - gradient exchange: during the backward, the bf16 cotangent of the gathered weights (full) and
-    the all-to-all that spreads it (train/fsdp.py), 4P B at most.
+  - gathered weights: the bf16 all-gathers a learner pass computes with: the embeddings and the LM
+    head for the whole pass, the layers one at a time inside the layer scan (train/fsdp.py gather).
+  - gradient exchange: the bf16 cotangent of those gathered weights and the all-to-all that
+    reduce-scatters it (train/fsdp.py), 2 x the gathered weights.
+  - micro-batch gradient: the scan's fp32 gradient of this device's layer shards, before it is added
+    to the running sum (4P/N B).
   - activations: what the backward keeps per token and layer (the inputs of every matmul and norm,
     bf16: 4d + q + 2 kv + attention out + 3 FFN widths), times micro-batch / N rows of T tokens (the
     batch is padded to a power of two). An estimate: XLA may keep less (fusions) or more
     (temporaries); the measured row is the figure to trust.
 The peak adds them all, as if the learner's backward ran while the sampler's weights and cache stay
-resident (they do: the engines persist across steps). Compare with the allocator's limit: JAX takes
-75% of a GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says more (bench/two_gpu.sh sets 0.95).
+resident (they do: the engines persist across steps).
+`--compiled` adds what XLA's compiled memory analysis says for the learner step (bench/learner_memory.py:
+compiled on N fake CPU devices, nothing runs; it is CPU's buffer assignment, with the Pallas kernels
+in interpret mode, not a GPU measurement) and the peak with it in place of the estimate's learner rows.
+Compare with the allocator's limit: JAX takes 75% of a GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says
+more (bench/two_gpu.sh sets 0.95).
 """
 
 import argparse
 import json
+import subprocess
+import sys
 
 import numpy as np
 
@@ -48,6 +56,8 @@ def parameter_count(cfg: ModelConfig) -> int:
 def plan(cfg: ModelConfig, gpus: int, prompts: int, group: int, new_tokens: int, prompt_tokens: int, micro_batch: int):
     """{row: bytes per GPU}."""
     p = parameter_count(cfg)
+    per_layer = sum(int(np.prod(shape)) for shape in model.layer_shapes(cfg).values())
+    embeddings = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_embeddings else 2)
     engine_rows = cdiv(prompts, gpus) * group
     pages = 1 + engine_rows * cdiv(prompt_tokens + new_tokens, PAGE_SIZE)
     kv = 2 * cfg.num_layers * cfg.num_kv_heads * pages * PAGE_SIZE * cfg.head_dim * 2
@@ -60,10 +70,23 @@ def plan(cfg: ModelConfig, gpus: int, prompts: int, group: int, new_tokens: int,
         "master weights (fp32, 1/N)": 4 * p / gpus,
         "AdamW moments (2 x fp32, 1/N)": 8 * p / gpus,
         "gradients (fp32, 1/N)": 4 * p / gpus,
-        "gathered weights (bf16, full, learner pass)": 2 * p,
-        "gradient exchange (bf16 cotangent + all-to-all)": 4 * p,
+        "gathered weights (bf16: embeddings, LM head, one layer)": 2 * (embeddings + per_layer),
+        "gradient exchange (bf16 cotangent + all-to-all of those)": 4 * (embeddings + per_layer),
+        "micro-batch gradient (fp32, 1/N, before the running sum)": 4 * (p - embeddings) / gpus,
         "activations (micro-batch / N rows, estimate)": per_token_layer * cfg.num_layers * tokens,
     }
+
+
+RESIDENT = ("sampler weights", "KV cache", "AdamW moments")  # held outside the learner step (it holds the rest)
+
+
+def compiled_learner_step(model_name: str, gpus: int, micro_batch: int, tokens: int) -> dict:
+    """bench/learner_memory.py's figures for the learner step on `gpus` fake CPU devices (a
+    subprocess: the device count is fixed when JAX starts)."""
+    cmd = [sys.executable, "-m", "bench.learner_memory", f"--devices={gpus}", "--model", model_name, "--layers", ""]
+    cmd += ["--micro-batch", str(micro_batch), "--tokens", str(tokens), "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.splitlines()[-1])["learner step (value and grad)"]
 
 
 def measured_peak(path: str) -> tuple[int, float]:
@@ -91,6 +114,24 @@ def table(args) -> str:
     lines.append(
         "| fits one H200 (140.4 GiB) | " + " | ".join("yes" if t < H200_BYTES else "no" for t in totals) + " |"
     )
+    if args.compiled:
+        compiled = {
+            n: compiled_learner_step(args.model, n, args.micro_batch, args.prompt_tokens + args.new_tokens)
+            for n in args.gpus
+        }
+        lines.append(
+            "| learner step, XLA compiled analysis on CPU: arguments (master + gradients) + temporaries | "
+            + " | ".join(
+                f"{compiled[n]['arguments'] / GIB:.1f} + {compiled[n]['temporaries'] / GIB:.1f}" for n in args.gpus
+            )
+            + " |"
+        )
+        resident = [
+            sum(v for k, v in plans[n].items() if k.split(" (")[0] in RESIDENT) + compiled[n]["peak"] for n in args.gpus
+        ]
+        lines.append(
+            "| **peak with the compiled learner step** | " + " | ".join(f"**{t / GIB:.1f}**" for t in resident) + " |"
+        )
     for path in args.metrics:
         devices, peak = measured_peak(path)
         cells = [f"{peak / GIB:.1f}" if n == devices else "" for n in args.gpus]
@@ -111,6 +152,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--compiled", action="store_true", help="add XLA's compiled analysis (minutes on CPU)")
     parser.add_argument("--metrics", action="append", default=[], help="a train.grpo metrics.jsonl (repeatable)")
     print(table(parser.parse_args()))
 

@@ -94,13 +94,19 @@ def forward(
     cfg: ModelConfig,
     numerics: Numerics,
     weights_in_place: bool = True,
+    layer_weights=None,
 ):
     """tokens, positions [B, T] (position -1 = padding), page_table [B, P] -> hidden [B, T, D] (final-normed)
     and the cache with this call's K/V written in. Only data movement happens outside the ops.
 
     weights_in_place: the matmul kernels read layer i's weights out of the stacked [L, N, K] arrays
     (no per-layer copy, which a scan's slice would make). Same kernels, same bits either way; the
-    learner passes False because it differentiates through per-layer slices."""
+    learner passes False because it differentiates through per-layer slices.
+    layer_weights: (needs weights_in_place=False) a function (name, that layer's slice of
+    params["layers"][name]) -> the layer's weight, called inside the scan: the FSDP learner
+    (train/fsdp.py) passes its all-gather, so one layer's full weights exist at a time. Each
+    matrix's call is rematerialised with its matmul: the backward pass gathers the weight again
+    from the slice rather than keeping every layer's full weights (no arithmetic is repeated)."""
     op = ops(numerics)
     b, t = tokens.shape
     n = b * t
@@ -115,10 +121,16 @@ def forward(
     def layer_step(carry, xs):
         x, k_pages, v_pages = carry
         layer, index = xs
-        if weights_in_place:
-            mm = lambda a, name, r=None: op.matmul_layer(a, params["layers"][name], index, r)  # noqa: E731
-        else:
-            mm = lambda a, name, r=None: op.matmul(a, layer[name], r)  # noqa: E731
+
+        def mm(a, name, r=None):
+            if weights_in_place:
+                return op.matmul_layer(a, params["layers"][name], index, r)
+            if layer_weights is None:
+                return op.matmul(a, layer[name], r)
+            return jax.checkpoint(lambda a, w, r: op.matmul(a, layer_weights(name, w), r))(a, layer[name], r)
+
+        if layer_weights is not None:  # the norms' weights: small, gathered once per layer
+            layer = {name: w if name in MATRICES else layer_weights(name, w) for name, w in layer.items()}
         h = op.rmsnorm(x, layer["input_layernorm"], None, None, eps)
         q = op.rmsnorm(mm(h, "q_proj").reshape(-1, dh), layer["q_norm"], cos_q, sin_q, eps)
         k = op.rmsnorm(mm(h, "k_proj").reshape(-1, dh), layer["k_norm"], cos_k, sin_k, eps)
@@ -138,6 +150,8 @@ def forward(
         x = mm(op.swiglu(mm(h, "gate_proj"), mm(h, "up_proj")), "down_proj", x)
         return (x, k_pages, v_pages), None
 
+    if layer_weights is not None and weights_in_place:
+        raise ValueError("layer_weights needs weights_in_place=False (the kernels would read the stacked arrays)")
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     scanned = {n: w for n, w in params["layers"].items() if not (weights_in_place and n in MATRICES)}
     (x, k_pages, v_pages), _ = jax.lax.scan(layer_step, (x, *kv_cache), (scanned, layer_ids))
@@ -155,14 +169,28 @@ def sample(params, hidden, seeds, steps, temperature, numerics: Numerics):
     return ops(numerics).sample_tokens(hidden, lm_head(params), seeds, steps, temperature)
 
 
-def sequence_logprobs(params, tokens, positions, temperature, rope, cfg: ModelConfig, numerics: Numerics):
+def sequence_logprobs(
+    params, tokens, positions, temperature, rope, cfg: ModelConfig, numerics: Numerics, layer_weights=None
+):
     """The learner's pass: whole sequences [B, T] into fresh pages; returns logp [B, T - 1] where
-    [b, t] is log p(tokens[b, t + 1] | tokens[b, :t + 1]). temperature [B]. Differentiable."""
+    [b, t] is log p(tokens[b, t + 1] | tokens[b, :t + 1]). temperature [B]. Differentiable.
+    layer_weights: see `forward` (the FSDP learner's per-layer all-gather)."""
     b, t = tokens.shape
     pages_per_row = cdiv(t, PAGE_SIZE)
     page_table = fresh_page_table(b, pages_per_row)
     cache = init_kv_cache(cfg, 1 + b * pages_per_row)
-    hidden, _ = forward(params, tokens, positions, cache, page_table, rope, cfg, numerics, weights_in_place=False)
+    hidden, _ = forward(
+        params,
+        tokens,
+        positions,
+        cache,
+        page_table,
+        rope,
+        cfg,
+        numerics,
+        weights_in_place=False,
+        layer_weights=layer_weights,
+    )
     h = hidden[:, :-1].reshape(b * (t - 1), -1)
     temps = jnp.repeat(temperature, t - 1)
     return token_logprobs(params, h, tokens[:, 1:].reshape(-1), temps, numerics).reshape(b, t - 1)

@@ -1,8 +1,10 @@
 """The contract across layouts, on fake CPU devices (a subprocess, since the device count is fixed
 when JAX starts): a sampler engine vs the FSDP learner on 8/4/2/1 devices, bit for bit; GRPO with
 the learner and the samplers on different, overlapping or the same devices; a GRPO run with an
-8-device learner and 2 samplers against the same run on one device; and the device flags' errors."""
+8-device learner and 2 samplers against the same run on one device; the device flags' errors; and
+the learner step's compiled memory per layer (XLA's analysis, nothing runs)."""
 
+import dataclasses
 import json
 import math
 import os
@@ -159,3 +161,36 @@ def test_grpo_fsdp_learner_follows_the_single_device_trajectory(tmp_path):
         assert np.count_nonzero(moved) > 0.99 * moved.size  # it did train
     assert np.abs(delta).max() <= 2 * max_step + ulp, np.abs(delta).max()
     assert np.median(np.abs(delta)) <= 2.0**-7 * lr_1, np.median(np.abs(delta))
+
+
+# The learner step's temporaries at 2 and 4 layers on 2 and 4 devices (bench/learner_memory.py: lowered
+# and compiled with abstract inputs, never run). Wide layers, few tokens: weights dominate activations.
+MEMORY_PROBE = """
+import dataclasses, json
+from bench.learner_memory import compiled_memory
+from rlkjax.config import ModelConfig
+cfg = dataclasses.replace(ModelConfig.preset("qwen3-tiny"), hidden_size=256, intermediate_size=1024)
+print(json.dumps({
+    f"{devices} {layers}": compiled_memory(dataclasses.replace(cfg, num_layers=layers), devices, devices, 16)[
+        "learner step (value and grad)"
+    ]["temporaries"]
+    for devices in (2, 4) for layers in (2, 4)
+}))
+"""
+
+
+@pytest.mark.slow  # ~1 min: four compilations
+def test_learner_step_memory_per_layer_scales_like_its_shard():
+    """Each added layer costs a learner device its fp32 gradient shard (4 bytes x layer params / N)
+    and a little more (activations), never a full copy of the layer: prevents the FSDP learner from
+    gathering, or reduce-scattering the gradients of, the whole model at once (at Qwen3-8B on 2 GPUs
+    that held 45.9 GiB of full-model buffers and did not fit; issue 12)."""
+    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    r = subprocess.run([sys.executable, "-c", MEMORY_PROBE], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    temporaries = json.loads(r.stdout.splitlines()[-1])
+    cfg = dataclasses.replace(rlkjax.ModelConfig.preset("qwen3-tiny"), hidden_size=256, intermediate_size=1024)
+    layer_params = sum(math.prod(shape) for shape in rlkjax.model.layer_shapes(cfg).values())
+    for devices in (2, 4):
+        per_layer = (temporaries[f"{devices} 4"] - temporaries[f"{devices} 2"]) / 2
+        assert per_layer < 4 * layer_params / devices + layer_params / 2, (devices, per_layer, layer_params)

@@ -83,17 +83,22 @@ def make_mesh(devices: list[jax.Device]) -> Mesh:
 
 
 def param_specs(params, devices: int):
-    """Shard each leaf along its largest dimension divisible by the mesh size."""
+    """Shard each leaf along its largest dimension divisible by the mesh size; never the layer axis
+    of params["layers"] (the learner gathers those one layer at a time, so each layer is sharded)."""
 
-    def spec(x):
-        dims = [d for d in np.argsort(x.shape)[::-1] if x.shape[d] % devices == 0]
+    def spec(x, first=0):
+        dims = [d for d in np.argsort(x.shape)[::-1] if d >= first and x.shape[d] % devices == 0]
         if not dims:
             raise ValueError(
-                f"FSDP over {devices} devices needs a dimension divisible by {devices}; a parameter has shape {x.shape}"
+                f"FSDP over {devices} devices needs a dimension divisible by {devices}"
+                f"{' (besides the layer axis)' if first else ''}; a parameter has shape {x.shape}"
             )
         return P(*[AXIS if i == dims[0] else None for i in range(x.ndim)])
 
-    return jax.tree.map(spec, params)
+    specs = jax.tree.map(spec, {k: v for k, v in params.items() if k != "layers"})
+    if "layers" in params:
+        specs["layers"] = jax.tree.map(lambda x: spec(x, first=1), params["layers"])
+    return specs
 
 
 # ----- moving data on and off the mesh -----
@@ -172,17 +177,32 @@ def _gather_leaf(axis: int, dtype, shard_dtype):
 
 
 def gather(params, specs, dtype=None):
-    """All-gather every shard (cast to `dtype`): exact, so the learner computes with the sampler's weights."""
-    return jax.tree.map(lambda x, s: _gather_leaf(list(s).index(AXIS), dtype or x.dtype, x.dtype)(x), params, specs)
+    """All-gather every shard (cast to `dtype`): exact, so the learner computes with the sampler's
+    weights. Except params["layers"]: they stay this device's shards, and the second result,
+    layer_weights, gathers one layer's slice of them (model.forward calls it inside its layer scan).
+    So one layer's full weights exist at a time, and the backward reduce-scatters each layer's
+    gradient as the scan reaches it, rather than the whole model's at the end (at 8B on 2 devices the
+    latter held tens of GiB of bf16 cotangents and their all-to-all)."""
+    leaf = lambda x, s, skip=0: _gather_leaf(list(s).index(AXIS) - skip, dtype or x.dtype, x.dtype)(x)  # noqa: E731
+    outer = jax.tree.map(
+        leaf, {k: v for k, v in params.items() if k != "layers"}, {k: v for k, v in specs.items() if k != "layers"}
+    )
+
+    def layer_weights(name, x):
+        return leaf(x, specs["layers"][name], skip=1)
+
+    return {**outer, "layers": params["layers"]}, layer_weights
 
 
 # ----- the learner's jitted functions -----
 def sharded_logprobs(fn, mesh, specs, dtype=None, **static):
-    """fn(params, tokens, positions, temps, rope, **static) -> [B, T-1], with rows sharded over the
-    mesh and the weights gathered as `dtype` (default: their own)."""
+    """fn(params, tokens, positions, temps, rope, layer_weights=..., **static) -> [B, T-1], with rows
+    sharded over the mesh and the weights gathered as `dtype` (default: their own); params["layers"]
+    are this device's shards, which fn passes on with layer_weights to model.forward (see gather)."""
 
     def body(params, tokens, positions, temps, rope):
-        return fn(gather(params, specs, dtype), tokens, positions, temps, rope, **static)
+        params, layer_weights = gather(params, specs, dtype)
+        return fn(params, tokens, positions, temps, rope, layer_weights=layer_weights, **static)
 
     return jax.jit(
         jax.shard_map(body, mesh=mesh, in_specs=(specs, ROWS, ROWS, ROWS, P()), out_specs=ROWS, check_vma=False)
@@ -190,10 +210,11 @@ def sharded_logprobs(fn, mesh, specs, dtype=None, **static):
 
 
 def sharded_value_and_grad(loss_fn, mesh, specs, dtype=None, **static):
-    """loss_fn(params, batch, ref_logp, rope, total_tokens, **static) -> (loss, (stats, logp)), the
-    loss and LossStats over this device's rows and logp [rows, T-1], with the weights gathered as
-    `dtype`. The jitted function takes (params, batch, ref_logp, rope, total_tokens, grads_so_far)
-    and returns the global loss, the stats merged by their declared REDUCTION, every row's logp, and
+    """loss_fn(params, batch, ref_logp, rope, total_tokens, layer_weights=..., **static) -> (loss,
+    (stats, logp)), the loss and LossStats over this device's rows and logp [rows, T-1], with the
+    weights gathered as `dtype` (params["layers"] sharded, gathered by layer_weights: see gather).
+    The jitted function takes (params, batch, ref_logp, rope, total_tokens, grads_so_far) and
+    returns the global loss, the stats merged by their declared REDUCTION, every row's logp, and
     grads_so_far + this micro-batch's FSDP-sharded gradients (in the params' dtype), added in place:
     grads_so_far is donated, so a micro-batch's gradients never take a second copy of that memory."""
     collectives = {
@@ -204,7 +225,8 @@ def sharded_value_and_grad(loss_fn, mesh, specs, dtype=None, **static):
 
     def body(params, batch, ref_logp, rope, total_tokens, grads_so_far):
         def local(p):
-            return loss_fn(gather(p, specs, dtype), batch, ref_logp, rope, total_tokens=total_tokens, **static)
+            p, layer_weights = gather(p, specs, dtype)
+            return loss_fn(p, batch, ref_logp, rope, total_tokens=total_tokens, layer_weights=layer_weights, **static)
 
         (loss, (stats, logp)), grads = jax.value_and_grad(local, has_aux=True)(params)
         merged = jax.tree.map(lambda v, how: collectives[how](v), stats, REDUCTION)

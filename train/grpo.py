@@ -229,15 +229,24 @@ def to_policy(master, cfg):
     return jax.tree.map(lambda w: w.astype(cfg.dtype), master)
 
 
-def policy_logprobs(master, tokens, positions, temps, rope, cfg, numerics):
-    return model.sequence_logprobs(to_policy(master, cfg), tokens, positions, temps, rope, cfg, numerics)
+def policy_logprobs(master, tokens, positions, temps, rope, cfg, numerics, layer_weights=None):
+    """layer_weights: the FSDP learner's per-layer all-gather (train/fsdp.py gather); master["layers"]
+    are then this device's shards, passed on uncast and cast after the gather (a no-op when the
+    gather already casts to the policy dtype, as train() asks: half the bytes moved and held)."""
+    if layer_weights is None:
+        policy = to_policy(master, cfg)
+    else:
+        policy = {**to_policy({k: w for k, w in master.items() if k != "layers"}, cfg), "layers": master["layers"]}
+        gather = layer_weights
+        layer_weights = lambda name, shard: gather(name, shard).astype(cfg.dtype)  # noqa: E731
+    return model.sequence_logprobs(policy, tokens, positions, temps, rope, cfg, numerics, layer_weights)
 
 
-def grpo_loss(master, batch: Batch, ref_logp, rope, cfg, numerics, clip_eps, beta, total_tokens):
+def grpo_loss(master, batch: Batch, ref_logp, rope, cfg, numerics, clip_eps, beta, total_tokens, layer_weights=None):
     """Token-level PPO-clip (+ k3 KL) summed over this micro-batch, divided by the whole batch's
     token count, so summing micro-batch gradients gives the full-batch gradient.
     Returns (loss, (LossStats, logp_new [B, T-1])); logp_new lets the first update check the contract."""
-    logp = policy_logprobs(master, batch.tokens, batch.positions, batch.temps, rope, cfg, numerics)
+    logp = policy_logprobs(master, batch.tokens, batch.positions, batch.temps, rope, cfg, numerics, layer_weights)
     mask, adv = batch.mask, batch.adv[:, None]
     ratio = jnp.exp(logp - batch.logp_old)
     surrogate = jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - clip_eps, 1 + clip_eps) * adv) * batch.tis
@@ -589,6 +598,7 @@ def train(config: GRPOConfig) -> dict:
         rollout.push(policy, cfg, out)
     else:  # built with the (restored) policy; it has had `start` updates, so versions continue from there
         rollout = LocalRollout(policy, cfg, config, mesh, sampler_devices, first_version=start)
+    del policy  # the samplers hold their copies; the learner's bf16 shards (P / N x 2 B) need not outlive the push
     metrics_path = out / "metrics.jsonl"
     if config.resume and primary:
         keep_metrics_until(metrics_path, start)
@@ -717,6 +727,7 @@ def train(config: GRPOConfig) -> dict:
             policy = to_policy(master, cfg)
             jax.block_until_ready(policy)
             rollout.push(policy, cfg, out)
+            del policy
             t4 = time.perf_counter()
             row |= {
                 "tokens_per_s": total_tokens / (t4 - t0),

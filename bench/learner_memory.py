@@ -1,0 +1,122 @@
+"""XLA's compiled memory analysis of train.grpo's sharded learner step (no execution, no weights).
+
+`python -m bench.learner_memory --model qwen3-8b --devices=2 --layers 1,2` lowers and compiles
+fsdp.sharded_value_and_grad(grpo.grpo_loss) (and the scoring pass, fsdp.sharded_logprobs) with
+abstract inputs (jax.ShapeDtypeStruct + shardings) on N fake CPU devices, and prints what one device
+holds: arguments, outputs, temporaries (XLA's compiled memory analysis on CPU, not a GPU
+measurement). Several layer counts show the per-layer slope; the scan compiles its body once, so
+the preset's own depth (--layers '') takes about as long.
+"""
+
+import os
+import sys
+
+if __name__ == "__main__":  # fake CPU devices, before jax is imported
+    devices = next((int(a.split("=")[1]) for a in sys.argv if a.startswith("--devices=")), 2)
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from rlkjax import model
+from rlkjax.config import ModelConfig
+from rlkjax.numerics import PAGE_SIZE
+from rlkjax.shapes import bucket
+from train import fsdp, grpo
+from train.batch import PAD, Batch
+
+GIB = 2**30
+
+
+def abstract(shape_tree, mesh, specs, dtype=None):
+    """ShapeDtypeStructs with the mesh shardings: what jit lowers against, with nothing allocated."""
+    if isinstance(specs, jax.sharding.PartitionSpec):
+        specs = jax.tree.map(lambda _: specs, shape_tree)
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype, sharding=NamedSharding(mesh, s)),
+        shape_tree,
+        specs,
+    )
+
+
+def compiled_memory(cfg: ModelConfig, devices: int, rows: int, tokens: int, numerics: str = "strict") -> dict:
+    """{function: {"arguments", "outputs", "temporaries", "aliased"}: bytes per device} for the
+    learner's value-and-grad step and its scoring pass on a micro-batch of `rows` x `tokens`."""
+    mesh = fsdp.make_mesh(jax.devices()[:devices])
+    shapes = jax.eval_shape(lambda: model.init_params(cfg, dtype=jnp.float32))
+    specs = fsdp.param_specs(shapes, devices)
+    master = abstract(shapes, mesh, specs, jnp.float32)
+    t = tokens
+    fields = Batch(
+        tokens=((rows, t), np.int32),
+        positions=((rows, t), np.int32),
+        logp_old=((rows, t - 1), np.float32),
+        mask=((rows, t - 1), np.float32),
+        adv=((rows,), np.float32),
+        temps=((rows,), np.float32),
+        tis=((rows, t - 1), np.float32),
+    )
+    batch = Batch(*(jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, fsdp.ROWS)) for s, d in fields))
+    assert len(batch) == len(PAD)
+    rope = abstract(jax.eval_shape(lambda: model.rope_tables(cfg)), mesh, fsdp.REPLICATED)
+    ref_logp = jax.ShapeDtypeStruct((rows, t - 1), jnp.float32, sharding=NamedSharding(mesh, fsdp.ROWS))
+    total = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, fsdp.REPLICATED))
+    grad_fn = fsdp.sharded_value_and_grad(
+        grpo.grpo_loss, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics=numerics, clip_eps=0.2, beta=0.0
+    )
+    score_fn = fsdp.sharded_logprobs(grpo.policy_logprobs, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics=numerics)
+    compiled = {
+        "learner step (value and grad)": grad_fn.lower(master, batch, ref_logp, rope, total, master).compile(),
+        "scoring pass (logprobs)": score_fn.lower(master, batch.tokens, batch.positions, batch.temps, rope).compile(),
+    }
+    out = {}
+    for name, c in compiled.items():
+        m = c.memory_analysis()
+        out[name] = {
+            "arguments": m.argument_size_in_bytes,
+            "outputs": m.output_size_in_bytes,
+            "aliased": m.alias_size_in_bytes,
+            "temporaries": m.temp_size_in_bytes,
+            "peak": m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes,
+        }
+        out[name]["hlo"] = c.as_text()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-8b")
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--layers", default="1,2", help="layer counts to compile (the preset's own if empty)")
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--numerics", choices=["strict", "fast"], default="strict")
+    parser.add_argument("--tokens", type=int, default=64 + 256, help="prompt + new tokens (bucketed as pack does)")
+    parser.add_argument("--hlo", help="write each compiled HLO to this prefix")
+    parser.add_argument("--json", action="store_true", help="one JSON line per layer count: {function: {what: bytes}}")
+    args = parser.parse_args()
+    base = ModelConfig.preset(args.model)
+    tokens = bucket(args.tokens, PAGE_SIZE)
+    for layers in [int(n) for n in args.layers.split(",")] if args.layers else [base.num_layers]:
+        cfg = dataclasses.replace(base, num_layers=layers)
+        rows = -(-args.micro_batch // args.devices) * args.devices  # micro_batches pads to a multiple of the mesh
+        results = compiled_memory(cfg, args.devices, rows, tokens, args.numerics)
+        if args.json:
+            print(json.dumps({name: {k: v for k, v in m.items() if k != "hlo"} for name, m in results.items()}))
+            continue
+        for name, m in results.items():
+            if args.hlo:
+                with open(f"{args.hlo}.{layers}.{name.split()[0]}.hlo", "w") as f:
+                    f.write(m["hlo"])
+            sizes = ", ".join(f"{k} {v / GIB:.2f}" for k, v in m.items() if k != "hlo")
+            print(f"{args.model} {layers} layers, {args.devices} devices, {name}: GiB per device: {sizes}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
