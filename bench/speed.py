@@ -30,7 +30,7 @@ import numpy as np
 
 import rlkjax
 from bench._report import median_time, new_report, save_report
-from pallas_kernels import attention, logprob, matmul, swiglu
+from pallas_kernels import attention, logprob, matmul, rmsnorm, swiglu
 from rlkjax import model, numerics
 from rlkjax.engine import prefill_chunk
 from rlkjax.numerics import PAGE_SIZE
@@ -387,7 +387,7 @@ def kernel_rows(bw, rate, repeats):
 
 
 # ----- tile sweep (re-tuning on another GPU; --only sweep) -----
-def sweep_rows(bw, rate, repeats):
+def sweep_rows(bw, rate, repeats, parts):
     """Tile configs side by side at decode and learner shapes; 'same_bits' compares row 0 of each
     result with the first config's (a row's bits must not depend on the M/N tiles)."""
     rows = []
@@ -416,7 +416,8 @@ def sweep_rows(bw, rate, repeats):
         64: [(64, 32, 128, 4, 4), (64, 64, 128, 4, 4), (64, 64, 64, 4, 4), (32, 32, 128, 4, 4)],
         256: [(64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (128, 128, 128, 8, 3)],
     }
-    for k, n, ms in ((4096, 12288, (1, 64, 256)), (4096, 1024, (1,))):
+    shapes = ((4096, 12288, (1, 64, 256)), (4096, 1024, (1,)), (4096, 4096, (1,)), (12288, 4096, (1,)))
+    for k, n, ms in shapes if "matmul" in parts else ():
         ws = rand(2, (36, n, k), scale=0.02)
         for m in ms:
             x0 = rand(1, (m, k))
@@ -450,16 +451,57 @@ def sweep_rows(bw, rate, repeats):
                             "same_bits": bool(np.array_equal(out, ref)),
                         }
                     )
+    # q/k/v of a decode step (8B): one fused launch vs three (the model reads them fused in place).
+    qkv = [rand(2 + i, (36, n, 4096), scale=0.02) for i, n in enumerate((4096, 1024, 1024))]
+    for how in ("fused", "separate") if "qkv" in parts else ():
+
+        def qkv_step(i, x, ws, how=how):
+            c = numerics.MATMUL_DECODE
+            if how == "fused":
+                ys = matmul.matmul_layer_fused(x, ws, i, c, False)
+            else:
+                ys = [matmul.matmul_layer(x, w, i, None, c, False) for w in ws]
+            return ys[0] + jnp.tile(ys[1], (1, 4)) + jnp.tile(ys[2], (1, 4))
+
+        x0 = rand(1, (16, 4096))
+        r = attempt("qkv", "M=1 K=4096 N=4096+1024+1024", how, lambda: _loop_time(qkv_step, x0, qkv, 36, repeats))
+        if r is not None:
+            add({"what": "qkv", "how": how, "us": 1e6 * r[0], "hbm_fraction": 6144 * 4096 * 2 / r[0] / bw})
+    # RMSNorm tiles: a decode step's 16 padded rows (one real) and the learner's 8192 rows.
+    for n_rows, d in ((16, 4096), (16, 1024), (8192, 4096), (8192, 2048)) if "rmsnorm" in parts else ():
+        norms = (1 + rand(3, (36, d), scale=0.1)).astype(BF16)
+        for t in ((16, 256, 4), (1, 1024, 4), (1, 256, 4), (1, 1024, 8), (1, 4096, 4), (4, 1024, 4)):
+            c = rmsnorm.RMSNormConfig(*t)
+
+            def norm_step(i, x, ws, c=c):
+                return rmsnorm.rmsnorm_layer(x, ws, i, None, None, 1e-6, c, False)
+
+            x0 = rand(1, (n_rows, d))
+            r = attempt("rmsnorm", f"{n_rows}x{d}", c, lambda: _loop_time(norm_step, x0, norms, 36, repeats))
+            if r is not None:
+                add(
+                    {
+                        "what": "rmsnorm",
+                        "shape": f"{n_rows}x{d}",
+                        "config": list(t),
+                        "us": 1e6 * r[0],
+                        "hbm_fraction": 2 * n_rows * d * 2 / r[0] / bw,
+                    }
+                )
     m, k, n = 8192, 4096, 12288
     x, w = rand(1, (m, k)), rand(2, (n, k), scale=0.02)
     ref = None
-    for t in [
-        (128, 128, 128, 8, 3),
-        (128, 128, 64, 8, 3),
-        (128, 256, 64, 8, 3),
-        (128, 256, 128, 8, 2),
-        (64, 64, 32, 4, 3),
-    ]:
+    for t in (
+        ()
+        if "learner_matmul" not in parts
+        else [
+            (128, 128, 128, 8, 3),
+            (128, 128, 64, 8, 3),
+            (128, 256, 64, 8, 3),
+            (128, 256, 128, 8, 2),
+            (64, 64, 32, 4, 3),
+        ]
+    ):
         c = mc(*t)
         f = jax.jit(lambda x, w, c=c: matmul.matmul(x, w, None, c, False))
         dt = attempt(
@@ -480,7 +522,7 @@ def sweep_rows(bw, rate, repeats):
             }
         )
     hq, hkv, dh = 32, 8, 128
-    for b, t, ctx in ((1, 1, 2048), (64, 1, 2048), (2, 4096, 4096)):
+    for b, t, ctx in ((1, 1, 2048), (64, 1, 2048), (2, 4096, 4096)) if "attention" in parts else ():
         ppr = -(-ctx // PAGE_SIZE)
         pages = rand(6, (1, hkv, 1 + b * ppr, PAGE_SIZE, dh))
         pt = jnp.asarray(1 + np.arange(b * ppr, dtype=np.int32).reshape(b, ppr))
@@ -555,6 +597,11 @@ def main():
     ap.add_argument("--score-model", default="qwen3-8b")
     ap.add_argument("--score", default="16x1024", help="scored rows x tokens")
     ap.add_argument("--only", default="decode,prefill,learner,score,kernels", help="sections to run (also: sweep)")
+    ap.add_argument(
+        "--sweep",
+        default="matmul,qkv,rmsnorm,learner_matmul,attention",
+        help="parts of the tile sweep (--only sweep): matmul, qkv, rmsnorm, learner_matmul, attention",
+    )
     ap.add_argument("--quick", action="store_true", help="a subset that fits a short device call")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/speed_<date>.json)")
     args = ap.parse_args()
@@ -577,7 +624,7 @@ def main():
     print(json.dumps(c), flush=True)
     bw, rate = c["copy_bandwidth_Bps"], c["dot_bf16_flops"]
     if "sweep" in sections:
-        report["sweep"] = sweep_rows(bw, rate, args.repeats)
+        report["sweep"] = sweep_rows(bw, rate, args.repeats, set(args.sweep.split(",")))
         save_report(report, out)
     for name in args.models.split(","):
         if not sections & {"decode", "prefill", "score"}:

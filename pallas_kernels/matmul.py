@@ -15,6 +15,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import F32, acc_dtype, check_block, compiler_params, dot_nt, pad_dim
@@ -38,15 +39,8 @@ class MatmulConfig:
             raise ValueError(f"num_stages={self.num_stages} must be >= 1")
 
 
-def _kernel(*refs, block_k, k_steps, has_residual, stacked, interpret):
-    if stacked:
-        layer_ref, x_ref, w_ref, *refs = refs
-        layer = layer_ref[0]
-        w_tile = lambda ks: w_ref[layer, :, ks]  # noqa: E731
-    else:
-        x_ref, w_ref, *refs = refs
-        w_tile = lambda ks: w_ref[:, ks]  # noqa: E731
-    o_ref = refs[-1]
+def _product(x_ref, w_tile, shape, block_k, k_steps, interpret):
+    """The fp32 accumulator of one output tile: K in `block_k` steps, ascending."""
 
     def body(i, acc):
         ks = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
@@ -63,7 +57,19 @@ def _kernel(*refs, block_k, k_steps, has_residual, stacked, interpret):
             return acc
         return acc + dot_nt(x, w)
 
-    acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros(o_ref.shape, F32))
+    return jax.lax.fori_loop(0, k_steps, body, jnp.zeros(shape, F32))
+
+
+def _kernel(*refs, block_k, k_steps, has_residual, stacked, interpret):
+    if stacked:
+        layer_ref, x_ref, w_ref, *refs = refs
+        layer = layer_ref[0]
+        w_tile = lambda ks: w_ref[layer, :, ks]  # noqa: E731
+    else:
+        x_ref, w_ref, *refs = refs
+        w_tile = lambda ks: w_ref[:, ks]  # noqa: E731
+    o_ref = refs[-1]
+    acc = _product(x_ref, w_tile, o_ref.shape, block_k, k_steps, interpret)
     y = acc.astype(o_ref.dtype)
     if has_residual:
         y = (y.astype(F32) + refs[0][...].astype(F32)).astype(o_ref.dtype)
@@ -147,6 +153,60 @@ def matmul_layer(x, w, layer, residual, config: MatmulConfig, interpret: bool):
     if w.shape[1] % config.block_n or w.shape[2] % config.block_k:
         return _pallas_matmul(x, jax.lax.dynamic_index_in_dim(w, layer, keepdims=False), residual, config, interpret)
     return _pallas_matmul(x, w, residual, config, interpret, layer)
+
+
+def _fused_kernel(layer_ref, x_ref, *refs, tiles, block_k, k_steps, interpret):
+    """Program column j computes output tile j of the concatenated outputs: weight i's tile
+    j - (tiles before i), with `_product` unchanged, so every column has `_kernel`'s bits."""
+    w_refs, o_refs = refs[: len(tiles)], refs[len(tiles) :]
+    layer, j, start = layer_ref[0], pl.program_id(1), 0
+    for w_ref, o_ref, count in zip(w_refs, o_refs, tiles):
+
+        @pl.when((j >= start) & (j < start + count))
+        def _(w_ref=w_ref, o_ref=o_ref):
+            w_tile = lambda ks: w_ref[layer, :, ks]  # noqa: E731
+            o_ref[...] = _product(x_ref, w_tile, o_ref.shape, block_k, k_steps, interpret).astype(o_ref.dtype)
+
+        start += count
+
+
+def matmul_layer_fused(x, ws, layer, config: MatmulConfig, interpret: bool):
+    """[x @ w[layer].T for w in ws] in ONE launch (q/k/v, gate/up: one pass over x, and narrow
+    outputs such as k/v share the GPU with the wide ones). Same tiles, same K order, same bits as
+    separate `matmul_layer` calls (each output column is computed by the same code). Forward only.
+    Shapes that are not tile multiples take separate calls."""
+    c = config
+    if x.ndim != 2 or any(w.ndim != 3 or w.shape[2] != x.shape[1] or w.shape[0] != ws[0].shape[0] for w in ws):
+        raise ValueError(f"matmul_layer_fused shapes do not match: x {x.shape}, ws {[w.shape for w in ws]}")
+    if any(w.shape[1] % c.block_n for w in ws) or x.shape[1] % c.block_k:
+        return tuple(matmul_layer(x, w, layer, None, c, interpret) for w in ws)
+    m, k = x.shape
+    x = pad_dim(x, 0, c.block_m)
+    mp = x.shape[0]
+    tiles = tuple(w.shape[1] // c.block_n for w in ws)
+    starts = np.cumsum((0,) + tiles[:-1])
+
+    def w_spec(start, count):
+        return pl.BlockSpec((ws[0].shape[0], c.block_n, k), lambda i, j: (0, jnp.clip(j - start, 0, count - 1), 0))
+
+    def o_spec(start, count):
+        return pl.BlockSpec((c.block_m, c.block_n), lambda i, j: (i, jnp.clip(j - start, 0, count - 1)))
+
+    ys = pl.pallas_call(
+        functools.partial(_fused_kernel, tiles=tiles, block_k=c.block_k, k_steps=k // c.block_k, interpret=interpret),
+        name="matmul_fused_n" + "_".join(str(w.shape[1]) for w in ws) + f"_k{k}",
+        grid=(mp // c.block_m, sum(tiles)),
+        in_specs=[
+            pl.BlockSpec((1,), lambda i, j: (0,)),
+            pl.BlockSpec((c.block_m, k), lambda i, j: (i, 0)),
+            *(w_spec(int(s), n) for s, n in zip(starts, tiles)),
+        ],
+        out_specs=[o_spec(int(s), n) for s, n in zip(starts, tiles)],
+        out_shape=[jax.ShapeDtypeStruct((mp, w.shape[1]), x.dtype) for w in ws],
+        compiler_params=compiler_params(c.num_warps, c.num_stages),
+        interpret=interpret,
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), x, *ws)
+    return tuple(y[:m] for y in ys)
 
 
 def matmul_reference(x, w, residual=None, config=None, interpret=None):

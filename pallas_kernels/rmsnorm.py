@@ -7,7 +7,10 @@ in fp32 from the rounded norm output and rounded once.
 
 The sum of squares adds D's `block_d`-wide chunks elementwise in ascending order, then reduces
 the chunk-wide partial once; each program owns `block_rows` whole rows, so a row's bits never
-depend on which other rows share its program.
+depend on which other rows share its program. `block_rows` is part of the contract (the tile's
+shape sets the reduction's layout on the GPU), so every caller uses one config.
+`rmsnorm_layer` reads one layer's weight out of a stacked [L, D] array in place (a `lax.scan`
+slice would copy it: ~2 us per norm per layer in a decode step).
 """
 
 import dataclasses
@@ -28,7 +31,7 @@ class RMSNormConfig:
     num_warps: int = 4
 
     def __post_init__(self):
-        check_block("block_rows", self.block_rows)
+        check_block("block_rows", self.block_rows, minimum=1)
         check_block("block_d", self.block_d)
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps={self.num_warps} must be 1, 2, 4, 8 or 16")
@@ -40,7 +43,14 @@ def _norm(x, inv, w, dtype):
     return (w.astype(acc) * n.astype(acc)).astype(dtype)
 
 
-def _kernel(x_ref, w_ref, *refs, eps, block_d, d, rope, width):
+def _kernel(*refs, eps, block_d, d, rope, width, stacked):
+    if stacked:
+        layer_ref, x_ref, w_ref, *refs = refs
+        layer = layer_ref[0]
+        w_at = lambda c: w_ref[layer, c]  # noqa: E731
+    else:
+        x_ref, w_ref, *refs = refs
+        w_at = lambda c: w_ref[c]  # noqa: E731
     o_ref = refs[-1]
     chunks = [pl.ds(i, block_d) for i in range(0, d, block_d)]
     # Squares summed elementwise over the chunks (ascending), then ONE row reduction: the order
@@ -54,12 +64,12 @@ def _kernel(x_ref, w_ref, *refs, eps, block_d, d, rope, width):
     inv = _math.rsqrt(sumsq / width + eps)[:, None]  # width: the true feature count (d may be padded)
     if not rope:
         for c in chunks:
-            o_ref[:, c] = _norm(x_ref[:, c], inv, w_ref[c], o_ref.dtype)
+            o_ref[:, c] = _norm(x_ref[:, c], inv, w_at(c), o_ref.dtype)
         return
     cos, sin = refs[0][...], refs[1][...]
     lo, hi = pl.ds(0, d // 2), pl.ds(d // 2, d // 2)
-    x1 = _norm(x_ref[:, lo], inv, w_ref[lo], o_ref.dtype).astype(F32)
-    x2 = _norm(x_ref[:, hi], inv, w_ref[hi], o_ref.dtype).astype(F32)
+    x1 = _norm(x_ref[:, lo], inv, w_at(lo), o_ref.dtype).astype(F32)
+    x2 = _norm(x_ref[:, hi], inv, w_at(hi), o_ref.dtype).astype(F32)
     o_ref[:, lo] = (x1 * cos - x2 * sin).astype(o_ref.dtype)
     o_ref[:, hi] = (x2 * cos + x1 * sin).astype(o_ref.dtype)
 
@@ -87,7 +97,8 @@ def _padded_rmsnorm(x, w, cos, sin, eps, config, interpret):
     return _pallas_rmsnorm(x, w, cos, sin, eps, config, interpret)
 
 
-def _pallas_rmsnorm(x, w, cos, sin, eps, config, interpret, width=None):
+def _pallas_rmsnorm(x, w, cos, sin, eps, config, interpret, width=None, layer=None):
+    """w [D], or w [L, D] with `layer` (read in place)."""
     n, d = x.shape
     rope = cos is not None
     block_d = d // 2 if rope else min(config.block_d, d)
@@ -95,18 +106,24 @@ def _pallas_rmsnorm(x, w, cos, sin, eps, config, interpret, width=None):
     if d % block_d:
         raise ValueError(f"rmsnorm width {d} is not a multiple of block_d={block_d}")
     br = config.block_rows
-    args = [pad_dim(x, 0, br), w]
+    x = pad_dim(x, 0, br)
+    args = [x, w]
     specs = [pl.BlockSpec((br, d), lambda i: (i, 0)), pl.BlockSpec((d,), lambda i: (0,))]
+    if layer is not None:
+        args = [jnp.reshape(layer, (1,)).astype(jnp.int32), *args]
+        specs = [pl.BlockSpec((1,), lambda i: (0,)), specs[0], pl.BlockSpec(w.shape, lambda i: (0, 0))]
     if rope:
         args += [pad_dim(cos, 0, br), pad_dim(sin, 0, br)]
         specs += [pl.BlockSpec((br, d // 2), lambda i: (i, 0))] * 2
     y = pl.pallas_call(
-        functools.partial(_kernel, eps=eps, block_d=block_d, d=d, rope=rope, width=width or d),
+        functools.partial(
+            _kernel, eps=eps, block_d=block_d, d=d, rope=rope, width=width or d, stacked=layer is not None
+        ),
         name="rmsnorm",
-        grid=(args[0].shape[0] // br,),
+        grid=(x.shape[0] // br,),
         in_specs=specs,
         out_specs=pl.BlockSpec((br, d), lambda i: (i, 0)),
-        out_shape=jax.ShapeDtypeStruct(args[0].shape, x.dtype),
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
         compiler_params=compiler_params(config.num_warps, 1),
         interpret=interpret,
     )(*args)
@@ -134,6 +151,21 @@ def _bwd(eps, config, interpret, saved, dy):
 
 
 rmsnorm.defvjp(_fwd, _bwd)
+
+
+def rmsnorm_layer(x, weights, layer, cos, sin, eps: float, config: RMSNormConfig, interpret: bool):
+    """`rmsnorm(x, weights[layer], ...)`, same kernel and bits, reading the layer's weight out of the
+    stacked weights [L, D] in place. Forward only (the sampler's path). A width the kernel would pad
+    takes the slice instead: same bits, a copy."""
+    if x.ndim != 2 or weights.ndim != 2 or weights.shape[1] != x.shape[1]:
+        raise ValueError(f"rmsnorm_layer shapes do not match: x {x.shape}, weights {weights.shape}")
+    width = x.shape[1]
+    chunk = min(config.block_d, pl.next_power_of_2(width))
+    padded = width // 2 != pl.next_power_of_2(width // 2) if cos is not None else width % chunk != 0
+    if padded:
+        w = jax.lax.dynamic_index_in_dim(weights, layer, keepdims=False)
+        return _padded_rmsnorm(x, w, cos, sin, eps, config, interpret)
+    return _pallas_rmsnorm(x, weights, cos, sin, eps, config, interpret, layer=layer)
 
 
 def rmsnorm_reference(x, weight, cos, sin, eps, config=None, interpret=None):

@@ -99,7 +99,7 @@ def forward(
     """tokens, positions [B, T] (position -1 = padding), page_table [B, P] -> hidden [B, T, D] (final-normed)
     and the cache with this call's K/V written in. Only data movement happens outside the ops.
 
-    weights_in_place: the matmul kernels read layer i's weights out of the stacked [L, N, K] arrays
+    weights_in_place: the matmul and norm kernels read layer i's weights out of the stacked arrays
     (no per-layer copy, which a scan's slice would make). Same kernels, same bits either way; the
     learner passes False because it differentiates through per-layer slices.
     layer_weights: (needs weights_in_place=False) a function (name, that layer's slice of
@@ -129,12 +129,23 @@ def forward(
                 return op.matmul(a, layer[name], r)
             return jax.checkpoint(lambda a, w, r: op.matmul(a, layer_weights(name, w), r))(a, layer[name], r)
 
+        def norm(a, name, cos=None, sin=None):
+            if weights_in_place:
+                return op.rmsnorm_layer(a, params["layers"][name], index, cos, sin, eps)
+            return op.rmsnorm(a, layer[name], cos, sin, eps)
+
         if layer_weights is not None:  # the norms' weights: small, gathered once per layer
             layer = {name: w if name in MATRICES else layer_weights(name, w) for name, w in layer.items()}
-        h = op.rmsnorm(x, layer["input_layernorm"], None, None, eps)
-        q = op.rmsnorm(mm(h, "q_proj").reshape(-1, dh), layer["q_norm"], cos_q, sin_q, eps)
-        k = op.rmsnorm(mm(h, "k_proj").reshape(-1, dh), layer["k_norm"], cos_k, sin_k, eps)
-        v = mm(h, "v_proj")
+
+        def mms(a, *names):  # several projections of one input: one launch when reading in place
+            if weights_in_place:
+                return op.matmul_layer_fused(a, tuple(params["layers"][n] for n in names), index)
+            return tuple(mm(a, n) for n in names)
+
+        h = norm(x, "input_layernorm")
+        q, k, v = mms(h, "q_proj", "k_proj", "v_proj")
+        q = norm(q.reshape(-1, dh), "q_norm", cos_q, sin_q)
+        k = norm(k.reshape(-1, dh), "k_norm", cos_k, sin_k)
         attn, k_pages, v_pages = op.attention(
             q[: n * hq].reshape(b, t, hq, dh),
             k[: n * hkv].reshape(b, t, hkv, dh),
@@ -146,14 +157,14 @@ def forward(
             positions,
         )
         x = mm(pad_dim(attn.reshape(n, hq * dh), 0, rows), "o_proj", x)
-        h = op.rmsnorm(x, layer["post_attention_layernorm"], None, None, eps)
-        x = mm(op.swiglu(mm(h, "gate_proj"), mm(h, "up_proj")), "down_proj", x)
+        h = norm(x, "post_attention_layernorm")
+        x = mm(op.swiglu(*mms(h, "gate_proj", "up_proj")), "down_proj", x)
         return (x, k_pages, v_pages), None
 
     if layer_weights is not None and weights_in_place:
         raise ValueError("layer_weights needs weights_in_place=False (the kernels would read the stacked arrays)")
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    scanned = {n: w for n, w in params["layers"].items() if not (weights_in_place and n in MATRICES)}
+    scanned = {} if weights_in_place else params["layers"]
     (x, k_pages, v_pages), _ = jax.lax.scan(layer_step, (x, *kv_cache), (scanned, layer_ids))
     x = op.rmsnorm(x, params["norm"], None, None, eps)
     return x[:n].reshape(b, t, -1), (k_pages, v_pages)

@@ -39,10 +39,11 @@ PRECISION = {
 # warp and stage count tried: bench.speed's sweep, tests/test_kernels.py
 # `test_matmul_tile_configs_agree` run compiled); interpreted, a tile walks K in 32-wide dots
 # whatever block_k is. Decode rows get GEMV-like tiles (16 rows, narrow N tiles so even a
-# 1024-wide output spreads over the GPU, long K tiles); the learner gets 128x256x64 tensor-core
+# 1024-wide output spreads over the GPU, long K tiles, 6 stages in flight: 8-18% faster than 4 at
+# 8B decode shapes on the H200, bench.speed --only sweep); the learner gets 128x256x64 tensor-core
 # tiles (1.4x the 128x128x128 rate at 8192x4096x12288 on the H200).
 MATMUL_BLOCK_K = 128
-MATMUL_DECODE = matmul.MatmulConfig(block_m=16, block_n=32, block_k=MATMUL_BLOCK_K, num_warps=4, num_stages=4)
+MATMUL_DECODE = matmul.MatmulConfig(block_m=16, block_n=32, block_k=MATMUL_BLOCK_K, num_warps=4, num_stages=6)
 MATMUL_SMALL = matmul.MatmulConfig(block_m=64, block_n=32, block_k=MATMUL_BLOCK_K, num_warps=4, num_stages=4)
 MATMUL_MEDIUM = matmul.MatmulConfig(block_m=64, block_n=64, block_k=MATMUL_BLOCK_K, num_warps=4, num_stages=4)
 MATMUL = matmul.MatmulConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
@@ -51,6 +52,11 @@ MATMUL = matmul.MatmulConfig(block_m=128, block_n=256, block_k=64, num_warps=8, 
 def matmul_config(rows: int) -> matmul.MatmulConfig:
     """The tile config for a call with `rows` rows (a static shape, so chosen at trace time)."""
     return MATMUL_DECODE if rows <= 16 else MATMUL_SMALL if rows <= 64 else MATMUL_MEDIUM if rows <= 256 else MATMUL
+
+
+def rmsnorm_config(cos) -> rmsnorm.RMSNormConfig:
+    """Hidden-size norms (no RoPE) or the per-head q/k norms (RoPE tables given)."""
+    return RMSNORM if cos is None else RMSNORM_HEADS
 
 
 def padded_rows(rows: int, numerics: "Numerics") -> int:
@@ -64,10 +70,17 @@ def padded_rows(rows: int, numerics: "Numerics") -> int:
     return -(-rows // block) * block
 
 
-RMSNORM = rmsnorm.RMSNormConfig(block_rows=16, block_d=256, num_warps=4)
+# RMSNorm: one row per program for the hidden-size norms (a decode step's single real row was one
+# program walking 16 padded rows: 21 us per call at 4096 wide on the H200, 73 calls a step); the
+# per-head q/k norms (+RoPE, 128 wide, heads x tokens rows) keep 16-row programs. The row tile
+# sets the reduction layout on the GPU, so each kind has one config on both sides.
+RMSNORM = rmsnorm.RMSNormConfig(block_rows=1, block_d=1024, num_warps=4)
+RMSNORM_HEADS = rmsnorm.RMSNormConfig(block_rows=16, block_d=256, num_warps=4)
 SWIGLU = swiglu.SwiGLUConfig(block_rows=16, block_cols=128, num_warps=4)
 ATTENTION = attention.AttentionConfig(page_size=16, block_rows=16, kv_split=256, num_warps=4, num_stages=2)
-LOGPROB = logprob.LogprobConfig(block_rows=64, block_vocab=128, block_k=64, vocab_splits=128, num_warps=4, num_stages=2)
+LOGPROB = logprob.LogprobConfig(block_rows=64, block_vocab=128, block_k=64, vocab_splits=128, num_warps=4, num_stages=4)
+# 4 stages: a decode step streams the 1.24 GB lm_head (8B) through 128 programs, one per SM, and 2
+# stages in flight held it at 44% of the copy bandwidth.
 # One LOGPROB config for every row count: block_rows changes the layout of the [rows, vocab tile]
 # reductions (max, sum of exp) and with it their order, so a row's bits depend on it (measured on
 # the H200 and in interpret mode: 16- vs 64-row programs differ in the last bit for some rows).
@@ -118,7 +131,9 @@ def check_xla_flags() -> None:
 class Ops(NamedTuple):
     matmul: Callable  # (x, w, residual=None)
     matmul_layer: Callable  # (x, w_stacked [L, N, K], layer, residual=None): reads w[layer] in place
+    matmul_layer_fused: Callable  # (x, (w_stacked, ...), layer) -> (x @ w[layer].T, ...) in one launch
     rmsnorm: Callable  # (x, weight, cos, sin, eps)
+    rmsnorm_layer: Callable  # (x, weights_stacked [L, D], layer, cos, sin, eps): reads weights[layer] in place
     swiglu: Callable  # (gate, up)
     attention: Callable  # (q, k, v, k_pages, v_pages, layer, page_table, positions) -> (out, k_pages, v_pages)
     token_logprobs: Callable  # (h, w, targets, temperature)
@@ -138,7 +153,9 @@ def ops(numerics: Numerics) -> Ops:
         return Ops(
             lambda x, w, r=None: matmul.matmul_reference(x, w, r),
             lambda x, w, layer, r=None: matmul.matmul_reference(x, w[layer], r),
+            lambda x, ws, layer: tuple(matmul.matmul_reference(x, w[layer]) for w in ws),
             rmsnorm.rmsnorm_reference,
+            lambda x, w, layer, cos, sin, eps: rmsnorm.rmsnorm_reference(x, w[layer], cos, sin, eps),
             swiglu.swiglu_reference,
             attention.paged_attention_reference,
             logprob.token_logprobs_reference,
@@ -155,7 +172,9 @@ def ops(numerics: Numerics) -> Ops:
     return Ops(
         lambda x, w, r=None: matmul.matmul(x, w, r, matmul_config(x.shape[0]), interp),
         lambda x, w, layer, r=None: matmul.matmul_layer(x, w, layer, r, matmul_config(x.shape[0]), interp),
-        lambda x, w, cos, sin, eps: rmsnorm.rmsnorm(x, w, cos, sin, eps, RMSNORM, interp),
+        lambda x, ws, layer: matmul.matmul_layer_fused(x, ws, layer, matmul_config(x.shape[0]), interp),
+        lambda x, w, cos, sin, eps: rmsnorm.rmsnorm(x, w, cos, sin, eps, rmsnorm_config(cos), interp),
+        lambda x, w, i, cos, sin, eps: rmsnorm.rmsnorm_layer(x, w, i, cos, sin, eps, rmsnorm_config(cos), interp),
         lambda g, u: swiglu.swiglu(g, u, SWIGLU, interp),
         lambda *a: attention.paged_attention(*a, ATTENTION, interp),
         lambda h, w, t, temp: logprob.token_logprobs(h, w, t, temp, LOGPROB, interp),

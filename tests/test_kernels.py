@@ -115,7 +115,7 @@ def test_rmsnorm(rope, d):
     x, w = randn(1, (n, d), BF16, 3.0), (1 + randn(2, (d,), F32, 0.1)).astype(BF16)
     ang = randn(3, (n, d // 2))
     cos, sin = (jnp.cos(ang), jnp.sin(ang)) if rope else (None, None)
-    ker = lambda x, w, c, s: rmsnorm.rmsnorm(x, w, c, s, 1e-6, numerics.RMSNORM, INTERPRET)  # noqa: E731
+    ker = lambda x, w, c, s: rmsnorm.rmsnorm(x, w, c, s, 1e-6, numerics.rmsnorm_config(c), INTERPRET)  # noqa: E731
     ref = lambda x, w, c, s: rmsnorm.rmsnorm_reference(x, w, c, s, 1e-6)  # noqa: E731
     if rope:
         check_against_truth(ker, ref, [x, w, cos, sin], "rmsnorm+rope")
@@ -298,6 +298,32 @@ def test_matmul_tile_configs_agree():
             assert_bits_equal(
                 matmul.matmul_layer(x[lo:hi], ws, jnp.int32(1), r[lo:hi], c, INTERPRET), ref[lo:hi], f"{c} stacked"
             )
+
+
+def test_matmul_fused_projections_agree():
+    """The sampler computes q/k/v (and gate/up) in one launch; the learner calls each projection
+    on its own. Every output column must have the separate call's bits, for every tile class
+    (including a width the fused kernel hands back to separate calls)."""
+    x = randn(1, (20, 256), BF16)
+    for widths in ((256, 64, 64), (96, 40)):
+        ws = [randn(2 + i, (3, n, 256), BF16, 0.1) for i, n in enumerate(widths)]
+        for c in (numerics.MATMUL_DECODE, numerics.MATMUL):
+            fused = matmul.matmul_layer_fused(x, ws, jnp.int32(2), c, INTERPRET)
+            for w, y in zip(ws, fused, strict=True):
+                assert_bits_equal(y, matmul.matmul(x, w[2], None, numerics.MATMUL, INTERPRET), f"{c} {widths}")
+
+
+@pytest.mark.parametrize("d,rope", [(64, False), (64, True), (40, False), (40, True)])
+def test_rmsnorm_layer_reads_the_stack_in_place(d, rope):
+    """rmsnorm_layer (the sampler: weights read out of the [L, D] stack) == rmsnorm on the sliced
+    weight (the learner), bit for bit, also for widths the kernel pads."""
+    n = 19
+    x, ws = randn(1, (n, d), BF16, 3.0), (1 + randn(2, (3, d), F32, 0.1)).astype(BF16)
+    ang = randn(3, (n, d // 2))
+    cos, sin = (jnp.cos(ang), jnp.sin(ang)) if rope else (None, None)
+    c = numerics.rmsnorm_config(cos)
+    got = rmsnorm.rmsnorm_layer(x, ws, jnp.int32(1), cos, sin, 1e-6, c, INTERPRET)
+    assert_bits_equal(got, rmsnorm.rmsnorm(x, ws[1], cos, sin, 1e-6, c, INTERPRET), f"d={d} rope={rope}")
 
 
 @pytest.mark.parametrize(
