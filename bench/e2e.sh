@@ -6,13 +6,13 @@
 #
 # Pieces, most valuable first, each under `timeout` with its own budget (s, estimated for an H200 below), cut to
 # what is left of TOTAL (default 560 s); a piece with less than MIN_PIECE (45 s) left is skipped, not started:
-#   grpo_<model>_strict 150, grpo_<model>_fast 170
+#   grpo_<model>_strict 160, grpo_<model>_fast 190
 #            bench.grpo_compare, P32 x G8 x 512 new tokens, verify on, 2 steps (the first compiles; the second is
 #            the number): step split rollout / learn / sync / host. Estimate at 0.6B: ~90 s of compilation,
-#            then ~20 s a step strict (131k tokens at ~18k tok/s decode + ~10 s learn), ~30 s fast (decode
-#            ~7k tok/s at batch 256). Micro-batch 8 for both: XLA's compiled memory analysis of the fast
-#            learner step at 640 tokens (`python -m bench.learner_memory --model qwen3-0.6b --devices=1
-#            --numerics fast --tokens 640`) gives ~75 GiB at 8 sequences, ~280 GiB at 32 (strict: ~52 GiB at 32).
+#            then ~25 s a step strict (131k tokens at ~18k tok/s decode, ~12 s learn + verify pass), ~35 s
+#            fast (decode ~7k tok/s at batch 256). Micro-batch 8 for both: XLA's compiled memory analysis of
+#            the fast learner step at 640 tokens (`python -m bench.learner_memory --model qwen3-0.6b
+#            --devices=1 --numerics fast --tokens 640`) gives ~75 GiB at 8 sequences, ~280 GiB at 32.
 #            qwen3-4b needs ~2-3x the time per run, so it is not in the default MODELS:
 #            `MODELS=qwen3-4b MICRO_BATCH=4 PIECES=grpo bash bench/e2e.sh` is a call of its own.
 #   server_e2e 200
@@ -27,10 +27,11 @@
 #   rollout 120
 #            bench.rollout: in-process weight sync at SYNC_MODELS (first: cheap), then ROLLOUT_MODELS (0.6B;
 #            qwen3-8b if the budget allows) batches 16,64,256: engine vs kernel-level loop, strict and fast.
-# The budgets add up to ~730 s, more than TOTAL: in one call, grpo and server_e2e are expected to finish and the
-# last pieces get what is left. Their rows are printed as they finish, so a cut piece keeps its finished rows in
-# its .log (grpo and rollout also rewrite their JSON after each row). What does not fit runs as a second call:
-# `PIECES="latency rollout" bash bench/e2e.sh`.
+# The budgets add up to 760 s, more than TOTAL: in one call, grpo and server_e2e are expected to finish and the
+# last pieces get what is left (what the first ones leave unused). Rows are printed as they finish, so a cut
+# piece keeps its finished rows in its .log (and its JSON: each bench rewrites it as it goes). What does not fit
+# runs as a second call:
+# `PIECES="latency rollout" bash bench/e2e.sh` (~210 s).
 #
 # Writes to $OUT (default /tmp/out): env.txt, <piece>.log, <piece>.json, summary.txt (each piece's exit status,
 # seconds and budget; 124 = cut by its timeout) and the summary printed at the end.
@@ -71,7 +72,7 @@ else
   LATENCY_SHAPE=(--concurrency 1,16,256 --prompt 128 --max-tokens 128 --decode-steps 8 --max-batch 256
                  --num-pages 16384 --max-context 1024)
   ROLLOUT_SHAPE=(--batches 16,64,256 --context 512 --new-tokens 64 --repeats 2)
-  B_STRICT=150; B_FAST=170; B_SERVER=200; B_LATENCY=90; B_ROLLOUT=120
+  B_STRICT=160; B_FAST=190; B_SERVER=200; B_LATENCY=90; B_ROLLOUT=120
 fi
 
 { date -u +%FT%TZ; git rev-parse HEAD 2>/dev/null; git status --short 2>/dev/null | head -n 20; echo "$0 DRY=$DRY"

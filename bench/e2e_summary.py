@@ -45,9 +45,10 @@ def server_lines(out: Path) -> list[str]:
     r = load(out / "server_e2e.json")
     if r is None:
         return ["server_e2e: no results"]
+    checked = f"{r['tokens_bits_differ']}/{r['tokens_compared']}" if "tokens_compared" in r else "not scored (cut)"
     lines = [
-        f"server_e2e: {r['requests']} requests, {r['completions']} completions, {r['tokens_compared']} tokens in "
-        f"{r['wall_s']:.1f} s = {r['tokens_per_s']:.0f} tok/s; bits differ {r['tokens_bits_differ']}"
+        f"server_e2e: {r['requests']} requests, {r['completions']} completions, {r['output_tokens']} tokens in "
+        f"{r['wall_s']:.1f} s = {r['tokens_per_s']:.0f} tok/s; bits differ {checked}"
     ]
     if "kernel_ratio" in r:
         k = r["kernel_ref"]

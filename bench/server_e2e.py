@@ -133,37 +133,38 @@ def main():
             swap = swap_weights(client, cfg, args.numerics)
             print(json.dumps(swap), flush=True)
         print("stopping the server", flush=True)
-    print("server stopped; scoring every completion", flush=True)
-    params = rlkjax.init_params(cfg, seed=0)
     seqs, plens, sampled = [], [], []
     for job, samples in zip(jobs, results):
         for s in samples:
             seqs.append(job["prompt"] + s["tokens"])
             plens.append(len(job["prompt"]))
             sampled.append(s["logprobs"])
+    output_tokens = sum(len(x) for x in sampled)
+    report = new_report("bench.server_e2e") | {
+        "requests": args.requests,
+        "completions": len(seqs),
+        "output_tokens": output_tokens,
+        "warmup_s": warmup_s,
+        "wall_s": wall,
+        "tokens_per_s": output_tokens / wall,
+        "server_metrics": [line for line in metrics.splitlines() if line.startswith("rlkjax_")],
+    }
+    if swap:
+        report["update_weights"] = swap
+    save_report(report, args.out)  # saved at each stage, so a run cut short keeps what it measured
+    print(f"server stopped; {output_tokens / wall:.0f} output tokens/s; scoring every completion", flush=True)
+    params = rlkjax.init_params(cfg, seed=0)
     scored = []
     for i in range(0, len(seqs), 32):
         scored += rlkjax.score(params, cfg, seqs[i : i + 32], plens[i : i + 32], numerics=args.numerics)
-    stats = mismatch_stats(np.concatenate(sampled), np.concatenate(scored))
-    report = (
-        new_report("bench.server_e2e")
-        | stats
-        | {
-            "requests": args.requests,
-            "completions": len(seqs),
-            "warmup_s": warmup_s,
-            "wall_s": wall,
-            "tokens_per_s": stats["tokens_compared"] / wall,
-            "server_metrics": [line for line in metrics.splitlines() if line.startswith("rlkjax_")],
-        }
-    )
-    if swap:
-        report["update_weights"] = swap
+    report |= mismatch_stats(np.concatenate(sampled), np.concatenate(scored))
+    save_report(report, args.out)
+    print(f"{report['tokens_bits_differ']} of {report['tokens_compared']} tokens' logprob bits differ", flush=True)
     if args.kernel_ref:
         from bench.rollout import kernel_rate
 
         context = round(float(np.mean(plens)))
-        new_tokens = round(float(np.mean([len(s) for s in sampled])))
+        new_tokens = round(output_tokens / len(seqs))
         rate = kernel_rate(params, cfg, args.numerics, args.max_batch, context, new_tokens, repeats=2)
         report |= {
             "kernel_ref": {"batch": args.max_batch, "context": context, "new_tokens": new_tokens, "tok_s": rate},

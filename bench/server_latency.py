@@ -119,6 +119,7 @@ def main():
             row = asyncio.run(level(url, c, args.prompt, args.max_tokens, vocab, 1000 * c))
             print(json.dumps(row), flush=True)
             report["levels"].append(row)
+            save_report(report, args.out)  # after each level, so a run cut short keeps what it measured
     save_report(report, args.out)
 
 
