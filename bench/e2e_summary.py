@@ -48,7 +48,8 @@ def server_lines(out: Path) -> list[str]:
     checked = f"{r['tokens_bits_differ']}/{r['tokens_compared']}" if "tokens_compared" in r else "not scored (cut)"
     lines = [
         f"server_e2e: {r['requests']} requests, {r['completions']} completions, {r['output_tokens']} tokens in "
-        f"{r['wall_s']:.1f} s = {r['tokens_per_s']:.0f} tok/s; bits differ {checked}"
+        f"{r['wall_s']:.1f} s = {r['tokens_per_s']:.0f} tok/s; bits differ {checked}; "
+        f"{r['compilations_in_timed_burst']} shapes compiled inside the timing"
     ]
     if "kernel_ratio" in r:
         k = r["kernel_ref"]
