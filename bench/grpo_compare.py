@@ -1,11 +1,14 @@
 """GRPO step time, strict vs fast, side by side in one run (GPU).
 
 For each model shape runs a few GRPO steps with `--verify-logprobs` in both numerics and reports
-the step split (rollout / learn / sync), learner tokens/s, learner MFU (6 x params x trained
-tokens per update over learn time, against the dense bf16 peak) and the sampler/learner
-mismatch (strict must be 0).
+the step split (rollout / learn / sync / host: the rest of the step, i.e. rewards, packing and the
+learner's verify pass over the sampled tokens), rollout and learner tokens/s, learner MFU (6 x
+params x trained tokens per update over learn time, against the dense bf16 peak) and the
+sampler/learner mismatch (strict must be 0).
 
     python -m bench.grpo_compare --models qwen3-0.6b,qwen3-1.7b --steps 3 --out bench/results/grpo.json
+
+The report is rewritten after every run, so a run cut short keeps the rows it finished.
 """
 
 import argparse
@@ -29,11 +32,12 @@ def main():
     ap.add_argument("--group", type=int, default=8, help="G completions per prompt")
     ap.add_argument("--new-tokens", type=int, default=128, help="tokens per completion")
     ap.add_argument("--micro-batch", type=int, default=32, help="sequences per gradient micro-batch")
+    ap.add_argument("--numerics", default="fast,strict", help="comma-separated: fast, strict or both")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     report = new_report("bench.grpo_compare")
     for name in args.models.split(","):
-        for numerics in ("fast", "strict"):
+        for numerics in args.numerics.split(","):
             config = grpo.GRPOConfig(
                 model=name,
                 numerics=numerics,
@@ -57,10 +61,12 @@ def main():
                 "model": name,
                 "numerics": numerics,
                 "params": n_params,
-                "step_s": mean("rollout_s") + mean("learn_s") + mean("sync_s"),
+                "step_s": mean("step_s"),
                 "rollout_s": mean("rollout_s"),
                 "learn_s": mean("learn_s"),
                 "sync_s": mean("sync_s"),
+                "host_s": mean("step_s") - mean("rollout_s") - mean("learn_s") - mean("sync_s"),
+                "rollout_tokens_per_s": trained / mean("rollout_s"),
                 "learner_tokens_per_s": trained / mean("learn_s"),
                 "learner_mfu": 6 * n_params * trained / mean("learn_s") / PEAK_BF16_FLOPS,
                 "mismatch_tokens": int(sum(r["tokens_bits_differ"] for r in result["history"])),
@@ -73,14 +79,15 @@ def main():
             }
             report["results"].append(row)
             print(json.dumps(row), flush=True)
+            save_report(report, args.out)
     print(
         f"\n{'model':11} {'numerics':8} {'step s':>7} {'rollout':>8} {'learn':>7} {'sync':>6} "
-        f"{'learn tok/s':>11} {'MFU':>6} {'bits differ':>11} {'max|d|':>8}"
+        f"{'host':>6} {'learn tok/s':>11} {'MFU':>6} {'bits differ':>11} {'max|d|':>8}"
     )
     for r in report["results"]:
         print(
             f"{r['model']:11} {r['numerics']:8} {r['step_s']:7.2f} {r['rollout_s']:8.2f} {r['learn_s']:7.2f} "
-            f"{r['sync_s']:6.3f} {r['learner_tokens_per_s']:11.0f} {100 * r['learner_mfu']:5.1f}% "
+            f"{r['sync_s']:6.3f} {r['host_s']:6.2f} {r['learner_tokens_per_s']:11.0f} {100 * r['learner_mfu']:5.1f}% "
             f"{r['mismatch_tokens']:5d}/{r['tokens_compared']:<6d} {r['mismatch_max']:8.3g}"
         )
     save_report(report, args.out)

@@ -2,47 +2,105 @@
 prompt lengths, then score every completion in this process (the learner's pass, same weights)
 and count the tokens whose logprob bits differ (strict must be 0).
 
-    python -m bench.server_e2e --model qwen3-0.6b --requests 256 --out bench/results/server.json
+    python -m bench.server_e2e --model qwen3-0.6b --requests 256 --min-new-tokens 128 --max-new-tokens 512 \
+        --kernel-ref --update-weights --out bench/results/server.json
+
+- Each request: a prompt of 1..--max-prompt random tokens, n = 1 or 4, --min-new-tokens..--max-new-tokens new
+  tokens (drawn per request), all sent at once. tokens_per_s = output tokens / wall time of the whole burst,
+  after a warm-up burst of the same requests with an eighth of the new tokens (it compiles the shapes).
+- --kernel-ref: after the server stops, `decode_round` alone in one device call at batch --max-batch, context =
+  the mean prompt length, for the mean number of new tokens (bench.rollout's kernel-level loop): what the
+  server's decoding could reach with no host, HTTP or prefill work; kernel_ratio = server / kernel-level.
+- --update-weights: while the server still runs, save other weights (seed 1) as an HF checkpoint, time
+  POST /update_weights (load + swap), then check one completion reports the new policy version and its
+  logprobs are the new weights' bits (scored here).
 """
 
 import argparse
 import concurrent.futures
 import json
 import os
+import tempfile
 import time
 
 import numpy as np
 
+ADMIN_KEY = "bench-server-e2e"  # loopback only; the server gets it through RLKJAX_ADMIN_KEY, not argv
 
-def fire(client, args):
-    """All requests at once (mixed prompt lengths, n 1 or 4); returns results, wall time, metrics, jobs."""
-    import rlkjax
 
-    cfg = rlkjax.ModelConfig.preset(args.model)
+def make_jobs(args, vocab_size):
+    """The requests: mixed prompt lengths (1..max_prompt), n 1 or 4, new tokens drawn per request."""
     rng = np.random.default_rng(0)
-    jobs = [
+    low = args.min_new_tokens or args.max_new_tokens
+    return [
         dict(
-            prompt=rng.integers(0, cfg.vocab_size, int(rng.integers(1, args.max_prompt + 1))).tolist(),
+            prompt=rng.integers(0, vocab_size, int(rng.integers(1, args.max_prompt + 1))).tolist(),
             n=int(rng.choice([1, 4])),
+            max_new_tokens=int(rng.integers(low, args.max_new_tokens + 1)),
             seed=i,
         )
         for i in range(args.requests)
     ]
-    client.generate([[1, 2, 3]], max_new_tokens=2)  # first compile out of the timing
+
+
+def fire(client, jobs):
+    """All requests at once; returns the results and the wall time."""
     t = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(args.requests) as pool:
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         results = list(
             pool.map(
-                lambda j: client.generate([j["prompt"]], n=j["n"], max_new_tokens=args.max_new_tokens, seed=j["seed"])[
+                lambda j: client.generate([j["prompt"]], n=j["n"], max_new_tokens=j["max_new_tokens"], seed=j["seed"])[
                     0
                 ],
                 jobs,
             )
         )
     wall = time.perf_counter() - t
-    metrics = client.metrics()
-    print(f"{len(jobs)} requests answered in {wall:.1f} s; stopping the server", flush=True)
-    return results, wall, metrics, jobs
+    print(f"{len(jobs)} requests answered in {wall:.1f} s", flush=True)
+    return results, wall
+
+
+def warm_up(client, jobs, decode_steps):
+    """The same burst with an eighth of the new tokens (at least two decode rounds; other seeds): sequences
+    still finish at staggered times, so the server compiles its step functions for the prefill and batch shapes
+    the timed burst meets and compilation stays out of the timing (`compilations_in_timed_burst` says whether
+    it did)."""
+    short = [
+        j | {"max_new_tokens": min(j["max_new_tokens"], max(2 * decode_steps, j["max_new_tokens"] // 8))} for j in jobs
+    ]
+    return fire(client, [j | {"seed": 10**6 + j["seed"]} for j in short])[1]
+
+
+def compilations(client) -> int:
+    """Step-function shapes the server has compiled so far (its /metrics)."""
+    line = next(x for x in client.metrics().splitlines() if x.startswith("rlkjax_compilations "))
+    return int(float(line.split()[-1]))
+
+
+def swap_weights(client, cfg, numerics):
+    """Time pushing new weights (seed 1) to the server over /update_weights; returns the timings, the new
+    policy version, and one completion sampled after the swap with its logprobs scored under the new weights."""
+    import rlkjax
+
+    new_params = rlkjax.init_params(cfg, seed=1)
+    with tempfile.TemporaryDirectory(prefix="server_e2e_weights_") as path:
+        t = time.perf_counter()
+        rlkjax.save_hf_checkpoint(path, cfg, new_params)
+        save_s = time.perf_counter() - t
+        t = time.perf_counter()
+        version = client.update_weights(path)
+        update_s = time.perf_counter() - t
+    prompt = list(range(1, 17))
+    sample = client.generate([prompt], max_new_tokens=16, seed=5)[0][0]
+    scored = rlkjax.score(new_params, cfg, [prompt + sample["tokens"]], [len(prompt)], numerics=numerics)[0]
+    same_bits = np.array_equal(np.asarray(sample["logprobs"], np.float32).view("uint32"), scored.view("uint32"))
+    return {
+        "checkpoint_save_s": save_s,
+        "update_weights_s": update_s,
+        "policy_version": version,
+        "completion_policy_version": sample["policy_version"],
+        "completion_bits_equal_new_weights": bool(same_bits),
+    }
 
 
 def main():
@@ -51,49 +109,80 @@ def main():
     ap.add_argument("--numerics", default="strict", choices=["strict", "fast"], help="server numerics")
     ap.add_argument("--requests", type=int, default=64, help="concurrent requests")
     ap.add_argument("--max-prompt", type=int, default=512, help="longest prompt (shortest is 1)")
-    ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens per sample")
+    ap.add_argument("--min-new-tokens", type=int, default=None, help="fewest tokens per sample (default: the most)")
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="most tokens per sample")
     ap.add_argument("--max-batch", type=int, default=256, help="the server's --max-batch")
+    ap.add_argument("--decode-steps", type=int, default=8, help="the server's decode steps per round")
+    ap.add_argument("--kernel-ref", action="store_true", help="also time the kernel-level decode loop (see above)")
+    ap.add_argument("--update-weights", action="store_true", help="also time POST /update_weights (see above)")
     ap.add_argument("--port", type=int, default=8765, help="loopback port")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = "0.45"  # this process scores on the server's GPU
+    os.environ["RLKJAX_ADMIN_KEY"] = ADMIN_KEY  # inherited by the server
     import rlkjax
     from bench._report import new_report, save_report
     from bench._server import running_server
     from rlkjax.client import RolloutClient
     from rlkjax.mismatch import mismatch_stats
 
-    server_args = [
-        "--model", args.model, "--numerics", args.numerics,
-        "--max-batch", str(args.max_batch), "--num-pages", "16384", "--max-context", "1024",
-    ]  # fmt: skip
-    with running_server(server_args, args.port) as url:
-        client = RolloutClient(url, timeout=3600)
-        results, wall, metrics, jobs = fire(client, args)
-    print("server stopped; scoring every completion", flush=True)
     cfg = rlkjax.ModelConfig.preset(args.model)
-    params = rlkjax.init_params(cfg, seed=0)
+    jobs = make_jobs(args, cfg.vocab_size)
+    server_args = [
+        "--model", args.model, "--numerics", args.numerics, "--max-batch", str(args.max_batch),
+        "--num-pages", "16384", "--max-context", str(args.max_prompt + args.max_new_tokens),
+        "--decode-steps", str(args.decode_steps),
+    ]  # fmt: skip
+    swap = None
+    with running_server(server_args, args.port) as url:
+        client = RolloutClient(url, admin_key=ADMIN_KEY, timeout=3600)
+        warmup_s = warm_up(client, jobs, args.decode_steps)
+        compiled = compilations(client)
+        results, wall = fire(client, jobs)
+        metrics = client.metrics()
+        compiled = compilations(client) - compiled
+        if args.update_weights:
+            swap = swap_weights(client, cfg, args.numerics)
+            print(json.dumps(swap), flush=True)
+        print("stopping the server", flush=True)
     seqs, plens, sampled = [], [], []
     for job, samples in zip(jobs, results):
         for s in samples:
             seqs.append(job["prompt"] + s["tokens"])
             plens.append(len(job["prompt"]))
             sampled.append(s["logprobs"])
+    output_tokens = sum(len(x) for x in sampled)
+    report = new_report("bench.server_e2e") | {
+        "requests": args.requests,
+        "completions": len(seqs),
+        "output_tokens": output_tokens,
+        "warmup_s": warmup_s,
+        "wall_s": wall,
+        "compilations_in_timed_burst": compiled,
+        "tokens_per_s": output_tokens / wall,
+        "server_metrics": [line for line in metrics.splitlines() if line.startswith("rlkjax_")],
+    }
+    if swap:
+        report["update_weights"] = swap
+    save_report(report, args.out)  # saved at each stage, so a run cut short keeps what it measured
+    print(f"server stopped; {output_tokens / wall:.0f} output tokens/s; scoring every completion", flush=True)
+    params = rlkjax.init_params(cfg, seed=0)
     scored = []
     for i in range(0, len(seqs), 32):
         scored += rlkjax.score(params, cfg, seqs[i : i + 32], plens[i : i + 32], numerics=args.numerics)
-    stats = mismatch_stats(np.concatenate(sampled), np.concatenate(scored))
-    report = (
-        new_report("bench.server_e2e")
-        | stats
-        | {
-            "requests": args.requests,
-            "completions": len(seqs),
-            "wall_s": wall,
-            "tokens_per_s": stats["tokens_compared"] / wall,
-            "server_metrics": [line for line in metrics.splitlines() if line.startswith("rlkjax_")],
+    report |= mismatch_stats(np.concatenate(sampled), np.concatenate(scored))
+    save_report(report, args.out)
+    print(f"{report['tokens_bits_differ']} of {report['tokens_compared']} tokens' logprob bits differ", flush=True)
+    if args.kernel_ref:
+        from bench.rollout import kernel_rate
+
+        context = round(float(np.mean(plens)))
+        new_tokens = round(output_tokens / len(seqs))
+        rate = kernel_rate(params, cfg, args.numerics, args.max_batch, context, new_tokens, repeats=2)
+        report |= {
+            "kernel_ref": {"batch": args.max_batch, "context": context, "new_tokens": new_tokens, "tok_s": rate},
+            "kernel_ratio": report["tokens_per_s"] / rate,
         }
-    )
     print(json.dumps(report, indent=2))
     save_report(report, args.out)
 

@@ -15,6 +15,7 @@ chunk arrives and how many tokens it carries (`return_token_ids`). Reports p50/p
 import argparse
 import asyncio
 import json
+import os
 import time
 
 import aiohttp
@@ -94,15 +95,21 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
     ap.add_argument("--decode-steps", type=int, default=8, help="the server's decode steps per round")
     ap.add_argument("--max-batch", type=int, default=256, help="the server's --max-batch")
+    ap.add_argument("--num-pages", type=int, default=8192, help="the server's --num-pages")
+    ap.add_argument("--max-context", type=int, default=2048, help="the server's --max-context")
     ap.add_argument("--port", type=int, default=8766, help="loopback port")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
+    # This process only sends requests, but new_report's jax.devices() starts a GPU client, which would take
+    # JAX's default 75% of the GPU the server (45%) needs.
+    os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = "0.05"
     import rlkjax
 
     vocab = rlkjax.ModelConfig.preset(args.model).vocab_size
     server_args = [
         "--model", args.model, "--numerics", args.numerics, "--max-batch", str(args.max_batch),
-        "--num-pages", "8192", "--max-context", "2048", "--decode-steps", str(args.decode_steps),
+        "--num-pages", str(args.num_pages), "--max-context", str(args.max_context),
+        "--decode-steps", str(args.decode_steps),
     ]  # fmt: skip
     report = new_report("bench.server_latency") | {"model": args.model, "numerics": args.numerics, "levels": []}
     with running_server(server_args, args.port) as url:
@@ -112,6 +119,7 @@ def main():
             row = asyncio.run(level(url, c, args.prompt, args.max_tokens, vocab, 1000 * c))
             print(json.dumps(row), flush=True)
             report["levels"].append(row)
+            save_report(report, args.out)  # after each level, so a run cut short keeps what it measured
     save_report(report, args.out)
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-TIMINGS = {"tokens_per_s", "rollout_s", "learn_s", "sync_s", "learner_tflops_per_device", "learner_mfu"}
+TIMINGS = {"tokens_per_s", "step_s", "rollout_s", "learn_s", "sync_s", "learner_tflops_per_device", "learner_mfu"}
 TIMINGS |= {"peak_bytes_per_device"}  # allocator state, not a result of the run
 
 

@@ -731,6 +731,7 @@ def train(config: GRPOConfig) -> dict:
             t4 = time.perf_counter()
             row |= {
                 "tokens_per_s": total_tokens / (t4 - t0),
+                "step_s": t4 - t0,
                 "rollout_s": t1 - t0,
                 "learn_s": t3 - t2,
                 "sync_s": t4 - t3,

@@ -1,0 +1,41 @@
+"""The benchmarks' own logic: bench.server_e2e's request mix (issue 10's shape) and its /update_weights timing
+against a real server on loopback."""
+
+import argparse
+import signal
+
+import numpy as np
+import pytest
+
+import rlkjax
+from bench.server_e2e import make_jobs, swap_weights
+from tests.test_server import start_server
+
+
+def test_server_e2e_requests_have_the_issue_s_mix():
+    args = argparse.Namespace(requests=256, max_prompt=512, min_new_tokens=128, max_new_tokens=512)
+    jobs = make_jobs(args, vocab_size=1000)
+    assert len(jobs) == 256 and len({j["seed"] for j in jobs}) == 256
+    prompt_lens = [len(j["prompt"]) for j in jobs]
+    new_tokens = [j["max_new_tokens"] for j in jobs]
+    assert 1 <= min(prompt_lens) and max(prompt_lens) <= 512 and max(prompt_lens) - min(prompt_lens) > 400
+    assert 128 <= min(new_tokens) and max(new_tokens) <= 512 and max(new_tokens) - min(new_tokens) > 300
+    assert {j["n"] for j in jobs} == {1, 4}
+    assert all(0 <= t < 1000 for j in jobs for t in j["prompt"])
+    # Without --min-new-tokens every request gets --max-new-tokens.
+    fixed = make_jobs(argparse.Namespace(requests=8, max_prompt=16, min_new_tokens=None, max_new_tokens=64), 1000)
+    assert [j["max_new_tokens"] for j in fixed] == [64] * 8
+
+
+@pytest.mark.slow
+def test_server_e2e_update_weights_swaps_to_the_new_weights():
+    proc, client = start_server()
+    try:
+        cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
+        swap = swap_weights(client, cfg, "strict")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    assert swap["policy_version"] == 1 and swap["completion_policy_version"] == 1
+    assert swap["completion_bits_equal_new_weights"] is True
+    assert np.isfinite(swap["update_weights_s"]) and swap["update_weights_s"] > 0
