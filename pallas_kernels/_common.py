@@ -1,9 +1,15 @@
 """Small helpers shared by the kernel wrappers: platform mode, padding, config checks."""
 
 import jax
+import jax.experimental.pallas.fuser  # noqa: F401  (see below)
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import triton as plgpu
+
+# The import above registers a config option (pallas_fuser_disable_nested_fuse) that is part of
+# JAX's trace context. Pallas imports it lazily, at the first kernel call: every jitted function
+# traced before that moment would be traced and compiled again on its next call (an engine that
+# compiled its step functions at start would compile the first of them a second time mid-serving).
 
 F32 = jnp.float32
 

@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import itertools
 import threading
+import time
 from collections import deque
 
 import jax
@@ -456,6 +457,61 @@ class Engine:
             self._pending_params = params
             self._swap_events.append(event)
             return event
+
+    def warm_up(self, report=None) -> int:
+        """Compile, before any request comes, every shape that default traffic runs: the prefill
+        and decode-round batch buckets up to max_batch and the page copies of forks. Each runs once
+        on padding (position -1 writes only the trash page; a round with no budget samples nothing),
+        so no request later waits behind a compilation. Variants that options select (top_logprobs,
+        top_k / top_p / min_p, more than one stop id) still compile on first use. `report(name,
+        shape, seconds)` is called after each. Returns the number of shapes run."""
+        c = self.config
+        rows = [1 << i for i in range(bucket(c.max_batch).bit_length())]
+        prefill_rows = bucket(min(c.max_batch, cdiv(c.token_budget, c.prefill_chunk)))
+        todo = [("prefill", r) for r in rows if r <= prefill_rows]
+        todo += [("decode_round", r) for r in rows] + [("copy_pages", r) for r in rows]
+        with self.lock:
+            for name, r in todo:
+                start = time.perf_counter()
+                table = np.zeros((r, self.pages_per_seq), np.int32)
+                if name == "prefill":
+                    tokens, positions = (
+                        np.zeros((r, c.prefill_chunk), np.int32),
+                        np.full((r, c.prefill_chunk), -1, np.int32),
+                    )
+                    self.cache = prefill_chunk(
+                        self.params, tokens, positions, self.cache, table, self.rope, self.cfg, self.numerics
+                    )
+                    self._note_shape(name, r)
+                elif name == "decode_round":
+                    zeros = np.zeros(r, np.int32)
+                    *_, self.cache = decode_round(
+                        self.params,
+                        zeros,
+                        np.full(r, -1, np.int32),
+                        self.cache,
+                        table,
+                        np.zeros(r, np.uint32),
+                        zeros,
+                        np.ones(r, np.float32),
+                        zeros,
+                        np.full((r, 1), -1, np.int32),
+                        self.rope,
+                        self.cfg,
+                        self.numerics,
+                        c.decode_steps,
+                        zeros,
+                        0,
+                        None,
+                    )[:3]
+                    self._note_shape(name, (r, 1, 0, False))
+                else:
+                    self.cache = copy_pages(self.cache, np.zeros(r, np.int32), np.zeros(r, np.int32))
+                    self._note_shape(name, r)
+                jax.block_until_ready(self.cache)
+                if report:
+                    report(name, r, time.perf_counter() - start)
+        return len(todo)
 
     @property
     def busy(self) -> bool:

@@ -92,6 +92,11 @@ class ServerConfig:
     """Seconds a client has to send its whole request body (a slow client gets 408)."""
     max_body_bytes: int = 4 * 2**20
     """Larger request bodies get 413."""
+    warmup: bool = True
+    """Compile every batch shape of default requests before accepting any (prefill and decode rounds of 1, 2, 4,
+    ... --max-batch sequences, page copies for n > 1): a few seconds per shape, so no request waits behind a
+    compilation mid-serving. Options such as top_logprobs, top_k/top_p/min_p or several stop ids still compile
+    on first use. --no-warmup starts at once."""
     shutdown_timeout: float = 300.0
     """On SIGTERM/SIGINT: stop accepting work, finish what is in flight for up to this many seconds, then cancel
     the rest (their clients get 503) and exit 0. A second signal ends the wait at once."""
@@ -141,6 +146,10 @@ class Server:
         self.tokenizer = load_tokenizer(config.model, config.tokenizer)
         self.chat_template = load_chat_template(self.tokenizer)
         self.engine = Engine(params, self.cfg, config.numerics, config.engine)
+        if config.warmup:
+            start = time.monotonic()
+            count = self.engine.warm_up(lambda name, rows, s: log.info("warm-up: %s, %d rows, %.1f s", name, rows, s))
+            log.info("warm-up: %d shapes compiled in %.0f s", count, time.monotonic() - start)
         self.wake = threading.Condition()
         self.stopping = False  # the engine thread exits once idle
         self.draining, self.deadline_passed, self.deadline = False, False, math.inf

@@ -15,6 +15,43 @@ from tests.conftest import assert_bits_equal
 CONFIG = EngineConfig(num_pages=96, max_batch=8, prefill_chunk=16, token_budget=32, max_context=256)
 
 
+def test_warm_up_compiles_every_default_shape(tiny):
+    """After `warm_up` (what the server runs at start), a mixed workload (prompts up to 3 pages,
+    n up to 3, so forks copy pages; batches from 1 to max_batch) triggers no XLA compilation at all:
+    counted with JAX's own backend-compile events, so nothing compiled anywhere, not only in the
+    engine's step functions. The warm-up's own compilations are counted too (the listener works)."""
+    import jax
+
+    cfg, params = tiny
+    config = dataclasses.replace(CONFIG, num_pages=80)  # a cache shape no other test compiled
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        engine = Engine(params, cfg, config=config)
+        shapes = engine.warm_up()
+        # prefill batches of 1, 2 (token_budget / prefill_chunk); rounds and page copies of 1 ... 8
+        assert shapes == 2 + 4 + 4 and len(compiles) >= shapes, (shapes, len(compiles))
+        warm = len(compiles)
+        rng = np.random.default_rng(5)
+        pending = list(random_workload(rng, cfg, 20))
+        while pending or engine.busy:
+            if pending and rng.random() < 0.5:
+                engine.submit(**pending.pop())
+            engine.step()
+        for rows in (1, 8):  # the smallest and largest decode buckets
+            reqs = [engine.submit([1, 2], max_new_tokens=2) for _ in range(rows)]
+            engine.run_until_done()
+            assert all(r.done.is_set() for r in reqs)
+        assert len(compiles) == warm, f"{len(compiles) - warm} compilations after the warm-up"
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
 def check_exact(params, cfg, req, completion, temperature):
     scored = rlkjax.score(params, cfg, [req.prompt + completion.tokens], [len(req.prompt)], temperature=temperature)[0]
     assert_bits_equal(completion.logprobs, scored, f"request {req.id}")

@@ -54,6 +54,7 @@ def start_server(*flags):
             "128",
             "--max-context",
             "256",
+            "--no-warmup",  # test_warm_up_before_serving turns it on
             *flags,
         ],
         env=os.environ | {"RLKJAX_ADMIN_KEY": ADMIN},
@@ -486,6 +487,28 @@ def test_health_and_metrics_answer_while_the_engine_compiles():
                 time.sleep(0.02)
             assert len(first.result()[0]) == 3
         assert slowest < 0.5, f"slowest /health or /metrics answer: {slowest:.2f} s"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+
+
+@pytest.mark.slow
+def test_warm_up_before_serving(tiny):
+    """With --warmup the server compiles every default batch shape before /health answers, and
+    serving a mix of requests (n 1 and 2, batches 1 and 2) compiles nothing more; the logprobs
+    stay the learner's."""
+    proc, client = start_server("--warmup", "--max-batch", "2", "--token-budget", "64")
+    try:
+        shapes = 2 + 2 + 2  # prefill of 1, 2 sequences (64 / 32 tokens); decode rounds and page copies of 1, 2
+        assert metric(client, "rlkjax_compilations") == shapes
+        assert f"warm-up: {shapes} shapes compiled" in open(proc.log).read()
+        cfg, params = tiny
+        for n, prompt in ((1, [5, 6, 7]), (2, list(range(1, 40)))):
+            out = client.generate([prompt], n=n, max_new_tokens=5, seed=1)[0]
+            for sample in out:
+                scored = rlkjax.score(params, cfg, [prompt + sample["tokens"]], [len(prompt)])[0]
+                assert_bits_equal(np.asarray(sample["logprobs"], np.float32), scored, f"n={n}")
+        assert metric(client, "rlkjax_compilations") == shapes
     finally:
         proc.terminate()
         proc.wait(timeout=120)
