@@ -83,6 +83,16 @@ def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int = PAGE_SIZE):
 
 MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
+# The learner's pass rematerialises each layer's two halves (norm + q/k/v projections + q/k norms;
+# o_proj + norm + gate/up + swiglu + down_proj) in the backward pass instead of keeping their
+# intermediates for every layer: the layer scan stacks what the backward needs, and at Qwen3-4B
+# (4 x 1024 tokens) that was 428 MiB per layer, 15 GiB for 36 layers. Kept: each layer's input,
+# the attention's q, k, v and output (100 MiB per layer). The recomputation repeats the forward's
+# kernels on the same inputs, so it has the same bits; the forward's own arithmetic is unchanged.
+# Costs about a quarter more matmul work in the learner step (3/4 of the layer forward again).
+# False only to measure the difference (tests/test_grpo.py).
+LEARNER_REMAT = True
+
 
 def forward(
     params,
@@ -106,7 +116,8 @@ def forward(
     params["layers"][name]) -> the layer's weight, called inside the scan: the FSDP learner
     (train/fsdp.py) passes its all-gather, so one layer's full weights exist at a time. Each
     matrix's call is rematerialised with its matmul: the backward pass gathers the weight again
-    from the slice rather than keeping every layer's full weights (no arithmetic is repeated)."""
+    from the slice rather than keeping every layer's full weights. With weights_in_place=False the
+    layer's two halves are rematerialised too (LEARNER_REMAT)."""
     op = ops(numerics)
     b, t = tokens.shape
     n = b * t
@@ -142,10 +153,19 @@ def forward(
                 return op.matmul_layer_fused(a, tuple(params["layers"][n] for n in names), index)
             return tuple(mm(a, n) for n in names)
 
-        h = norm(x, "input_layernorm")
-        q, k, v = mms(h, "q_proj", "k_proj", "v_proj")
-        q = norm(q.reshape(-1, dh), "q_norm", cos_q, sin_q)
-        k = norm(k.reshape(-1, dh), "k_norm", cos_k, sin_k)
+        def qkv(x):
+            h = norm(x, "input_layernorm")
+            q, k, v = mms(h, "q_proj", "k_proj", "v_proj")
+            return norm(q.reshape(-1, dh), "q_norm", cos_q, sin_q), norm(k.reshape(-1, dh), "k_norm", cos_k, sin_k), v
+
+        def out(attn, x):
+            x = mm(pad_dim(attn.reshape(n, hq * dh), 0, rows), "o_proj", x)
+            h = norm(x, "post_attention_layernorm")
+            return mm(op.swiglu(*mms(h, "gate_proj", "up_proj")), "down_proj", x)
+
+        if LEARNER_REMAT and not weights_in_place:  # the learner's (differentiated) pass
+            qkv, out = jax.checkpoint(qkv), jax.checkpoint(out)
+        q, k, v = qkv(x)
         attn, k_pages, v_pages = op.attention(
             q[: n * hq].reshape(b, t, hq, dh),
             k[: n * hkv].reshape(b, t, hkv, dh),
@@ -156,10 +176,7 @@ def forward(
             page_table,
             positions,
         )
-        x = mm(pad_dim(attn.reshape(n, hq * dh), 0, rows), "o_proj", x)
-        h = norm(x, "post_attention_layernorm")
-        x = mm(op.swiglu(*mms(h, "gate_proj", "up_proj")), "down_proj", x)
-        return (x, k_pages, v_pages), None
+        return (out(attn, x), k_pages, v_pages), None
 
     if layer_weights is not None and weights_in_place:
         raise ValueError("layer_weights needs weights_in_place=False (the kernels would read the stacked arrays)")

@@ -18,7 +18,7 @@ import rlkjax
 from rlkjax import model
 from rlkjax.tasks import ArithmeticTask, Example, GSM8KTask, LowercaseTask
 from tests.conftest import assert_bits_equal
-from train import grpo
+from train import fsdp, grpo
 from train.batch import PAD, Batch, LossStats, micro_batches, pack, pad_rows, reduce_stats
 from train.grpo import group_advantages
 
@@ -106,6 +106,46 @@ def test_learner_logprobs_do_not_depend_on_micro_batch(tiny):
             for mb in micro_batches(batch, size)
         ]
         assert_bits_equal(np.concatenate(parts), whole, f"micro-batch {size}")
+
+
+def test_learner_remat_keeps_the_bits(tiny, monkeypatch):
+    """model.LEARNER_REMAT recomputes each layer's intermediates in the backward pass rather than keeping
+    them: the FSDP learner step's loss, logp_new and every gradient have the same bits either way."""
+    cfg, params = tiny
+    rng = np.random.default_rng(1)
+    samples = [
+        {
+            "prompt": rng.integers(0, 256, int(rng.integers(2, 12))).tolist(),
+            "tokens": rng.integers(0, 256, 5).tolist(),
+            "logprobs": rng.uniform(-6, -0.1, 5).astype(np.float32),
+            "adv": float(rng.normal()),
+            "temperature": 0.7,
+        }
+        for _ in range(4)
+    ]
+    batch = pack(samples)
+    mesh = fsdp.make_mesh(jax.devices()[:1])
+    specs = fsdp.param_specs(params, 1)
+    master = fsdp.put(params, mesh, specs, dtype=jnp.float32)
+    rope = fsdp.put(model.rope_tables(cfg), mesh, fsdp.REPLICATED)
+    total = fsdp.put(np.float32(batch.mask.sum()), mesh, fsdp.REPLICATED)
+    ref_logp = fsdp.put(np.zeros(batch.logp_old.shape, np.float32), mesh, fsdp.ROWS)
+    on_mesh = fsdp.put(batch, mesh, fsdp.ROWS)
+    results = {}
+    for remat in (True, False):
+        monkeypatch.setattr(model, "LEARNER_REMAT", remat)
+        grad_fn = fsdp.sharded_value_and_grad(
+            grpo.grpo_loss, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics="strict", clip_eps=0.2, beta=0.0
+        )
+        zeros = jax.tree.map(jnp.zeros_like, master)
+        (loss, (_, logp)), grads = grad_fn(master, on_mesh, ref_logp, rope, total, zeros)
+        results[remat] = (loss, logp, grads)
+    (loss, logp, grads), (loss_kept, logp_kept, grads_kept) = results[True], results[False]
+    assert_bits_equal(loss, loss_kept, "loss")
+    assert_bits_equal(logp, logp_kept, "logp_new")
+    assert np.abs(np.asarray(grads["layers"]["gate_proj"])).max() > 0  # a real gradient reached the layers
+    for (path, g), g_kept in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads_kept)):
+        assert_bits_equal(g, g_kept, jax.tree_util.keystr(path))
 
 
 def corrupt_one_logprob(monkeypatch, at_step: int, sequence: int, token: int) -> dict:

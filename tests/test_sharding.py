@@ -194,3 +194,28 @@ def test_learner_step_memory_per_layer_scales_like_its_shard():
     for devices in (2, 4):
         per_layer = (temporaries[f"{devices} 4"] - temporaries[f"{devices} 2"]) / 2
         assert per_layer < 4 * layer_params / devices + layer_params / 2, (devices, per_layer, layer_params)
+
+
+def test_learner_step_keeps_few_activations_per_layer():
+    """With model.LEARNER_REMAT each added layer costs the learner step (one device) its fp32 gradient
+    and the bf16 activations its backward cannot recompute cheaply: the layer's input and the attention's
+    q, k, v and output. The norms' outputs, the q/k projections before their norms and the MLP's gate,
+    up and swiglu arrays are recomputed, not stacked by the layer scan (at Qwen3-4B, 4 x 1024 tokens,
+    those were 308 of 428 MiB per layer and the step did not fit one H200). Without the remat this
+    probe's slope is 2,048,960 bytes per layer; with it 672,704."""
+    from bench.learner_memory import compiled_memory
+
+    cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
+    rows, tokens = 4, 256
+    temporaries = {
+        layers: compiled_memory(dataclasses.replace(cfg, num_layers=layers), 1, rows, tokens)[
+            "learner step (value and grad)"
+        ]["temporaries"]
+        for layers in (2, 4)
+    }
+    per_layer = (temporaries[4] - temporaries[2]) / 2
+    n, d, dh = rows * tokens, cfg.hidden_size, cfg.head_dim
+    kept = 2 * n * (d + (cfg.num_heads + 2 * cfg.num_kv_heads) * dh + cfg.num_heads * dh)  # x; q, k, v; attn
+    gradient = 4 * sum(math.prod(shape) for shape in rlkjax.model.layer_shapes(cfg).values())
+    mlp = 2 * n * cfg.intermediate_size  # one bf16 [tokens, intermediate] array: the slack allowed
+    assert per_layer <= kept + gradient + mlp, (per_layer, kept, gradient)
