@@ -10,8 +10,10 @@ Shapes (B batch, T tokens this call, Hq/Hkv heads, G = Hq/Hkv, Dh head dim, P pa
   page_table [B, P] int32 physical page of each logical page; positions [B, T] int32, -1 = padding
 Returns out [B, T, Hq, Dh] and the updated caches.
 
-Numerics: keys are visited in blocks of `page_size` aligned to absolute positions (block j holds
-positions [j*ps, (j+1)*ps)), in ascending order, with an fp32 online softmax. A query row's state
+Numerics: keys are visited in blocks of `block_pages` pages aligned to absolute positions (block j
+holds positions [j*B, (j+1)*B), B = block_pages * page_size), in ascending order, with an fp32
+online softmax: per block, the pages' scores are maxed and their exps summed elementwise in page
+order, then reduced once per row; p @ v is added page by page in order. A query row's state
 is only updated by blocks in which it sees at least one key (a select, so later blocks are exact
 no-ops), and every program handles `block_rows` query rows (block_rows / G tokens) of one
 batch row and one KV head, the same tile in every pass, so a token's bits
@@ -40,18 +42,23 @@ from pallas_kernels._common import F32, acc_dtype, check_block, compiler_params,
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
-    page_size: int = 16  # = the KV block of the online softmax; changing it changes the bits
+    page_size: int = 16  # tokens per KV cache page
     block_rows: int = 16  # query rows (tokens x group heads) per program: part of the contract
     kv_split: int = 256  # keys per split, merged in order afterwards; changing it changes the bits
     num_warps: int = 4
     num_stages: int = 2
+    block_pages: int = 1  # pages per online-softmax step (the KV block); changing it changes the bits
 
     def __post_init__(self):
         check_block("page_size", self.page_size)
         check_block("block_rows", self.block_rows)
         check_block("kv_split", self.kv_split)
-        if self.kv_split % self.page_size:
-            raise ValueError(f"kv_split={self.kv_split} must be a multiple of page_size={self.page_size}")
+        check_block("block_pages", self.block_pages, minimum=1)
+        if self.kv_split % (self.page_size * self.block_pages):
+            raise ValueError(
+                f"kv_split={self.kv_split} must be a multiple of page_size x block_pages = "
+                f"{self.page_size * self.block_pages}"
+            )
 
 
 def write_kv(pages, new, layer, page_table, positions):
@@ -67,29 +74,44 @@ def write_kv(pages, new, layer, page_table, positions):
     return pages.at[layer, :, page.reshape(-1), slot.reshape(-1)].set(new.reshape(b * t, hkv, dh).astype(pages.dtype))
 
 
-def _kernel(layer_ref, pt_ref, pos_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, page_size, kv_split, scale):
+def _kernel(
+    layer_ref, pt_ref, pos_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, page_size, block_pages, kv_split, scale
+):
     """One (query tile, KV split): the online softmax over the split's blocks that the tile sees."""
     q = q_ref[...]  # [bq*G, Dh], rows token-major
     pos = pos_ref[...]  # [bq*G]
     rows = q.shape[0]
-    first = pl.program_id(3) * (kv_split // page_size)
-    last = jnp.minimum(first + kv_split // page_size, jnp.max(pos) // page_size + 1)  # max(pos) = -1: padding tile
+    block = page_size * block_pages
+    first = pl.program_id(3) * (kv_split // block)
+    last = jnp.minimum(first + kv_split // block, jnp.max(pos) // block + 1)  # max(pos) = -1: padding tile
     layer = layer_ref[0]
 
     def body(j, carry):
         acc, m, l = carry
-        page = pt_ref[j]
-        k, v = k_ref[layer, page], v_ref[layer, page]  # [ps, Dh]
-        s = dot_nt(q, k) * scale
-        key_pos = j * page_size + jnp.arange(page_size, dtype=jnp.int32)
-        s = jnp.where(key_pos[None, :] <= pos[:, None], s, -jnp.inf)
-        m_blk = jnp.max(s, axis=1)
+        # The block's pages one by one (they are not contiguous): scores, then one row max over
+        # their elementwise max, exps summed elementwise in page order and reduced once.
+        pages = [pt_ref[j * block_pages + i] for i in range(block_pages)]
+        scores = []
+        for i, page in enumerate(pages):
+            s = dot_nt(q, k_ref[layer, page]) * scale  # [rows, ps]
+            key_pos = (j * block_pages + i) * page_size + jnp.arange(page_size, dtype=jnp.int32)
+            scores.append(jnp.where(key_pos[None, :] <= pos[:, None], s, -jnp.inf))
+        s_max = scores[0]
+        for s in scores[1:]:
+            s_max = jnp.maximum(s_max, s)
+        m_blk = jnp.max(s_max, axis=1)
         sees = m_blk > -jnp.inf
         m_new = jnp.where(sees, jnp.maximum(m, m_blk), 0.0)
         alpha = _math.exp(m - m_new)
-        p = _math.exp(s - m_new[:, None])  # masked keys: exp(-inf) = exact 0
-        l_new = alpha * l + jnp.sum(p, axis=1)
-        acc_new = alpha[:, None] * acc + dot_nn(p.astype(v.dtype), v)
+        probs = [_math.exp(s - m_new[:, None]) for s in scores]  # masked keys: exp(-inf) = exact 0
+        p_sum = probs[0]
+        for p in probs[1:]:
+            p_sum = p_sum + p
+        l_new = alpha * l + jnp.sum(p_sum, axis=1)
+        acc_new = alpha[:, None] * acc
+        for p, page in zip(probs, pages):
+            v = v_ref[layer, page]  # [ps, Dh]
+            acc_new = acc_new + dot_nn(p.astype(v.dtype), v)
         return jnp.where(sees[:, None], acc_new, acc), jnp.where(sees, m_new, m), jnp.where(sees, l_new, l)
 
     @pl.when(first < last)  # splits past the tile's last position are never read by the merge
@@ -159,12 +181,18 @@ def _pallas_attention(q, k_pages, v_pages, layer, page_table, positions, config,
     qh = pad_dim(q, 1, bq).reshape(b, tp, hkv, g, dh).transpose(0, 2, 1, 3, 4).reshape(b, hkv, tp * g, dh)
     pos = pad_dim(positions, 1, bq, value=-1)
     row_pos = jnp.repeat(pos, g, axis=1)
-    pt = pad_dim(page_table, 1, 16)
+    pt = pad_dim(page_table, 1, max(16, config.block_pages))  # whole blocks: extra entries read the trash page
     splits = -(-pt.shape[1] * ps // config.kv_split)
     rows = bq * g
     part = lambda *blk: pl.BlockSpec((None, None, None, rows, *blk), lambda i, h, j, s: (i, h, s, j, *[0] * len(blk)))  # noqa: E731
     acc, m, l = pl.pallas_call(
-        functools.partial(_kernel, page_size=ps, kv_split=config.kv_split, scale=scale or 1.0 / math.sqrt(dh)),
+        functools.partial(
+            _kernel,
+            page_size=ps,
+            block_pages=config.block_pages,
+            kv_split=config.kv_split,
+            scale=scale or 1.0 / math.sqrt(dh),
+        ),
         name="attention_split",
         grid=(b, hkv, tp // bq, splits),
         in_specs=[

@@ -327,15 +327,18 @@ def test_rmsnorm_layer_reads_the_stack_in_place(d, rope):
 
 
 @pytest.mark.parametrize(
-    "kv_split,t", [(16, 37), (32, 70)] + ([] if INTERPRET else [(numerics.ATTENTION.kv_split, 600)])
+    "kv_split,t,block_pages",
+    [(16, 37, 1), (32, 70, 2), (64, 150, 4), (128, 100, 4)]
+    + ([] if INTERPRET else [(numerics.ATTENTION.kv_split, 600, numerics.ATTENTION.block_pages)]),
 )
-def test_attention_kv_splits(kv_split, t):
-    """Keys cut into fixed absolute splits, merged in order: values match dense attention, and a
-    prefill in two chunks followed by token-by-token decode (each call its own query tile and
-    split count) gives the whole pass's bits. Guards the sampler == learner contract past one split."""
+def test_attention_kv_splits(kv_split, t, block_pages):
+    """Keys cut into fixed absolute splits of blocks of `block_pages` pages, merged in order: values
+    match dense attention, and a prefill in two chunks followed by token-by-token decode (each call
+    its own query tile and split count; a decode token's block holds pages nobody wrote yet) gives
+    the whole pass's bits. Guards the sampler == learner contract past one split and one block."""
     import dataclasses
 
-    config = dataclasses.replace(numerics.ATTENTION, kv_split=kv_split)
+    config = dataclasses.replace(numerics.ATTENTION, kv_split=kv_split, block_pages=block_pages)
     q, k, v, pages, pt, pos = _attention_case(BF16, t=t, lens=(t, t // 2, 1))
     run = lambda sl, kp, vp: attention.paged_attention(
         q[:, sl], k[:, sl], v[:, sl], kp, vp, jnp.int32(1), pt, pos[:, sl], config, INTERPRET
