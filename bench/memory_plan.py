@@ -18,8 +18,8 @@ What each row counts (P = parameter count; B = bytes; 1/N = sharded over the lea
     reduce-scatters it (train/fsdp.py), 2 x the gathered weights.
   - micro-batch gradient: the scan's fp32 gradient of this device's layer shards, before it is added
     to the running sum (4P/N B).
-  - activations: what the backward keeps per token and layer (model.LEARNER_REMAT recomputes the
-    rest: bf16 layer input d + q + 2 kv + attention out), times micro-batch / N rows of T tokens (the
+  - activations: what the backward keeps per token and layer (the inputs of every matmul and norm,
+    bf16: 4d + q + 2 kv + attention out + 3 FFN widths), times micro-batch / N rows of T tokens (the
     batch is padded to a power of two). An estimate: XLA may keep less (fusions) or more
     (temporaries); the measured row is the figure to trust.
 The peak adds them all, as if the learner's backward ran while the sampler's weights and cache stay
@@ -62,8 +62,8 @@ def plan(cfg: ModelConfig, gpus: int, prompts: int, group: int, new_tokens: int,
     pages = 1 + engine_rows * cdiv(prompt_tokens + new_tokens, PAGE_SIZE)
     kv = 2 * cfg.num_layers * cfg.num_kv_heads * pages * PAGE_SIZE * cfg.head_dim * 2
     tokens = bucket(prompt_tokens + new_tokens, PAGE_SIZE) * cdiv(micro_batch, gpus)
-    d, dh = cfg.hidden_size, cfg.head_dim
-    per_token_layer = 2 * (d + cfg.num_heads * dh * 2 + 2 * cfg.num_kv_heads * dh)  # model.LEARNER_REMAT's
+    d, f, dh = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    per_token_layer = 2 * (4 * d + cfg.num_heads * dh * 2 + 2 * cfg.num_kv_heads * dh + 3 * f)
     return {
         "sampler weights (bf16, full copy)": 2 * p,
         "KV cache (the engine's share of a step)": kv,
