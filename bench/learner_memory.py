@@ -46,9 +46,12 @@ def abstract(shape_tree, mesh, specs, dtype=None):
     )
 
 
-def compiled_memory(cfg: ModelConfig, devices: int, rows: int, tokens: int, numerics: str = "strict") -> dict:
+def compiled_memory(
+    cfg: ModelConfig, devices: int, rows: int, tokens: int, numerics: str = "strict", remat: bool = False
+) -> dict:
     """{function: {"arguments", "outputs", "temporaries", "aliased"}: bytes per device} for the
-    learner's value-and-grad step and its scoring pass on a micro-batch of `rows` x `tokens`."""
+    learner's value-and-grad step (train.grpo --remat: `remat`) and its scoring pass on a micro-batch
+    of `rows` x `tokens`."""
     mesh = fsdp.make_mesh(jax.devices()[:devices])
     shapes = jax.eval_shape(lambda: model.init_params(cfg, dtype=jnp.float32))
     specs = fsdp.param_specs(shapes, devices)
@@ -69,7 +72,7 @@ def compiled_memory(cfg: ModelConfig, devices: int, rows: int, tokens: int, nume
     ref_logp = jax.ShapeDtypeStruct((rows, t - 1), jnp.float32, sharding=NamedSharding(mesh, fsdp.ROWS))
     total = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, fsdp.REPLICATED))
     grad_fn = fsdp.sharded_value_and_grad(
-        grpo.grpo_loss, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics=numerics, clip_eps=0.2, beta=0.0
+        grpo.grpo_loss, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics=numerics, clip_eps=0.2, beta=0.0, remat=remat
     )
     score_fn = fsdp.sharded_logprobs(grpo.policy_logprobs, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics=numerics)
     compiled = {
@@ -98,6 +101,7 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--numerics", choices=["strict", "fast"], default="strict")
     parser.add_argument("--tokens", type=int, default=64 + 256, help="prompt + new tokens (bucketed as pack does)")
+    parser.add_argument("--remat", action="store_true", help="the learner step with train.grpo --remat")
     parser.add_argument("--hlo", help="write each compiled HLO to this prefix")
     parser.add_argument("--json", action="store_true", help="one JSON line per layer count: {function: {what: bytes}}")
     args = parser.parse_args()
@@ -106,7 +110,7 @@ def main() -> None:
     for layers in [int(n) for n in args.layers.split(",")] if args.layers else [base.num_layers]:
         cfg = dataclasses.replace(base, num_layers=layers)
         rows = -(-args.micro_batch // args.devices) * args.devices  # micro_batches pads to a multiple of the mesh
-        results = compiled_memory(cfg, args.devices, rows, tokens, args.numerics)
+        results = compiled_memory(cfg, args.devices, rows, tokens, args.numerics, args.remat)
         if args.json:
             print(json.dumps({name: {k: v for k, v in m.items() if k != "hlo"} for name, m in results.items()}))
             continue

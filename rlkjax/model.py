@@ -83,16 +83,6 @@ def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int = PAGE_SIZE):
 
 MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
-# The learner's pass rematerialises each layer's two halves (norm + q/k/v projections + q/k norms;
-# o_proj + norm + gate/up + swiglu + down_proj) in the backward pass instead of keeping their
-# intermediates for every layer: the layer scan stacks what the backward needs, and at Qwen3-4B
-# (4 x 1024 tokens) that was 428 MiB per layer, 15 GiB for 36 layers. Kept: each layer's input,
-# the attention's q, k, v and output (100 MiB per layer). The recomputation repeats the forward's
-# kernels on the same inputs, so it has the same bits; the forward's own arithmetic is unchanged.
-# Costs about a quarter more matmul work in the learner step (3/4 of the layer forward again).
-# False only to measure the difference (tests/test_grpo.py).
-LEARNER_REMAT = True
-
 
 def forward(
     params,
@@ -105,6 +95,7 @@ def forward(
     numerics: Numerics,
     weights_in_place: bool = True,
     layer_weights=None,
+    remat: bool = False,
 ):
     """tokens, positions [B, T] (position -1 = padding), page_table [B, P] -> hidden [B, T, D] (final-normed)
     and the cache with this call's K/V written in. Only data movement happens outside the ops.
@@ -116,8 +107,12 @@ def forward(
     params["layers"][name]) -> the layer's weight, called inside the scan: the FSDP learner
     (train/fsdp.py) passes its all-gather, so one layer's full weights exist at a time. Each
     matrix's call is rematerialised with its matmul: the backward pass gathers the weight again
-    from the slice rather than keeping every layer's full weights. With weights_in_place=False the
-    layer's two halves are rematerialised too (LEARNER_REMAT)."""
+    from the slice rather than keeping every layer's full weights.
+    remat: (the learner's pass, weights_in_place=False) recompute each layer's two halves (norm +
+    q/k/v + q/k norms; o_proj + norm + gate/up + swiglu + down_proj) in the backward instead of
+    keeping their intermediates: the layer scan then stacks only each layer's input and the
+    attention's q, k, v and output (Qwen3-4B, 4 x 1024 tokens: 100 instead of 428 MiB per layer)
+    for about a quarter more matmul work. Same kernels on the same inputs: the same bits."""
     op = ops(numerics)
     b, t = tokens.shape
     n = b * t
@@ -163,7 +158,7 @@ def forward(
             h = norm(x, "post_attention_layernorm")
             return mm(op.swiglu(*mms(h, "gate_proj", "up_proj")), "down_proj", x)
 
-        if LEARNER_REMAT and not weights_in_place:  # the learner's (differentiated) pass
+        if remat:
             qkv, out = jax.checkpoint(qkv), jax.checkpoint(out)
         q, k, v = qkv(x)
         attn, k_pages, v_pages = op.attention(
@@ -178,8 +173,8 @@ def forward(
         )
         return (out(attn, x), k_pages, v_pages), None
 
-    if layer_weights is not None and weights_in_place:
-        raise ValueError("layer_weights needs weights_in_place=False (the kernels would read the stacked arrays)")
+    if (layer_weights is not None or remat) and weights_in_place:
+        raise ValueError("layer_weights and remat need weights_in_place=False (the learner's pass)")
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     scanned = {} if weights_in_place else params["layers"]
     (x, k_pages, v_pages), _ = jax.lax.scan(layer_step, (x, *kv_cache), (scanned, layer_ids))
@@ -198,11 +193,11 @@ def sample(params, hidden, seeds, steps, temperature, numerics: Numerics):
 
 
 def sequence_logprobs(
-    params, tokens, positions, temperature, rope, cfg: ModelConfig, numerics: Numerics, layer_weights=None
+    params, tokens, positions, temperature, rope, cfg: ModelConfig, numerics: Numerics, layer_weights=None, remat=False
 ):
     """The learner's pass: whole sequences [B, T] into fresh pages; returns logp [B, T - 1] where
     [b, t] is log p(tokens[b, t + 1] | tokens[b, :t + 1]). temperature [B]. Differentiable.
-    layer_weights: see `forward` (the FSDP learner's per-layer all-gather)."""
+    layer_weights, remat: see `forward` (the FSDP learner's per-layer all-gather; recompute in the backward)."""
     b, t = tokens.shape
     pages_per_row = cdiv(t, PAGE_SIZE)
     page_table = fresh_page_table(b, pages_per_row)
@@ -218,6 +213,7 @@ def sequence_logprobs(
         numerics,
         weights_in_place=False,
         layer_weights=layer_weights,
+        remat=remat,
     )
     h = hidden[:, :-1].reshape(b * (t - 1), -1)
     temps = jnp.repeat(temperature, t - 1)

@@ -108,8 +108,8 @@ def test_learner_logprobs_do_not_depend_on_micro_batch(tiny):
         assert_bits_equal(np.concatenate(parts), whole, f"micro-batch {size}")
 
 
-def test_learner_remat_keeps_the_bits(tiny, monkeypatch):
-    """model.LEARNER_REMAT recomputes each layer's intermediates in the backward pass rather than keeping
+def test_learner_remat_keeps_the_bits(tiny):
+    """--remat (model.forward's remat) recomputes each layer's intermediates in the backward pass rather than keeping
     them: the FSDP learner step's loss, logp_new and every gradient have the same bits either way."""
     cfg, params = tiny
     rng = np.random.default_rng(1)
@@ -133,9 +133,16 @@ def test_learner_remat_keeps_the_bits(tiny, monkeypatch):
     on_mesh = fsdp.put(batch, mesh, fsdp.ROWS)
     results = {}
     for remat in (True, False):
-        monkeypatch.setattr(model, "LEARNER_REMAT", remat)
         grad_fn = fsdp.sharded_value_and_grad(
-            grpo.grpo_loss, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics="strict", clip_eps=0.2, beta=0.0
+            grpo.grpo_loss,
+            mesh,
+            specs,
+            dtype=cfg.dtype,
+            cfg=cfg,
+            numerics="strict",
+            clip_eps=0.2,
+            beta=0.0,
+            remat=remat,
         )
         zeros = jax.tree.map(jnp.zeros_like, master)
         (loss, (_, logp)), grads = grad_fn(master, on_mesh, ref_logp, rope, total, zeros)

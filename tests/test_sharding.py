@@ -197,7 +197,7 @@ def test_learner_step_memory_per_layer_scales_like_its_shard():
 
 
 def test_learner_step_keeps_few_activations_per_layer():
-    """With model.LEARNER_REMAT each added layer costs the learner step (one device) its fp32 gradient
+    """With --remat (model.forward's remat) each added layer costs the learner step (one device) its fp32 gradient
     and the bf16 activations its backward cannot recompute cheaply: the layer's input and the attention's
     q, k, v and output. The norms' outputs, the q/k projections before their norms and the MLP's gate,
     up and swiglu arrays are recomputed, not stacked by the layer scan (at Qwen3-4B, 4 x 1024 tokens,
@@ -208,7 +208,7 @@ def test_learner_step_keeps_few_activations_per_layer():
     cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
     rows, tokens = 4, 256
     temporaries = {
-        layers: compiled_memory(dataclasses.replace(cfg, num_layers=layers), 1, rows, tokens)[
+        layers: compiled_memory(dataclasses.replace(cfg, num_layers=layers), 1, rows, tokens, remat=True)[
             "learner step (value and grad)"
         ]["temporaries"]
         for layers in (2, 4)

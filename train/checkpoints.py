@@ -46,6 +46,7 @@ RESUMABLE_CHANGES = frozenset(
         "progress",
         "checkpoint_every",
         "keep_checkpoints",
+        "remat",  # recomputes, same bits (tests/test_grpo.py)
         "verify_logprobs",
         "on_mismatch",
         "resume",
