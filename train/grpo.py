@@ -665,12 +665,12 @@ def train(config: GRPOConfig) -> dict:
             }
             # Optional recomputation of logp_old by the learner (TIS needs it; --verify-logprobs checks it).
             if config.verify_logprobs or config.tis_cap:
-                learner_old = np.concatenate(
-                    [
-                        fsdp.to_host(score_fn(master, mb.tokens, mb.positions, mb.temps, rope))
-                        for mb in on_mesh(micro_batches(batch, config.micro_batch, n_learner))
-                    ]
-                )[: len(samples)]
+                # Every micro-batch is dispatched before any is read back: the device never waits on the host.
+                scored = [
+                    score_fn(master, mb.tokens, mb.positions, mb.temps, rope)
+                    for mb in on_mesh(micro_batches(batch, config.micro_batch, n_learner))
+                ]
+                learner_old = np.concatenate([fsdp.to_host(x) for x in scored])[: len(samples)]
                 sel = batch.mask > 0
                 row |= mismatch_stats(batch.logp_old[sel], learner_old[sel])
                 if strict:  # before any update, so a broken contract never trains
@@ -698,9 +698,13 @@ def train(config: GRPOConfig) -> dict:
                         else fsdp.put(np.zeros(mb.logp_old.shape, np.float32), mesh, fsdp.ROWS)
                     )
                     (loss, (st, logp)), grads = grad_fn(master, mb, ref_logp, rope, tokens_on_mesh, grads)
-                    losses.append(float(fsdp.to_host(loss)))
-                    stats.append(fsdp.to_host(st))
+                    losses.append(loss)
+                    stats.append(st)
                     logp_new.append(logp)
+                # Read back after the last micro-batch is dispatched (reading each one made the device
+                # wait for the host to put the next micro-batch on the mesh).
+                losses = [float(x) for x in fsdp.to_host(losses)]
+                stats = fsdp.to_host(stats)
                 if u == 0:
                     st = reduce_stats(stats)
                     row |= {
