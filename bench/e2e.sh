@@ -14,7 +14,9 @@
 #            the fast learner step at 640 tokens (`python -m bench.learner_memory --model qwen3-0.6b
 #            --devices=1 --numerics fast --tokens 640`) gives ~75 GiB at 8 sequences, ~280 GiB at 32.
 #            qwen3-4b needs ~2-3x the time per run, so it is not in the default MODELS:
-#            `MODELS=qwen3-4b MICRO_BATCH=4 PIECES=grpo bash bench/e2e.sh` is a call of its own.
+#            `MODELS=qwen3-4b MICRO_BATCH=4 REMAT=1 PIECES=grpo bash bench/e2e.sh` is a call of its own (without
+#            REMAT both numerics ran out of memory on the H200, 2026-11-30; the fast side may still: its
+#            plain-XLA attention keeps [layers, B, H, T, T] fp32 probabilities).
 #   server_e2e 200
 #            bench.server_e2e at qwen3-0.6b: 256 concurrent requests (prompts 1-512 tokens, n 1 or 4, 128-512 new
 #            tokens; ~640 completions, ~200k tokens), every completion's logprob bits checked, output tokens/s vs
@@ -36,7 +38,8 @@
 # Writes to $OUT (default /tmp/out): env.txt, <piece>.log, <piece>.json, summary.txt (each piece's exit status,
 # seconds and budget; 124 = cut by its timeout) and the summary printed at the end.
 # Environment: DRY, TOTAL, MIN_PIECE, PY (default python3), PIECES (default "grpo server_e2e latency rollout"),
-# MODELS (GRPO presets, default qwen3-0.6b), MICRO_BATCH (default 8), ROLLOUT_MODELS (default qwen3-0.6b),
+# MODELS (GRPO presets, default qwen3-0.6b), MICRO_BATCH (default 8), REMAT (non-empty: the GRPO runs with --remat;
+# qwen3-4b at micro-batch 4 ran out of memory without it), ROLLOUT_MODELS (default qwen3-0.6b),
 # SYNC_MODELS (default qwen3-0.6b,qwen3-4b,qwen3-8b), JAX_COMPILATION_CACHE_DIR (default /tmp/jax_cache: shared
 # by the pieces' processes, so a shape compiled by one is loaded by the next).
 set -uo pipefail
@@ -64,7 +67,7 @@ else
   MODELS=${MODELS:-qwen3-0.6b}; ROLLOUT_MODELS=${ROLLOUT_MODELS:-qwen3-0.6b}
   SYNC_MODELS=${SYNC_MODELS:-qwen3-0.6b,qwen3-4b,qwen3-8b}
   SERVED=qwen3-0.6b
-  GRPO_SHAPE=(--prompts 32 --group 8 --new-tokens 512 --micro-batch "$MICRO_BATCH")
+  GRPO_SHAPE=(--prompts 32 --group 8 --new-tokens 512 --micro-batch "$MICRO_BATCH" ${REMAT:+--remat})
   SERVER_SHAPE=(--requests 256 --max-prompt 512 --min-new-tokens 128 --max-new-tokens 512 --max-batch 256
                 --decode-steps 8)
   # The server's engine as server_e2e's (pages, context, batch, decode steps), so its compiled step functions

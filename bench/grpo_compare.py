@@ -32,6 +32,7 @@ def main():
     ap.add_argument("--group", type=int, default=8, help="G completions per prompt")
     ap.add_argument("--new-tokens", type=int, default=128, help="tokens per completion")
     ap.add_argument("--micro-batch", type=int, default=32, help="sequences per gradient micro-batch")
+    ap.add_argument("--remat", action="store_true", help="train.grpo --remat (recompute layers in the backward)")
     ap.add_argument("--numerics", default="fast,strict", help="comma-separated: fast, strict or both")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
@@ -47,6 +48,7 @@ def main():
                 max_new_tokens=args.new_tokens,
                 verify_logprobs=True,
                 micro_batch=args.micro_batch,
+                remat=args.remat,
                 learning_rate=1e-6,
                 out=tempfile.mkdtemp(prefix=f"grpo_{name}_{numerics}_"),
                 progress=False,

@@ -10,7 +10,7 @@
 # Writes to $OUT (default /tmp/out): <piece>.log, <piece>.json (bench/two_gpu.py's summary or comparison) and the
 # run's metrics.jsonl / plot.png; checkpoints and final_hf stay in $RUNS (default /tmp/two_gpu_runs: 8B ones are
 # 16 GB). Environment: TIMEOUT (seconds per piece, default 540), MICRO_BATCH (default 4 sequences: at 16 the
-# 8B learner does not fit two GPUs, see `python -m bench.memory_plan`),
+# 8B learner does not fit two GPUs, see `python -m bench.memory_plan`), REMAT (non-empty: train.grpo --remat),
 # PY (default python3), BIG_MODEL (default qwen3-8b), SMALL_MODEL (default qwen3-0.6b).
 set -uo pipefail
 PIECE=${1:?usage: bash bench/two_gpu.sh strict|fast|processes STEPS, or bash bench/two_gpu.sh dry-run}
@@ -47,7 +47,7 @@ record_env() {
 big() {  # $1: strict | fast
   local run="$RUNS/big_$1"; rm -rf "$run"
   timeout -k 30 "$TIMEOUT" "$PY" -m train.grpo --model "$BIG_MODEL" "${SHAPE_BIG[@]}" "${COMMON[@]}" --numerics "$1" \
-    --steps "$STEPS" --micro-batch "${MICRO_BATCH:-4}" --learning-rate 1e-6 --checkpoint-every 0 --out "$run" \
+    --steps "$STEPS" --micro-batch "${MICRO_BATCH:-4}" ${REMAT:+--remat} --learning-rate 1e-6 --checkpoint-every 0 --out "$run" \
     > "$OUT/big_$1.log" 2>&1
   echo "big_$1: exit $?" | tee -a "$OUT/big_$1.log"
   cp "$run/metrics.jsonl" "$OUT/big_$1.metrics.jsonl" 2>/dev/null; cp "$run/plot.png" "$OUT/big_$1.png" 2>/dev/null
