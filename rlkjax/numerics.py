@@ -27,7 +27,8 @@ PRECISION = {
     "rope": ("act (rounded norm output) + fp32 tables", "fp32", "act"),
     "attention": (
         "act q/k/v",
-        "fp32 scores, fp32 online softmax, KV blocks ascending; p rounded to act for p@v",
+        "fp32 scores, fp32 online softmax over KV blocks of block_pages pages ascending (pages maxed and"
+        " exp-summed elementwise in order, one row reduce); p rounded to act for p@v, added page by page",
         "act",
     ),
     "swiglu": ("act", "fp32", "act (silu rounded, then product rounded)"),
