@@ -14,7 +14,8 @@ Sections (each row: fast, strict, strict/fast time, fraction of a ceiling):
 - learner: value and gradient of the GRPO loss (train.grpo.grpo_loss: bf16 policy from fp32 master
   weights, token-level PPO-clip) on random sequences; MFU = (6 x matmul params x tokens + causal
   attention 6 x L x Hq x Dh x T^2 per sequence) / time / 989 TFLOP/s; memory from XLA's compiled
-  memory analysis (arguments + outputs + temporaries: the peak of that call);
+  memory analysis (arguments + outputs + temporaries: the peak of that call); `--learner-remat` adds
+  each row again with train.grpo --remat (layers recomputed in the backward) for the speed it costs;
 - score: the learner's forward + logprobs (`rlkjax.score`'s jitted core, the verify pass);
 - kernels: each kernel alone against its XLA counterpart at decode and learner shapes.
 Times are medians of `--repeats` timed calls after a warm-up call. JSON to --out.
@@ -190,16 +191,17 @@ def learner_batch(cfg, b, seq):
     )
 
 
-def learner_row(cfg, name, seq, tokens_per_call, repeats, rate):
+def learner_row(cfg, name, seq, tokens_per_call, repeats, rate, remat=False):
     b = max(1, tokens_per_call // seq)
     master = model.init_params(cfg, seed=0, dtype=F32)
     batch = learner_batch(cfg, b, seq)
     rope = model.rope_tables(cfg)
     ref = jnp.zeros((b, seq - 1), F32)
     flops = 6 * matmul_params(cfg) * b * seq + 6 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq**2 * b
-    row = {"section": "learner", "model": name, "seq": seq, "batch": b}
+    row = {"section": "learner", "model": name, "seq": seq, "batch": b, "remat": remat}
     for side in SIDES:
-        fn = jax.jit(jax.value_and_grad(grpo.grpo_loss, has_aux=True), static_argnums=(4, 5, 6, 7))
+        loss = functools.partial(grpo.grpo_loss, remat=remat)
+        fn = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=(4, 5, 6, 7))
         args = (master, batch, ref, rope, cfg, side, 0.2, 0.0, jnp.float32(b * seq))
         try:
             compiled = fn.lower(*args).compile()
@@ -568,7 +570,7 @@ def print_table(report):
             shape, unit = f"batch {r['batch']} ctx {r['context']}", "tok/s"
             f, st, ceil = r["fast_tokens_per_s"], r["strict_tokens_per_s"], f"{100 * r['strict_hbm_fraction']:.0f}% HBM"
         elif s in ("prefill", "learner", "score"):
-            shape = f"{r['batch']} x {r.get('length', r.get('seq'))}"
+            shape = f"{r['batch']} x {r.get('length', r.get('seq'))}" + (" remat" if r.get("remat") else "")
             f, st, unit = r.get("fast_tokens_per_s", NAN), r.get("strict_tokens_per_s", NAN), "tok/s"
             ceil = f"{100 * r['strict_mfu']:.0f}% MFU" if "strict_mfu" in r else ""
             if "strict_memory_GiB" in r:
@@ -592,6 +594,9 @@ def main():
     ap.add_argument("--repeats", type=int, default=3, help="timed calls per row (median)")
     ap.add_argument("--learner-models", default="qwen3-1.7b,qwen3-4b")
     ap.add_argument("--learner-seqs", default="1024,4096")
+    ap.add_argument(
+        "--learner-remat", action="store_true", help="learner rows also with train.grpo --remat (side by side)"
+    )
     ap.add_argument("--learner-tokens", type=int, default=8192, help="tokens per learner call (batch = tokens / seq)")
     ap.add_argument("--prefill", default="16x2048", help="prefill rows x prompt tokens")
     ap.add_argument("--score-model", default="qwen3-8b")
@@ -652,9 +657,9 @@ def main():
     if "learner" in sections:
         for name in args.learner_models.split(","):
             for seq in map(int, args.learner_seqs.split(",")):
-                record(
-                    [learner_row(rlkjax.ModelConfig.preset(name), name, seq, args.learner_tokens, args.repeats, rate)]
-                )
+                for remat in sorted({False, args.learner_remat}):
+                    cfg = rlkjax.ModelConfig.preset(name)
+                    record([learner_row(cfg, name, seq, args.learner_tokens, args.repeats, rate, remat)])
     if "kernels" in sections:
         record(kernel_rows(bw, rate, args.repeats))
     print_table(report)
