@@ -80,21 +80,31 @@ def _pad_halves(a, half_width):
     return jnp.concatenate([pad_dim(a[..., :h], -1, half_width), pad_dim(a[..., h:], -1, half_width)], axis=-1)
 
 
-def _padded_rmsnorm(x, w, cos, sin, eps, config, interpret):
+def _padded_rmsnorm(x, w, cos, sin, eps, config, interpret, layer=None):
     """Triton blocks are powers of two: a width that is not a whole number of them gets zero
     features (exact zeros in the sum of squares; the mean divides by the true width), sliced away
-    after. With RoPE each half is padded on its own, so x1, x2, cos and sin stay lined up."""
+    after. With RoPE each half is padded on its own, so x1, x2, cos and sin stay lined up.
+    w [D], or stacked [L, D] with `layer`: read in place, or sliced (a copy) where it is padded."""
     width = x.shape[1]
+
+    def one_layer(w):
+        return w if layer is None else jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
+
     if cos is not None and width // 2 != pl.next_power_of_2(width // 2):
         half = pl.next_power_of_2(width // 2)
-        x, w, cos, sin = _pad_halves(x, half), _pad_halves(w, half), pad_dim(cos, 1, half), pad_dim(sin, 1, half)
+        x, w, cos, sin = (
+            _pad_halves(x, half),
+            _pad_halves(one_layer(w), half),
+            pad_dim(cos, 1, half),
+            pad_dim(sin, 1, half),
+        )
         y = _pallas_rmsnorm(x, w, cos, sin, eps, config, interpret, width)
         return jnp.concatenate([y[:, : width // 2], y[:, half : half + width // 2]], axis=1)
     chunk = min(config.block_d, pl.next_power_of_2(width))
     if cos is None and width % chunk:
-        x, w = pad_dim(x, 1, chunk), pad_dim(w, 0, chunk)
+        x, w = pad_dim(x, 1, chunk), pad_dim(one_layer(w), 0, chunk)
         return _pallas_rmsnorm(x, w, cos, sin, eps, config, interpret, width)[:, :width]
-    return _pallas_rmsnorm(x, w, cos, sin, eps, config, interpret)
+    return _pallas_rmsnorm(x, w, cos, sin, eps, config, interpret, layer=layer)
 
 
 def _pallas_rmsnorm(x, w, cos, sin, eps, config, interpret, width=None, layer=None):
@@ -159,13 +169,7 @@ def rmsnorm_layer(x, weights, layer, cos, sin, eps: float, config: RMSNormConfig
     takes the slice instead: same bits, a copy."""
     if x.ndim != 2 or weights.ndim != 2 or weights.shape[1] != x.shape[1]:
         raise ValueError(f"rmsnorm_layer shapes do not match: x {x.shape}, weights {weights.shape}")
-    width = x.shape[1]
-    chunk = min(config.block_d, pl.next_power_of_2(width))
-    padded = width // 2 != pl.next_power_of_2(width // 2) if cos is not None else width % chunk != 0
-    if padded:
-        w = jax.lax.dynamic_index_in_dim(weights, layer, keepdims=False)
-        return _padded_rmsnorm(x, w, cos, sin, eps, config, interpret)
-    return _pallas_rmsnorm(x, weights, cos, sin, eps, config, interpret, layer=layer)
+    return _padded_rmsnorm(x, weights, cos, sin, eps, config, interpret, layer)
 
 
 def rmsnorm_reference(x, weight, cos, sin, eps, config=None, interpret=None):
