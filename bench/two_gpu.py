@@ -100,6 +100,9 @@ def compare(run_a: Path, run_b: Path) -> dict:
         "metrics_differ": metrics_differ,
         "arrays_compared": len(arrays_a),
         "elements_compared": int(sum(x.size for x in arrays_a.values())),
+        # non-zero gradients: the cross-device gradient sum was exercised, not just weight decay
+        "grad_norms": [r.get("grad_norm") for r in rows_a],
+        "rewards": [r.get("reward_mean") for r in rows_a],
         "arrays_differ": arrays_differ,
         "final_hf_files_differ": hf_differ,
         "identical": len(rows_a) == len(rows_b) and not (metrics_differ or arrays_differ or hf_differ),

@@ -123,6 +123,7 @@ def forward(
     cos, sin = rope[0][at], rope[1][at]  # [rows, Dh/2] gathers
     cos_q, sin_q = jnp.repeat(cos, hq, axis=0), jnp.repeat(sin, hq, axis=0)
     cos_k, sin_k = jnp.repeat(cos, hkv, axis=0), jnp.repeat(sin, hkv, axis=0)
+    plan = op.attention_plan(page_table, positions, hq // hkv)  # once, not per layer (XLA would not hoist it)
 
     def layer_step(carry, xs):
         x, k_pages, v_pages = carry
@@ -168,8 +169,7 @@ def forward(
             k_pages,
             v_pages,
             index,
-            page_table,
-            positions,
+            plan,
         )
         return (out(attn, x), k_pages, v_pages), None
 

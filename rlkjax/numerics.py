@@ -140,7 +140,8 @@ class Ops(NamedTuple):
     rmsnorm: Callable  # (x, weight, cos, sin, eps)
     rmsnorm_layer: Callable  # (x, weights_stacked [L, D], layer, cos, sin, eps): reads weights[layer] in place
     swiglu: Callable  # (gate, up)
-    attention: Callable  # (q, k, v, k_pages, v_pages, layer, page_table, positions) -> (out, k_pages, v_pages)
+    attention_plan: Callable  # (page_table, positions, group) -> the index arrays every layer's attention reads
+    attention: Callable  # (q, k, v, k_pages, v_pages, layer, plan) -> (out, k_pages, v_pages)
     token_logprobs: Callable  # (h, w, targets, temperature)
     sample_tokens: Callable  # (h, w, seeds, steps, temperature) -> (tokens, logprobs)
     # (h, w, seeds, steps, temperature, k) -> (tokens, logprobs, top_ids [N, k], top_logprobs [N, k])
@@ -162,6 +163,7 @@ def ops(numerics: Numerics) -> Ops:
             rmsnorm.rmsnorm_reference,
             lambda x, w, layer, cos, sin, eps: rmsnorm.rmsnorm_reference(x, w[layer], cos, sin, eps),
             swiglu.swiglu_reference,
+            lambda pt, pos, g: attention.plan(pt, pos, g, PAGE_SIZE),
             attention.paged_attention_reference,
             logprob.token_logprobs_reference,
             logprob.sample_tokens_reference,
@@ -181,6 +183,7 @@ def ops(numerics: Numerics) -> Ops:
         lambda x, w, cos, sin, eps: rmsnorm.rmsnorm(x, w, cos, sin, eps, rmsnorm_config(cos), interp),
         lambda x, w, i, cos, sin, eps: rmsnorm.rmsnorm_layer(x, w, i, cos, sin, eps, rmsnorm_config(cos), interp),
         lambda g, u: swiglu.swiglu(g, u, SWIGLU, interp),
+        lambda pt, pos, g: attention.plan(pt, pos, g, ATTENTION.page_size, ATTENTION),
         lambda *a: attention.paged_attention(*a, ATTENTION, interp),
         lambda h, w, t, temp: logprob.token_logprobs(h, w, t, temp, LOGPROB, interp),
         lambda h, w, s, st, temp: logprob.sample_tokens(h, w, s, st, temp, LOGPROB, interp),

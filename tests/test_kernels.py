@@ -146,13 +146,18 @@ def _attention_case(dtype, b=3, t=37, hq=4, hkv=2, dh=16, lens=(37, 20, 1)):
     return q, k, v, pages, page_table, positions
 
 
+def _attend(q, k, v, kp, vp, layer, pt, pos, config=numerics.ATTENTION):
+    """The strict attention with this call's plan (the model makes one per forward)."""
+    plan = attention.plan(pt, pos, q.shape[2] // k.shape[2], config.page_size, config)
+    return attention.paged_attention(q, k, v, kp, vp, layer, plan, config, INTERPRET)
+
+
 def test_attention_values_and_grads():
     q, k, v, pages, pt, pos = _attention_case(BF16)
     layer = jnp.int32(1)
-    ker = lambda q, k, v: attention.paged_attention(
-        q, k, v, pages, pages, layer, pt, pos, numerics.ATTENTION, INTERPRET
-    )[0]  # noqa: E731
-    ref = lambda q, k, v: attention.paged_attention_reference(q, k, v, pages, pages, layer, pt, pos)[0]  # noqa: E731
+    ker = lambda q, k, v: _attend(q, k, v, pages, pages, layer, pt, pos)[0]  # noqa: E731
+    ref_plan = attention.plan(pt, pos, q.shape[2] // k.shape[2], numerics.PAGE_SIZE)
+    ref = lambda q, k, v: attention.paged_attention_reference(q, k, v, pages, pages, layer, ref_plan)[0]  # noqa: E731
     dense = lambda q, k, v: attention.dense_attention(q, k, v, pos)  # noqa: E731
     check_against_truth(ker, dense, [q, k, v], "attention vs dense")
     check_against_truth(ker, ref, [q, k, v], "attention vs paged reference", truth_fn=dense)
@@ -170,9 +175,7 @@ def test_attention_odd_shapes(hq, hkv, dh):
     q, k, v, pages, pt, pos = _attention_case(BF16, **case)
 
     def run(q, k, v, sl, kp, vp):
-        return attention.paged_attention(
-            q[:, sl], k[:, sl], v[:, sl], kp, vp, jnp.int32(1), pt, pos[:, sl], numerics.ATTENTION, INTERPRET
-        )
+        return _attend(q[:, sl], k[:, sl], v[:, sl], kp, vp, jnp.int32(1), pt, pos[:, sl])
 
     dense = lambda q, k, v: attention.dense_attention(q, k, v, pos)  # noqa: E731
     whole_pass = lambda q, k, v: run(q, k, v, slice(None), pages, pages)[0]  # noqa: E731
@@ -189,9 +192,7 @@ def test_attention_chunked_equals_whole_and_decode():
     """Prefill in chunks of 20 + 17, or token by token, gives the whole pass's bits: the cache is
     written before it is read and KV blocks are aligned to absolute positions."""
     q, k, v, pages, pt, pos = _attention_case(BF16)
-    run = lambda sl, kp, vp: attention.paged_attention(
-        q[:, sl], k[:, sl], v[:, sl], kp, vp, jnp.int32(0), pt, pos[:, sl], numerics.ATTENTION, INTERPRET
-    )  # noqa: E731
+    run = lambda sl, kp, vp: _attend(q[:, sl], k[:, sl], v[:, sl], kp, vp, jnp.int32(0), pt, pos[:, sl])  # noqa: E731
     whole, _, _ = run(slice(None), pages, pages)
     a, kp, vp = run(slice(0, 20), pages, pages)
     b, _, _ = run(slice(20, None), kp, vp)
@@ -340,11 +341,9 @@ def test_attention_kv_splits(kv_split, t, block_pages):
 
     config = dataclasses.replace(numerics.ATTENTION, kv_split=kv_split, block_pages=block_pages)
     q, k, v, pages, pt, pos = _attention_case(BF16, t=t, lens=(t, t // 2, 1))
-    run = lambda sl, kp, vp: attention.paged_attention(
-        q[:, sl], k[:, sl], v[:, sl], kp, vp, jnp.int32(1), pt, pos[:, sl], config, INTERPRET
-    )  # noqa: E731
+    run = lambda sl, kp, vp: _attend(q[:, sl], k[:, sl], v[:, sl], kp, vp, jnp.int32(1), pt, pos[:, sl], config)  # noqa: E731
     check_against_truth(
-        lambda q, k, v: attention.paged_attention(q, k, v, pages, pages, jnp.int32(1), pt, pos, config, INTERPRET)[0],
+        lambda q, k, v: _attend(q, k, v, pages, pages, jnp.int32(1), pt, pos, config)[0],
         lambda q, k, v: attention.dense_attention(q, k, v, pos),
         [q, k, v],
         "split attention vs dense",
