@@ -24,7 +24,7 @@ import numpy as np
 
 import rlkjax
 from bench.speed import F32, decode_loop, learner_batch, random_cache
-from rlkjax import model
+from rlkjax import model, numerics
 from rlkjax.numerics import PAGE_SIZE
 from train import grpo
 
@@ -114,7 +114,9 @@ def main():
     p.add_argument("--sides", default="strict", help="comma-separated: strict,fast")
     p.add_argument("--top", type=int, default=25, help="rows printed per table")
     p.add_argument("--out", default=None, help="write the tables as JSON here")
+    p.add_argument("--flash-backward", action="store_true", help="learner: the Pallas flash attention backward")
     args = p.parse_args()
+    numerics.set_attention_backward(args.flash_backward)
     results = {}
     for side in args.sides.split(","):
         if args.model:

@@ -15,7 +15,8 @@ Sections (each row: fast, strict, strict/fast time, fraction of a ceiling):
   weights, token-level PPO-clip) on random sequences; MFU = (6 x matmul params x tokens + causal
   attention 6 x L x Hq x Dh x T^2 per sequence) / time / 989 TFLOP/s; memory from XLA's compiled
   memory analysis (arguments + outputs + temporaries: the peak of that call); `--learner-remat` adds
-  each row again with train.grpo --remat (layers recomputed in the backward) for the speed it costs;
+  each row again with train.grpo --remat (layers recomputed in the backward) for the speed it costs,
+  `--learner-flash` with the Pallas flash attention backward instead of XLA's dense one;
 - score: the learner's forward + logprobs (`rlkjax.score`'s jitted core, the verify pass);
 - kernels: each kernel alone against its XLA counterpart at decode and learner shapes.
 Times are medians of `--repeats` timed calls after a warm-up call. JSON to --out.
@@ -597,6 +598,11 @@ def main():
     ap.add_argument(
         "--learner-remat", action="store_true", help="learner rows also with train.grpo --remat (side by side)"
     )
+    ap.add_argument(
+        "--learner-flash",
+        action="store_true",
+        help="learner rows also with the Pallas flash attention backward (side by side)",
+    )
     ap.add_argument("--learner-tokens", type=int, default=8192, help="tokens per learner call (batch = tokens / seq)")
     ap.add_argument("--prefill", default="16x2048", help="prefill rows x prompt tokens")
     ap.add_argument("--score-model", default="qwen3-8b")
@@ -658,8 +664,12 @@ def main():
         for name in args.learner_models.split(","):
             for seq in map(int, args.learner_seqs.split(",")):
                 for remat in sorted({False, args.learner_remat}):
-                    cfg = rlkjax.ModelConfig.preset(name)
-                    record([learner_row(cfg, name, seq, args.learner_tokens, args.repeats, rate, remat)])
+                    for flash in sorted({False, args.learner_flash}):
+                        numerics.set_attention_backward(flash)
+                        cfg = rlkjax.ModelConfig.preset(name)
+                        row = learner_row(cfg, name, seq, args.learner_tokens, args.repeats, rate, remat)
+                        record([dict(row, flash_backward=flash)])
+                numerics.set_attention_backward(False)
     if "kernels" in sections:
         record(kernel_rows(bw, rate, args.repeats))
     print_table(report)

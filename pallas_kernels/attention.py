@@ -42,6 +42,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _math
 from pallas_kernels._common import F32, acc_dtype, check_block, compiler_params, dot_nn, dot_nt, pad_dim, round_up
+from pallas_kernels.attention_bwd import AttentionBwdConfig, attention_bwd
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,9 @@ class AttentionConfig:
     num_warps: int = 4
     num_stages: int = 2
     block_pages: int = 1  # pages per online-softmax step (the KV block); changing it changes the bits
+    # The learner's gradient: None = XLA's dense backward (dense_attention's vjp); a config = the
+    # Pallas flash backward (attention_bwd.py: no [B, H, T, T] arrays). Neither changes a logprob.
+    backward: AttentionBwdConfig | None = None
 
     def __post_init__(self):
         check_block("page_size", self.page_size)
@@ -274,16 +278,20 @@ def paged_attention(q, k, v, k_pages, v_pages, layer, plan: Plan, config: Attent
 
 def _fwd(q, k, v, k_pages, v_pages, layer, plan, config, interpret):
     out = paged_attention(q, k, v, k_pages, v_pages, layer, plan, config, interpret)
-    return out, (q, k, v, plan.positions)
+    return out, (q, k, v, out[0] if config.backward else None, plan.positions)
 
 
 def _bwd(config, interpret, saved, cotangents):
     # Gradients are defined for the learner's pass: whole sequences into fresh pages, so every key a
     # query sees was written by this call and dense causal attention over (q, k, v) is the same
-    # function. Computed through the plain-JAX reference: deterministic, not bitwise-promised.
-    q, k, v, positions = saved
-    _, vjp = jax.vjp(lambda q, k, v: dense_attention(q, k, v, positions), q, k, v)
-    dq, dk, dv = vjp(cotangents[0])
+    # function. Deterministic, not bitwise-promised: XLA's vjp of the dense reference, or the
+    # Pallas flash backward (fixed loop orders, no atomics).
+    q, k, v, out, positions = saved
+    if config.backward is not None:
+        dq, dk, dv = attention_bwd(q, k, v, out, cotangents[0], positions, config.backward, interpret)
+    else:
+        _, vjp = jax.vjp(lambda q, k, v: dense_attention(q, k, v, positions), q, k, v)
+        dq, dk, dv = vjp(cotangents[0])
     return dq, dk, dv, None, None, None, None
 
 

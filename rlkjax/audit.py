@@ -53,6 +53,25 @@ def float_arithmetic(stablehlo_text: str) -> list[str]:
     return bad
 
 
+def combining_scatters(stablehlo_text: str) -> list[str]:
+    """Scatters that may meet one index more than once (unique_indices = false) and combine what
+    lands there (their body computes, e.g. adds) rather than overwrite: a GPU runs those as atomic
+    read-modify-writes in whatever order its threads arrive, so the sum's bits change run to run."""
+    bad = []
+    lines = stablehlo_text.splitlines()
+    for i, line in enumerate(lines):
+        if '"stablehlo.scatter"' not in line or "unique_indices = true" in line:
+            continue
+        body = []
+        for nxt in lines[i + 1 :]:  # the combiner region, up to its closing "})"
+            if nxt.strip().startswith("})"):
+                break
+            body.append(nxt)
+        if any(_OP.search(b) and _OP.search(b).group(1) != "return" for b in body):
+            bad.append(line.strip()[:200])
+    return bad
+
+
 def lower_for_gpu(jitted, *args, device_kind: str = "NVIDIA H200", **kwargs) -> str:
     """StableHLO of `jitted(*args)` lowered for CUDA, on any host (args may be ShapeDtypeStructs).
     On a machine without a GPU the Triton lowering needs an abstract device to target."""

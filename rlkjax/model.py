@@ -72,13 +72,52 @@ def rope_tables(cfg: ModelConfig):
     half = cfg.head_dim // 2
     inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(half, dtype=np.float64) * 2 / cfg.head_dim))
     angles = np.arange(cfg.max_position, dtype=np.float64)[:, None] * inv_freq[None, :]
-    return jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32)
+    with jax.ensure_compile_time_eval():  # cached: a first call inside a jit must not cache its tracers
+        return jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32)
 
 
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int = PAGE_SIZE):
     """Zeroed pages for every layer; page 0 is the trash page padding writes to."""
     shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
     return jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype)
+
+
+@jax.custom_vjp
+def embed(table, ids):
+    """table [V, D][ids [N]]: a gather (the same bits as plain indexing). Its gradient is summed by
+    `_embed_bwd`, not by the scatter-add XLA would emit: on a GPU that runs as atomic adds in the
+    table's dtype (bf16), so repeated tokens' gradients were added in a different order each run
+    (measured: on 2 H200s, two processes and one process driving the same devices ended one update
+    apart in every weight)."""
+    return table[ids]
+
+
+def _embed_fwd(table, ids):
+    return table[ids], (ids, jnp.zeros((table.shape[0], 0), table.dtype))  # the ids, the table's shape and dtype
+
+
+def _embed_bwd(saved, ct):
+    """Each vocabulary row's gradient: its tokens' cotangents summed in fp32 in a fixed order (ids
+    sorted stably, then a segmented scan: a fixed tree, no atomics), rounded once to the table's
+    dtype and written with unique indices (a plain store on a GPU)."""
+    ids, proto = saved
+    vocab, n = proto.shape[0], ids.shape[0]
+    order = jnp.argsort(ids, stable=True)
+    sid = ids[order]
+    new = sid[1:] != sid[:-1]
+    first = jnp.concatenate([jnp.ones((1,), bool), new])  # a run of equal ids starts here
+    last = jnp.concatenate([new, jnp.ones((1,), bool)])  # ... and ends here
+
+    def add(a, b):  # segmented sum: b restarts the sum where a run starts
+        return a[0] | b[0], jnp.where(b[0][:, None], b[1], a[1] + b[1])
+
+    _, sums = jax.lax.associative_scan(add, (first, ct[order].astype(jnp.float32)))
+    rows = jnp.where(last, sid, vocab + jnp.arange(n, dtype=sid.dtype))  # one row per run; the rest out of range
+    grad = jnp.zeros((vocab, ct.shape[1]), proto.dtype)
+    return grad.at[rows].set(sums.astype(proto.dtype), mode="drop", unique_indices=True), None
+
+
+embed.defvjp(_embed_fwd, _embed_bwd)
 
 
 MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -118,7 +157,7 @@ def forward(
     n = b * t
     rows = padded_rows(n, numerics)  # activations carry `rows` rows; the padding rows are sliced off for attention
     hq, hkv, dh, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
-    x = pad_dim(params["embed_tokens"][tokens.reshape(-1)], 0, rows)  # [rows, D] gather
+    x = pad_dim(embed(params["embed_tokens"], tokens.reshape(-1)), 0, rows)  # [rows, D] gather
     at = pad_dim(jnp.maximum(positions, 0).reshape(-1), 0, rows)
     cos, sin = rope[0][at], rope[1][at]  # [rows, Dh/2] gathers
     cos_q, sin_q = jnp.repeat(cos, hq, axis=0), jnp.repeat(sin, hq, axis=0)

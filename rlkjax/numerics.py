@@ -6,12 +6,13 @@ position in the batch. Change a config below and every logprob may change (consi
 sides, since sampler and learner read the same table).
 """
 
+import dataclasses
 import functools
 import os
 from collections.abc import Callable
 from typing import Literal, NamedTuple
 
-from pallas_kernels import attention, logprob, matmul, rmsnorm, swiglu, truncation
+from pallas_kernels import attention, attention_bwd, logprob, matmul, rmsnorm, swiglu, truncation
 from pallas_kernels._common import interpret_mode
 
 Numerics = Literal["strict", "fast"]
@@ -83,6 +84,16 @@ SWIGLU = swiglu.SwiGLUConfig(block_rows=16, block_cols=128, num_warps=4)
 ATTENTION = attention.AttentionConfig(
     page_size=16, block_rows=16, kv_split=256, num_warps=4, num_stages=2, block_pages=4
 )
+
+
+def set_attention_backward(flash: bool) -> None:
+    """The learner's attention gradient: XLA's dense backward (default) or the Pallas flash backward
+    (pallas_kernels/attention_bwd.py). Forward bits are the same either way (only the backward
+    changes). Takes effect for functions traced afterwards; opt-in until measured on the GPU."""
+    global ATTENTION
+    ATTENTION = dataclasses.replace(ATTENTION, backward=attention_bwd.AttentionBwdConfig() if flash else None)
+
+
 LOGPROB = logprob.LogprobConfig(block_rows=64, block_vocab=128, block_k=64, vocab_splits=128, num_warps=4, num_stages=4)
 # 4 stages: a decode step streams the 1.24 GB lm_head (8B) through 128 programs, one per SM, and 2
 # stages in flight held it at 44% of the copy bandwidth.

@@ -108,10 +108,8 @@ def test_learner_logprobs_do_not_depend_on_micro_batch(tiny):
         assert_bits_equal(np.concatenate(parts), whole, f"micro-batch {size}")
 
 
-def test_learner_remat_keeps_the_bits(tiny):
-    """--remat (model.forward's remat) recomputes each layer's intermediates in the backward pass rather than keeping
-    them: the FSDP learner step's loss, logp_new and every gradient have the same bits either way."""
-    cfg, params = tiny
+def learner_step_results(cfg, params, variants, set_variant):
+    """The FSDP learner step (loss, logp_new, gradients) on a small random batch, once per variant."""
     rng = np.random.default_rng(1)
     samples = [
         {
@@ -132,7 +130,7 @@ def test_learner_remat_keeps_the_bits(tiny):
     ref_logp = fsdp.put(np.zeros(batch.logp_old.shape, np.float32), mesh, fsdp.ROWS)
     on_mesh = fsdp.put(batch, mesh, fsdp.ROWS)
     results = {}
-    for remat in (True, False):
+    for variant in variants:
         grad_fn = fsdp.sharded_value_and_grad(
             grpo.grpo_loss,
             mesh,
@@ -142,17 +140,46 @@ def test_learner_remat_keeps_the_bits(tiny):
             numerics="strict",
             clip_eps=0.2,
             beta=0.0,
-            remat=remat,
+            **set_variant(variant),
         )
         zeros = jax.tree.map(jnp.zeros_like, master)
         (loss, (_, logp)), grads = grad_fn(master, on_mesh, ref_logp, rope, total, zeros)
-        results[remat] = (loss, logp, grads)
+        results[variant] = (loss, logp, grads)
+    return results
+
+
+def test_learner_remat_keeps_the_bits(tiny):
+    """--remat (model.forward's remat) recomputes each layer's intermediates in the backward pass rather than keeping
+    them: the FSDP learner step's loss, logp_new and every gradient have the same bits either way."""
+    results = learner_step_results(*tiny, (True, False), lambda remat: {"remat": remat})
     (loss, logp, grads), (loss_kept, logp_kept, grads_kept) = results[True], results[False]
     assert_bits_equal(loss, loss_kept, "loss")
     assert_bits_equal(logp, logp_kept, "logp_new")
     assert np.abs(np.asarray(grads["layers"]["gate_proj"])).max() > 0  # a real gradient reached the layers
     for (path, g), g_kept in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads_kept)):
         assert_bits_equal(g, g_kept, jax.tree_util.keystr(path))
+
+
+def test_flash_attention_backward_in_the_learner(tiny, monkeypatch):
+    """numerics.set_attention_backward(True): the learner step's loss and logp_new keep their bits
+    (only the attention's gradient changes implementation) and every gradient is finite and reaches
+    its weights. Its accuracy (within twice the dense backward's own error against float64) is
+    checked where it can be derived, on the attention alone: test_kernels' test_attention_flash_backward."""
+    from rlkjax import numerics
+
+    monkeypatch.setattr(numerics, "ATTENTION", numerics.ATTENTION)  # restored after the test
+
+    def use(flash):
+        numerics.set_attention_backward(flash)
+        return {}
+
+    results = learner_step_results(*tiny, (True, False), use)
+    (loss, logp, grads), (loss_d, logp_d, grads_d) = results[True], results[False]
+    assert_bits_equal(loss, loss_d, "loss")
+    assert_bits_equal(logp, logp_d, "logp_new")
+    for (path, g), g_d in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads_d)):
+        g, g_d = np.asarray(g, np.float64), np.asarray(g_d, np.float64)
+        assert np.isfinite(g).all() and (np.abs(g).max() > 0) == (np.abs(g_d).max() > 0), jax.tree_util.keystr(path)
 
 
 def corrupt_one_logprob(monkeypatch, at_step: int, sequence: int, token: int) -> dict:

@@ -119,3 +119,35 @@ def test_audit_catches_the_fast_path(tiny, compiled_kernels):
     cfg, _ = tiny
     bad = audit.float_arithmetic(lowered(cfg, "learner", "fast"))
     assert any("dot_general" in line for line in bad) and any("exponential" in line for line in bad)
+
+
+def learner_gradient(cfg, numerics_mode, b=2, t=16):
+    """The learner's gradient (of its sequence logprobs), lowered for an H200."""
+    rope = model.rope_tables(cfg)
+    tok = jax.ShapeDtypeStruct((b, t), jnp.int32)
+    temps = jax.ShapeDtypeStruct((b,), jnp.float32)
+
+    def total(params, tokens, positions, temperature):
+        return model.sequence_logprobs(params, tokens, positions, temperature, rope, cfg, numerics_mode).sum()
+
+    return audit.lower_for_gpu(jax.jit(jax.grad(total)), abstract(rlkjax.init_params(cfg)), tok, tok, temps)
+
+
+def test_learner_gradient_has_no_atomic_adds(tiny, compiled_kernels):
+    """The strict learner's gradient has no scatter that adds where an index repeats (a GPU runs
+    those as atomic adds, in an order that changes from run to run; the embedding gradient of
+    repeated tokens was one: bf16 atomics). model.embed sums repeats in a fixed order instead. The
+    KV writes stay scatters, but they overwrite: each real position once, padding onto the trash page."""
+    text = learner_gradient(tiny[0], "strict")
+    assert '"stablehlo.scatter"' in text  # the audit sees the scatters that are there
+    assert audit.combining_scatters(text) == []
+
+
+def test_combining_scatter_audit_catches_a_plain_gather_gradient():
+    """Not vacuous: the gradient of plain indexing is the scatter-add the audit flags."""
+    ids = jnp.array([3, 1, 3], jnp.int32)
+    table = jax.ShapeDtypeStruct((8, 4), jnp.float32)
+    text = audit.lower_for_gpu(jax.jit(jax.grad(lambda t: t[ids].sum())), table)
+    assert len(audit.combining_scatters(text)) == 1
+    text = audit.lower_for_gpu(jax.jit(jax.grad(lambda t: model.embed(t, ids).sum())), table)
+    assert audit.combining_scatters(text) == []

@@ -356,3 +356,58 @@ def test_attention_kv_splits(kv_split, t, block_pages):
         o, kp, vp = run(slice(i, i + 1), kp, vp)
         outs.append(o)
     assert_bits_equal(jnp.concatenate(outs, axis=1), whole, f"kv_split {kv_split}: chunked prefill + decode vs whole")
+
+
+def test_embedding_gradient_sums_repeated_tokens_in_fp32():
+    """model.embed: the forward is plain indexing (same bits); the gradient of a row is its tokens'
+    cotangents summed in fp32 and rounded once to bf16. Truth is the float64 sum rounded to bf16;
+    the fp32 sum of n <= 64 terms is within n * 2^-24 * sum|terms| of it (far below bf16's half ulp,
+    2^-9 relative), so every row must be the rounded truth or, where the truth sits that close to a
+    rounding boundary, the bf16 neighbour on the fp32 sum's side: at most one bf16 ulp off."""
+    from rlkjax import model
+
+    vocab, d, n = 50, 32, 300
+    table = jax.random.normal(jax.random.key(0), (vocab, d), F32).astype(BF16)
+    ids = jax.random.randint(jax.random.key(1), (n,), 0, 8)  # many repeats, and a few other rows
+    ids = ids.at[::7].set(jax.random.randint(jax.random.key(2), (43,), 0, vocab))
+    ct = jax.random.normal(jax.random.key(3), (n, d), F32).astype(BF16)
+    assert_bits_equal(model.embed(table, ids), table[ids], "embed forward")
+    _, vjp = jax.vjp(lambda t: model.embed(t, ids), table)
+    (grad,) = vjp(ct)
+    truth = np.zeros((vocab, d))
+    np.add.at(truth, np.asarray(ids), np.asarray(ct, np.float64))
+    rounded = np.asarray(jnp.asarray(truth, F32).astype(BF16), np.float64)
+    ulp = np.abs(np.nextafter(jnp.asarray(rounded, BF16), jnp.asarray(np.inf, BF16)).astype(np.float64) - rounded)
+    off = np.abs(np.asarray(grad, np.float64) - rounded)
+    assert grad.dtype == BF16 and (off <= ulp).all()
+    assert (off == 0).mean() > 0.99  # nearly all exactly the rounded truth
+    unused = np.setdiff1d(np.arange(vocab), np.asarray(ids))
+    assert (np.asarray(grad, np.float64)[unused] == 0).all()
+
+
+@pytest.mark.parametrize("hq,hkv,dh,block", [(4, 2, 16, 16), (6, 2, 24, 32), (5, 1, 8, 16)])
+def test_attention_flash_backward(hq, hkv, dh, block):
+    """The Pallas backward (AttentionConfig.backward): dq, dk, dv as close to the float64 dense truth
+    as XLA's dense backward is (check_grads: within twice the reference's own error), the same
+    bits twice; padding rows and rows whose keys span several blocks, group sizes 2 / 3 / 5, head
+    dims 16 / 24 (padded to 32) / 8 (padded to 16)."""
+    import dataclasses
+
+    from pallas_kernels.attention_bwd import AttentionBwdConfig
+
+    config = dataclasses.replace(numerics.ATTENTION, backward=AttentionBwdConfig(block_q=block, block_k=block))
+    q, k, v, pages, pt, pos = _attention_case(F32, hq=hq, hkv=hkv, dh=dh)
+    ker = lambda q, k, v: _attend(q, k, v, pages, pages, jnp.int32(1), pt, pos, config)[0]  # noqa: E731
+    check_grads(ker, lambda q, k, v: attention.dense_attention(q, k, v, pos), [q, k, v], (0, 1, 2), "flash bwd")
+    # Skipping the block pairs that see nothing changes no bit (they would add exact zeros).
+    no_skip = dataclasses.replace(config, backward=dataclasses.replace(config.backward, skip_blocks=False))
+    cot = jax.random.normal(jax.random.key(9), q.shape, F32)
+
+    def grads_with(c):
+        return jax.grad(
+            lambda q, k, v: jnp.sum(_attend(q, k, v, pages, pages, jnp.int32(1), pt, pos, c)[0] * cot), (0, 1, 2)
+        )(q, k, v)
+
+    grads = [grads_with(config), grads_with(no_skip)]
+    for a, b, name in zip(*grads, "qkv"):
+        assert_bits_equal(a, b, f"d{name}: skipped blocks vs all blocks")
