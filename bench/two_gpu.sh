@@ -3,7 +3,7 @@
 #
 #   bash bench/two_gpu.sh strict STEPS     # Qwen3-8B shapes, strict, verify on: FSDP learner over both GPUs,
 #   bash bench/two_gpu.sh fast STEPS       #   samplers on both, P16 x G8, 256 new tokens; the same with --numerics fast
-#   bash bench/two_gpu.sh processes STEPS  # small shape: two processes (one per GPU) vs one process on both GPUs,
+#   bash bench/two_gpu.sh processes STEPS  # tiny shape: two processes (one per GPU) vs one process on both GPUs,
 #                                          #   final weights, AdamW state, final_hf and metrics compared as bits
 #   bash bench/two_gpu.sh dry-run          # all three at tiny shapes on 2 x 2 fake CPU devices (checks the script)
 #
@@ -11,9 +11,9 @@
 # run's metrics.jsonl / plot.png; checkpoints and final_hf stay in $RUNS (default /tmp/two_gpu_runs: 8B ones are
 # 16 GB). Environment: TIMEOUT (seconds per piece, default 540), MICRO_BATCH (default 4 sequences: at 16 the
 # 8B learner does not fit two GPUs, see `python -m bench.memory_plan`), REMAT (non-empty: train.grpo --remat),
-# PY (default python3), BIG_MODEL (default qwen3-8b), SMALL_MODEL (default qwen3-0.6b), SMALL_TASK (default
-# arithmetic; `SMALL_MODEL=qwen3-tiny SMALL_TASK=lowercase` gives non-zero rewards and gradients from random weights,
-# so the cross-GPU gradient sum is exercised: a random 0.6B model never answers the arithmetic task).
+# PY (default python3), BIG_MODEL (default qwen3-8b), SMALL_MODEL (default qwen3-tiny), TASK (default lowercase:
+# random weights earn some reward on it, so the updates have non-zero gradients and the cross-GPU gradient sum is
+# exercised; a random model never answers `arithmetic`, the task of the 2026-11-30 runs).
 set -uo pipefail
 PIECE=${1:?usage: bash bench/two_gpu.sh strict|fast|processes STEPS, or bash bench/two_gpu.sh dry-run}
 STEPS=${2:-3}
@@ -36,7 +36,7 @@ else
   SHAPE_BIG=(--prompts-per-step 16 --group-size 8 --max-new-tokens 256 --max-prompt-tokens 64)
   SHAPE_SMALL=(--prompts-per-step 8 --group-size 4 --max-new-tokens 32 --max-prompt-tokens 64)
 fi
-BIG_MODEL=${BIG_MODEL:-qwen3-8b}; SMALL_MODEL=${SMALL_MODEL:-qwen3-0.6b}
+BIG_MODEL=${BIG_MODEL:-qwen3-8b}; SMALL_MODEL=${SMALL_MODEL:-qwen3-tiny}
 COMMON=(--learner-devices 0,1 --sampler-devices 0,1 --verify-logprobs --no-progress)
 
 record_env() {
@@ -48,7 +48,7 @@ record_env() {
 
 big() {  # $1: strict | fast
   local run="$RUNS/big_$1"; rm -rf "$run"
-  timeout -k 30 "$TIMEOUT" "$PY" -m train.grpo --model "$BIG_MODEL" "${SHAPE_BIG[@]}" "${COMMON[@]}" --task arithmetic --numerics "$1" \
+  timeout -k 30 "$TIMEOUT" "$PY" -m train.grpo --model "$BIG_MODEL" "${SHAPE_BIG[@]}" "${COMMON[@]}" --task "${TASK:-lowercase}" --numerics "$1" \
     --steps "$STEPS" --micro-batch "${MICRO_BATCH:-4}" ${REMAT:+--remat} --learning-rate 1e-6 --checkpoint-every 0 --out "$run" \
     > "$OUT/big_$1.log" 2>&1
   echo "big_$1: exit $?" | tee -a "$OUT/big_$1.log"
@@ -59,7 +59,7 @@ big() {  # $1: strict | fast
 
 processes() {
   local one="$RUNS/one_process" two="$RUNS/two_processes"; rm -rf "$one" "$two"
-  local flags=(--model "$SMALL_MODEL" "${SHAPE_SMALL[@]}" "${COMMON[@]}" --task "${SMALL_TASK:-arithmetic}" --steps "$STEPS" --warmup-steps 0
+  local flags=(--model "$SMALL_MODEL" "${SHAPE_SMALL[@]}" "${COMMON[@]}" --task "${TASK:-lowercase}" --steps "$STEPS" --warmup-steps 0
                --checkpoint-every "$STEPS")
   local port; port=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   {
