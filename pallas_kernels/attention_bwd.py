@@ -43,11 +43,14 @@ class AttentionBwdConfig:
         check_block("block_k", self.block_k)
 
 
+def _visible(pos_q, pos_k):
+    """[bq, bk]: the forward's mask (a key at a valid position up to the query's)."""
+    return (pos_k[None, :] <= pos_q[:, None]) & (pos_k[None, :] >= 0)
+
+
 def _probs(q, k, pos_q, pos_k, lse, scale):
     """p [bq, bk] = exp(q k^T * scale - lse) where visible, else exact 0."""
-    s = dot_nt(q, k) * scale
-    visible = (pos_k[None, :] <= pos_q[:, None]) & (pos_k[None, :] >= 0)
-    return jnp.where(visible, jnp.exp(s - lse[:, None]), 0.0)
+    return jnp.where(_visible(pos_q, pos_k), jnp.exp(dot_nt(q, k) * scale - lse[:, None]), 0.0)
 
 
 def _sees(q_hi, k_lo, compute, carry):
@@ -62,10 +65,7 @@ def _stats_kernel(q_hi_ref, k_lo_ref, pos_q_ref, pos_k_ref, q_ref, k_ref, lse_re
     def block(j, carry):
         m, l = carry
         blk = pl.ds(j * block_k, block_k)
-        pos_k = pos_k_ref[blk]
-        s = dot_nt(q, k_ref[blk, :]) * scale
-        visible = (pos_k[None, :] <= pos_q[:, None]) & (pos_k[None, :] >= 0)
-        s = jnp.where(visible, s, -jnp.inf)
+        s = jnp.where(_visible(pos_q, pos_k_ref[blk]), dot_nt(q, k_ref[blk, :]) * scale, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         safe = jnp.where(m_new > -jnp.inf, m_new, 0.0)
         l = l * jnp.exp(m - safe) + jnp.sum(jnp.exp(s - safe[:, None]), axis=1)
