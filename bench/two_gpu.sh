@@ -5,7 +5,9 @@
 #   bash bench/two_gpu.sh fast STEPS       #   samplers on both, P16 x G8, 256 new tokens; the same with --numerics fast
 #   bash bench/two_gpu.sh processes STEPS  # tiny shape: two processes (one per GPU) vs one process on both GPUs,
 #                                          #   final weights, AdamW state, final_hf and metrics compared as bits
-#   bash bench/two_gpu.sh dry-run          # all three at tiny shapes on 2 x 2 fake CPU devices (checks the script)
+#   bash bench/two_gpu.sh layouts STEPS    # layouts that differ, strict, verify on: learner 0,1 + sampler 0;
+#                                          #   learner 0 + samplers 0,1; learner 0 + sampler 1 (LAYOUT_MODEL)
+#   bash bench/two_gpu.sh dry-run          # every piece at tiny shapes on 2 x 2 fake CPU devices (checks the script)
 #
 # Writes to $OUT (default /tmp/out): <piece>.log, <piece>.json (bench/two_gpu.py's summary or comparison) and the
 # run's metrics.jsonl / plot.png; checkpoints and final_hf stay in $RUNS (default /tmp/two_gpu_runs: 8B ones are
@@ -15,7 +17,7 @@
 # random weights earn some reward on it, so the updates have non-zero gradients and the cross-GPU gradient sum is
 # exercised; a random model never answers `arithmetic`, the task of the 2026-11-30 runs).
 set -uo pipefail
-PIECE=${1:?usage: bash bench/two_gpu.sh strict|fast|processes STEPS, or bash bench/two_gpu.sh dry-run}
+PIECE=${1:?usage: bash bench/two_gpu.sh strict|fast|processes|layouts STEPS, or bash bench/two_gpu.sh dry-run}
 STEPS=${2:-3}
 OUT=${OUT:-/tmp/out}; RUNS=${RUNS:-/tmp/two_gpu_runs}; PY=${PY:-python3}; TIMEOUT=${TIMEOUT:-540}
 mkdir -p "$OUT" "$RUNS"
@@ -28,7 +30,7 @@ GPU_PIECES=1
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.95}  # JAX takes 75% of a GPU by default; 8B needs more
 if [ "$PIECE" = dry-run ]; then  # every piece at tiny shapes, 2 fake CPU devices per process
   export XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu
-  BIG_MODEL=qwen3-tiny SMALL_MODEL=qwen3-tiny GPU_PIECES=0
+  BIG_MODEL=qwen3-tiny SMALL_MODEL=qwen3-tiny LAYOUT_MODEL=qwen3-tiny GPU_PIECES=0
   SHAPE_BIG=(--prompts-per-step 4 --group-size 2 --max-new-tokens 8 --max-prompt-tokens 32)
   SHAPE_SMALL=(--prompts-per-step 4 --group-size 2 --max-new-tokens 4 --max-prompt-tokens 32)
   STEPS=2
@@ -36,7 +38,7 @@ else
   SHAPE_BIG=(--prompts-per-step 16 --group-size 8 --max-new-tokens 256 --max-prompt-tokens 64)
   SHAPE_SMALL=(--prompts-per-step 8 --group-size 4 --max-new-tokens 32 --max-prompt-tokens 64)
 fi
-BIG_MODEL=${BIG_MODEL:-qwen3-8b}; SMALL_MODEL=${SMALL_MODEL:-qwen3-tiny}
+BIG_MODEL=${BIG_MODEL:-qwen3-8b}; SMALL_MODEL=${SMALL_MODEL:-qwen3-tiny}; LAYOUT_MODEL=${LAYOUT_MODEL:-qwen3-0.6b}
 COMMON=(--learner-devices 0,1 --sampler-devices 0,1 --verify-logprobs --no-progress)
 
 record_env() {
@@ -67,14 +69,14 @@ processes() {
     timeout -k 30 "$TIMEOUT" "$PY" -m train.grpo "${flags[@]}" --out "$one"; echo "one process: exit $?"
     echo "== two processes, one device each (coordinator 127.0.0.1:$port)"
     local pids=() i
-    for i in 1 0; do
-      if [ "$GPU_PIECES" = 1 ]; then export CUDA_VISIBLE_DEVICES=$i; else export XLA_FLAGS=--xla_force_host_platform_device_count=1; fi
-      timeout -k 30 "$TIMEOUT" "$PY" -m train.grpo "${flags[@]}" --out "$two" \
+    for i in 1 0; do  # one device per process (set for that process only: later pieces see both)
+      local one_device=(XLA_FLAGS=--xla_force_host_platform_device_count=1)
+      if [ "$GPU_PIECES" = 1 ]; then one_device=(CUDA_VISIBLE_DEVICES=$i); fi
+      env "${one_device[@]}" timeout -k 30 "$TIMEOUT" "$PY" -m train.grpo "${flags[@]}" --out "$two" \
         --coordinator "127.0.0.1:$port" --num-processes 2 --process-id "$i" > "$OUT/process_$i.log" 2>&1 &
       pids+=($!)
     done
     for i in "${pids[@]}"; do wait "$i"; echo "process pid $i: exit $?"; done
-    unset CUDA_VISIBLE_DEVICES
     "$PY" -m bench.two_gpu compare "$one" "$two" --out "$OUT/processes.json"; echo "compare: exit $?"
   } > "$OUT/processes.log" 2>&1
   cp "$one/metrics.jsonl" "$OUT/one_process.metrics.jsonl" 2>/dev/null
@@ -82,10 +84,26 @@ processes() {
   tail -n 40 "$OUT/processes.log"
 }
 
+layouts() {  # the sampler and the learner on different devices (both on both: the big pieces)
+  local name learner sampler run
+  for spec in "l01_s0 0,1 0" "l0_s01 0 0,1" "l0_s1 0 1"; do
+    read -r name learner sampler <<< "$spec"
+    run="$RUNS/layout_$name"; rm -rf "$run"
+    timeout -k 30 "$TIMEOUT" "$PY" -m train.grpo --model "$LAYOUT_MODEL" "${SHAPE_SMALL[@]}" --task "${TASK:-lowercase}" \
+      --learner-devices "$learner" --sampler-devices "$sampler" --verify-logprobs --no-progress --steps "$STEPS" \
+      --checkpoint-every 0 --out "$run" > "$OUT/layout_$name.log" 2>&1
+    echo "layout $name (learner $learner, sampler $sampler): exit $?" | tee -a "$OUT/layouts.log"
+    "$PY" -m bench.two_gpu summarize "$run" --out "$OUT/layout_$name.json" >> "$OUT/layout_$name.log" 2>&1
+    grep -E '"(steps|logprobs_compared|logprobs_bits_differ|first_update_ratio_min|first_update_ratio_max)"' \
+      "$OUT/layout_$name.json" | tr -d '\n ' | tee -a "$OUT/layouts.log"; echo | tee -a "$OUT/layouts.log"
+  done
+}
+
 record_env "$@"
 case "$PIECE" in
   strict|fast) big "$PIECE" ;;
   processes) processes ;;
-  dry-run) big strict; big fast; processes ;;
-  *) echo "unknown piece $PIECE: strict | fast | processes | dry-run" >&2; exit 2 ;;
+  layouts) layouts ;;
+  dry-run) big strict; big fast; processes; layouts ;;
+  *) echo "unknown piece $PIECE: strict | fast | processes | layouts | dry-run" >&2; exit 2 ;;
 esac
