@@ -404,7 +404,7 @@ def test_shutdown_with_a_deadline(how):
     requests get 503 meanwhile, and the process exits 0 (a second signal used to drop every answer
     and exit 1). The work cannot drain in 1 s on any machine: 8 requests of 4 samples x 240 tokens
     are two waves of the 16-row batch, 60 decode rounds at least (4 single samples, 30 rounds at
-    batch 4, were borderline against 1.3 s: the test failed once in about ten runs on an idle machine)."""
+    batch 4, can drain within 1.3 s on a fast idle machine, leaving nothing cut off to check)."""
     timeout = "1" if how == "deadline" else "300"
     proc, client = start_server("--shutdown-timeout", timeout)
     body = json.dumps({"prompt": [1, 2, 3], "n": 4, "max_new_tokens": 240, "seed": 0}).encode()
