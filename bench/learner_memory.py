@@ -103,12 +103,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64 + 256, help="prompt + new tokens (bucketed as pack does)")
     parser.add_argument("--remat", action="store_true", help="the learner step with train.grpo --remat")
     parser.add_argument(
-        "--flash-backward", action="store_true", help="the attention gradient from the Pallas flash backward"
+        "--dense-backward", action="store_true", help="the attention gradient from XLA's dense backward, not flash"
     )
     parser.add_argument("--hlo", help="write each compiled HLO to this prefix")
     parser.add_argument("--json", action="store_true", help="one JSON line per layer count: {function: {what: bytes}}")
     args = parser.parse_args()
-    numerics.set_attention_backward(args.flash_backward)
+    numerics.set_attention_backward(not args.dense_backward)
     base = ModelConfig.preset(args.model)
     tokens = bucket(args.tokens, PAGE_SIZE)
     for layers in [int(n) for n in args.layers.split(",")] if args.layers else [base.num_layers]:

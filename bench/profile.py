@@ -114,9 +114,9 @@ def main():
     p.add_argument("--sides", default="strict", help="comma-separated: strict,fast")
     p.add_argument("--top", type=int, default=25, help="rows printed per table")
     p.add_argument("--out", default=None, help="write the tables as JSON here")
-    p.add_argument("--flash-backward", action="store_true", help="learner: the Pallas flash attention backward")
+    p.add_argument("--dense-backward", action="store_true", help="learner: XLA's dense attention backward, not flash")
     args = p.parse_args()
-    numerics.set_attention_backward(args.flash_backward)
+    numerics.set_attention_backward(not args.dense_backward)
     results = {}
     for side in args.sides.split(","):
         if args.model:

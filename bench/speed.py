@@ -16,7 +16,7 @@ Sections (each row: fast, strict, strict/fast time, fraction of a ceiling):
   attention 6 x L x Hq x Dh x T^2 per sequence) / time / 989 TFLOP/s; memory from XLA's compiled
   memory analysis (arguments + outputs + temporaries: the peak of that call); `--learner-remat` adds
   each row again with train.grpo --remat (layers recomputed in the backward) for the speed it costs,
-  `--learner-flash` with the Pallas flash attention backward instead of XLA's dense one;
+  `--learner-dense` with XLA's dense attention backward instead of the Pallas flash one;
 - score: the learner's forward + logprobs (`rlkjax.score`'s jitted core, the verify pass);
 - kernels: each kernel alone against its XLA counterpart at decode and learner shapes.
 Times are medians of `--repeats` timed calls after a warm-up call. JSON to --out.
@@ -110,7 +110,10 @@ def random_cache(cfg, num_pages):
     return k, jnp.flip(k, axis=2)
 
 
-def decode_rows(cfg, params, batches, contexts, steps, repeats, bw, name):
+def decode_rows(cfg, params, batches, contexts, steps, repeats, bw, name, unroll=1):
+    """Decode rows; unroll: the sampler's layer-loop unroll (model.LAYER_UNROLL) they run with."""
+    model.LAYER_UNROLL = unroll
+    jax.clear_caches()  # a module constant is not part of jit's cache key: retrace with it
     rows = []
     rope = model.rope_tables(cfg)
     wbytes = weight_bytes(params)
@@ -123,6 +126,7 @@ def decode_rows(cfg, params, batches, contexts, steps, repeats, bw, name):
         tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, 1)), jnp.int32)
         for ctx in contexts:
             row = {"section": "decode", "model": name, "batch": batch, "context": ctx, "steps": steps}
+            row |= {"layer_unroll": unroll} if unroll != 1 else {}
             start = jnp.full((batch,), ctx - 1, jnp.int32)
             table = page_table[:, : -(-(ctx + steps) // PAGE_SIZE)]  # the fast path's attention reads every listed page
             for side in SIDES:
@@ -417,9 +421,21 @@ def sweep_rows(bw, rate, repeats, parts):
             (16, 16, 128, 4, 4),
         ],
         64: [(64, 32, 128, 4, 4), (64, 64, 128, 4, 4), (64, 64, 64, 4, 4), (32, 32, 128, 4, 4)],
-        256: [(64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (128, 128, 128, 8, 3)],
+        128: [(64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (128, 64, 128, 4, 3), (128, 128, 64, 4, 3)],
+        256: [
+            (64, 64, 128, 4, 4),
+            (64, 128, 128, 4, 3),
+            (64, 128, 128, 4, 4),
+            (64, 128, 64, 4, 4),
+            (64, 256, 64, 4, 3),
+            (128, 64, 128, 4, 3),
+            (128, 128, 64, 4, 3),
+            (128, 128, 64, 8, 4),
+            (128, 128, 128, 8, 3),
+            (128, 256, 64, 8, 3),
+        ],
     }
-    shapes = ((4096, 12288, (1, 64, 256)), (4096, 1024, (1,)), (4096, 4096, (1,)), (12288, 4096, (1,)))
+    shapes = ((4096, 12288, (1, 64, 128, 256)), (4096, 1024, (1,)), (4096, 4096, (1, 256)), (12288, 4096, (1, 256)))
     for k, n, ms in shapes if "matmul" in parts else ():
         ws = rand(2, (36, n, k), scale=0.02)
         for m in ms:
@@ -569,9 +585,11 @@ def print_table(report):
         s = r["section"]
         if s == "decode":
             shape, unit = f"batch {r['batch']} ctx {r['context']}", "tok/s"
+            shape += f" unroll {r['layer_unroll']}" if "layer_unroll" in r else ""
             f, st, ceil = r["fast_tokens_per_s"], r["strict_tokens_per_s"], f"{100 * r['strict_hbm_fraction']:.0f}% HBM"
         elif s in ("prefill", "learner", "score"):
             shape = f"{r['batch']} x {r.get('length', r.get('seq'))}" + (" remat" if r.get("remat") else "")
+            shape += " dense-bwd" if r.get("flash_backward") is False else ""
             f, st, unit = r.get("fast_tokens_per_s", NAN), r.get("strict_tokens_per_s", NAN), "tok/s"
             ceil = f"{100 * r['strict_mfu']:.0f}% MFU" if "strict_mfu" in r else ""
             if "strict_memory_GiB" in r:
@@ -593,15 +611,20 @@ def main():
     ap.add_argument("--contexts", default="512,2048")
     ap.add_argument("--steps", type=int, default=32, help="decode steps per timed loop")
     ap.add_argument("--repeats", type=int, default=3, help="timed calls per row (median)")
+    ap.add_argument(
+        "--layer-unroll",
+        default="1",
+        help="decode rows once per value: layers per iteration of the sampler's layer loop (same bits)",
+    )
     ap.add_argument("--learner-models", default="qwen3-1.7b,qwen3-4b")
     ap.add_argument("--learner-seqs", default="1024,4096")
     ap.add_argument(
         "--learner-remat", action="store_true", help="learner rows also with train.grpo --remat (side by side)"
     )
     ap.add_argument(
-        "--learner-flash",
+        "--learner-dense",
         action="store_true",
-        help="learner rows also with the Pallas flash attention backward (side by side)",
+        help="learner rows also with XLA's dense attention backward (side by side with the flash one)",
     )
     ap.add_argument("--learner-tokens", type=int, default=8192, help="tokens per learner call (batch = tokens / seq)")
     ap.add_argument("--prefill", default="16x2048", help="prefill rows x prompt tokens")
@@ -642,19 +665,10 @@ def main():
             break
         cfg = rlkjax.ModelConfig.preset(name)
         params = rlkjax.init_params(cfg, seed=0)
-        if "decode" in sections:
-            record(
-                decode_rows(
-                    cfg,
-                    params,
-                    [int(b) for b in args.batches.split(",")],
-                    [int(c) for c in args.contexts.split(",")],
-                    args.steps,
-                    args.repeats,
-                    bw,
-                    name,
-                )
-            )
+        for unroll in map(int, args.layer_unroll.split(",")) if "decode" in sections else ():
+            batches, contexts = [int(b) for b in args.batches.split(",")], [int(c) for c in args.contexts.split(",")]
+            record(decode_rows(cfg, params, batches, contexts, args.steps, args.repeats, bw, name, unroll))
+        model.LAYER_UNROLL = 1
         if "score" in sections and name == args.score_model:
             record([score_row(cfg, params, name, *map(int, args.score.split("x")), args.repeats)])
         if "prefill" in sections:
@@ -664,12 +678,12 @@ def main():
         for name in args.learner_models.split(","):
             for seq in map(int, args.learner_seqs.split(",")):
                 for remat in sorted({False, args.learner_remat}):
-                    for flash in sorted({False, args.learner_flash}):
+                    for flash in sorted({True, not args.learner_dense}, reverse=True):
                         numerics.set_attention_backward(flash)
                         cfg = rlkjax.ModelConfig.preset(name)
                         row = learner_row(cfg, name, seq, args.learner_tokens, args.repeats, rate, remat)
                         record([dict(row, flash_backward=flash)])
-                numerics.set_attention_backward(False)
+                numerics.set_attention_backward(True)
     if "kernels" in sections:
         record(kernel_rows(bw, rate, args.repeats))
     print_table(report)

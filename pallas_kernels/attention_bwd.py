@@ -108,12 +108,15 @@ def _dkdv_kernel(
         ds = p * (dot_nt(do, v) - delta_ref[g, blk][:, None]) * scale
         return dk + dot_nn(ds.astype(q.dtype).T, q), dv
 
-    def body(n, carry):  # the group's heads one by one, each over the query blocks in order
-        g, i = n // blocks, n % blocks
-        return _sees(q_hi_ref[i], k_lo, functools.partial(block, g, i), carry)
+    def head(g, carry):  # the group's heads one by one, each over the query blocks in order
+        # (two nested loops, not one over g * blocks: Triton's lowering of the // and % that would
+        # split the counter fails on the H200: "_mod: i32 vs i1")
+        return jax.lax.fori_loop(
+            0, blocks, lambda i, c: _sees(q_hi_ref[i], k_lo, functools.partial(block, g, i), c), carry
+        )
 
     zeros = jnp.zeros(k.shape, F32)
-    dk, dv = jax.lax.fori_loop(0, groups * blocks, body, (zeros, zeros))
+    dk, dv = jax.lax.fori_loop(0, groups, head, (zeros, zeros))
     dk_ref[...], dv_ref[...] = dk, dv
 
 

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _math
+from pallas_kernels import _math, matmul
 from pallas_kernels._common import F32, acc_dtype, check_block, compiler_params, dot_nt, pad_dim
 
 _NO_TOKEN = 2**31 - 1
@@ -46,6 +46,9 @@ class LogprobConfig:
     vocab_splits: int = 128
     num_warps: int = 4
     num_stages: int = 2
+    # the backward's three products per vocab chunk (logits again, dh, dw): our matmul kernel, not
+    # XLA dots, whose algorithm XLA's autotuner picks per compilation (bits could change run to run)
+    backward: matmul.MatmulConfig = matmul.MatmulConfig(block_m=128, block_n=256, block_k=64, num_warps=8)
 
     def __post_init__(self):
         check_block("block_rows", self.block_rows)
@@ -351,24 +354,26 @@ def _vocab_chunk(rows, vocab, block_vocab):
 
 def _bwd(config, interpret, saved, g):
     """d logp / d logits_v = (onehot_v - p_v) / T, streamed over vocab chunks with the saved
-    log-sum-exp, so the backward never holds [N, V] either. Plain XLA, fixed chunk order; the
-    logits are recomputed from bf16 operands with fp32 accumulation (as the forward kernel does),
-    and dz is rounded to the model dtype for the two gradient GEMMs (fp32 accumulation)."""
+    log-sum-exp, so the backward never holds [N, V] either. Fixed chunk order; the logits are
+    recomputed from bf16 operands with fp32 accumulation (as the forward kernel does), and dz is
+    rounded to the model dtype for the two gradient products (fp32 accumulation); all three run in
+    our matmul kernel (`config.backward`), elementwise steps in XLA."""
     h, w, targets, temperature, lse = saved
     vocab = w.shape[0]
     chunk = _vocab_chunk(h.shape[0], vocab, config.block_vocab)
     wc = pad_dim(w, 0, chunk).reshape(-1, chunk, w.shape[1])  # an odd vocab: padded ids masked below
     inv_t = 1.0 / temperature.astype(F32)
-    dot = functools.partial(jnp.dot, preferred_element_type=F32)
+    h_t = h.T
+    dot = functools.partial(matmul.product, config=config.backward, interpret=interpret)
 
     def step(dh, xs):
         w_tile, v0 = xs
-        z = dot(h, w_tile.T) * inv_t[:, None]
+        z = dot(h, w_tile, out_dtype=F32) * inv_t[:, None]
         ids = v0 + jnp.arange(chunk)
         p = jnp.where(ids[None, :] < vocab, jnp.exp(z - lse[:, None]), 0.0)
         onehot = ids[None, :] == targets[:, None]
         dz = ((g * inv_t)[:, None] * (onehot.astype(F32) - p)).astype(h.dtype)
-        return dh + dot(dz, w_tile), dot(dz.T, h).astype(w.dtype)
+        return dh + dot(dz, w_tile.T, out_dtype=F32), dot(dz.T, h_t).astype(w.dtype)
 
     dh, dw = jax.lax.scan(step, jnp.zeros(h.shape, F32), (wc, jnp.arange(wc.shape[0]) * chunk))
     return dh.astype(h.dtype), dw.reshape(-1, w.shape[1])[:vocab], None, None

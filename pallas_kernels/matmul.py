@@ -76,8 +76,9 @@ def _kernel(*refs, block_k, k_steps, has_residual, stacked, interpret):
     o_ref[...] = y
 
 
-def _pallas_matmul(x, w, residual, config: MatmulConfig, interpret: bool, layer=None):
-    """w [N, K], or w [L, N, K] with `layer` (N and K then tile multiples: the stack is not padded)."""
+def _pallas_matmul(x, w, residual, config: MatmulConfig, interpret: bool, layer=None, out_dtype=None):
+    """w [N, K], or w [L, N, K] with `layer` (N and K then tile multiples: the stack is not padded).
+    out_dtype: the result's type (default x.dtype); float32 keeps the accumulator unrounded."""
     c = config
     m, n = x.shape[0], w.shape[-2]
     x = pad_dim(pad_dim(x, 0, c.block_m), 1, c.block_k)
@@ -113,7 +114,7 @@ def _pallas_matmul(x, w, residual, config: MatmulConfig, interpret: bool, layer=
         grid=(mp // c.block_m, np_ // c.block_n),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((c.block_m, c.block_n), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((mp, np_), x.dtype),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype or x.dtype),
         compiler_params=compiler_params(c.num_warps, c.num_stages),
         interpret=interpret,
     )(*args)
@@ -141,6 +142,12 @@ def _bwd(config, interpret, saved, dy):
 
 
 matmul.defvjp(_fwd, _bwd)
+
+
+def product(x, w, config: MatmulConfig, interpret: bool, out_dtype=None):
+    """x [M, K] @ w [N, K].T -> [M, N] in out_dtype (default x.dtype), not differentiable: the
+    kernel for gradients computed by hand (the logprob head's backward), in the same fixed K order."""
+    return _pallas_matmul(x, w, None, config, interpret, out_dtype=out_dtype)
 
 
 def matmul_layer(x, w, layer, residual, config: MatmulConfig, interpret: bool):

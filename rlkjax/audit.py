@@ -72,6 +72,17 @@ def combining_scatters(stablehlo_text: str) -> list[str]:
     return bad
 
 
+def xla_dots(stablehlo_text: str) -> list[str]:
+    """Matrix products XLA runs itself (dot_general, convolution): on a GPU its autotuner picks their
+    algorithm (cuBLAS or Triton tiles, split-K or not) by timing each compilation, so their bits can
+    change between processes or runs. Our kernels fix theirs; a deterministic gradient has none."""
+    return [
+        line.strip()[:200]
+        for line in stablehlo_text.splitlines()
+        if re.search(r"stablehlo\.(dot_general|dot|convolution)\b", line)
+    ]
+
+
 def lower_for_gpu(jitted, *args, device_kind: str = "NVIDIA H200", **kwargs) -> str:
     """StableHLO of `jitted(*args)` lowered for CUDA, on any host (args may be ShapeDtypeStructs).
     On a machine without a GPU the Triton lowering needs an abstract device to target."""

@@ -120,6 +120,11 @@ def _embed_bwd(saved, ct):
 embed.defvjp(_embed_fwd, _embed_bwd)
 
 
+# Layers per iteration of the sampler's layer loop (weights read in place). Unrolling only removes the
+# loop's own counter/compare kernels (~4 launches a layer at 0.6B decode); the same kernels run on the
+# same inputs, so the bits do not depend on it. bench.speed --layer-unroll measures it.
+LAYER_UNROLL = 1
+
 MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -216,7 +221,8 @@ def forward(
         raise ValueError("layer_weights and remat need weights_in_place=False (the learner's pass)")
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     scanned = {} if weights_in_place else params["layers"]
-    (x, k_pages, v_pages), _ = jax.lax.scan(layer_step, (x, *kv_cache), (scanned, layer_ids))
+    unroll = LAYER_UNROLL if weights_in_place else 1
+    (x, k_pages, v_pages), _ = jax.lax.scan(layer_step, (x, *kv_cache), (scanned, layer_ids), unroll=unroll)
     x = op.rmsnorm(x, params["norm"], None, None, eps)
     return x[:n].reshape(b, t, -1), (k_pages, v_pages)
 

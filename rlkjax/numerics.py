@@ -42,12 +42,14 @@ PRECISION = {
 # `test_matmul_tile_configs_agree` run compiled); interpreted, a tile walks K in 32-wide dots
 # whatever block_k is. Decode rows get GEMV-like tiles (16 rows, narrow N tiles so even a
 # 1024-wide output spreads over the GPU, long K tiles, 6 stages in flight: 8-18% faster than 4 at
-# 8B decode shapes on the H200, bench.speed --only sweep); the learner gets 128x256x64 tensor-core
-# tiles (1.4x the 128x128x128 rate at 8192x4096x12288 on the H200).
+# 8B decode shapes on the H200, bench.speed --only sweep); 65-256 rows (batch-256 decode, short
+# prefill chunks) 64x128x128 with 4 stages (1.25-1.4x 64x64x128 at 256 rows of the 8B projections, the
+# fastest of 10 tiles timed, 2026-11-30 sweep on the H200); the
+# learner gets 128x256x64 tensor-core tiles (1.4x the 128x128x128 rate at 8192x4096x12288).
 MATMUL_BLOCK_K = 128
 MATMUL_DECODE = matmul.MatmulConfig(block_m=16, block_n=32, block_k=MATMUL_BLOCK_K, num_warps=4, num_stages=6)
 MATMUL_SMALL = matmul.MatmulConfig(block_m=64, block_n=32, block_k=MATMUL_BLOCK_K, num_warps=4, num_stages=4)
-MATMUL_MEDIUM = matmul.MatmulConfig(block_m=64, block_n=64, block_k=MATMUL_BLOCK_K, num_warps=4, num_stages=4)
+MATMUL_MEDIUM = matmul.MatmulConfig(block_m=64, block_n=128, block_k=MATMUL_BLOCK_K, num_warps=4, num_stages=4)
 MATMUL = matmul.MatmulConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
 
 
@@ -81,20 +83,32 @@ RMSNORM_HEADS = rmsnorm.RMSNormConfig(block_rows=16, block_d=256, num_warps=4)
 SWIGLU = swiglu.SwiGLUConfig(block_rows=16, block_cols=128, num_warps=4)
 # Attention: 4 pages (64 keys) per online-softmax step: a decode step's attention was a chain of
 # one-page steps (19 us per layer at 8B, batch 1, context 512 on the H200 for 1 MB of KV).
+# The learner's attention gradient: the Pallas flash backward (pallas_kernels/attention_bwd.py). XLA's
+# dense backward (backward=None) holds [B, H, T, T] fp32 arrays and runs XLA dots, whose algorithm
+# XLA's autotuner picks per compilation by timing: two processes training on the same two H200s got
+# gradients that differed in the last bits (2026-11-30), and the flash backward has no XLA dot.
 ATTENTION = attention.AttentionConfig(
-    page_size=16, block_rows=16, kv_split=256, num_warps=4, num_stages=2, block_pages=4
+    page_size=16,
+    block_rows=16,
+    kv_split=256,
+    num_warps=4,
+    num_stages=2,
+    block_pages=4,
+    backward=attention_bwd.AttentionBwdConfig(),
 )
 
 
 def set_attention_backward(flash: bool) -> None:
-    """The learner's attention gradient: XLA's dense backward (default) or the Pallas flash backward
-    (pallas_kernels/attention_bwd.py). Forward bits are the same either way (only the backward
-    changes). Takes effect for functions traced afterwards; opt-in until measured on the GPU."""
+    """The learner's attention gradient: the Pallas flash backward (default) or XLA's dense one (to
+    compare speed and memory). Forward bits are the same either way (only the backward changes).
+    Takes effect for functions traced afterwards."""
     global ATTENTION
     ATTENTION = dataclasses.replace(ATTENTION, backward=attention_bwd.AttentionBwdConfig() if flash else None)
 
 
-LOGPROB = logprob.LogprobConfig(block_rows=64, block_vocab=128, block_k=64, vocab_splits=128, num_warps=4, num_stages=4)
+LOGPROB = logprob.LogprobConfig(
+    block_rows=64, block_vocab=128, block_k=64, vocab_splits=128, num_warps=4, num_stages=4, backward=MATMUL
+)
 # 4 stages: a decode step streams the 1.24 GB lm_head (8B) through 128 programs, one per SM, and 2
 # stages in flight held it at 44% of the copy bandwidth.
 # One LOGPROB config for every row count: block_rows changes the layout of the [rows, vocab tile]

@@ -161,10 +161,11 @@ def test_learner_remat_keeps_the_bits(tiny):
 
 
 def test_flash_attention_backward_in_the_learner(tiny, monkeypatch):
-    """numerics.set_attention_backward(True): the learner step's loss and logp_new keep their bits
-    (only the attention's gradient changes implementation) and every gradient is finite and reaches
-    its weights. Its accuracy (within twice the dense backward's own error against float64) is
-    checked where it can be derived, on the attention alone: test_kernels' test_attention_flash_backward."""
+    """The flash attention backward (default) against XLA's dense one: the learner step's loss and
+    logp_new keep their bits (only the attention's gradient changes implementation) and every
+    gradient is finite and reaches its weights. Its accuracy (within twice the dense backward's own
+    error against float64) is checked where it can be derived, on the attention alone:
+    test_kernels' test_attention_flash_backward."""
     from rlkjax import numerics
 
     monkeypatch.setattr(numerics, "ATTENTION", numerics.ATTENTION)  # restored after the test

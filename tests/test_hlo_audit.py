@@ -143,6 +143,17 @@ def test_learner_gradient_has_no_atomic_adds(tiny, compiled_kernels):
     assert audit.combining_scatters(text) == []
 
 
+def test_learner_gradient_has_no_xla_dots(tiny, compiled_kernels, monkeypatch):
+    """The strict learner's gradient runs every matrix product in our kernels: XLA's autotuner picks
+    its own dots' algorithms per compilation by timing, and on 2 H200s two processes got gradients
+    that differed in the last bits from one process (2026-11-30) while the attention backward was
+    XLA's dense one. The flash backward (default) has no XLA dot; the dense one does (not vacuous)."""
+    monkeypatch.setattr(numerics, "ATTENTION", numerics.ATTENTION)  # restored after the test
+    assert audit.xla_dots(learner_gradient(tiny[0], "strict")) == []
+    numerics.set_attention_backward(False)
+    assert len(audit.xla_dots(learner_gradient(tiny[0], "strict"))) >= 2
+
+
 def test_combining_scatter_audit_catches_a_plain_gather_gradient():
     """Not vacuous: the gradient of plain indexing is the scatter-add the audit flags."""
     ids = jnp.array([3, 1, 3], jnp.int32)
