@@ -69,3 +69,24 @@ def test_odd_shapes_bitwise():
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (3, 17, 30)]
     check_case(params, cfg, prompts, [1, 2, 3], [0.7, 1.0, 1.3], max_new=4, chunk=16, rng=rng)
+
+
+def test_layer_unroll_keeps_bits(tiny, monkeypatch):
+    """model.LAYER_UNROLL (bench.speed --layer-unroll) only changes how many layers one iteration of
+    the sampler's layer loop runs: the same kernels on the same inputs, so the hidden states and the
+    KV cache keep their bits."""
+    from rlkjax import model
+    from tests.conftest import assert_bits_equal
+
+    cfg, params = tiny
+    rope = model.rope_tables(cfg)
+    tokens = jnp.arange(2 * 9, dtype=jnp.int32).reshape(2, 9) % cfg.vocab_size
+    positions = jnp.broadcast_to(jnp.arange(9, dtype=jnp.int32), (2, 9))
+    page_table = jnp.array([[1], [2]], jnp.int32)
+    runs = []
+    for unroll in (1, 2):
+        monkeypatch.setattr(model, "LAYER_UNROLL", unroll)
+        cache = model.init_kv_cache(cfg, 3)
+        runs.append(model.forward(params, tokens, positions, cache, page_table, rope, cfg, "strict"))
+    for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1]), strict=True):
+        assert_bits_equal(a, b, "unroll 2 vs 1")
