@@ -111,13 +111,18 @@ class ServerConfig:
             raise ValueError(f"--read-timeout={self.read_timeout} must be a finite number > 0")
 
 
+@jax.jit
+def _all_finite(params):
+    """One flag per leaf. One program for the whole tree, compiled at start-up (the served weights
+    are checked there) and reused by every /update_weights: not an eager reduction per array."""
+    return [jnp.isfinite(leaf).all() for leaf in jax.tree.leaves(params)]
+
+
 def _non_finite(params) -> list[str]:
     """Paths of the parameters holding NaN or Inf."""
-    return [
-        jax.tree_util.keystr(k)
-        for k, leaf in jax.tree_util.tree_leaves_with_path(params)
-        if not bool(jnp.isfinite(leaf).all())
-    ]
+    flags = jax.device_get(_all_finite(params))
+    paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)]
+    return [path for path, ok in zip(paths, flags, strict=True) if not ok]
 
 
 AUTH_WINDOW_S, AUTH_MAX_FAILURES = 60.0, 5  # failed admin-key attempts allowed per client address per window
