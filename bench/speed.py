@@ -16,7 +16,8 @@ Sections (each row: fast, strict, strict/fast time, fraction of a ceiling):
   attention 6 x L x Hq x Dh x T^2 per sequence) / time / 989 TFLOP/s; memory from XLA's compiled
   memory analysis (arguments + outputs + temporaries: the peak of that call); `--learner-remat` adds
   each row again with train.grpo --remat (layers recomputed in the backward) for the speed it costs,
-  `--learner-dense` with XLA's dense attention backward instead of the Pallas flash one;
+  `--learner-dense` with XLA's dense attention backward instead of the Pallas flash one,
+  `--learner-in-place` with the matmul backward reading its operands in place (no transposed copies);
 - score: the learner's forward + logprobs (`rlkjax.score`'s jitted core, the verify pass);
 - kernels: each kernel alone against its XLA counterpart at decode and learner shapes.
 Times are medians of `--repeats` timed calls after a warm-up call. JSON to --out.
@@ -590,6 +591,7 @@ def print_table(report):
         elif s in ("prefill", "learner", "score"):
             shape = f"{r['batch']} x {r.get('length', r.get('seq'))}" + (" remat" if r.get("remat") else "")
             shape += " dense-bwd" if r.get("flash_backward") is False else ""
+            shape += " in-place" if r.get("matmul_backward_in_place") else ""
             f, st, unit = r.get("fast_tokens_per_s", NAN), r.get("strict_tokens_per_s", NAN), "tok/s"
             ceil = f"{100 * r['strict_mfu']:.0f}% MFU" if "strict_mfu" in r else ""
             if "strict_memory_GiB" in r:
@@ -625,6 +627,11 @@ def main():
         "--learner-dense",
         action="store_true",
         help="learner rows also with XLA's dense attention backward (side by side with the flash one)",
+    )
+    ap.add_argument(
+        "--learner-in-place",
+        action="store_true",
+        help="learner rows also with the matmul backward reading dy, w, x in place (side by side)",
     )
     ap.add_argument("--learner-tokens", type=int, default=8192, help="tokens per learner call (batch = tokens / seq)")
     ap.add_argument("--prefill", default="16x2048", help="prefill rows x prompt tokens")
@@ -679,11 +686,14 @@ def main():
             for seq in map(int, args.learner_seqs.split(",")):
                 for remat in sorted({False, args.learner_remat}):
                     for flash in sorted({True, not args.learner_dense}, reverse=True):
-                        numerics.set_attention_backward(flash)
-                        cfg = rlkjax.ModelConfig.preset(name)
-                        row = learner_row(cfg, name, seq, args.learner_tokens, args.repeats, rate, remat)
-                        record([dict(row, flash_backward=flash)])
+                        for in_place in sorted({False, args.learner_in_place}):
+                            numerics.set_attention_backward(flash)
+                            numerics.set_matmul_backward(in_place)
+                            cfg = rlkjax.ModelConfig.preset(name)
+                            row = learner_row(cfg, name, seq, args.learner_tokens, args.repeats, rate, remat)
+                            record([dict(row, flash_backward=flash, matmul_backward_in_place=in_place)])
                 numerics.set_attention_backward(True)
+                numerics.set_matmul_backward(False)
     if "kernels" in sections:
         record(kernel_rows(bw, rate, args.repeats))
     print_table(report)

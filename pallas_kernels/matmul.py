@@ -28,6 +28,11 @@ class MatmulConfig:
     block_k: int = 32
     num_warps: int = 4
     num_stages: int = 3
+    # The backward's dx = dy @ w and dw = dy.T @ x: False multiplies transposed copies of w, dy and
+    # x with the forward kernel; True reads them where they lie (`_grad_product`), saving the copies
+    # (~2 GB of traffic per layer at Qwen3-4B x 8192 tokens). Either way a fixed K order; the
+    # gradients' bits may differ between the two. Opt-in until measured on the GPU.
+    backward_in_place: bool = False
 
     def __post_init__(self):
         check_block("block_m", self.block_m)
@@ -134,11 +139,61 @@ def _fwd(x, w, residual, config, interpret):
 
 
 def _bwd(config, interpret, saved, dy):
-    # Same kernel, same fixed K order: deterministic run to run (no atomics, no split-K).
+    # A fixed K order either way: deterministic run to run (no atomics, no split-K).
     x, w, has_residual = saved
-    dx = _pallas_matmul(dy, w.T, None, config, interpret).astype(x.dtype)
-    dw = _pallas_matmul(dy.T.astype(x.dtype), x.T, None, config, interpret).astype(w.dtype)
+    if config.backward_in_place:
+        dx = _grad_product(dy, w, "nn", config, interpret).astype(x.dtype)
+        dw = _grad_product(dy.astype(x.dtype), x, "tn", config, interpret).astype(w.dtype)
+    else:
+        dx = _pallas_matmul(dy, w.T, None, config, interpret).astype(x.dtype)
+        dw = _pallas_matmul(dy.T.astype(x.dtype), x.T, None, config, interpret).astype(w.dtype)
     return dx, dw, (dy if has_residual else None)
+
+
+def _grad_kernel(a_ref, b_ref, o_ref, *, a_k_axis, block_k, k_steps, interpret):
+    """One output tile of a @ b ("nn": a [M, K], b [K, N]) or a.T @ b ("tn": a [K, M], b [K, N]):
+    K in `block_k` steps, ascending, into one fp32 accumulator."""
+    dims = (((a_k_axis,), (0,)), ((), ()))
+    precision = jax.lax.Precision.HIGHEST if a_ref.dtype == F32 else None  # fp32: no TF32 (as dot_nt)
+
+    def body(i, acc):
+        ks = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
+        a = a_ref[:, ks] if a_k_axis == 1 else a_ref[ks, :]
+        b = b_ref[ks, :]
+        step = min(32, block_k) if interpret else block_k  # interpret: 32-wide sub-steps (see _product)
+        for j in range(0, block_k, step):
+            a_j = jax.lax.slice_in_dim(a, j, j + step, axis=a_k_axis)
+            acc = acc + jax.lax.dot_general(a_j, b[j : j + step], dims, precision, preferred_element_type=F32)
+        return acc
+
+    o_ref[...] = jax.lax.fori_loop(0, k_steps, body, jnp.zeros(o_ref.shape, F32)).astype(o_ref.dtype)
+
+
+def _grad_product(a, b, layout: str, config: MatmulConfig, interpret: bool):
+    """a @ b (layout "nn": a [M, K], b [K, N]) or a.T @ b ("tn": a [K, M], b [K, N]) -> [M, N] in
+    a.dtype, read in place: the backward's dx = dy @ w ("nn") and dw = dy.T @ x ("tn")."""
+    c, a_k_axis = config, 1 if layout == "nn" else 0
+    m, n = a.shape[1 - a_k_axis], b.shape[1]
+    a = pad_dim(pad_dim(a, 1 - a_k_axis, c.block_m), a_k_axis, c.block_k)
+    b = pad_dim(pad_dim(b, 0, c.block_k), 1, c.block_n)
+    kp, mp, np_ = b.shape[0], a.shape[1 - a_k_axis], b.shape[1]
+    a_block = (c.block_m, kp) if layout == "nn" else (kp, c.block_m)
+    y = pl.pallas_call(
+        functools.partial(
+            _grad_kernel, a_k_axis=a_k_axis, block_k=c.block_k, k_steps=kp // c.block_k, interpret=interpret
+        ),
+        name=f"matmul_{layout}_n{n}_k{kp}",
+        grid=(mp // c.block_m, np_ // c.block_n),
+        in_specs=[
+            pl.BlockSpec(a_block, (lambda i, j: (i, 0)) if layout == "nn" else (lambda i, j: (0, i))),
+            pl.BlockSpec((kp, c.block_n), lambda i, j: (0, j)),
+        ],
+        out_specs=pl.BlockSpec((c.block_m, c.block_n), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), a.dtype),
+        compiler_params=compiler_params(c.num_warps, c.num_stages),
+        interpret=interpret,
+    )(a, b)
+    return y[:m, :n]
 
 
 matmul.defvjp(_fwd, _bwd)

@@ -53,9 +53,23 @@ MATMUL_MEDIUM = matmul.MatmulConfig(block_m=64, block_n=128, block_k=MATMUL_BLOC
 MATMUL = matmul.MatmulConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
 
 
+# The matmul backward reading dy, w and x in place (MatmulConfig.backward_in_place): opt-in until
+# measured on the GPU (`set_matmul_backward`, bench.speed --learner-in-place).
+MATMUL_BACKWARD_IN_PLACE = False
+
+
 def matmul_config(rows: int) -> matmul.MatmulConfig:
     """The tile config for a call with `rows` rows (a static shape, so chosen at trace time)."""
-    return MATMUL_DECODE if rows <= 16 else MATMUL_SMALL if rows <= 64 else MATMUL_MEDIUM if rows <= 256 else MATMUL
+    c = MATMUL_DECODE if rows <= 16 else MATMUL_SMALL if rows <= 64 else MATMUL_MEDIUM if rows <= 256 else MATMUL
+    return dataclasses.replace(c, backward_in_place=True) if MATMUL_BACKWARD_IN_PLACE else c
+
+
+def set_matmul_backward(in_place: bool) -> None:
+    """The matmuls' gradient: transposed copies through the forward kernel (default) or kernels that
+    read the operands in place. Forward bits are the same either way. Takes effect for functions
+    traced afterwards."""
+    global MATMUL_BACKWARD_IN_PLACE
+    MATMUL_BACKWARD_IN_PLACE = in_place
 
 
 def rmsnorm_config(cos) -> rmsnorm.RMSNormConfig:
