@@ -160,6 +160,23 @@ def test_learner_remat_keeps_the_bits(tiny):
         assert_bits_equal(g, g_kept, jax.tree_util.keystr(path))
 
 
+def backward_variants(tiny, set_backward):
+    """The learner step with set_backward(True) and set_backward(False): asserts the loss and
+    logp_new keep their bits (a backward switch must not touch the forward), then yields (path,
+    gradient with True, gradient with False) per parameter, as float64."""
+
+    def use(on):
+        set_backward(on)
+        return {}
+
+    results = learner_step_results(*tiny, (True, False), use)
+    (loss, logp, grads), (loss_d, logp_d, grads_d) = results[True], results[False]
+    assert_bits_equal(loss, loss_d, "loss")
+    assert_bits_equal(logp, logp_d, "logp_new")
+    for (path, g), g_d in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads_d), strict=True):
+        yield jax.tree_util.keystr(path), np.asarray(g, np.float64), np.asarray(g_d, np.float64)
+
+
 def test_flash_attention_backward_in_the_learner(tiny, monkeypatch):
     """The flash attention backward (default) against XLA's dense one: the learner step's loss and
     logp_new keep their bits (only the attention's gradient changes implementation) and every
@@ -169,18 +186,8 @@ def test_flash_attention_backward_in_the_learner(tiny, monkeypatch):
     from rlkjax import numerics
 
     monkeypatch.setattr(numerics, "ATTENTION", numerics.ATTENTION)  # restored after the test
-
-    def use(flash):
-        numerics.set_attention_backward(flash)
-        return {}
-
-    results = learner_step_results(*tiny, (True, False), use)
-    (loss, logp, grads), (loss_d, logp_d, grads_d) = results[True], results[False]
-    assert_bits_equal(loss, loss_d, "loss")
-    assert_bits_equal(logp, logp_d, "logp_new")
-    for (path, g), g_d in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads_d)):
-        g, g_d = np.asarray(g, np.float64), np.asarray(g_d, np.float64)
-        assert np.isfinite(g).all() and (np.abs(g).max() > 0) == (np.abs(g_d).max() > 0), jax.tree_util.keystr(path)
+    for path, g, g_d in backward_variants(tiny, numerics.set_attention_backward):
+        assert np.isfinite(g).all() and (np.abs(g).max() > 0) == (np.abs(g_d).max() > 0), path
 
 
 def test_matmul_backward_in_place_in_the_learner(tiny, monkeypatch):
@@ -193,19 +200,9 @@ def test_matmul_backward_in_place_in_the_learner(tiny, monkeypatch):
     from rlkjax import numerics
 
     monkeypatch.setattr(numerics, "MATMUL_BACKWARD_IN_PLACE", numerics.MATMUL_BACKWARD_IN_PLACE)
-
-    def use(in_place):
-        numerics.set_matmul_backward(in_place)
-        return {}
-
-    results = learner_step_results(*tiny, (True, False), use)
-    (loss, logp, grads), (loss_d, logp_d, grads_d) = results[True], results[False]
-    assert_bits_equal(loss, loss_d, "loss")
-    assert_bits_equal(logp, logp_d, "logp_new")
-    for (path, g), g_d in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads_d)):
-        g, g_d = np.asarray(g, np.float64), np.asarray(g_d, np.float64)
-        assert np.isfinite(g).all(), jax.tree_util.keystr(path)
-        assert np.linalg.norm(g - g_d) <= 0.01 * np.linalg.norm(g_d), jax.tree_util.keystr(path)
+    for path, g, g_d in backward_variants(tiny, numerics.set_matmul_backward):
+        assert np.isfinite(g).all(), path
+        assert np.linalg.norm(g - g_d) <= 0.01 * np.linalg.norm(g_d), path
 
 
 def corrupt_one_logprob(monkeypatch, at_step: int, sequence: int, token: int) -> dict:
