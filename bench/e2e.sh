@@ -40,7 +40,7 @@
 # Environment: DRY, TOTAL, MIN_PIECE, PY (default python3), PIECES (default "grpo server_e2e latency rollout"),
 # MODELS (GRPO presets, default qwen3-0.6b), MICRO_BATCH (default 8), REMAT (non-empty: the GRPO runs with --remat;
 # qwen3-4b at micro-batch 4 ran out of memory without it), ROLLOUT_MODELS (default qwen3-0.6b),
-# SYNC_MODELS (default qwen3-0.6b,qwen3-4b,qwen3-8b), JAX_COMPILATION_CACHE_DIR (default /tmp/jax_cache: shared
+# SYNC_MODELS (default qwen3-0.6b,qwen3-4b,qwen3-8b), B_STRICT B_FAST B_SERVER B_LATENCY B_ROLLOUT (the pieces' budgets), JAX_COMPILATION_CACHE_DIR (default /tmp/jax_cache: shared
 # by the pieces' processes, so a shape compiled by one is loaded by the next).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; PY=${PY:-python3}; DRY=${DRY:-0}
@@ -75,7 +75,8 @@ else
   LATENCY_SHAPE=(--concurrency 1,16,256 --prompt 128 --max-tokens 128 --decode-steps 8 --max-batch 256
                  --num-pages 16384 --max-context 1024)
   ROLLOUT_SHAPE=(--batches 16,64,256 --context 512 --new-tokens 64 --repeats 2)
-  B_STRICT=160; B_FAST=190; B_SERVER=200; B_LATENCY=90; B_ROLLOUT=120
+  B_STRICT=${B_STRICT:-160}; B_FAST=${B_FAST:-190}; B_SERVER=${B_SERVER:-200}; B_LATENCY=${B_LATENCY:-90}
+  B_ROLLOUT=${B_ROLLOUT:-120}
 fi
 
 { date -u +%FT%TZ; git rev-parse HEAD 2>/dev/null; git status --short 2>/dev/null | head -n 20; echo "$0 DRY=$DRY"

@@ -9,6 +9,8 @@ import json
 import sys
 from pathlib import Path
 
+NAN = float("nan")
+
 
 def load(path: Path):
     try:
@@ -51,6 +53,14 @@ def server_lines(out: Path) -> list[str]:
         f"{r['wall_s']:.1f} s = {r['tokens_per_s']:.0f} tok/s; bits differ {checked}; "
         f"{r['compilations_in_timed_burst']} shapes compiled inside the timing"
     ]
+    if "timed_burst" in r:
+        t = r["timed_burst"]
+        lines.append(
+            f"server_e2e: timed burst {r['wall_s']:.1f} s = engine steps {t['engine_step_s']:.1f} s ({t['steps']:.0f} "
+            f"steps: blocked on the device {t['engine_wait_s']:.1f} s, host {t['engine_host_s']:.1f} s, of which "
+            f"dispatch {t.get('engine_dispatch_s', NAN):.1f} s and between rounds {t.get('engine_gap_s', NAN):.1f} s) "
+            f"+ outside steps {t['outside_steps_s']:.1f} s; {t['prefill_tokens']:.0f} prompt tokens prefilled"
+        )
     if "kernel_ratio" in r:
         k = r["kernel_ref"]
         lines.append(

@@ -116,11 +116,11 @@ def main():
     p.add_argument("--out", default=None, help="write the tables as JSON here")
     p.add_argument("--dense-backward", action="store_true", help="learner: XLA's dense attention backward, not flash")
     p.add_argument(
-        "--in-place-backward", action="store_true", help="learner: the matmul backward reading its operands in place"
+        "--copy-backward", action="store_true", help="learner: the matmul backward on transposed copies, not in place"
     )
     args = p.parse_args()
     numerics.set_attention_backward(not args.dense_backward)
-    numerics.set_matmul_backward(args.in_place_backward)
+    numerics.set_matmul_backward(not args.copy_backward)
     results = {}
     for side in args.sides.split(","):
         if args.model:

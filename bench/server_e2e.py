@@ -71,10 +71,22 @@ def warm_up(client, jobs, decode_steps):
     return fire(client, [j | {"seed": 10**6 + j["seed"]} for j in short])[1]
 
 
-def compilations(client) -> int:
-    """Step-function shapes the server has compiled so far (its /metrics)."""
-    line = next(x for x in client.metrics().splitlines() if x.startswith("rlkjax_compilations "))
-    return int(float(line.split()[-1]))
+def server_metrics(client) -> dict[str, float]:
+    """The server's rlkjax_* gauges (its /metrics), by name."""
+    rows = [x.split() for x in client.metrics().splitlines() if x.startswith("rlkjax_")]
+    return {name: float(value) for name, value in rows}
+
+
+# Where the timed burst's wall time went, from the server's counters read before and after it.
+BURST_COUNTERS = {
+    "steps": "rlkjax_engine_steps_total",
+    "engine_step_s": "rlkjax_engine_step_seconds_total",
+    "engine_wait_s": "rlkjax_engine_wait_seconds_total",
+    "engine_gap_s": "rlkjax_engine_gap_seconds_total",
+    "engine_dispatch_s": "rlkjax_engine_dispatch_seconds_total",
+    "prefill_tokens": "rlkjax_prefill_tokens_total",
+    "compilations": "rlkjax_compilations",
+}
 
 
 def swap_weights(client, cfg, numerics):
@@ -113,6 +125,9 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=128, help="most tokens per sample")
     ap.add_argument("--max-batch", type=int, default=256, help="the server's --max-batch")
     ap.add_argument("--decode-steps", type=int, default=8, help="the server's decode steps per round")
+    ap.add_argument(
+        "--token-budget", type=int, default=None, help="the server's prompt tokens prefilled a step (default: its own)"
+    )
     ap.add_argument("--kernel-ref", action="store_true", help="also time the kernel-level decode loop (see above)")
     ap.add_argument("--update-weights", action="store_true", help="also time POST /update_weights (see above)")
     ap.add_argument("--port", type=int, default=8765, help="loopback port")
@@ -132,15 +147,19 @@ def main():
         "--model", args.model, "--numerics", args.numerics, "--max-batch", str(args.max_batch),
         "--num-pages", "16384", "--max-context", str(args.max_prompt + args.max_new_tokens),
         "--decode-steps", str(args.decode_steps),
-    ]  # fmt: skip
+    ] + (["--token-budget", str(args.token_budget)] if args.token_budget else [])  # fmt: skip
     swap = None
     with running_server(server_args, args.port) as url:
         client = RolloutClient(url, admin_key=ADMIN_KEY, timeout=3600)
         warmup_s = warm_up(client, jobs, args.decode_steps)
-        compiled = compilations(client)
+        before = server_metrics(client)
         results, wall = fire(client, jobs)
-        metrics = client.metrics()
-        compiled = compilations(client) - compiled
+        after = server_metrics(client)
+        burst = {key: after[name] - before[name] for key, name in BURST_COUNTERS.items()}
+        # Host work inside the engine's steps (scheduling, reading rounds); the rest of the wall time
+        # the engine thread sat outside step() (idle, or waiting for the GIL / the step lock).
+        burst["engine_host_s"] = burst["engine_step_s"] - burst["engine_wait_s"]
+        burst["outside_steps_s"] = wall - burst["engine_step_s"]
         if args.update_weights:
             swap = swap_weights(client, cfg, args.numerics)
             print(json.dumps(swap), flush=True)
@@ -154,13 +173,15 @@ def main():
     output_tokens = sum(len(x) for x in sampled)
     report = new_report("bench.server_e2e") | {
         "requests": args.requests,
+        "server_args": server_args,
         "completions": len(seqs),
         "output_tokens": output_tokens,
         "warmup_s": warmup_s,
         "wall_s": wall,
-        "compilations_in_timed_burst": compiled,
+        "compilations_in_timed_burst": int(burst.pop("compilations")),
         "tokens_per_s": output_tokens / wall,
-        "server_metrics": [line for line in metrics.splitlines() if line.startswith("rlkjax_")],
+        "timed_burst": burst,
+        "server_metrics": after,
     }
     if swap:
         report["update_weights"] = swap

@@ -97,6 +97,9 @@ def main():
     ap.add_argument("--max-batch", type=int, default=256, help="the server's --max-batch")
     ap.add_argument("--num-pages", type=int, default=8192, help="the server's --num-pages")
     ap.add_argument("--max-context", type=int, default=2048, help="the server's --max-context")
+    ap.add_argument(
+        "--token-budget", type=int, default=None, help="the server's prompt tokens prefilled a step (default: its own)"
+    )
     ap.add_argument("--port", type=int, default=8766, help="loopback port")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
@@ -110,8 +113,10 @@ def main():
         "--model", args.model, "--numerics", args.numerics, "--max-batch", str(args.max_batch),
         "--num-pages", str(args.num_pages), "--max-context", str(args.max_context),
         "--decode-steps", str(args.decode_steps),
-    ]  # fmt: skip
-    report = new_report("bench.server_latency") | {"model": args.model, "numerics": args.numerics, "levels": []}
+    ] + (["--token-budget", str(args.token_budget)] if args.token_budget else [])  # fmt: skip
+    report = new_report("bench.server_latency") | {
+        "model": args.model, "numerics": args.numerics, "server_args": server_args, "levels": []
+    }  # fmt: skip
     with running_server(server_args, args.port) as url:
         for c in (int(c) for c in args.concurrency.split(",")):
             # The same shapes once, short, so compilation stays out of the timed run.

@@ -160,7 +160,9 @@ def _grad_kernel(a_ref, b_ref, o_ref, *, a_k_axis, block_k, k_steps, interpret):
         ks = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
         a = a_ref[:, ks] if a_k_axis == 1 else a_ref[ks, :]
         b = b_ref[ks, :]
-        step = min(32, block_k) if interpret else block_k  # interpret: 32-wide sub-steps (see _product)
+        if not interpret:  # one dot per K step (Triton's lowering has no `slice` of a loaded value)
+            return acc + jax.lax.dot_general(a, b, dims, precision, preferred_element_type=F32)
+        step = min(32, block_k)  # interpret: 32-wide sub-steps (see _product)
         for j in range(0, block_k, step):
             a_j = jax.lax.slice_in_dim(a, j, j + step, axis=a_k_axis)
             acc = acc + jax.lax.dot_general(a_j, b[j : j + step], dims, precision, preferred_element_type=F32)

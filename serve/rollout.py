@@ -411,6 +411,11 @@ class Server:
             ("rlkjax_preemptions_total", m["preemptions"], "sequences preempted for pages"),
             ("rlkjax_compilations", m["compilations"], "step-function shapes compiled"),
             ("rlkjax_policy_version", m["policy_version"], "weights version"),
+            ("rlkjax_engine_steps_total", m["steps"], "scheduling steps (one decode round and/or prefill chunk each)"),
+            ("rlkjax_engine_step_seconds_total", m["step_s"], "seconds the engine spent in scheduling steps"),
+            ("rlkjax_engine_wait_seconds_total", m["wait_s"], "of those, blocked on a decode round"),
+            ("rlkjax_engine_gap_seconds_total", m["gap_s"], "from reading a decode round to dispatching the next"),
+            ("rlkjax_engine_dispatch_seconds_total", m["dispatch_s"], "inside the jitted calls' dispatch"),
         ]:
             yield GaugeMetricFamily(name, doc, value=value)
 

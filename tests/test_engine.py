@@ -164,7 +164,7 @@ def test_no_recompiles_after_warmup(tiny):
         engine.run_until_done()
     from rlkjax import engine as eng
 
-    sizes = (eng.decode_round._cache_size(), eng.prefill_chunk._cache_size(), eng.copy_pages._cache_size())
+    sizes = (eng.next_round._cache_size(), eng.prefill_chunk._cache_size(), eng.copy_pages._cache_size())
     seen = set(engine.shapes_seen)
     pending = list(random_workload(rng, cfg, 25))
     while pending or engine.busy:
@@ -172,7 +172,7 @@ def test_no_recompiles_after_warmup(tiny):
             engine.submit(**pending.pop())
         engine.step()
     assert engine.shapes_seen <= seen | {("copy_pages", 1), ("copy_pages", 2), ("copy_pages", 4)}
-    assert eng.decode_round._cache_size() == sizes[0] and eng.prefill_chunk._cache_size() == sizes[1]
+    assert eng.next_round._cache_size() == sizes[0] and eng.prefill_chunk._cache_size() == sizes[1]
 
 
 def test_weight_update_between_steps(tiny):
@@ -268,6 +268,50 @@ def test_forked_samples_respect_max_batch(tiny):
     alone = rlkjax.generate(params, cfg, [req.prompt], max_new_tokens=5, seeds=sample_seed(7, 3))[0]
     assert alone.tokens == req.results[3].tokens
     assert engine.pages.used == 0
+
+
+def test_rounds_continue_on_the_device_exactly(tiny, monkeypatch):
+    """The next round is dispatched before the one in flight is read (its rows continue from the
+    device's last token). The same workload, with stops and min_tokens landing mid-round and a hook
+    that stops a sample on the host, run that way and with every round read before the next is
+    dispatched: the same tokens, finish reasons and logprob bits, every page back, and rows did
+    continue on the device (none in the reference run)."""
+    cfg, params = tiny
+    rng = np.random.default_rng(11)
+    work = list(random_workload(rng, cfg, 8, max_new=14))
+    probe = rlkjax.generate(
+        params, cfg, [work[0]["prompt"]], max_new_tokens=14, temperature=work[0]["temperature"], seeds=work[0]["seed"]
+    )[0]
+    work[0] |= dict(n=2, stop_token_ids=[probe.tokens[4]], min_tokens=3)  # sample 0 stops at its 5th token
+    work[1] |= dict(max_new_tokens=14)
+
+    def stop_after_six():  # the host's stop: keeps 6 tokens, like a stop string would
+        seen = {}
+
+        def hook(index, tokens, logprobs, top):
+            before = seen.get(index, 0)
+            seen[index] = before + len(tokens)
+            return 6 - before if seen[index] >= 6 else None
+
+        return hook
+
+    results = {}
+    for chained in (True, False):
+        if not chained:  # the engine's own fallback when pages are short: read the round first
+            monkeypatch.setattr(Engine, "_pages_ahead", lambda self, seqs, previous: False)
+        engine = Engine(params, cfg, config=dataclasses.replace(CONFIG, decode_steps=3))
+        reqs = [engine.submit(**(kw | {"on_tokens": stop_after_six()} if i == 1 else kw)) for i, kw in enumerate(work)]
+        engine.run_until_done()
+        assert engine.pages.used == 0 and not engine.busy
+        assert (engine.stats["chained_rows"] > 0) == chained, engine.stats
+        results[chained] = [r.results for r in reqs]
+    assert [c.finish_reason for c in results[True][0]][0] == "stop" and results[True][1][0].finish_reason == "stop"
+    assert len(results[True][1][0].tokens) == 6
+    for req, on, off in zip(reqs, results[True], results[False]):
+        for a, b in zip(on, off):
+            assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
+            assert_bits_equal(a.logprobs, b.logprobs, "continued on the device vs read first")
+            check_exact(params, cfg, req, a, req.temperature)
 
 
 def test_decode_rounds_equal_single_steps(tiny):

@@ -191,8 +191,8 @@ def test_flash_attention_backward_in_the_learner(tiny, monkeypatch):
 
 
 def test_matmul_backward_in_place_in_the_learner(tiny, monkeypatch):
-    """numerics.set_matmul_backward(True): the learner step's loss and logp_new keep their bits (the
-    forward is untouched) and the gradients agree with the default backward's to within bf16 rounding:
+    """numerics.set_matmul_backward: in place (default) vs transposed copies: the learner step's loss and
+    logp_new keep their bits (the forward is untouched) and the gradients agree to within bf16 rounding:
     both accumulate in fp32 and round dx and dw to bf16 (relative 2^-8 each), so over this model's few
     layers they may differ by a few such roundings, never by more than 1% in norm per weight (in
     interpret mode they came out the same bits). Their accuracy against float64 is checked on the

@@ -64,9 +64,12 @@ def lowered(cfg, fn, numerics_mode, b=2, t=16, pages=4):
             alternatives=20 if fn == "sampler_alternatives" else 0,
         )
     stops = jax.ShapeDtypeStruct((b, 2), jnp.int32)
-    return audit.lower_for_gpu(
-        engine.decode_round,
+    carry = (jax.ShapeDtypeStruct((2 * b,), jnp.int32), jax.ShapeDtypeStruct((2 * b,), jnp.bool_))
+    return audit.lower_for_gpu(  # the engine's round: decode_round continuing the round in flight
+        engine.next_round,
         params,
+        carry,
+        vec(jnp.int32),
         vec(jnp.int32),
         vec(jnp.int32),
         cache,
@@ -76,11 +79,11 @@ def lowered(cfg, fn, numerics_mode, b=2, t=16, pages=4):
         vec(jnp.float32),
         vec(jnp.int32),
         stops,
+        vec(jnp.int32),
         rope,
         cfg,
         numerics_mode,
         num_steps=4,
-        min_tokens=vec(jnp.int32),
         alternatives=20 if fn in ("sampler_round_alternatives", "sampler_round_truncation") else 0,
         truncation=(vec(jnp.int32), vec(jnp.float32), vec(jnp.float32), vec(jnp.bool_))
         if fn == "sampler_round_truncation"
