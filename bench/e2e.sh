@@ -60,7 +60,7 @@ if [ "$DRY" = 1 ]; then  # the same commands at tiny sizes on the CPU; budgets o
   SERVER_SHAPE=(--requests 6 --max-prompt 24 --min-new-tokens 2 --max-new-tokens 8 --max-batch 8 --decode-steps 2)
   LATENCY_SHAPE=(--concurrency 1,4 --prompt 8 --max-tokens 8 --decode-steps 2 --max-batch 8 --num-pages 16384
                  --max-context 32)
-  ROLLOUT_SHAPE=(--batches 2,4 --context 16 --new-tokens 4 --repeats 1)
+  ROLLOUT_SHAPE=(--batches 2,4 --context 16 --new-tokens 17 --repeats 1)
   B_STRICT=600; B_FAST=600; B_SERVER=600; B_LATENCY=600; B_ROLLOUT=600
 else
   TOTAL=${TOTAL:-560}; MIN_PIECE=${MIN_PIECE:-45}
@@ -74,7 +74,7 @@ else
   # come from the compilation cache.
   LATENCY_SHAPE=(--concurrency 1,16,256 --prompt 128 --max-tokens 128 --decode-steps 8 --max-batch 256
                  --num-pages 16384 --max-context 1024)
-  ROLLOUT_SHAPE=(--batches 16,64,256 --context 512 --new-tokens 64 --repeats 2)
+  ROLLOUT_SHAPE=(--batches 16,64,256 --context 512 --new-tokens 65 --repeats 2)
   B_STRICT=${B_STRICT:-160}; B_FAST=${B_FAST:-190}; B_SERVER=${B_SERVER:-200}; B_LATENCY=${B_LATENCY:-90}
   B_ROLLOUT=${B_ROLLOUT:-120}
 fi

@@ -4,8 +4,10 @@
 
 - engine: `rlkjax.generate` (the engine: admission, chunked prefill, decode rounds of
   `EngineConfig.decode_steps`, host bookkeeping between rounds) at batch B, prompts of `--context`
-  tokens, `--new-tokens` each. Its decode rate is B x (N - 1) / (t(N) - t(1)): the prefill and the
-  first token cancel out. The kernel-level loop is `decode_round` alone for N - 1 steps on the
+  tokens, `--new-tokens` N each. A round always runs its D = `decode_steps` steps (a row that is
+  done samples nothing), so the decode rate is B x (N - 1 - D) / (t(N) - t(1 + D)) with N - 1 a
+  multiple of D: both runs prefill alike and end with a round that samples one token, so what is
+  left is (N - 1 - D) / D whole rounds. The kernel-level loop is `decode_round` alone for N - 1 steps on the
   device in one call, same batch, context and cache layout: what the engine could reach with no
   host work at all. Ratio = engine / kernel-level.
 - sync: pushing new weights to an in-process engine: the fp32 -> bf16 cast of the learner's
@@ -35,8 +37,11 @@ def engine_rate(params, cfg, numerics, batch, context, new_tokens, repeats):
             params, cfg, prompts, max_new_tokens=n, seeds=list(range(batch)), numerics=numerics
         )
 
-    full, first = median_time(run(new_tokens), repeats), median_time(run(1), repeats)
-    return batch * (new_tokens - 1) / (full - first)
+    d = EngineConfig.decode_steps  # generate's engine (EngineConfig.for_batch) keeps the default
+    if (new_tokens - 1) % d or new_tokens < 1 + 2 * d:
+        raise ValueError(f"--new-tokens {new_tokens}: 1 + a multiple of decode_steps={d}, at least {1 + 2 * d}")
+    full, short = median_time(run(new_tokens), repeats), median_time(run(1 + d), repeats)
+    return batch * (new_tokens - 1 - d) / (full - short)
 
 
 def kernel_rate(params, cfg, numerics, batch, context, new_tokens, repeats):
@@ -45,24 +50,24 @@ def kernel_rate(params, cfg, numerics, batch, context, new_tokens, repeats):
     table = 1 + jnp.arange(batch * pages_per_row, dtype=jnp.int32).reshape(batch, pages_per_row)
     state = {"cache": model.init_kv_cache(cfg, 1 + batch * pages_per_row)}
     rows = jnp.arange(batch, dtype=jnp.int32)
-    stops = jnp.full((batch, 1), -1, jnp.int32)
+    # Every input but the cache made once, outside the timing (the RoPE tables alone are eager work).
+    args = (
+        rows % cfg.vocab_size,
+        jnp.full((batch,), context, jnp.int32),
+        table,
+        rows.astype(jnp.uint32),
+        jnp.zeros((batch,), jnp.int32),
+        jnp.ones((batch,), jnp.float32),
+        jnp.full((batch,), steps, jnp.int32),
+        jnp.full((batch, 1), -1, jnp.int32),
+        model.rope_tables(cfg),
+    )
+    tokens, positions, table, seeds, counts, temps, budget, stops, rope = jax.block_until_ready(args)
 
     def run():
+        cache = state["cache"]
         out, _, state["cache"] = decode_round(
-            params,
-            rows % cfg.vocab_size,
-            jnp.full((batch,), context, jnp.int32),
-            state["cache"],
-            table,
-            rows.astype(jnp.uint32),
-            jnp.zeros((batch,), jnp.int32),
-            jnp.ones((batch,), jnp.float32),
-            jnp.full((batch,), steps, jnp.int32),
-            stops,
-            model.rope_tables(cfg),
-            cfg,
-            numerics,
-            steps,
+            params, tokens, positions, cache, table, seeds, counts, temps, budget, stops, rope, cfg, numerics, steps
         )
         out.block_until_ready()
 
@@ -96,7 +101,9 @@ def main():
     ap.add_argument("--models", default="qwen3-0.6b,qwen3-8b", help="comma-separated presets (random weights)")
     ap.add_argument("--batches", default="16,64,256", help="comma-separated batch sizes")
     ap.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
-    ap.add_argument("--new-tokens", type=int, default=64, help="tokens sampled per sequence")
+    ap.add_argument(
+        "--new-tokens", type=int, default=65, help="tokens sampled per sequence (1 + a multiple of decode_steps)"
+    )
     ap.add_argument("--repeats", type=int, default=3, help="timed runs (median) after one warm-up")
     ap.add_argument(
         "--sync-models", default="qwen3-0.6b,qwen3-4b,qwen3-8b", help="presets for the weight-sync timing ('' = none)"
