@@ -566,6 +566,8 @@ class Engine:
         prefill_rows = bucket(min(c.max_batch, cdiv(c.token_budget, c.prefill_chunk)))
         todo = [("prefill", r) for r in rows if r <= prefill_rows]
         todo += [("decode_round", r) for r in rows] + [("copy_pages", r) for r in rows]
+        # both round lengths (see _dispatch_decode): with one decode step per round they are the same
+        todo += [("decode_round_1", r) for r in rows] if c.decode_steps > 1 else []
         with self.lock:
             for name, r in todo:
                 start = time.perf_counter()
@@ -579,7 +581,8 @@ class Engine:
                         self.params, tokens, positions, self.cache, table, self.rope, self.cfg, self.numerics
                     )
                     self._note_shape(name, r)
-                elif name == "decode_round":
+                elif name.startswith("decode_round"):
+                    steps = 1 if name == "decode_round_1" else c.decode_steps
                     zeros = np.zeros(r, np.int32)
                     _, _, self.cache, _ = next_round(
                         self.params,
@@ -598,11 +601,11 @@ class Engine:
                         self.rope,
                         self.cfg,
                         self.numerics,
-                        c.decode_steps,
+                        steps,
                         0,
                         None,
                     )
-                    self._note_shape(name, (r, 1, 0, False))
+                    self._note_shape("decode_round", (r, 1, 0, False, steps))
                 else:
                     self.cache = copy_pages(self.cache, np.zeros(r, np.int32), np.zeros(r, np.int32))
                     self._note_shape(name, r)
@@ -848,7 +851,10 @@ class Engine:
         # Likewise one variant for rounds with a truncating row; the other rows run it untruncated
         # (top_k = vocab, top_p = 1, min_p = 0), which draws their default tokens and bits.
         truncation = self._truncation(seqs, rows) if any(s.request.truncated for s in seqs) else None
-        self._note_shape("decode_round", (rows, stops, alternatives, truncation is not None))
+        # A round runs all its steps (decode_round), so when no row may sample more than one token
+        # (max_tokens=1 requests, last tokens) it is a one-step round, not decode_steps steps of padding.
+        length = 1 if int(remaining.max()) == 1 else self.config.decode_steps
+        self._note_shape("decode_round", (rows, stops, alternatives, truncation is not None, length))
         start = time.perf_counter()
         if self._round_read_at is not None and previous is None:
             self.stats["gap_s"] += start - self._round_read_at
@@ -869,7 +875,7 @@ class Engine:
             self.rope,
             self.cfg,
             self.numerics,
-            self.config.decode_steps,
+            length,
             alternatives,
             truncation,
         )

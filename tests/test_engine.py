@@ -34,8 +34,9 @@ def test_warm_up_compiles_every_default_shape(tiny):
     try:
         engine = Engine(params, cfg, config=config)
         shapes = engine.warm_up()
-        # prefill batches of 1, 2 (token_budget / prefill_chunk); rounds and page copies of 1 ... 8
-        assert shapes == 2 + 4 + 4 and len(compiles) >= shapes, (shapes, len(compiles))
+        # prefill batches of 1, 2 (token_budget / prefill_chunk); rounds of 8 and of 1 step and page
+        # copies, each of 1 ... 8 rows
+        assert shapes == 2 + 4 + 4 + 4 and len(compiles) >= shapes, (shapes, len(compiles))
         warm = len(compiles)
         rng = np.random.default_rng(5)
         pending = list(random_workload(rng, cfg, 20))
@@ -312,6 +313,22 @@ def test_rounds_continue_on_the_device_exactly(tiny, monkeypatch):
             assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
             assert_bits_equal(a.logprobs, b.logprobs, "continued on the device vs read first")
             check_exact(params, cfg, req, a, req.temperature)
+
+
+def test_one_token_requests_run_one_step_rounds(tiny):
+    """A round runs all its steps, so a round in which no row may sample more than one token is a
+    one-step round (not decode_steps steps on padding); its token and logprob bits are those of the
+    first token of a longer request."""
+    cfg, params = tiny
+    engine = Engine(params, cfg, config=CONFIG)
+    one = engine.submit([5, 6, 7], max_new_tokens=1, seed=3)
+    engine.run_until_done()
+    assert [key for name, key in engine.shapes_seen if name == "decode_round"] == [(1, 1, 0, False, 1)]
+    longer = engine.submit([5, 6, 7], max_new_tokens=5, seed=3)
+    engine.run_until_done()
+    assert one.results[0].tokens == longer.results[0].tokens[:1]
+    assert_bits_equal(one.results[0].logprobs, longer.results[0].logprobs[:1], "one-step round vs longer")
+    check_exact(params, cfg, one, one.results[0], 1.0)
 
 
 def test_decode_rounds_equal_single_steps(tiny):

@@ -352,7 +352,8 @@ def test_generate_with_truncation(tiny):
         (prompts[1], truncate | dict(truncated_logprobs=True)),
         (prompts[2], dict(seed=12)),
     )
-    assert ("decode_round", (4, 1, 0, True)) in engine.shapes_seen, "the rows shared the truncation variant"
+    rounds = {key[:4] for name, key in engine.shapes_seen if name == "decode_round"}
+    assert (4, 1, 0, True) in rounds, "the rows shared the truncation variant"
     alone = run(engine, (prompts[2], dict(seed=12)))[0]
     assert plain.tokens == alone.tokens
     assert_bits_equal(plain.logprobs, alone.logprobs, "plain row in truncation rounds vs alone")

@@ -501,7 +501,8 @@ def test_warm_up_before_serving(tiny):
     stay the learner's."""
     proc, client = start_server("--warmup", "--max-batch", "2", "--token-budget", "64")
     try:
-        shapes = 2 + 2 + 2  # prefill of 1, 2 sequences (64 / 32 tokens); decode rounds and page copies of 1, 2
+        # prefill of 1, 2 sequences (64 / 32 tokens); decode rounds (of 8 steps and of 1) and page copies of 1, 2
+        shapes = 2 + 2 + 2 + 2
         assert metric(client, "rlkjax_compilations") == shapes
         assert f"warm-up: {shapes} shapes compiled" in open(proc.log).read()
         cfg, params = tiny
