@@ -58,6 +58,14 @@ def check_exact(params, cfg, req, completion, temperature):
     assert_bits_equal(completion.logprobs, scored, f"request {req.id}")
 
 
+def token_at(params, cfg, kw, max_new_tokens, index):
+    """Token `index` that sample 0 of the workload request `kw` draws (to make it a stop id mid-round)."""
+    probe = rlkjax.generate(
+        params, cfg, [kw["prompt"]], max_new_tokens=max_new_tokens, temperature=kw["temperature"], seeds=kw["seed"]
+    )[0]
+    return probe.tokens[index]
+
+
 def random_workload(rng, cfg, count, max_new=8):
     for _ in range(count):
         yield dict(
@@ -280,10 +288,7 @@ def test_rounds_continue_on_the_device_exactly(tiny, monkeypatch):
     cfg, params = tiny
     rng = np.random.default_rng(11)
     work = list(random_workload(rng, cfg, 8, max_new=14))
-    probe = rlkjax.generate(
-        params, cfg, [work[0]["prompt"]], max_new_tokens=14, temperature=work[0]["temperature"], seeds=work[0]["seed"]
-    )[0]
-    work[0] |= dict(n=2, stop_token_ids=[probe.tokens[4]], min_tokens=3)  # sample 0 stops at its 5th token
+    work[0] |= dict(n=2, stop_token_ids=[token_at(params, cfg, work[0], 14, 4)], min_tokens=3)  # sample 0: 5th token
     work[1] |= dict(max_new_tokens=14)
 
     def stop_after_six():  # the host's stop: keeps 6 tokens, like a stop string would
@@ -338,10 +343,8 @@ def test_decode_rounds_equal_single_steps(tiny):
     cfg, params = tiny
     rng = np.random.default_rng(7)
     work = list(random_workload(rng, cfg, 6, max_new=12))
-    probe = rlkjax.generate(
-        params, cfg, [work[0]["prompt"]], max_new_tokens=12, temperature=work[0]["temperature"], seeds=work[0]["seed"]
-    )[0]
-    work[0] |= dict(n=1, max_new_tokens=12, stop_token_ids=[probe.tokens[2]])  # stops at its 3rd token, mid-round
+    stop = token_at(params, cfg, work[0], 12, 2)
+    work[0] |= dict(n=1, max_new_tokens=12, stop_token_ids=[stop])  # stops at its 3rd token, mid-round
     results = {}
     for steps in (1, 5):
         engine = Engine(params, cfg, config=dataclasses.replace(CONFIG, decode_steps=steps))
