@@ -25,6 +25,7 @@ Times are medians of `--repeats` timed calls after a warm-up call. JSON to --out
 """
 
 import argparse
+import dataclasses
 import functools
 import json
 
@@ -244,16 +245,35 @@ def score_row(cfg, params, name, b, seq, repeats):
 
 
 # ----- kernels alone -----
-def attention_only(q, pages, pt, pos, config, side):
+def attention_only(q, pages, plan, config, side):
     """Attention over a filled cache without the KV write (a write into an undonated cache would
-    time a copy of the whole cache): the strict kernel, or the fast path's XLA attention."""
+    time a copy of the whole cache): the strict kernel, or the fast path's XLA attention. plan:
+    `attention_plan(...)` with the same config, made outside the timed call."""
     if side == "strict":
-        return attention._pallas_attention(q, pages, pages, jnp.int32(0), pt, pos, config, False)
+        return attention._padded_attention(q, pages, pages, jnp.int32(0), plan, config, False)[0]
     _, hkv, _, ps, dh = pages.shape
-    b, p = pt.shape
-    keys = pages[0][:, pt].reshape(hkv, b, p * ps, dh).transpose(1, 2, 0, 3)
-    mask = (jnp.arange(p * ps)[None, None, :] <= pos[:, :, None])[:, None]
+    b, p = plan.page_table.shape
+    keys = pages[0][:, plan.page_table].reshape(hkv, b, p * ps, dh).transpose(1, 2, 0, 3)
+    mask = (jnp.arange(p * ps)[None, None, :] <= plan.positions[:, :, None])[:, None]
     return jax.nn.dot_product_attention(q, keys, keys, mask=mask, implementation="xla")
+
+
+def attention_case(b, t, ctx, hq, hkv, dh):
+    """q [b, t, hq, dh] at positions ctx-t .. ctx-1 of b rows over a random cache [1, hkv, ...]."""
+    ppr = -(-ctx // PAGE_SIZE)
+    pages = rand(6, (1, hkv, 1 + b * ppr, PAGE_SIZE, dh))
+    pt = jnp.asarray(1 + np.arange(b * ppr, dtype=np.int32).reshape(b, ppr))
+    pos = jnp.broadcast_to(jnp.arange(ctx - t, ctx, dtype=jnp.int32), (b, t))
+    return rand(7, (b, t, hq, dh)), pages, pt, pos
+
+
+def attention_plan(pt, pos, hq, hkv, config):
+    return attention.plan(pt, pos, hq // hkv, PAGE_SIZE, config)
+
+
+def causal_flops(pos, hq, dh):
+    """q k^T and p v over every visible (query, key) pair: 4 x Hq x Dh per pair."""
+    return 4 * hq * dh * float(np.sum(np.asarray(pos, np.int64) + 1))
 
 
 def _loop_time(step, init, consts, iters, repeats):
@@ -345,15 +365,12 @@ def kernel_rows(bw, rate, repeats):
     # Attention, decode (8B heads, batch 64, context 2048) and prefill (one 4096-token sequence).
     hq, hkv, dh = 32, 8, 128
     for b, t, ctx in ((1, 1, 2048), (64, 1, 2048), (1, 4096, 4096)):
-        ppr = -(-ctx // PAGE_SIZE)
-        pages = rand(6, (1, hkv, 1 + b * ppr, PAGE_SIZE, dh))
-        pt = jnp.asarray(1 + np.arange(b * ppr, dtype=np.int32).reshape(b, ppr))
-        pos = jnp.broadcast_to(jnp.arange(ctx - t, ctx, dtype=jnp.int32), (b, t))
-        q = rand(7, (b, t, hq, dh))
+        q, pages, pt, pos = attention_case(b, t, ctx, hq, hkv, dh)
+        ps, px = attention_plan(pt, pos, hq, hkv, numerics.ATTENTION), attention_plan(pt, pos, hq, hkv, None)
         fs = jax.jit(functools.partial(attention_only, config=numerics.ATTENTION, side="strict"))
         fx = jax.jit(functools.partial(attention_only, config=None, side="fast"))
-        tf = median_time(lambda: fx(q, pages, pt, pos).block_until_ready(), repeats)
-        ts = median_time(lambda: fs(q, pages, pt, pos).block_until_ready(), repeats)
+        tf = median_time(lambda: fx(q, pages, px).block_until_ready(), repeats)
+        ts = median_time(lambda: fs(q, pages, ps).block_until_ready(), repeats)
         kv_bytes = 2 * b * ctx * hkv * dh * 2
         rows.append(
             {
@@ -363,8 +380,8 @@ def kernel_rows(bw, rate, repeats):
                 "fast_us": 1e6 * tf,
                 "strict_us": 1e6 * ts,
                 "strict_over_fast": ts / tf,
-                "strict_fraction": kv_bytes / ts / bw,
-                "ceiling": "copy bandwidth (KV bytes)",
+                "strict_fraction": max(kv_bytes / ts / bw, causal_flops(pos, hq, dh) / ts / rate),
+                "ceiling": "max(copy bandwidth (KV bytes), jnp.dot rate)",
             }
         )
         print(json.dumps(rows[-1]), flush=True)
@@ -542,33 +559,98 @@ def sweep_rows(bw, rate, repeats, parts):
                 "same_bits": bool(np.array_equal(out, ref)),
             }
         )
-    hq, hkv, dh = 32, 8, 128
-    for b, t, ctx in ((1, 1, 2048), (64, 1, 2048), (2, 4096, 4096)) if "attention" in parts else ():
-        ppr = -(-ctx // PAGE_SIZE)
-        pages = rand(6, (1, hkv, 1 + b * ppr, PAGE_SIZE, dh))
-        pt = jnp.asarray(1 + np.arange(b * ppr, dtype=np.int32).reshape(b, ppr))
-        pos = jnp.broadcast_to(jnp.arange(ctx - t, ctx, dtype=jnp.int32), (b, t))
-        q = rand(7, (b, t, hq, dh))
-        for split, warps, stages in ((128, 4, 2), (256, 4, 2), (8192, 4, 2), (256, 4, 3)):
-            c = attention.AttentionConfig(PAGE_SIZE, 16, split, warps, stages)
-            f = jax.jit(functools.partial(attention_only, config=c, side="strict"))
-            dt = attempt(
-                "attention",
-                f"B={b} T={t} ctx={ctx}",
-                c,
-                lambda: median_time(lambda: f(q, pages, pt, pos).block_until_ready(), repeats),
-            )
-            if dt is not None:
-                add(
-                    {
-                        "what": "attention",
-                        "shape": f"B={b} T={t} ctx={ctx}",
-                        "config": [split, warps, stages],
-                        "us": 1e6 * dt,
-                        "hbm_fraction": 2 * b * ctx * hkv * dh * 2 / dt / bw,
-                    }
-                )
+    if "attention" in parts:
+        attention_sweep(bw, rate, repeats, add)
+    if "attention_bwd" in parts:
+        attention_bwd_sweep(rate, repeats, add)
     return rows
+
+
+def attention_sweep(bw, rate, repeats, add, shapes=None, configs=None):
+    """The attention forward's program shapes at Qwen3-4B/8B heads (32 query, 8 KV heads of 128) and
+    a 0.6B decode step: query tiles per program x warps x stages, each output compared bit for bit
+    with the first config's (one tile on 4 warps; a config that changes a bit may not be adopted)."""
+    shapes = shapes or [
+        (2, 4096, 4096, 32, 8, 128),
+        (8, 1024, 1024, 32, 8, 128),
+        (64, 1, 2048, 32, 8, 128),
+        (1, 1, 512, 16, 8, 128),
+    ]
+    configs = configs or [(1, 4, 2), (1, 2, 2), (2, 2, 2), (4, 2, 2), (2, 4, 2), (2, 2, 3), (1, 1, 2)]
+    for b, t, ctx, hq, hkv, dh in shapes:
+        q, pages, pt, pos = attention_case(b, t, ctx, hq, hkv, dh)
+        ref, flops = None, causal_flops(pos, hq, dh)
+        for tiles, warps, stages in configs:
+            config = [tiles, warps, stages]
+            c = dataclasses.replace(numerics.ATTENTION, tiles=tiles, num_warps=warps, num_stages=stages)
+            plan = attention_plan(pt, pos, hq, hkv, c)
+            f = jax.jit(functools.partial(attention_only, config=c, side="strict"))
+            shape = f"B={b} T={t} ctx={ctx} Hq={hq} Hkv={hkv} Dh={dh}"
+            try:
+                dt = median_time(lambda: f(q, pages, plan).block_until_ready(), repeats)
+            except Exception as e:  # noqa: BLE001 (a config Triton cannot compile is a result too)
+                add({"what": "attention", "shape": shape, "config": config, "error": str(e)[:200]})
+                continue
+            out = np.asarray(f(q, pages, plan)).view(np.uint16)
+            ref = out if ref is None else ref
+            add(
+                {
+                    "what": "attention",
+                    "shape": shape,
+                    "config": config,
+                    "config_keys": ["tiles", "num_warps", "num_stages"],
+                    "us": 1e6 * dt,
+                    "tflops": flops / dt / 1e12,
+                    "dot_fraction": flops / dt / rate,
+                    "kv_bytes_fraction": 2 * b * ctx * hkv * dh * 2 / dt / bw,
+                    "same_bits": bool(np.array_equal(out, ref)),
+                }
+            )
+
+
+def attention_bwd_sweep(rate, repeats, add, shapes=None, configs=None):
+    """The learner's attention backward (dq, dk, dv from the forward's out and log-sum-exp) at
+    Qwen3-4B heads: block_q x block_k x warps x stages. Gradients are not bitwise-promised across
+    configs (only run to run), so this is a speed table; FLOPs counted as 2x the forward's."""
+    from pallas_kernels.attention_bwd import AttentionBwdConfig, attention_bwd
+
+    shapes = shapes or [(2, 4096, 32, 8, 128), (8, 1024, 32, 8, 128)]
+    configs = configs or [
+        (64, 64, 4, 2),
+        (64, 64, 8, 2),
+        (64, 64, 2, 2),
+        (64, 32, 4, 2),
+        (32, 32, 4, 2),
+        (32, 64, 2, 2),
+        (128, 128, 8, 3),
+    ]
+    for b, t, hq, hkv, dh in shapes:
+        q, do = rand(1, (b, t, hq, dh)), rand(2, (b, t, hq, dh))
+        k, v = rand(3, (b, t, hkv, dh)), rand(4, (b, t, hkv, dh))
+        pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        out = jax.jit(lambda q, k, v: attention.dense_attention(q, k, v, pos))(q, k, v)
+        lse = jnp.zeros((b, t, hq), F32)  # the time does not depend on the values
+        flops = 2 * causal_flops(pos, hq, dh)
+        for bq, bk, warps, stages in configs:
+            c = AttentionBwdConfig(block_q=bq, block_k=bk, num_warps=warps, num_stages=stages)
+            f = jax.jit(lambda q, k, v, out, lse, do, c=c: attention_bwd(q, k, v, out, lse, do, pos, c, False))
+            shape = f"B={b} T={t} Hq={hq} Hkv={hkv} Dh={dh}"
+            try:
+                dt = median_time(lambda: jax.block_until_ready(f(q, k, v, out, lse, do)), repeats)
+            except Exception as e:  # noqa: BLE001
+                add({"what": "attention_bwd", "shape": shape, "config": [bq, bk, warps, stages], "error": str(e)[:200]})
+                continue
+            add(
+                {
+                    "what": "attention_bwd",
+                    "shape": shape,
+                    "config": [bq, bk, warps, stages],
+                    "config_keys": ["block_q", "block_k", "num_warps", "num_stages"],
+                    "us": 1e6 * dt,
+                    "tflops": flops / dt / 1e12,
+                    "dot_fraction": flops / dt / rate,
+                }
+            )
 
 
 # ----- report -----
@@ -641,8 +723,9 @@ def main():
     ap.add_argument("--only", default="decode,prefill,learner,score,kernels", help="sections to run (also: sweep)")
     ap.add_argument(
         "--sweep",
-        default="matmul,qkv,rmsnorm,learner_matmul,attention",
-        help="parts of the tile sweep (--only sweep): matmul, qkv, rmsnorm, learner_matmul, attention",
+        default="matmul,qkv,rmsnorm,learner_matmul,attention,attention_bwd",
+        help="parts of the tile sweep (--only sweep): matmul, qkv, rmsnorm, learner_matmul, attention "
+        "(forward: query tiles per program, warps, stages; bits compared), attention_bwd",
     )
     ap.add_argument("--quick", action="store_true", help="a subset that fits a short device call")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/speed_<date>.json)")

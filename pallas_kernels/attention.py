@@ -18,9 +18,10 @@ holds positions [j*B, (j+1)*B), B = block_pages * page_size), in ascending order
 online softmax: per block, the pages' scores are maxed and their exps summed elementwise in page
 order, then reduced once per row; p @ v is added page by page in order. A query row's state
 is only updated by blocks in which it sees at least one key (a select, so later blocks are exact
-no-ops), and every program handles `block_rows` query rows (block_rows / G tokens) of one
-batch row and one KV head, the same tile in every pass, so a token's bits
-depend on its own keys only: not on the chunking, the batch, or the other queries in its tile.
+no-ops), and every query tile is `block_rows` query rows (block_rows / G tokens) of one batch row
+and one KV head, the same tile in every pass, so a token's bits depend on its own keys only: not on
+the chunking, the batch, or the other queries in its tile. A program runs `tiles` such tiles side by
+side (each its own arithmetic, sharing the KV block loads), which changes no bit.
 
 KV splits (flash-decoding): the positions are cut into fixed absolute ranges of `kv_split` keys
 (split s holds [s*kv_split, (s+1)*kv_split)); one program per (query tile, split) runs the online
@@ -53,6 +54,10 @@ class AttentionConfig:
     num_warps: int = 4
     num_stages: int = 2
     block_pages: int = 1  # pages per online-softmax step (the KV block); changing it changes the bits
+    # Query tiles per program (at most; fewer where a call has fewer): they share each KV block
+    # load, and each runs the one-tile arithmetic on its own block_rows rows, so no bit changes
+    # (tested compiled: tests/test_kernels.py test_attention_tiles_per_program_agree).
+    tiles: int = 1
     # The learner's gradient: None = XLA's dense backward (dense_attention's vjp); a config = the
     # Pallas flash backward (attention_bwd.py: no [B, H, T, T] arrays). Neither changes a logprob.
     backward: AttentionBwdConfig | None = None
@@ -62,6 +67,7 @@ class AttentionConfig:
         check_block("block_rows", self.block_rows)
         check_block("kv_split", self.kv_split)
         check_block("block_pages", self.block_pages, minimum=1)
+        check_block("tiles", self.tiles, minimum=1)
         if self.kv_split % (self.page_size * self.block_pages):
             raise ValueError(
                 f"kv_split={self.kv_split} must be a multiple of page_size x block_pages = "
@@ -103,25 +109,41 @@ def write_kv(pages, new, layer, plan: Plan):
 
 
 def _kernel(
-    layer_ref, pt_ref, pos_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, page_size, block_pages, kv_split, scale
+    layer_ref,
+    pt_ref,
+    pos_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    acc_ref,
+    m_ref,
+    l_ref,
+    *,
+    rows,
+    page_size,
+    block_pages,
+    kv_split,
+    scale,
 ):
-    """One (query tile, KV split): the online softmax over the split's blocks that the tile sees."""
-    q = q_ref[...]  # [bq*G, Dh], rows token-major
-    pos = pos_ref[...]  # [bq*G]
-    rows = q.shape[0]
+    """One (group of query tiles, KV split): the online softmax over the split's blocks that the
+    tiles see. Each KV block is loaded once and used by every tile of the group, and each tile runs
+    exactly the single-tile arithmetic on its own `rows` rows (a block a tile does not see is an
+    exact no-op for it), so the number of tiles per program changes no bit."""
+    tiles = q_ref.shape[0] // rows
     block = page_size * block_pages
     first = pl.program_id(3) * (kv_split // block)
-    last = jnp.minimum(first + kv_split // block, jnp.max(pos) // block + 1)  # max(pos) = -1: padding tile
+    last = jnp.minimum(first + kv_split // block, jnp.max(pos_ref[...]) // block + 1)  # -1: padding
     layer = layer_ref[0]
+    qs = [q_ref[pl.ds(t * rows, rows), :] for t in range(tiles)]  # [rows, Dh] each, rows token-major
+    poss = [pos_ref[pl.ds(t * rows, rows)] for t in range(tiles)]
 
-    def body(j, carry):
+    def update(q, pos, keys, values, j, carry):
         acc, m, l = carry
         # The block's pages one by one (they are not contiguous): scores, then one row max over
         # their elementwise max, exps summed elementwise in page order and reduced once.
-        pages = [pt_ref[j * block_pages + i] for i in range(block_pages)]
         scores = []
-        for i, page in enumerate(pages):
-            s = dot_nt(q, k_ref[layer, page]) * scale  # [rows, ps]
+        for i, k in enumerate(keys):
+            s = dot_nt(q, k) * scale  # [rows, ps]
             key_pos = (j * block_pages + i) * page_size + jnp.arange(page_size, dtype=jnp.int32)
             scores.append(jnp.where(key_pos[None, :] <= pos[:, None], s, -jnp.inf))
         s_max = scores[0]
@@ -137,21 +159,30 @@ def _kernel(
             p_sum = p_sum + p
         l_new = alpha * l + jnp.sum(p_sum, axis=1)
         acc_new = alpha[:, None] * acc
-        for p, page in zip(probs, pages):
-            v = v_ref[layer, page]  # [ps, Dh]
+        for p, v in zip(probs, values):
             acc_new = acc_new + dot_nn(p.astype(v.dtype), v)
         return jnp.where(sees[:, None], acc_new, acc), jnp.where(sees, m_new, m), jnp.where(sees, l_new, l)
 
-    @pl.when(first < last)  # splits past the tile's last position are never read by the merge
+    def body(j, carry):
+        pages = [pt_ref[j * block_pages + i] for i in range(block_pages)]
+        keys = [k_ref[layer, page] for page in pages]  # [ps, Dh] each
+        values = [v_ref[layer, page] for page in pages]
+        return tuple(update(q, pos, keys, values, j, c) for q, pos, c in zip(qs, poss, carry))
+
+    @pl.when(first < last)  # splits past the tiles' last position are never read by the merge
     def _():
-        init = (jnp.zeros(q.shape, F32), jnp.full((rows,), -jnp.inf, F32), jnp.zeros((rows,), F32))
-        acc, m, l = jax.lax.fori_loop(first, last, body, init)
-        acc_ref[...], m_ref[...], l_ref[...] = acc, m, l
+        init = (jnp.zeros((rows, q_ref.shape[1]), F32), jnp.full((rows,), -jnp.inf, F32), jnp.zeros((rows,), F32))
+        out = jax.lax.fori_loop(first, last, body, (init,) * tiles)
+        for t, (acc, m, l) in enumerate(out):
+            acc_ref[pl.ds(t * rows, rows), :] = acc
+            m_ref[pl.ds(t * rows, rows)] = m
+            l_ref[pl.ds(t * rows, rows)] = l
 
 
-def _merge_kernel(pos_ref, acc_ref, m_ref, l_ref, o_ref, *, kv_split):
+def _merge_kernel(pos_ref, acc_ref, m_ref, l_ref, o_ref, lse_ref, *, kv_split):
     """Merge the splits a tile reaches, in ascending order; a split a row does not see (l = 0) is
-    skipped by a select, so it changes nothing."""
+    skipped by a select, so it changes nothing. Also writes each row's log-sum-exp of its scaled
+    scores (+inf for a row that sees no key), which the learner's backward reads."""
     num_splits = jnp.maximum(jnp.max(pos_ref[...]), -1) // kv_split + 1
 
     def body(s, carry):
@@ -166,9 +197,11 @@ def _merge_kernel(pos_ref, acc_ref, m_ref, l_ref, o_ref, *, kv_split):
 
     rows = o_ref.shape[0]
     init = (jnp.zeros(o_ref.shape, F32), jnp.full((rows,), -jnp.inf, F32), jnp.zeros((rows,), F32))
-    acc, _, l = jax.lax.fori_loop(0, num_splits, body, init)
+    acc, m, l = jax.lax.fori_loop(0, num_splits, body, init)
     seen = l > 0
-    o_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0).astype(o_ref.dtype)
+    safe = jnp.where(seen, l, 1.0)
+    o_ref[...] = jnp.where(seen[:, None], acc / safe[:, None], 0.0).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(seen, m + jnp.log(safe), jnp.inf)
 
 
 def _padded_attention(q, k_pages, v_pages, layer, plan: Plan, config, interpret):
@@ -188,8 +221,9 @@ def _padded_attention(q, k_pages, v_pages, layer, plan: Plan, config, interpret)
         layer = jnp.int32(0)
     q = pad_dim(pad_dim(q.reshape(b, t, hkv, g, dh), 3, g_p), 4, dh_p).reshape(b, t, hkv * g_p, dh_p)
     scale = 1.0 / math.sqrt(dh)
-    out = _pallas_attention(q, k_pages, v_pages, layer, plan, config, interpret, scale=scale)
-    return out.reshape(b, t, hkv, g_p, dh_p)[:, :, :, :g, :dh].reshape(b, t, hq, dh)
+    out, lse = _pallas_attention(q, k_pages, v_pages, layer, plan, config, interpret, scale=scale)
+    lse = lse.reshape(b, t, hkv, g_p)[:, :, :, :g].reshape(b, t, hq)
+    return out.reshape(b, t, hkv, g_p, dh_p)[:, :, :, :g, :dh].reshape(b, t, hq, dh), lse
 
 
 def _pallas_attention(q, k_pages, v_pages, layer, plan: Plan, config, interpret, scale=None):
@@ -212,22 +246,30 @@ def _pallas_attention(q, k_pages, v_pages, layer, plan: Plan, config, interpret,
         raise ValueError(f"attention plan not made for this kernel's {tp * g} query rows: plan(..., config=) it")
     splits = -(-pt.shape[1] * ps // config.kv_split)
     rows = bq * g
-    part = lambda *blk: pl.BlockSpec((None, None, None, rows, *blk), lambda i, h, j, s: (i, h, s, j, *[0] * len(blk)))  # noqa: E731
+    # Tiles per program: the largest power of two up to config.tiles that divides the call's tiles
+    # (a decode step's one tile runs alone; the learner's 4096-token rows group them).
+    tiles = math.gcd(tp // bq, config.tiles)
+    grouped = rows * tiles
+
+    def part(*blk):  # one (tile group, split) of a split output
+        return pl.BlockSpec((None, None, None, grouped, *blk), lambda i, h, j, s: (i, h, s, j, *[0] * len(blk)))
+
     acc, m, l = pl.pallas_call(
         functools.partial(
             _kernel,
+            rows=rows,
             page_size=ps,
             block_pages=config.block_pages,
             kv_split=config.kv_split,
             scale=scale or 1.0 / math.sqrt(dh),
         ),
         name="attention_split",
-        grid=(b, hkv, tp // bq, splits),
+        grid=(b, hkv, tp // bq // tiles, splits),
         in_specs=[
             pl.BlockSpec((1,), lambda i, h, j, s: (0,)),
             pl.BlockSpec((None, pt.shape[1]), lambda i, h, j, s: (i, 0)),
-            pl.BlockSpec((None, rows), lambda i, h, j, s: (i, j)),
-            pl.BlockSpec((None, None, rows, dh), lambda i, h, j, s: (i, h, j, 0)),
+            pl.BlockSpec((None, grouped), lambda i, h, j, s: (i, j)),
+            pl.BlockSpec((None, None, grouped, dh), lambda i, h, j, s: (i, h, j, 0)),
             pl.BlockSpec((num_layers, None, num_pages, ps, dh), lambda i, h, j, s: (0, h, 0, 0, 0)),
             pl.BlockSpec((num_layers, None, num_pages, ps, dh), lambda i, h, j, s: (0, h, 0, 0, 0)),
         ],
@@ -238,17 +280,21 @@ def _pallas_attention(q, k_pages, v_pages, layer, plan: Plan, config, interpret,
         interpret=interpret,
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), pt, row_pos, qh, k_pages, v_pages)
     whole = lambda *blk: pl.BlockSpec((None, None, splits, rows, *blk), lambda i, h, j: (i, h, 0, j, *[0] * len(blk)))  # noqa: E731
-    out = pl.pallas_call(
+    out, lse = pl.pallas_call(
         functools.partial(_merge_kernel, kv_split=config.kv_split),
         name="attention_merge",
         grid=(b, hkv, tp // bq),
         in_specs=[pl.BlockSpec((None, rows), lambda i, h, j: (i, j)), whole(dh), whole(), whole()],
-        out_specs=pl.BlockSpec((None, None, rows, dh), lambda i, h, j: (i, h, j, 0)),
-        out_shape=jax.ShapeDtypeStruct(qh.shape, q.dtype),
+        out_specs=[
+            pl.BlockSpec((None, None, rows, dh), lambda i, h, j: (i, h, j, 0)),
+            pl.BlockSpec((None, None, rows), lambda i, h, j: (i, h, j)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct(qh.shape, q.dtype), jax.ShapeDtypeStruct(qh.shape[:3], F32)],
         compiler_params=compiler_params(config.num_warps, 1),
         interpret=interpret,
     )(row_pos, acc, m, l)
-    return out.reshape(b, hkv, tp, g, dh).transpose(0, 2, 1, 3, 4).reshape(b, tp, hq, dh)[:, :t]
+    out = out.reshape(b, hkv, tp, g, dh).transpose(0, 2, 1, 3, 4).reshape(b, tp, hq, dh)[:, :t]
+    return out, lse.reshape(b, hkv, tp, g).transpose(0, 2, 1, 3).reshape(b, tp, hq)[:, :t]
 
 
 def _check(q, k, v, k_pages, v_pages, plan: Plan):
@@ -267,28 +313,35 @@ def _check(q, k, v, k_pages, v_pages, plan: Plan):
         )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def paged_attention(q, k, v, k_pages, v_pages, layer, plan: Plan, config: AttentionConfig, interpret: bool):
-    """plan: `plan(page_table, positions, Hq // Hkv, page_size, config)`, made once per forward."""
+def _forward(q, k, v, k_pages, v_pages, layer, plan: Plan, config: AttentionConfig, interpret: bool):
+    """(out, lse [B, T, Hq], k_pages, v_pages): the cache written, then attended."""
     _check(q, k, v, k_pages, v_pages, plan)
     k_pages = write_kv(k_pages, k, layer, plan)
     v_pages = write_kv(v_pages, v, layer, plan)
-    return _padded_attention(q, k_pages, v_pages, layer, plan, config, interpret), k_pages, v_pages
+    return *_padded_attention(q, k_pages, v_pages, layer, plan, config, interpret), k_pages, v_pages
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def paged_attention(q, k, v, k_pages, v_pages, layer, plan: Plan, config: AttentionConfig, interpret: bool):
+    """plan: `plan(page_table, positions, Hq // Hkv, page_size, config)`, made once per forward."""
+    out, _, k_pages, v_pages = _forward(q, k, v, k_pages, v_pages, layer, plan, config, interpret)
+    return out, k_pages, v_pages
 
 
 def _fwd(q, k, v, k_pages, v_pages, layer, plan, config, interpret):
-    out = paged_attention(q, k, v, k_pages, v_pages, layer, plan, config, interpret)
-    return out, (q, k, v, out[0] if config.backward else None, plan.positions)
+    out, lse, k_pages, v_pages = _forward(q, k, v, k_pages, v_pages, layer, plan, config, interpret)
+    saved = (q, k, v, out, lse) if config.backward else (q, k, v, None, None)
+    return (out, k_pages, v_pages), (*saved, plan.positions)
 
 
 def _bwd(config, interpret, saved, cotangents):
     # Gradients are defined for the learner's pass: whole sequences into fresh pages, so every key a
     # query sees was written by this call and dense causal attention over (q, k, v) is the same
     # function. Deterministic, not bitwise-promised: XLA's vjp of the dense reference, or the
-    # Pallas flash backward (fixed loop orders, no atomics).
-    q, k, v, out, positions = saved
+    # Pallas flash backward (fixed loop orders, no atomics) with the forward's log-sum-exp.
+    q, k, v, out, lse, positions = saved
     if config.backward is not None:
-        dq, dk, dv = attention_bwd(q, k, v, out, cotangents[0], positions, config.backward, interpret)
+        dq, dk, dv = attention_bwd(q, k, v, out, lse, cotangents[0], positions, config.backward, interpret)
     else:
         _, vjp = jax.vjp(lambda q, k, v: dense_attention(q, k, v, positions), q, k, v)
         dq, dk, dv = vjp(cotangents[0])

@@ -6,10 +6,10 @@ Shapes as `attention.paged_attention`'s learner pass: q [B, T, Hq, Dh], k, v [B,
 and its cotangent do [B, T, Hq, Dh], positions [B, T] (-1 = padding). A key is visible to a query
 when 0 <= pos_k <= pos_q (the forward's mask: every key a query sees was written by this call).
 
-Three kernels, each program with a fixed loop order and no atomics, so the gradient is the same
-bits on every run (not bitwise-promised against anything else, like every gradient here):
-  stats: per query row the log-sum-exp of its scaled scores (+inf for a row that sees no key, so its
-         probabilities are exact zeros);
+Two kernels, each program with a fixed loop order and no atomics, so the gradient is the same
+bits on every run (not bitwise-promised against anything else, like every gradient here). Each
+query row's log-sum-exp of its scaled scores comes from the forward (its merge kernel writes it),
+so no kernel recomputes the scores only to normalise them:
   dkdv:  one program per (batch row, KV head, key block): loops over the group's query heads, then
          the query blocks in ascending order, adding p^T do and ds^T q;
   dq:    one program per (batch row, query head, query block): loops over the key blocks in order.
@@ -56,27 +56,6 @@ def _probs(q, k, pos_q, pos_k, lse, scale):
 def _sees(q_hi, k_lo, compute, carry):
     """compute(carry) if a query at position <= q_hi can see a key at position >= k_lo, else carry."""
     return jax.lax.cond(k_lo <= q_hi, compute, lambda c: c, carry)
-
-
-def _stats_kernel(q_hi_ref, k_lo_ref, pos_q_ref, pos_k_ref, q_ref, k_ref, lse_ref, *, block_k, scale):
-    q, pos_q, q_hi = q_ref[...], pos_q_ref[...], q_hi_ref[0]
-    rows = q.shape[0]
-
-    def block(j, carry):
-        m, l = carry
-        blk = pl.ds(j * block_k, block_k)
-        s = jnp.where(_visible(pos_q, pos_k_ref[blk]), dot_nt(q, k_ref[blk, :]) * scale, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        safe = jnp.where(m_new > -jnp.inf, m_new, 0.0)
-        l = l * jnp.exp(m - safe) + jnp.sum(jnp.exp(s - safe[:, None]), axis=1)
-        return m_new, l
-
-    def body(j, carry):
-        return _sees(q_hi, k_lo_ref[j], functools.partial(block, j), carry)
-
-    init = (jnp.full((rows,), -jnp.inf, F32), jnp.zeros((rows,), F32))
-    m, l = jax.lax.fori_loop(0, k_ref.shape[0] // block_k, body, init)
-    lse_ref[...] = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), jnp.inf)
 
 
 def _dkdv_kernel(
@@ -139,8 +118,10 @@ def _dq_kernel(
     dq_ref[...] = jax.lax.fori_loop(0, k_ref.shape[0] // block_k, body, jnp.zeros(q.shape, F32))
 
 
-def attention_bwd(q, k, v, out, do, positions, config: AttentionBwdConfig, interpret: bool):
-    """(dq, dk, dv) of causal GQA attention (see the module docstring), in q's dtype."""
+def attention_bwd(q, k, v, out, lse, do, positions, config: AttentionBwdConfig, interpret: bool):
+    """(dq, dk, dv) of causal GQA attention (see the module docstring), in q's dtype. out and lse
+    [B, T, Hq] come from the forward: each row's log-sum-exp of its scaled scores (+inf for a row
+    that sees no key, so its probabilities are exact zeros)."""
     b, t, hq, dh = q.shape
     hkv = k.shape[2]
     g = hq // hkv
@@ -170,23 +151,7 @@ def attention_bwd(q, k, v, out, do, positions, config: AttentionBwdConfig, inter
     seq = lambda n: pl.BlockSpec((None, n), lambda i, h, j: (i, 0))  # noqa: E731  (positions, whole row)
     pos_blk = lambda n: pl.BlockSpec((None, n), lambda i, h, j: (i, j))  # noqa: E731
 
-    lse = pl.pallas_call(
-        functools.partial(_stats_kernel, block_k=bk, scale=scale),
-        name="attention_bwd_stats",
-        grid=(b, hq, tp // bq),
-        in_specs=[
-            one(),
-            every(tp // bk),
-            pos_blk(bq),
-            seq(tp),
-            pl.BlockSpec((None, None, bq, dh_p), lambda i, h, j: (i, h, j, 0)),
-            pl.BlockSpec((None, None, tp, dh_p), lambda i, h, j: (i, h // g, 0, 0)),
-        ],
-        out_specs=pl.BlockSpec((None, None, bq), lambda i, h, j: (i, h, j)),
-        out_shape=jax.ShapeDtypeStruct((b, hq, tp), F32),
-        compiler_params=params,
-        interpret=interpret,
-    )(q_hi, k_lo, pos, pos, qh, kh)
+    lse = pad_dim(lse.transpose(0, 2, 1), 2, block, value=jnp.inf)  # [B, Hq, Tp]; padding sees no key
 
     group = lambda *blk: pl.BlockSpec((None, g, *blk), lambda i, h, j: (i, h, *[0] * len(blk)))  # noqa: E731
     kv_blk = pl.BlockSpec((None, None, bk, dh_p), lambda i, h, j: (i, h, j, 0))

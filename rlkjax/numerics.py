@@ -102,13 +102,19 @@ SWIGLU = swiglu.SwiGLUConfig(block_rows=16, block_cols=128, num_warps=4)
 # dense backward (backward=None) holds [B, H, T, T] fp32 arrays and runs XLA dots, whose algorithm
 # XLA's autotuner picks per compilation by timing: two processes training on the same two H200s got
 # gradients that differed in the last bits (2026-11-30), and the flash backward has no XLA dot.
+# Forward programs: 2 warps and 2 query tiles per program (where a call has 2): the learner's
+# attention at Qwen3-4B x 2 x 4096 tokens 4.06 -> 2.80 ms a layer, 8 x 1024 1.37 -> 1.02 ms, a
+# decode step at batch 64 x 2048 (8B heads) 373 -> 299 us (H200, 2026-11-30, bench.speed --only
+# sweep --sweep attention). Neither changes a bit (tests/test_kernels.py
+# test_attention_tiles_per_program_agree, compiled: 1-8 tiles, 2-8 warps); 1 warp does.
 ATTENTION = attention.AttentionConfig(
     page_size=16,
     block_rows=16,
     kv_split=256,
-    num_warps=4,
+    num_warps=2,
     num_stages=2,
     block_pages=4,
+    tiles=2,
     backward=attention_bwd.AttentionBwdConfig(),
 )
 

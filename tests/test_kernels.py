@@ -424,3 +424,24 @@ def test_attention_flash_backward(hq, hkv, dh, block):
     grads = [grads_with(config), grads_with(no_skip)]
     for a, b, name in zip(*grads, "qkv"):
         assert_bits_equal(a, b, f"d{name}: skipped blocks vs all blocks")
+
+
+@pytest.mark.parametrize("tiles,warps", [(2, 4), (4, 4), (8, 4), (1, 2), (2, 2), (1, 8)])
+def test_attention_tiles_per_program_agree(tiles, warps):
+    """Query tiles sharing each KV block load in one program (AttentionConfig.tiles) and the warp
+    count give every row the bits of one tile per program on 4 warps: each tile runs the same
+    arithmetic on its own rows, a block it does not see is an exact no-op for it, and the warps
+    only change which threads do the work (measured on the H200: so for 2-8 warps, not for 1).
+    Padding rows, several KV splits, rows of different lengths; compiled on a GPU at Qwen3-4B head
+    shapes. The cache is compared without its trash page 0, which every padding token writes."""
+    if INTERPRET:
+        case, config = dict(t=128, lens=(128, 61, 1)), dataclasses.replace(numerics.ATTENTION, kv_split=64)
+    else:
+        case, config = dict(t=1024, hq=32, hkv=8, dh=128, lens=(1024, 517, 1)), numerics.ATTENTION
+    q, k, v, pages, pt, pos = _attention_case(BF16, **case)
+    one = dataclasses.replace(config, tiles=1, num_warps=4)
+    ref, kp, _ = _attend(q, k, v, pages, pages, jnp.int32(1), pt, pos, one)
+    other = dataclasses.replace(one, tiles=tiles, num_warps=warps)
+    got, kp2, _ = _attend(q, k, v, pages, pages, jnp.int32(1), pt, pos, other)
+    assert_bits_equal(got, ref, f"{tiles} tiles per program on {warps} warps vs 1 on 4")
+    assert_bits_equal(kp2[:, :, 1:], kp[:, :, 1:], "cache written")
