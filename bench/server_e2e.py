@@ -126,6 +126,9 @@ def main():
     ap.add_argument("--max-batch", type=int, default=256, help="the server's --max-batch")
     ap.add_argument("--decode-steps", type=int, default=8, help="the server's decode steps per round")
     ap.add_argument(
+        "--num-pages", type=int, default=16384, help="the server's KV pages (fewer: room for a large model's swap)"
+    )
+    ap.add_argument(
         "--token-budget", type=int, default=None, help="the server's prompt tokens prefilled a step (default: its own)"
     )
     ap.add_argument("--kernel-ref", action="store_true", help="also time the kernel-level decode loop (see above)")
@@ -145,7 +148,7 @@ def main():
     jobs = make_jobs(args, cfg.vocab_size)
     server_args = [
         "--model", args.model, "--numerics", args.numerics, "--max-batch", str(args.max_batch),
-        "--num-pages", "16384", "--max-context", str(args.max_prompt + args.max_new_tokens),
+        "--num-pages", str(args.num_pages), "--max-context", str(args.max_prompt + args.max_new_tokens),
         "--decode-steps", str(args.decode_steps),
     ] + (["--token-budget", str(args.token_budget)] if args.token_budget else [])  # fmt: skip
     swap = None
