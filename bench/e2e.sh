@@ -15,8 +15,11 @@
 #            --devices=1 --numerics fast --tokens 640`) gives ~75 GiB at 8 sequences, ~280 GiB at 32.
 #            qwen3-4b needs ~2-3x the time per run, so it is not in the default MODELS:
 #            `MODELS=qwen3-4b MICRO_BATCH=4 REMAT=1 PIECES=grpo bash bench/e2e.sh` is a call of its own (without
-#            REMAT both numerics ran out of memory on the H200, 2026-11-30; the fast side may still: its
-#            plain-XLA attention keeps [layers, B, H, T, T] fp32 probabilities).
+#            REMAT both numerics ran out of memory on the H200, 2026-11-30, strict then with XLA's dense attention
+#            backward; with the flash backward, `python -m bench.learner_memory --model qwen3-4b --devices 1
+#            --micro-batch 8 --tokens 640` gives a strict learner-step peak of 83 GiB without remat (XLA's CPU
+#            analysis), so MICRO_BATCH=4 without REMAT may fit now: not yet run. The fast side runs out of memory
+#            with REMAT too (session 6): its plain-XLA attention keeps [layers, B, H, T, T] fp32 probabilities).
 #   server_e2e 200
 #            bench.server_e2e at qwen3-0.6b: 256 concurrent requests (prompts 1-512 tokens, n 1 or 4, 128-512 new
 #            tokens; ~640 completions, ~200k tokens), every completion's logprob bits checked, output tokens/s vs
