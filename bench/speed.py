@@ -36,6 +36,7 @@ import numpy as np
 import rlkjax
 from bench._report import median_time, new_report, save_report
 from pallas_kernels import attention, logprob, matmul, rmsnorm, swiglu
+from pallas_kernels._common import interpret_mode
 from rlkjax import model, numerics
 from rlkjax.engine import prefill_chunk
 from rlkjax.numerics import PAGE_SIZE
@@ -250,7 +251,7 @@ def attention_only(q, pages, plan, config, side):
     time a copy of the whole cache): the strict kernel, or the fast path's XLA attention. plan:
     `attention_plan(...)` with the same config, made outside the timed call."""
     if side == "strict":
-        return attention._padded_attention(q, pages, pages, jnp.int32(0), plan, config, False)[0]
+        return attention._padded_attention(q, pages, pages, jnp.int32(0), plan, config, interpret_mode())[0]
     _, hkv, _, ps, dh = pages.shape
     b, p = plan.page_table.shape
     keys = pages[0][:, plan.page_table].reshape(hkv, b, p * ps, dh).transpose(1, 2, 0, 3)
@@ -287,7 +288,7 @@ def matmul_stacked_time(m, k, n, layers, config, repeats, which="strict"):
     """Per-matmul time of x [m, k] @ w[i].T over `layers` stacked weights (each read from HBM)."""
     ws = rand(2, (layers, n, k), scale=0.02)
     x0 = rand(1, (m, k))
-    interp = False
+    interp = interpret_mode()  # compiled on a GPU; interpreted on the CPU (tests/test_bench.py)
 
     def step(i, x, ws):
         if which == "strict":
@@ -304,7 +305,7 @@ def matmul_stacked_time(m, k, n, layers, config, repeats, which="strict"):
 
 def kernel_rows(bw, rate, repeats):
     rows = []
-    interp = False
+    interp = interpret_mode()  # compiled on a GPU; interpreted on the CPU (tests/test_bench.py)
     # Decode-shaped matmuls: 8B gate/up (K 4096 -> N 12288) and down (12288 -> 4096), weights streamed.
     for k, n in ((4096, 12288), (12288, 4096), (1024, 1024)):
         for m in (1, 16, 64, 256):
@@ -466,9 +467,9 @@ def sweep_rows(bw, rate, repeats, parts):
                     def step(i, carry, ws, c=c, how=how):
                         x, _ = carry
                         if how == "stacked":
-                            y = matmul.matmul_layer(x, ws, i, None, c, False)
+                            y = matmul.matmul_layer(x, ws, i, None, c, interpret_mode())
                         else:
-                            y = matmul.matmul(x, ws[i], None, c, False)
+                            y = matmul.matmul(x, ws[i], None, c, interpret_mode())
                         return (jnp.tile(y, (1, -(-k // n)))[:, :k] if n < k else y[:, :k]), y[0, :64]
 
                     init = (x0, jnp.zeros(64, BF16))
@@ -496,9 +497,9 @@ def sweep_rows(bw, rate, repeats, parts):
         def qkv_step(i, x, ws, how=how):
             c = numerics.MATMUL_DECODE
             if how == "fused":
-                ys = matmul.matmul_layer_fused(x, ws, i, c, False)
+                ys = matmul.matmul_layer_fused(x, ws, i, c, interpret_mode())
             else:
-                ys = [matmul.matmul_layer(x, w, i, None, c, False) for w in ws]
+                ys = [matmul.matmul_layer(x, w, i, None, c, interpret_mode()) for w in ws]
             return ys[0] + jnp.tile(ys[1], (1, 4)) + jnp.tile(ys[2], (1, 4))
 
         x0 = rand(1, (16, 4096))
@@ -512,7 +513,7 @@ def sweep_rows(bw, rate, repeats, parts):
             c = rmsnorm.RMSNormConfig(*t)
 
             def norm_step(i, x, ws, c=c):
-                return rmsnorm.rmsnorm_layer(x, ws, i, None, None, 1e-6, c, False)
+                return rmsnorm.rmsnorm_layer(x, ws, i, None, None, 1e-6, c, interpret_mode())
 
             x0 = rand(1, (n_rows, d))
             r = attempt("rmsnorm", f"{n_rows}x{d}", c, lambda: _loop_time(norm_step, x0, norms, 36, repeats))
@@ -541,7 +542,7 @@ def sweep_rows(bw, rate, repeats, parts):
         ]
     ):
         c = mc(*t)
-        f = jax.jit(lambda x, w, c=c: matmul.matmul(x, w, None, c, False))
+        f = jax.jit(lambda x, w, c=c: matmul.matmul(x, w, None, c, interpret_mode()))
         dt = attempt(
             "matmul", f"M={m} K={k} N={n}", c, lambda: median_time(lambda: f(x, w).block_until_ready(), repeats)
         )
@@ -631,9 +632,10 @@ def attention_bwd_sweep(rate, repeats, add, shapes=None, configs=None):
         out = jax.jit(lambda q, k, v: attention.dense_attention(q, k, v, pos))(q, k, v)
         lse = jnp.zeros((b, t, hq), F32)  # the time does not depend on the values
         flops = 2 * causal_flops(pos, hq, dh)
+        interp = interpret_mode()
         for bq, bk, warps, stages in configs:
             c = AttentionBwdConfig(block_q=bq, block_k=bk, num_warps=warps, num_stages=stages)
-            f = jax.jit(lambda q, k, v, out, lse, do, c=c: attention_bwd(q, k, v, out, lse, do, pos, c, False))
+            f = jax.jit(lambda q, k, v, out, lse, do, c=c: attention_bwd(q, k, v, out, lse, do, pos, c, interp))
             shape = f"B={b} T={t} Hq={hq} Hkv={hkv} Dh={dh}"
             try:
                 dt = median_time(lambda: jax.block_until_ready(f(q, k, v, out, lse, do)), repeats)

@@ -1,5 +1,5 @@
 """The benchmarks' own logic: bench.server_e2e's request mix (issue 10's shape) and its /update_weights timing
-against a real server on loopback."""
+against a real server on loopback; bench.speed's attention sweeps (interpreted, tiny shapes)."""
 
 import argparse
 import signal
@@ -39,3 +39,24 @@ def test_server_e2e_update_weights_swaps_to_the_new_weights():
     assert swap["policy_version"] == 1 and swap["completion_policy_version"] == 1
     assert swap["completion_bits_equal_new_weights"] is True
     assert np.isfinite(swap["update_weights_s"]) and swap["update_weights_s"] > 0
+
+
+def test_speed_attention_sweeps_run_and_compare_bits():
+    """bench.speed's attention sweeps (interpreted on the CPU at tiny shapes): every config gives a
+    timed row without error, and the forward rows compare each config's output bits with the first
+    config's (the adoption rule for the attention program shape); a decode step's single tile and a
+    learner-like pass both run. Guards the harness, which once broke silently when the attention
+    plan changed its calling convention."""
+    from bench import speed
+
+    rows = []
+    shapes = [(2, 64, 64, 4, 2, 16), (3, 1, 64, 4, 2, 16)]
+    configs = [(1, 4, 2), (2, 2, 2), (4, 2, 2)]
+    speed.attention_sweep(1e12, 1e14, 1, rows.append, shapes=shapes, configs=configs)
+    assert len(rows) == len(shapes) * len(configs)
+    assert all("error" not in r and r["us"] > 0 and r["same_bits"] is True for r in rows), rows
+    assert [r["config"] for r in rows[:3]] == [list(c) for c in configs]
+    bwd = []
+    bwd_configs = [(64, 64, 4, 2), (32, 64, 4, 2)]
+    speed.attention_bwd_sweep(1e14, 1, bwd.append, shapes=[(2, 128, 4, 2, 16)], configs=bwd_configs)
+    assert len(bwd) == 2 and all("error" not in r and r["tflops"] > 0 for r in bwd), bwd
