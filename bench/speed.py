@@ -28,6 +28,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import time
 
 import jax
 import jax.numpy as jnp
@@ -213,7 +214,9 @@ def learner_row(cfg, name, seq, tokens_per_call, repeats, rate, remat=False, sid
         fn = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=(4, 5, 6, 7))
         args = (master, batch, ref, rope, cfg, side, 0.2, 0.0, jnp.float32(b * seq))
         try:
+            start = time.perf_counter()
             compiled = fn.lower(*args).compile()
+            row[f"{side}_compile_s"] = time.perf_counter() - start
             dt = median_time(lambda: jax.block_until_ready(compiled(*args[:4], args[8])), repeats)
         except (jax.errors.JaxRuntimeError, NotImplementedError) as e:  # out of memory, a failed lowering: results too
             row[f"{side}_error"] = str(e)[:160]
@@ -577,13 +580,25 @@ def attention_sweep(bw, rate, repeats, add, shapes=None, configs=None):
         (64, 1, 2048, 32, 8, 128),
         (1, 1, 512, 16, 8, 128),
     ]
-    configs = configs or [(1, 4, 2), (1, 2, 2), (2, 2, 2), (4, 2, 2), (2, 4, 2), (2, 2, 3), (1, 1, 2)]
+    never = 2**30  # merge_in_kernel_from: always the split kernels and the merge kernel
+    configs = configs or [
+        (1, 4, 2, never),
+        (2, 2, 2, never),
+        (2, 2, 2, 8),
+        (4, 2, 2, 8),
+        (2, 2, 3, 8),
+        (2, 4, 2, 8),
+        (1, 2, 2, 8),
+        (1, 1, 2, never),
+    ]
     for b, t, ctx, hq, hkv, dh in shapes:
         q, pages, pt, pos = attention_case(b, t, ctx, hq, hkv, dh)
         ref, flops = None, causal_flops(pos, hq, dh)
-        for tiles, warps, stages in configs:
-            config = [tiles, warps, stages]
-            c = dataclasses.replace(numerics.ATTENTION, tiles=tiles, num_warps=warps, num_stages=stages)
+        for tiles, warps, stages, merge_from in configs:
+            config = [tiles, warps, stages, merge_from]
+            c = dataclasses.replace(
+                numerics.ATTENTION, tiles=tiles, num_warps=warps, num_stages=stages, merge_in_kernel_from=merge_from
+            )
             plan = attention_plan(pt, pos, hq, hkv, c)
             f = jax.jit(functools.partial(attention_only, config=c, side="strict"))
             shape = f"B={b} T={t} ctx={ctx} Hq={hq} Hkv={hkv} Dh={dh}"
@@ -599,7 +614,7 @@ def attention_sweep(bw, rate, repeats, add, shapes=None, configs=None):
                     "what": "attention",
                     "shape": shape,
                     "config": config,
-                    "config_keys": ["tiles", "num_warps", "num_stages"],
+                    "config_keys": ["tiles", "num_warps", "num_stages", "merge_in_kernel_from"],
                     "us": 1e6 * dt,
                     "tflops": flops / dt / 1e12,
                     "dot_fraction": flops / dt / rate,
@@ -705,6 +720,7 @@ def main():
     )
     ap.add_argument("--learner-models", default="qwen3-1.7b,qwen3-4b")
     ap.add_argument("--learner-seqs", default="1024,4096")
+    ap.add_argument("--learner-sides", default=",".join(SIDES), help="learner rows: numerics to run (fast,strict)")
     ap.add_argument(
         "--learner-remat", action="store_true", help="learner rows also with train.grpo --remat (side by side)"
     )
@@ -777,7 +793,7 @@ def main():
                             numerics.set_matmul_backward(in_place)
                             cfg = rlkjax.ModelConfig.preset(name)
                             # The backward switches change only the strict side: the fast side runs once.
-                            sides = SIDES if flash and in_place else ("strict",)
+                            sides = args.learner_sides.split(",") if flash and in_place else ("strict",)
                             row = learner_row(cfg, name, seq, args.learner_tokens, args.repeats, rate, remat, sides)
                             record([dict(row, flash_backward=flash, matmul_backward_in_place=in_place)])
                 numerics.set_attention_backward(True)

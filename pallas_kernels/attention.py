@@ -24,12 +24,15 @@ the chunking, the batch, or the other queries in its tile. A program runs `tiles
 side (each its own arithmetic, sharing the KV block loads), which changes no bit.
 
 KV splits (flash-decoding): the positions are cut into fixed absolute ranges of `kv_split` keys
-(split s holds [s*kv_split, (s+1)*kv_split)); one program per (query tile, split) runs the online
-softmax above over its range from a fresh state, and a second kernel merges the splits' (acc, max,
-sum) in ascending order. Every pass (decode, prefill, the learner's) splits and merges the same
-way, so a decode step of one token gets batch x KV heads x splits programs, not batch x KV heads.
-A split a row does not reach is an exact no-op in the merge (a select); a split past a tile's last
-position is skipped (its program exits at once, the merge stops before it).
+(split s holds [s*kv_split, (s+1)*kv_split)); the online softmax above runs over each split's range
+from a fresh state, and the splits' (acc, max, sum) are merged in ascending order. Every pass
+(decode, prefill, the learner's) splits and merges the same way. Where it happens depends only on
+the call's shape, never on the bits: with few query tiles (a decode step) one program per (query
+tile, split), so one token gets batch x KV heads x splits programs, and a second kernel merges;
+with many (`merge_in_kernel_from`: the learner's rows, long prefill chunks) one program per tile
+group walks its splits in turn and merges each as it finishes, with the merge kernel's arithmetic
+(`_merge_step`). A split a row does not reach is an exact no-op in the merge (a select); a split
+past a tile's last position is skipped.
 """
 
 import dataclasses
@@ -58,6 +61,13 @@ class AttentionConfig:
     # load, and each runs the one-tile arithmetic on its own block_rows rows, so no bit changes
     # (tested compiled: tests/test_kernels.py test_attention_tiles_per_program_agree).
     tiles: int = 1
+    # A call with at least this many query tiles per row runs one program per tile group that merges
+    # its KV splits itself (no split states written and read back, no merge launch); fewer (decode,
+    # short prefill chunks) a program per split and a merge kernel for parallelism. The same bits
+    # (tested: tests/test_kernels.py test_attention_chunked_equals_whole_and_decode; compiled on the
+    # H200 by bench.speed's attention sweep, 2026-11-30). Qwen3-4B heads on the H200: 2 x 4096 tokens
+    # 2,853 -> 2,591 us a layer, 8 x 1024 1,346 -> 1,076 us.
+    merge_in_kernel_from: int = 8
     # The learner's gradient: None = XLA's dense backward (dense_attention's vjp); a config = the
     # Pallas flash backward (attention_bwd.py: no [B, H, T, T] arrays). Neither changes a logprob.
     backward: AttentionBwdConfig | None = None
@@ -108,50 +118,31 @@ def write_kv(pages, new, layer, plan: Plan):
     return pages.at[layer, :, plan.write_page, plan.write_slot].set(new.reshape(b * t, hkv, dh).astype(pages.dtype))
 
 
-def _kernel(
-    layer_ref,
-    pt_ref,
-    pos_ref,
-    q_ref,
-    k_ref,
-    v_ref,
-    acc_ref,
-    m_ref,
-    l_ref,
-    *,
-    rows,
-    page_size,
-    block_pages,
-    kv_split,
-    scale,
-):
-    """One (group of query tiles, KV split): the online softmax over the split's blocks that the
-    tiles see. Each KV block is loaded once and used by every tile of the group, and each tile runs
-    exactly the single-tile arithmetic on its own `rows` rows (a block a tile does not see is an
-    exact no-op for it), so the number of tiles per program changes no bit."""
-    tiles = q_ref.shape[0] // rows
+def _split_states(layer, pt_ref, k_ref, v_ref, qs, poss, min_pos, first, last, *, page_size, block_pages, scale):
+    """The online softmax of each query tile (qs, poss: [rows, Dh] and [rows] per tile) over KV
+    blocks [first, last) from a fresh state: ((acc, m, l) per tile). Each KV block is loaded once
+    and used by every tile, and each tile runs exactly the single-tile arithmetic on its own rows (a
+    block a tile does not see is an exact no-op for it), so the number of tiles changes no bit."""
     block = page_size * block_pages
-    first = pl.program_id(3) * (kv_split // block)
-    last = jnp.minimum(first + kv_split // block, jnp.max(pos_ref[...]) // block + 1)  # -1: padding
-    layer = layer_ref[0]
-    qs = [q_ref[pl.ds(t * rows, rows), :] for t in range(tiles)]  # [rows, Dh] each, rows token-major
-    poss = [pos_ref[pl.ds(t * rows, rows)] for t in range(tiles)]
 
-    def update(q, pos, keys, values, j, carry):
+    def update(q, pos, keys, values, j, carry, masked):
         acc, m, l = carry
         # The block's pages one by one (they are not contiguous): scores, then one row max over
         # their elementwise max, exps summed elementwise in page order and reduced once.
+        # masked=False: every row sees every key of the block, so the mask and the selects below
+        # would be identities; they are left out (the same bits: compiled tests on the H200). Its
+        # speed gain was not measurable (Qwen3-4B x 2 x 4096: 81.4 -> 81.5 ms of attention a step).
         scores = []
         for i, k in enumerate(keys):
             s = dot_nt(q, k) * scale  # [rows, ps]
             key_pos = (j * block_pages + i) * page_size + jnp.arange(page_size, dtype=jnp.int32)
-            scores.append(jnp.where(key_pos[None, :] <= pos[:, None], s, -jnp.inf))
+            scores.append(jnp.where(key_pos[None, :] <= pos[:, None], s, -jnp.inf) if masked else s)
         s_max = scores[0]
         for s in scores[1:]:
             s_max = jnp.maximum(s_max, s)
         m_blk = jnp.max(s_max, axis=1)
         sees = m_blk > -jnp.inf
-        m_new = jnp.where(sees, jnp.maximum(m, m_blk), 0.0)
+        m_new = jnp.where(sees, jnp.maximum(m, m_blk), 0.0) if masked else jnp.maximum(m, m_blk)
         alpha = _math.exp(m - m_new)
         probs = [_math.exp(s - m_new[:, None]) for s in scores]  # masked keys: exp(-inf) = exact 0
         p_sum = probs[0]
@@ -161,47 +152,100 @@ def _kernel(
         acc_new = alpha[:, None] * acc
         for p, v in zip(probs, values):
             acc_new = acc_new + dot_nn(p.astype(v.dtype), v)
+        if not masked:
+            return acc_new, m_new, l_new
         return jnp.where(sees[:, None], acc_new, acc), jnp.where(sees, m_new, m), jnp.where(sees, l_new, l)
 
-    def body(j, carry):
+    def body(masked, j, carry):
         pages = [pt_ref[j * block_pages + i] for i in range(block_pages)]
         keys = [k_ref[layer, page] for page in pages]  # [ps, Dh] each
         values = [v_ref[layer, page] for page in pages]
-        return tuple(update(q, pos, keys, values, j, c) for q, pos, c in zip(qs, poss, carry))
+        return tuple(update(q, pos, keys, values, j, c, masked) for q, pos, c in zip(qs, poss, carry))
+
+    rows, dh = qs[0].shape
+    init = (jnp.zeros((rows, dh), F32), jnp.full((rows,), -jnp.inf, F32), jnp.zeros((rows,), F32))
+    # Blocks below every row's position (all keys visible to all rows: a learner's or prefill's long
+    # rows) first, unmasked; then the rest (the diagonal, and any block a row with position -1,
+    # padding, is in), masked. A decode step's tile has padding rows, so it is all masked.
+    seen_by_all = jnp.clip((min_pos + 1) // block, first, last)
+    out = jax.lax.fori_loop(first, seen_by_all, functools.partial(body, False), (init,) * len(qs))
+    return jax.lax.fori_loop(seen_by_all, last, functools.partial(body, True), out)
+
+
+def _tiles(q_ref, pos_ref, rows):
+    tiles = q_ref.shape[0] // rows
+    qs = [q_ref[pl.ds(t * rows, rows), :] for t in range(tiles)]  # [rows, Dh] each, rows token-major
+    return qs, [pos_ref[pl.ds(t * rows, rows)] for t in range(tiles)]
+
+
+def _kernel(layer_ref, pt_ref, pos_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, rows, kv_split, **kw):
+    """One (group of query tiles, KV split): the split's (acc, max, sum) per row, for the merge."""
+    block = kw["page_size"] * kw["block_pages"]
+    first = pl.program_id(3) * (kv_split // block)
+    last = jnp.minimum(first + kv_split // block, jnp.max(pos_ref[...]) // block + 1)  # -1: padding
 
     @pl.when(first < last)  # splits past the tiles' last position are never read by the merge
     def _():
-        init = (jnp.zeros((rows, q_ref.shape[1]), F32), jnp.full((rows,), -jnp.inf, F32), jnp.zeros((rows,), F32))
-        out = jax.lax.fori_loop(first, last, body, (init,) * tiles)
+        qs, poss = _tiles(q_ref, pos_ref, rows)
+        out = _split_states(layer_ref[0], pt_ref, k_ref, v_ref, qs, poss, jnp.min(pos_ref[...]), first, last, **kw)
         for t, (acc, m, l) in enumerate(out):
             acc_ref[pl.ds(t * rows, rows), :] = acc
             m_ref[pl.ds(t * rows, rows)] = m
             l_ref[pl.ds(t * rows, rows)] = l
 
 
-def _merge_kernel(pos_ref, acc_ref, m_ref, l_ref, o_ref, lse_ref, *, kv_split):
-    """Merge the splits a tile reaches, in ascending order; a split a row does not see (l = 0) is
-    skipped by a select, so it changes nothing. Also writes each row's log-sum-exp of its scaled
-    scores (+inf for a row that sees no key), which the learner's backward reads."""
-    num_splits = jnp.maximum(jnp.max(pos_ref[...]), -1) // kv_split + 1
+def _merge_step(merged, split):
+    """Add one split's (acc, max, sum) to the running merge; a split a row does not see (l = 0) is
+    skipped by a select, so it changes nothing."""
+    (acc, m, l), (acc_s, m_s, l_s) = merged, split
+    sees = l_s > 0
+    m_new = jnp.maximum(m, m_s)
+    alpha, beta = _math.exp(m - m_new), _math.exp(m_s - m_new)
+    l_new = alpha * l + beta * l_s
+    acc_new = alpha[:, None] * acc + beta[:, None] * acc_s
+    return jnp.where(sees[:, None], acc_new, acc), jnp.where(sees, m_new, m), jnp.where(sees, l_new, l)
 
-    def body(s, carry):
-        acc, m, l = carry
-        m_s, l_s = m_ref[s], l_ref[s]
-        sees = l_s > 0
-        m_new = jnp.maximum(m, m_s)
-        alpha, beta = _math.exp(m - m_new), _math.exp(m_s - m_new)
-        l_new = alpha * l + beta * l_s
-        acc_new = alpha[:, None] * acc + beta[:, None] * acc_ref[s]
-        return jnp.where(sees[:, None], acc_new, acc), jnp.where(sees, m_new, m), jnp.where(sees, l_new, l)
 
-    rows = o_ref.shape[0]
-    init = (jnp.zeros(o_ref.shape, F32), jnp.full((rows,), -jnp.inf, F32), jnp.zeros((rows,), F32))
-    acc, m, l = jax.lax.fori_loop(0, num_splits, body, init)
+def _merge_init(rows, dh):
+    return jnp.zeros((rows, dh), F32), jnp.full((rows,), -jnp.inf, F32), jnp.zeros((rows,), F32)
+
+
+def _finish(merged, dtype):
+    """(out, log-sum-exp of the scaled scores) per row: 0 and +inf for a row that sees no key."""
+    acc, m, l = merged
     seen = l > 0
     safe = jnp.where(seen, l, 1.0)
-    o_ref[...] = jnp.where(seen[:, None], acc / safe[:, None], 0.0).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(seen, m + jnp.log(safe), jnp.inf)
+    return jnp.where(seen[:, None], acc / safe[:, None], 0.0).astype(dtype), jnp.where(seen, m + jnp.log(safe), jnp.inf)
+
+
+def _merge_kernel(pos_ref, acc_ref, m_ref, l_ref, o_ref, lse_ref, *, kv_split):
+    """Merge the splits a tile reaches, in ascending order. Also writes each row's log-sum-exp of
+    its scaled scores, which the learner's backward reads."""
+    num_splits = jnp.maximum(jnp.max(pos_ref[...]), -1) // kv_split + 1
+    body = lambda s, merged: _merge_step(merged, (acc_ref[s], m_ref[s], l_ref[s]))  # noqa: E731
+    o_ref[...], lse_ref[...] = _finish(jax.lax.fori_loop(0, num_splits, body, _merge_init(*o_ref.shape)), o_ref.dtype)
+
+
+def _fused_kernel(layer_ref, pt_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, rows, kv_split, **kw):
+    """`_kernel` for every split of a group of query tiles in turn, each merged as it is done
+    (`_merge_step`, the merge kernel's arithmetic, the same order): the same bits, without writing
+    the splits' states to memory and reading them back, in one launch. Splits a tile does not reach
+    (the group reaches further) leave its rows' l = 0: skipped by the merge's select, as the merge
+    kernel's shorter loop skips them."""
+    block = kw["page_size"] * kw["block_pages"]
+    per_split, max_pos, min_pos = kv_split // block, jnp.max(pos_ref[...]), jnp.min(pos_ref[...])
+    qs, poss = _tiles(q_ref, pos_ref, rows)
+
+    def body(s, merged):
+        first = s * per_split
+        last = jnp.minimum(first + per_split, max_pos // block + 1)
+        states = _split_states(layer_ref[0], pt_ref, k_ref, v_ref, qs, poss, min_pos, first, last, **kw)
+        return tuple(_merge_step(mg, st) for mg, st in zip(merged, states))
+
+    num_splits = jnp.maximum(max_pos, -1) // kv_split + 1
+    merged = jax.lax.fori_loop(0, num_splits, body, (_merge_init(rows, q_ref.shape[1]),) * len(qs))
+    for t, state in enumerate(merged):
+        o_ref[pl.ds(t * rows, rows), :], lse_ref[pl.ds(t * rows, rows)] = _finish(state, o_ref.dtype)
 
 
 def _padded_attention(q, k_pages, v_pages, layer, plan: Plan, config, interpret):
@@ -251,36 +295,70 @@ def _pallas_attention(q, k_pages, v_pages, layer, plan: Plan, config, interpret,
     tiles = math.gcd(tp // bq, config.tiles)
     grouped = rows * tiles
 
+    kernel_args = dict(
+        rows=rows,
+        page_size=ps,
+        block_pages=config.block_pages,
+        kv_split=config.kv_split,
+        scale=scale or 1.0 / math.sqrt(dh),
+    )
+    in_specs = [  # index maps for either grid: (batch, KV head, tile group[, split])
+        pl.BlockSpec((1,), lambda *g: (0,)),
+        pl.BlockSpec((None, pt.shape[1]), lambda *g: (g[0], 0)),
+        pl.BlockSpec((None, grouped), lambda *g: (g[0], g[2])),
+        pl.BlockSpec((None, None, grouped, dh), lambda *g: (g[0], g[1], g[2], 0)),
+        pl.BlockSpec((num_layers, None, num_pages, ps, dh), lambda *g: (0, g[1], 0, 0, 0)),
+        pl.BlockSpec((num_layers, None, num_pages, ps, dh), lambda *g: (0, g[1], 0, 0, 0)),
+    ]
+    args = (jnp.reshape(layer, (1,)).astype(jnp.int32), pt, row_pos, qh, k_pages, v_pages)
+    out_shape = [jax.ShapeDtypeStruct(qh.shape, q.dtype), jax.ShapeDtypeStruct(qh.shape[:3], F32)]
+    if tp // bq >= config.merge_in_kernel_from:
+        # Many query tiles (the learner's rows, long prefill chunks): enough programs without a
+        # program per split, so each merges its splits itself (_fused_kernel: the same bits).
+        out, lse = pl.pallas_call(
+            functools.partial(_fused_kernel, **kernel_args),
+            name="attention_fused",
+            grid=(b, hkv, tp // bq // tiles),
+            in_specs=in_specs,
+            out_specs=[
+                pl.BlockSpec((None, None, grouped, dh), lambda i, h, j: (i, h, j, 0)),
+                pl.BlockSpec((None, None, grouped), lambda i, h, j: (i, h, j)),
+            ],
+            out_shape=out_shape,
+            compiler_params=compiler_params(config.num_warps, config.num_stages),
+            interpret=interpret,
+        )(*args)
+    else:
+        out, lse = _split_and_merge(
+            args, in_specs, kernel_args, (b, hkv, tp, bq, g, tiles, splits), out_shape, config, interpret
+        )
+    out = out.reshape(b, hkv, tp, g, dh).transpose(0, 2, 1, 3, 4).reshape(b, tp, hq, dh)[:, :t]
+    return out, lse.reshape(b, hkv, tp, g).transpose(0, 2, 1, 3).reshape(b, tp, hq)[:, :t]
+
+
+def _split_and_merge(args, in_specs, kernel_args, dims, out_shape, config, interpret):
+    """One program per (group of query tiles, KV split), then one per tile merging its splits
+    (decode parallelism: a decode step's one tile still gets batch x KV heads x splits programs)."""
+    b, hkv, tp, bq, g, tiles, splits = dims
+    rows = bq * g
+    grouped, dh = rows * tiles, args[3].shape[-1]
+
     def part(*blk):  # one (tile group, split) of a split output
         return pl.BlockSpec((None, None, None, grouped, *blk), lambda i, h, j, s: (i, h, s, j, *[0] * len(blk)))
 
     acc, m, l = pl.pallas_call(
-        functools.partial(
-            _kernel,
-            rows=rows,
-            page_size=ps,
-            block_pages=config.block_pages,
-            kv_split=config.kv_split,
-            scale=scale or 1.0 / math.sqrt(dh),
-        ),
+        functools.partial(_kernel, **kernel_args),
         name="attention_split",
         grid=(b, hkv, tp // bq // tiles, splits),
-        in_specs=[
-            pl.BlockSpec((1,), lambda i, h, j, s: (0,)),
-            pl.BlockSpec((None, pt.shape[1]), lambda i, h, j, s: (i, 0)),
-            pl.BlockSpec((None, grouped), lambda i, h, j, s: (i, j)),
-            pl.BlockSpec((None, None, grouped, dh), lambda i, h, j, s: (i, h, j, 0)),
-            pl.BlockSpec((num_layers, None, num_pages, ps, dh), lambda i, h, j, s: (0, h, 0, 0, 0)),
-            pl.BlockSpec((num_layers, None, num_pages, ps, dh), lambda i, h, j, s: (0, h, 0, 0, 0)),
-        ],
+        in_specs=in_specs,
         out_specs=[part(dh), part(), part()],
         out_shape=[jax.ShapeDtypeStruct((b, hkv, splits, tp * g, dh), F32)]
         + [jax.ShapeDtypeStruct((b, hkv, splits, tp * g), F32)] * 2,
         compiler_params=compiler_params(config.num_warps, config.num_stages),
         interpret=interpret,
-    )(jnp.reshape(layer, (1,)).astype(jnp.int32), pt, row_pos, qh, k_pages, v_pages)
+    )(*args)
     whole = lambda *blk: pl.BlockSpec((None, None, splits, rows, *blk), lambda i, h, j: (i, h, 0, j, *[0] * len(blk)))  # noqa: E731
-    out, lse = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_merge_kernel, kv_split=config.kv_split),
         name="attention_merge",
         grid=(b, hkv, tp // bq),
@@ -289,12 +367,10 @@ def _pallas_attention(q, k_pages, v_pages, layer, plan: Plan, config, interpret,
             pl.BlockSpec((None, None, rows, dh), lambda i, h, j: (i, h, j, 0)),
             pl.BlockSpec((None, None, rows), lambda i, h, j: (i, h, j)),
         ],
-        out_shape=[jax.ShapeDtypeStruct(qh.shape, q.dtype), jax.ShapeDtypeStruct(qh.shape[:3], F32)],
+        out_shape=out_shape,
         compiler_params=compiler_params(config.num_warps, 1),
         interpret=interpret,
-    )(row_pos, acc, m, l)
-    out = out.reshape(b, hkv, tp, g, dh).transpose(0, 2, 1, 3, 4).reshape(b, tp, hq, dh)[:, :t]
-    return out, lse.reshape(b, hkv, tp, g).transpose(0, 2, 1, 3).reshape(b, tp, hq)[:, :t]
+    )(args[2], acc, m, l)
 
 
 def _check(q, k, v, k_pages, v_pages, plan: Plan):

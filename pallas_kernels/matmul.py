@@ -150,16 +150,23 @@ def _bwd(config, interpret, saved, dy):
     return dx, dw, (dy if has_residual else None)
 
 
-def _grad_kernel(a_ref, b_ref, o_ref, *, a_k_axis, block_k, k_steps, interpret):
+def _grad_kernel(*refs, a_k_axis, block_k, k_steps, stacked, interpret):
     """One output tile of a @ b ("nn": a [M, K], b [K, N]) or a.T @ b ("tn": a [K, M], b [K, N]):
-    K in `block_k` steps, ascending, into one fp32 accumulator."""
+    K in `block_k` steps, ascending, into one fp32 accumulator. stacked: b is [L, K, N], read at
+    the layer in the first ref."""
+    if stacked:
+        layer_ref, a_ref, b_ref, o_ref = refs
+        b_tile = lambda ks: b_ref[layer_ref[0], ks, :]  # noqa: E731
+    else:
+        a_ref, b_ref, o_ref = refs
+        b_tile = lambda ks: b_ref[ks, :]  # noqa: E731
     dims = (((a_k_axis,), (0,)), ((), ()))
     precision = jax.lax.Precision.HIGHEST if a_ref.dtype == F32 else None  # fp32: no TF32 (as dot_nt)
 
     def body(i, acc):
         ks = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
         a = a_ref[:, ks] if a_k_axis == 1 else a_ref[ks, :]
-        b = b_ref[ks, :]
+        b = b_tile(ks)
         if not interpret:  # one dot per K step (Triton's lowering has no `slice` of a loaded value)
             return acc + jax.lax.dot_general(a, b, dims, precision, preferred_element_type=F32)
         step = min(32, block_k)  # interpret: 32-wide sub-steps (see _product)
@@ -171,30 +178,42 @@ def _grad_kernel(a_ref, b_ref, o_ref, *, a_k_axis, block_k, k_steps, interpret):
     o_ref[...] = jax.lax.fori_loop(0, k_steps, body, jnp.zeros(o_ref.shape, F32)).astype(o_ref.dtype)
 
 
-def _grad_product(a, b, layout: str, config: MatmulConfig, interpret: bool):
+def _grad_product(a, b, layout: str, config: MatmulConfig, interpret: bool, layer=None):
     """a @ b (layout "nn": a [M, K], b [K, N]) or a.T @ b ("tn": a [K, M], b [K, N]) -> [M, N] in
-    a.dtype, read in place: the backward's dx = dy @ w ("nn") and dw = dy.T @ x ("tn")."""
+    a.dtype, read in place: the backward's dx = dy @ w ("nn") and dw = dy.T @ x ("tn"). With
+    `layer`, b is a stack [L, K, N] (K and N tile multiples) and layer `layer` of it is read in place."""
     c, a_k_axis = config, 1 if layout == "nn" else 0
-    m, n = a.shape[1 - a_k_axis], b.shape[1]
+    m, n = a.shape[1 - a_k_axis], b.shape[-1]
     a = pad_dim(pad_dim(a, 1 - a_k_axis, c.block_m), a_k_axis, c.block_k)
-    b = pad_dim(pad_dim(b, 0, c.block_k), 1, c.block_n)
-    kp, mp, np_ = b.shape[0], a.shape[1 - a_k_axis], b.shape[1]
+    if layer is None:
+        b = pad_dim(pad_dim(b, 0, c.block_k), 1, c.block_n)
+    kp, mp, np_ = b.shape[-2], a.shape[1 - a_k_axis], b.shape[-1]
     a_block = (c.block_m, kp) if layout == "nn" else (kp, c.block_m)
+    in_specs = [pl.BlockSpec(a_block, (lambda i, j: (i, 0)) if layout == "nn" else (lambda i, j: (0, i)))]
+    args = [a, b]
+    if layer is None:
+        in_specs.append(pl.BlockSpec((kp, c.block_n), lambda i, j: (0, j)))
+    else:
+        in_specs = [pl.BlockSpec((1,), lambda i, j: (0,)), *in_specs]
+        in_specs.append(pl.BlockSpec((b.shape[0], kp, c.block_n), lambda i, j: (0, 0, j)))
+        args = [jnp.reshape(layer, (1,)).astype(jnp.int32), *args]
     y = pl.pallas_call(
         functools.partial(
-            _grad_kernel, a_k_axis=a_k_axis, block_k=c.block_k, k_steps=kp // c.block_k, interpret=interpret
+            _grad_kernel,
+            a_k_axis=a_k_axis,
+            block_k=c.block_k,
+            k_steps=kp // c.block_k,
+            stacked=layer is not None,
+            interpret=interpret,
         ),
         name=f"matmul_{layout}_n{n}_k{kp}",
         grid=(mp // c.block_m, np_ // c.block_n),
-        in_specs=[
-            pl.BlockSpec(a_block, (lambda i, j: (i, 0)) if layout == "nn" else (lambda i, j: (0, i))),
-            pl.BlockSpec((kp, c.block_n), lambda i, j: (0, j)),
-        ],
+        in_specs=in_specs,
         out_specs=pl.BlockSpec((c.block_m, c.block_n), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((mp, np_), a.dtype),
         compiler_params=compiler_params(c.num_warps, c.num_stages),
         interpret=interpret,
-    )(a, b)
+    )(*args)
     return y[:m, :n]
 
 
@@ -217,6 +236,45 @@ def matmul_layer(x, w, layer, residual, config: MatmulConfig, interpret: bool):
     if w.shape[1] % config.block_n or w.shape[2] % config.block_k:
         return _pallas_matmul(x, jax.lax.dynamic_index_in_dim(w, layer, keepdims=False), residual, config, interpret)
     return _pallas_matmul(x, w, residual, config, interpret, layer)
+
+
+def _fits_stack(w, config: MatmulConfig) -> bool:
+    """Whether the kernels can read layers of w [L, N, K] in place: N and K tile multiples for the
+    forward (N by block_n, K by block_k) and for dx = dy @ w (N by block_k, K by block_n)."""
+    n, k = w.shape[1:]
+    return not (n % config.block_n or k % config.block_k or n % config.block_k or k % config.block_n)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def matmul_in_place(x, w_layer, w, layer, residual, config: MatmulConfig, interpret: bool):
+    """`matmul(x, w_layer, residual)` for w_layer = w[layer] of a stack w [L, N, K]: the same bits
+    and the same gradient bits, with w read in place by the forward and by dx = dy @ w (no copy of
+    the layer: a Pallas call takes each operand as a buffer of its own, so a slice is copied, 10
+    times per layer and again in the backward at Qwen3-4B). w_layer is never read: it carries the
+    gradient dw (the caller's slice of w, which XLA then drops from the forward); pass w through
+    `jax.lax.stop_gradient` (its cotangent is not computed). Shapes the kernels cannot read in
+    place (`_fits_stack`) use w_layer."""
+    if not _fits_stack(w, config):
+        return matmul(x, w_layer, residual, config, interpret)
+    return _pallas_matmul(x, w, residual, config, interpret, layer)
+
+
+def _in_place_fwd(x, w_layer, w, layer, residual, config, interpret):
+    out = matmul_in_place(x, w_layer, w, layer, residual, config, interpret)
+    return out, (x, w_layer if not _fits_stack(w, config) else None, w, layer, residual is not None)
+
+
+def _in_place_bwd(config, interpret, saved, dy):
+    x, w_layer, w, layer, has_residual = saved
+    if w_layer is not None or not config.backward_in_place:
+        dx, dw, dr = _bwd(config, interpret, (x, w_layer if w_layer is not None else w[layer], has_residual), dy)
+        return dx, dw, None, None, dr
+    dx = _grad_product(dy, w, "nn", config, interpret, layer).astype(x.dtype)
+    dw = _grad_product(dy.astype(x.dtype), x, "tn", config, interpret).astype(w.dtype)
+    return dx, dw, None, None, (dy if has_residual else None)
+
+
+matmul_in_place.defvjp(_in_place_fwd, _in_place_bwd)
 
 
 def _fused_kernel(layer_ref, x_ref, *refs, tiles, block_k, k_steps, interpret):

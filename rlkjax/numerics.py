@@ -106,7 +106,10 @@ SWIGLU = swiglu.SwiGLUConfig(block_rows=16, block_cols=128, num_warps=4)
 # attention at Qwen3-4B x 2 x 4096 tokens 4.06 -> 2.80 ms a layer, 8 x 1024 1.37 -> 1.02 ms, a
 # decode step at batch 64 x 2048 (8B heads) 373 -> 299 us (H200, 2026-11-30, bench.speed --only
 # sweep --sweep attention). Neither changes a bit (tests/test_kernels.py
-# test_attention_tiles_per_program_agree, compiled: 1-8 tiles, 2-8 warps); 1 warp does.
+# test_attention_tiles_per_program_agree, compiled: 1-8 tiles, 2-8 warps); 1 warp does. Calls of 8
+# or more query tiles per row merge their KV splits inside the attention kernel
+# (AttentionConfig.merge_in_kernel_from: the same bits): the learner's attention at 4B x 2 x 4096
+# 2.85 -> 2.59 ms a layer (H200, 2026-11-30).
 ATTENTION = attention.AttentionConfig(
     page_size=16,
     block_rows=16,
@@ -182,6 +185,8 @@ def check_xla_flags() -> None:
 class Ops(NamedTuple):
     matmul: Callable  # (x, w, residual=None)
     matmul_layer: Callable  # (x, w_stacked [L, N, K], layer, residual=None): reads w[layer] in place
+    # (x, w[layer], w_stacked, layer, residual=None): differentiable through w[layer], reads w_stacked in place
+    matmul_in_place: Callable
     matmul_layer_fused: Callable  # (x, (w_stacked, ...), layer) -> (x @ w[layer].T, ...) in one launch
     rmsnorm: Callable  # (x, weight, cos, sin, eps)
     rmsnorm_layer: Callable  # (x, weights_stacked [L, D], layer, cos, sin, eps): reads weights[layer] in place
@@ -205,6 +210,7 @@ def ops(numerics: Numerics) -> Ops:
         return Ops(
             lambda x, w, r=None: matmul.matmul_reference(x, w, r),
             lambda x, w, layer, r=None: matmul.matmul_reference(x, w[layer], r),
+            lambda x, w_layer, w, layer, r=None: matmul.matmul_reference(x, w_layer, r),
             lambda x, ws, layer: tuple(matmul.matmul_reference(x, w[layer]) for w in ws),
             rmsnorm.rmsnorm_reference,
             lambda x, w, layer, cos, sin, eps: rmsnorm.rmsnorm_reference(x, w[layer], cos, sin, eps),
@@ -225,6 +231,7 @@ def ops(numerics: Numerics) -> Ops:
     return Ops(
         lambda x, w, r=None: matmul.matmul(x, w, r, matmul_config(x.shape[0]), interp),
         lambda x, w, layer, r=None: matmul.matmul_layer(x, w, layer, r, matmul_config(x.shape[0]), interp),
+        lambda x, wl, w, i, r=None: matmul.matmul_in_place(x, wl, w, i, r, matmul_config(x.shape[0]), interp),
         lambda x, ws, layer: matmul.matmul_layer_fused(x, ws, layer, matmul_config(x.shape[0]), interp),
         lambda x, w, cos, sin, eps: rmsnorm.rmsnorm(x, w, cos, sin, eps, rmsnorm_config(cos), interp),
         lambda x, w, i, cos, sin, eps: rmsnorm.rmsnorm_layer(x, w, i, cos, sin, eps, rmsnorm_config(cos), interp),

@@ -44,14 +44,15 @@ def test_server_e2e_update_weights_swaps_to_the_new_weights():
 def test_speed_attention_sweeps_run_and_compare_bits():
     """bench.speed's attention sweeps (interpreted on the CPU at tiny shapes): every config gives a
     timed row without error, and the forward rows compare each config's output bits with the first
-    config's (the adoption rule for the attention program shape); a decode step's single tile and a
-    learner-like pass both run. Guards the harness, which once broke silently when the attention
+    config's (the adoption rule for the attention program shape): the split kernels with the merge
+    kernel against the in-kernel merge, same bits; a decode step's single tile and a learner-like pass
+    both run. Guards the harness, which once broke silently when the attention
     plan changed its calling convention."""
     from bench import speed
 
     rows = []
     shapes = [(2, 64, 64, 4, 2, 16), (3, 1, 64, 4, 2, 16)]
-    configs = [(1, 4, 2), (2, 2, 2), (4, 2, 2)]
+    configs = [(1, 4, 2, 2**30), (2, 2, 2, 2), (4, 2, 2, 2)]  # the last two merge in the kernel (learner shape)
     speed.attention_sweep(1e12, 1e14, 1, rows.append, shapes=shapes, configs=configs)
     assert len(rows) == len(shapes) * len(configs)
     assert all("error" not in r and r["us"] > 0 and r["same_bits"] is True for r in rows), rows

@@ -4,6 +4,7 @@ run, naming step, sequence and token), a subprocess smoke run, resume and same-s
 remote-server mode, and clear errors for bad flags."""
 
 import dataclasses
+import functools
 import json
 import logging
 import subprocess
@@ -158,6 +159,49 @@ def test_learner_remat_keeps_the_bits(tiny):
     assert np.abs(np.asarray(grads["layers"]["gate_proj"])).max() > 0  # a real gradient reached the layers
     for (path, g), g_kept in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads_kept)):
         assert_bits_equal(g, g_kept, jax.tree_util.keystr(path))
+
+
+def test_learner_reads_weights_in_place_with_the_same_bits(monkeypatch):
+    """The learner's pass on whole weights (model.forward without layer_weights) runs its layers
+    unrolled, with every matrix read in place from its stack (matmul.matmul_in_place), forward and
+    dx. Against the scan over per-layer slices (an identity layer_weights, the FSDP path's
+    structure), the GRPO loss, logp_new and every gradient have the same bits, and the in-place
+    kernels did run: the model's matrices here are tile multiples, unlike qwen3-tiny's."""
+    from pallas_kernels import matmul
+
+    cfg = rlkjax.ModelConfig(512, 128, 2, 4, 2, 64, 256, tie_embeddings=True, max_position=1024)
+    master = jax.tree.map(lambda w: w.astype(jnp.float32), rlkjax.init_params(cfg, seed=3))
+    rng = np.random.default_rng(2)
+    b, t = 2, 8
+    batch = Batch(
+        tokens=jnp.asarray(rng.integers(0, 512, (b, t)), jnp.int32),
+        positions=jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
+        logp_old=jnp.asarray(rng.uniform(-6, -0.1, (b, t - 1)), jnp.float32),
+        mask=jnp.ones((b, t - 1), jnp.float32),
+        adv=jnp.asarray([1.0, -0.5], jnp.float32),
+        temps=jnp.ones((b,), jnp.float32),
+        tis=jnp.ones((b, t - 1), jnp.float32),
+    )
+    stacked_reads = []
+    grad_product = matmul._grad_product
+    monkeypatch.setattr(
+        matmul, "_grad_product", lambda *a: stacked_reads.append(len(a) > 5 and a[5] is not None) or grad_product(*a)
+    )
+    rope, ref = model.rope_tables(cfg), jnp.zeros((b, t - 1), jnp.float32)
+
+    def step(layer_weights):
+        loss = functools.partial(grpo.grpo_loss, layer_weights=layer_weights)
+        fn = jax.value_and_grad(loss, has_aux=True)
+        return fn(master, batch, ref, rope, cfg, "strict", 0.2, 0.0, jnp.float32(b * (t - 1)))
+
+    (loss, (_, logp)), grads = step(None)
+    assert sum(stacked_reads) == 2 * 7, "every matrix's dx should read its stack in place"
+    (loss_s, (_, logp_s)), grads_s = step(lambda name, w: w.astype(cfg.dtype))
+    assert_bits_equal(loss, loss_s, "loss")
+    assert_bits_equal(logp, logp_s, "logp_new")
+    assert np.abs(np.asarray(grads["layers"]["down_proj"])).max() > 0
+    for (path, g), g_s in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads_s), strict=True):
+        assert_bits_equal(g, g_s, jax.tree_util.keystr(path))
 
 
 def backward_variants(tiny, set_backward):

@@ -201,11 +201,21 @@ def test_attention_odd_shapes(hq, hkv, dh):
     check_grads(whole_pass, dense, [q, k, v], (0, 1, 2), "odd attention")
 
 
-def test_attention_chunked_equals_whole_and_decode():
+@pytest.mark.parametrize("block_pages,kv_split,merge_from", [(None, None, None), (1, 32, 2)])
+def test_attention_chunked_equals_whole_and_decode(block_pages, kv_split, merge_from):
     """Prefill in chunks of 20 + 17, or token by token, gives the whole pass's bits: the cache is
-    written before it is read and KV blocks are aligned to absolute positions."""
+    written before it is read and KV blocks are aligned to absolute positions. With 16-key blocks,
+    32-key splits and the in-kernel merge from 2 query tiles: the whole pass and the chunks merge
+    their 2 splits in the attention kernel and take its unmasked path for the blocks every row of a
+    tile group sees, where a decode step (one tile, with padding rows) masks every block and merges
+    in the merge kernel: the same bits."""
+    config = numerics.ATTENTION
+    if block_pages:
+        config = dataclasses.replace(
+            config, block_pages=block_pages, kv_split=kv_split, merge_in_kernel_from=merge_from
+        )
     q, k, v, pages, pt, pos = _attention_case(BF16)
-    run = lambda sl, kp, vp: _attend(q[:, sl], k[:, sl], v[:, sl], kp, vp, jnp.int32(0), pt, pos[:, sl])  # noqa: E731
+    run = lambda sl, kp, vp: _attend(q[:, sl], k[:, sl], v[:, sl], kp, vp, jnp.int32(0), pt, pos[:, sl], config)  # noqa: E731
     whole, _, _ = run(slice(None), pages, pages)
     a, kp, vp = run(slice(0, 20), pages, pages)
     b, _, _ = run(slice(20, None), kp, vp)
