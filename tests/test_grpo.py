@@ -165,8 +165,8 @@ def test_learner_reads_weights_in_place_with_the_same_bits(monkeypatch):
     """The learner's pass on whole weights (model.forward without layer_weights) runs its layers
     unrolled, with every matrix read in place from its stack (matmul.matmul_in_place), forward and
     dx. Against the scan over per-layer slices (an identity layer_weights, the FSDP path's
-    structure), the GRPO loss, logp_new and every gradient have the same bits, and the in-place
-    kernels did run: the model's matrices here are tile multiples, unlike qwen3-tiny's."""
+    structure), and with --remat, the GRPO loss, logp_new and every gradient have the same bits, and
+    the in-place kernels did run: the model's matrices here are tile multiples, unlike qwen3-tiny's."""
     from pallas_kernels import matmul
 
     cfg = rlkjax.ModelConfig(512, 128, 2, 4, 2, 64, 256, tie_embeddings=True, max_position=1024)
@@ -189,19 +189,20 @@ def test_learner_reads_weights_in_place_with_the_same_bits(monkeypatch):
     )
     rope, ref = model.rope_tables(cfg), jnp.zeros((b, t - 1), jnp.float32)
 
-    def step(layer_weights):
-        loss = functools.partial(grpo.grpo_loss, layer_weights=layer_weights)
+    def step(layer_weights, remat=False):
+        loss = functools.partial(grpo.grpo_loss, layer_weights=layer_weights, remat=remat)
         fn = jax.value_and_grad(loss, has_aux=True)
         return fn(master, batch, ref, rope, cfg, "strict", 0.2, 0.0, jnp.float32(b * (t - 1)))
 
     (loss, (_, logp)), grads = step(None)
     assert sum(stacked_reads) == 2 * 7, "every matrix's dx should read its stack in place"
-    (loss_s, (_, logp_s)), grads_s = step(lambda name, w: w.astype(cfg.dtype))
-    assert_bits_equal(loss, loss_s, "loss")
-    assert_bits_equal(logp, logp_s, "logp_new")
     assert np.abs(np.asarray(grads["layers"]["down_proj"])).max() > 0
-    for (path, g), g_s in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads_s), strict=True):
-        assert_bits_equal(g, g_s, jax.tree_util.keystr(path))
+    scan = step(lambda name, w: w.astype(cfg.dtype))
+    for label, ((loss_s, (_, logp_s)), grads_s) in (("layer scan", scan), ("unrolled, remat", step(None, True))):
+        assert_bits_equal(loss, loss_s, f"loss, {label}")
+        assert_bits_equal(logp, logp_s, f"logp_new, {label}")
+        for (path, g), g_s in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads_s), strict=True):
+            assert_bits_equal(g, g_s, f"{jax.tree_util.keystr(path)}, {label}")
 
 
 def backward_variants(tiny, set_backward):
