@@ -18,7 +18,8 @@ Sections (each row: fast, strict, strict/fast time, fraction of a ceiling):
   each row again with train.grpo --remat (layers recomputed in the backward) for the speed it costs,
   `--learner-dense` with XLA's dense attention backward instead of the Pallas flash one,
   `--learner-copies` with the matmul backward multiplying transposed copies (the default reads its
-  operands in place);
+  operands in place); the `train` side (`--learner-sides`) times train.grpo's own one-device learner step
+  (the FSDP layer scan) next to `strict` (grpo_loss on whole weights, layers unrolled);
 - score: the learner's forward + logprobs (`rlkjax.score`'s jitted core, the verify pass);
 - kernels: each kernel alone against its XLA counterpart at decode and learner shapes.
 Times are medians of `--repeats` timed calls after a warm-up call. JSON to --out.
@@ -41,7 +42,7 @@ from pallas_kernels._common import interpret_mode
 from rlkjax import model, numerics
 from rlkjax.engine import prefill_chunk
 from rlkjax.numerics import PAGE_SIZE
-from train import grpo
+from train import fsdp, grpo
 from train.batch import Batch
 
 PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16 datasheet
@@ -201,7 +202,31 @@ def learner_batch(cfg, b, seq):
     )
 
 
+def train_learner_step(master, batch, ref, rope, cfg, remat):
+    """train.grpo's learner step on one device, as train() builds it: fsdp.sharded_value_and_grad on a
+    one-device mesh (the layer scan with per-layer gathers, gradients added into a donated running
+    sum). Returns (jitted step, its arguments but the running sum, a fresh running sum)."""
+    mesh = fsdp.make_mesh(jax.devices()[:1])
+    specs = fsdp.param_specs(master, 1)
+    step = fsdp.sharded_value_and_grad(
+        grpo.grpo_loss, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics="strict", clip_eps=0.2, beta=0.0, remat=remat
+    )
+    on_mesh = fsdp.put(master, mesh, specs, dtype=F32)
+    tokens = float(np.asarray(batch.mask).sum())
+    args = (
+        on_mesh,
+        fsdp.put(batch, mesh, fsdp.ROWS),
+        fsdp.put(ref, mesh, fsdp.ROWS),
+        fsdp.put(rope, mesh, fsdp.REPLICATED),
+        fsdp.put(np.float32(tokens), mesh, fsdp.REPLICATED),
+    )
+    return step, args, jax.tree.map(jnp.zeros_like, on_mesh)
+
+
 def learner_row(cfg, name, seq, tokens_per_call, repeats, rate, remat=False, sides=SIDES):
+    """sides: "fast" and "strict" run grpo.grpo_loss on whole weights (the library's learner pass:
+    layers unrolled, weights read in place); "train" runs train.grpo's one-device learner step
+    (`train_learner_step`, strict), so the two can be compared in one run."""
     b = max(1, tokens_per_call // seq)
     master = model.init_params(cfg, seed=0, dtype=F32)
     batch = learner_batch(cfg, b, seq)
@@ -210,14 +235,29 @@ def learner_row(cfg, name, seq, tokens_per_call, repeats, rate, remat=False, sid
     flops = 6 * matmul_params(cfg) * b * seq + 6 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq**2 * b
     row = {"section": "learner", "model": name, "seq": seq, "batch": b, "remat": remat}
     for side in sides:
-        loss = functools.partial(grpo.grpo_loss, remat=remat)
-        fn = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=(4, 5, 6, 7))
-        args = (master, batch, ref, rope, cfg, side, 0.2, 0.0, jnp.float32(b * seq))
+        if side == "train":
+            fn, args, grads = train_learner_step(master, batch, ref, rope, cfg, remat)
+            args = (*args, grads)
+        else:
+            loss = functools.partial(grpo.grpo_loss, remat=remat)
+            fn = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=(4, 5, 6, 7))
+            args = (master, batch, ref, rope, cfg, side, 0.2, 0.0, jnp.float32(b * seq))
         try:
             start = time.perf_counter()
             compiled = fn.lower(*args).compile()
             row[f"{side}_compile_s"] = time.perf_counter() - start
-            dt = median_time(lambda: jax.block_until_ready(compiled(*args[:4], args[8])), repeats)
+            if side == "train":  # the running sum is donated: each call takes the last one's
+                state = {"grads": args[-1]}
+
+                def call():
+                    state["grads"] = jax.block_until_ready(compiled(*args[:-1], state["grads"]))[1]
+
+            else:
+
+                def call():
+                    jax.block_until_ready(compiled(*args[:4], args[8]))
+
+            dt = median_time(call, repeats)
         except (jax.errors.JaxRuntimeError, NotImplementedError) as e:  # out of memory, a failed lowering: results too
             row[f"{side}_error"] = str(e)[:160]
             continue
@@ -694,6 +734,8 @@ def print_table(report):
             shape += " copies" if r.get("matmul_backward_in_place") is False else ""
             f, st, unit = r.get("fast_tokens_per_s", NAN), r.get("strict_tokens_per_s", NAN), "tok/s"
             ceil = f"{100 * r['strict_mfu']:.0f}% MFU" if "strict_mfu" in r else ""
+            if "train_mfu" in r:
+                ceil += f" (train.grpo {100 * r['train_mfu']:.0f}%)"
             if "strict_memory_GiB" in r:
                 ceil += f" {r['strict_memory_GiB']:.0f}/{r.get('fast_memory_GiB', NAN):.0f} GiB"
         else:
@@ -720,7 +762,11 @@ def main():
     )
     ap.add_argument("--learner-models", default="qwen3-1.7b,qwen3-4b")
     ap.add_argument("--learner-seqs", default="1024,4096")
-    ap.add_argument("--learner-sides", default=",".join(SIDES), help="learner rows: numerics to run (fast,strict)")
+    ap.add_argument(
+        "--learner-sides",
+        default="fast,strict,train",
+        help="learner rows: fast and strict (grpo_loss on whole weights), train (train.grpo's one-device step, strict)",
+    )
     ap.add_argument(
         "--learner-remat", action="store_true", help="learner rows also with train.grpo --remat (side by side)"
     )

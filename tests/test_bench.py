@@ -61,3 +61,17 @@ def test_speed_attention_sweeps_run_and_compare_bits():
     bwd_configs = [(64, 64, 4, 2), (32, 64, 4, 2)]
     speed.attention_bwd_sweep(1e14, 1, bwd.append, shapes=[(2, 128, 4, 2, 16)], configs=bwd_configs)
     assert len(bwd) == 2 and all("error" not in r and r["tflops"] > 0 for r in bwd), bwd
+
+
+def test_speed_learner_row_times_the_library_pass_and_train_grpo_step():
+    """bench.speed's learner row (interpreted on the CPU, qwen3-tiny): the strict side (grpo_loss on
+    whole weights) and the train side (train.grpo's own one-device step: the FSDP layer scan, its
+    gradient running sum donated from call to call) each give a time, an MFU and a memory figure."""
+    import rlkjax
+    from bench import speed
+
+    cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
+    row = speed.learner_row(cfg, "qwen3-tiny", 32, 64, 2, 1e14, sides=("strict", "train"))
+    for side in ("strict", "train"):
+        assert f"{side}_error" not in row, row
+        assert row[f"{side}_tokens_per_s"] > 0 and row[f"{side}_mfu"] > 0 and row[f"{side}_memory_GiB"] > 0, row
