@@ -162,8 +162,7 @@ def _split_states(layer, pt_ref, k_ref, v_ref, qs, poss, min_pos, first, last, *
         values = [v_ref[layer, page] for page in pages]
         return tuple(update(q, pos, keys, values, j, c, masked) for q, pos, c in zip(qs, poss, carry))
 
-    rows, dh = qs[0].shape
-    init = (jnp.zeros((rows, dh), F32), jnp.full((rows,), -jnp.inf, F32), jnp.zeros((rows,), F32))
+    init = _fresh_state(*qs[0].shape)
     # Blocks below every row's position (all keys visible to all rows: a learner's or prefill's long
     # rows) first, unmasked; then the rest (the diagonal, and any block a row with position -1,
     # padding, is in), masked. A decode step's tile has padding rows, so it is all masked.
@@ -206,7 +205,8 @@ def _merge_step(merged, split):
     return jnp.where(sees[:, None], acc_new, acc), jnp.where(sees, m_new, m), jnp.where(sees, l_new, l)
 
 
-def _merge_init(rows, dh):
+def _fresh_state(rows, dh):
+    """(acc, max, sum) of rows that have seen no key: a split's start and the merge's."""
     return jnp.zeros((rows, dh), F32), jnp.full((rows,), -jnp.inf, F32), jnp.zeros((rows,), F32)
 
 
@@ -223,7 +223,7 @@ def _merge_kernel(pos_ref, acc_ref, m_ref, l_ref, o_ref, lse_ref, *, kv_split):
     its scaled scores, which the learner's backward reads."""
     num_splits = jnp.maximum(jnp.max(pos_ref[...]), -1) // kv_split + 1
     body = lambda s, merged: _merge_step(merged, (acc_ref[s], m_ref[s], l_ref[s]))  # noqa: E731
-    o_ref[...], lse_ref[...] = _finish(jax.lax.fori_loop(0, num_splits, body, _merge_init(*o_ref.shape)), o_ref.dtype)
+    o_ref[...], lse_ref[...] = _finish(jax.lax.fori_loop(0, num_splits, body, _fresh_state(*o_ref.shape)), o_ref.dtype)
 
 
 def _fused_kernel(layer_ref, pt_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, rows, kv_split, **kw):
@@ -243,7 +243,7 @@ def _fused_kernel(layer_ref, pt_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, lse_re
         return tuple(_merge_step(mg, st) for mg, st in zip(merged, states))
 
     num_splits = jnp.maximum(max_pos, -1) // kv_split + 1
-    merged = jax.lax.fori_loop(0, num_splits, body, (_merge_init(rows, q_ref.shape[1]),) * len(qs))
+    merged = jax.lax.fori_loop(0, num_splits, body, (_fresh_state(rows, q_ref.shape[1]),) * len(qs))
     for t, state in enumerate(merged):
         o_ref[pl.ds(t * rows, rows), :], lse_ref[pl.ds(t * rows, rows)] = _finish(state, o_ref.dtype)
 
