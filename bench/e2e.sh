@@ -14,12 +14,11 @@
 #            the fast learner step at 640 tokens (`python -m bench.learner_memory --model qwen3-0.6b
 #            --devices=1 --numerics fast --tokens 640`) gives ~75 GiB at 8 sequences, ~280 GiB at 32.
 #            qwen3-4b needs ~2-3x the time per run, so it is not in the default MODELS:
-#            `MODELS=qwen3-4b MICRO_BATCH=4 REMAT=1 PIECES=grpo bash bench/e2e.sh` is a call of its own (without
-#            REMAT both numerics ran out of memory on the H200, 2026-11-30, strict then with XLA's dense attention
-#            backward; with the flash backward, `python -m bench.learner_memory --model qwen3-4b --devices 1
-#            --micro-batch 8 --tokens 640` gives a strict learner-step peak of 83 GiB without remat (XLA's CPU
-#            analysis), so MICRO_BATCH=4 without REMAT may fit now: not yet run. The fast side runs out of memory
-#            with REMAT too (session 6): its plain-XLA attention keeps [layers, B, H, T, T] fp32 probabilities).
+#            `MODELS=qwen3-4b PIECES=grpo bash bench/e2e.sh` is a call of its own (session 9, one H200: strict
+#            21.8 s a step at micro-batch 8 without REMAT, 97.7 GiB peak, with the one-device learner on whole
+#            weights, the KV cache freed while it learns and 640-token rows; `bench.grpo_compare` lets JAX take
+#            95% of the GPU as train.grpo does). The fast side runs out of memory at 4B, with REMAT too
+#            (session 6): its plain-XLA attention keeps [layers, B, H, T, T] fp32 probabilities.
 #   server_e2e 200
 #            bench.server_e2e at qwen3-0.6b: 256 concurrent requests (prompts 1-512 tokens, n 1 or 4, 128-512 new
 #            tokens; ~640 completions, ~200k tokens), every completion's logprob bits checked, output tokens/s vs
@@ -41,8 +40,7 @@
 # Writes to $OUT (default /tmp/out): env.txt, <piece>.log, <piece>.json, summary.txt (each piece's exit status,
 # seconds and budget; 124 = cut by its timeout) and the summary printed at the end.
 # Environment: DRY, TOTAL, MIN_PIECE, PY (default python3), PIECES (default "grpo server_e2e latency rollout"),
-# MODELS (GRPO presets, default qwen3-0.6b), MICRO_BATCH (default 8), REMAT (non-empty: the GRPO runs with --remat;
-# qwen3-4b at micro-batch 4 ran out of memory without it), ROLLOUT_MODELS (default qwen3-0.6b),
+# MODELS (GRPO presets, default qwen3-0.6b), MICRO_BATCH (default 8), REMAT (non-empty: the GRPO runs with --remat), ROLLOUT_MODELS (default qwen3-0.6b),
 # SYNC_MODELS (default qwen3-0.6b,qwen3-4b,qwen3-8b), B_STRICT B_FAST B_SERVER B_LATENCY B_ROLLOUT (the pieces' budgets), JAX_COMPILATION_CACHE_DIR (default /tmp/jax_cache: shared
 # by the pieces' processes, so a shape compiled by one is loaded by the next).
 set -uo pipefail

@@ -36,6 +36,7 @@ def main():
     ap.add_argument("--numerics", default="fast,strict", help="comma-separated: fast, strict or both")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
+    grpo.claim_device_memory()  # as `python -m train.grpo` does
     report = new_report("bench.grpo_compare")
     for name in args.models.split(","):
         for numerics in args.numerics.split(","):
@@ -79,6 +80,9 @@ def main():
                 "first_ratio_min": min(r["ratio_min"] for r in result["history"]),
                 "first_ratio_max": max(r["ratio_max"] for r in result["history"]),
             }
+            peaks = [max(r["peak_bytes_per_device"]) for r in result["history"] if "peak_bytes_per_device" in r]
+            if peaks:  # since the start of the run, over the learner and sampler devices
+                row["peak_memory_GiB"] = max(peaks) / 2**30
             report["results"].append(row)
             print(json.dumps(row), flush=True)
             save_report(report, args.out)

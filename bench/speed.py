@@ -19,7 +19,8 @@ Sections (each row: fast, strict, strict/fast time, fraction of a ceiling):
   `--learner-dense` with XLA's dense attention backward instead of the Pallas flash one,
   `--learner-copies` with the matmul backward multiplying transposed copies (the default reads its
   operands in place); the `train` side (`--learner-sides`) times train.grpo's own one-device learner step
-  (the FSDP layer scan) next to `strict` (grpo_loss on whole weights, layers unrolled);
+  (fsdp.sharded_value_and_grad on a one-device mesh: the same whole-weights pass, plus the fp32
+  running sum of gradients it donates) next to `strict` (grpo_loss on whole weights, layers unrolled);
 - score: the learner's forward + logprobs (`rlkjax.score`'s jitted core, the verify pass);
 - kernels: each kernel alone against its XLA counterpart at decode and learner shapes.
 Times are medians of `--repeats` timed calls after a warm-up call. JSON to --out.
@@ -204,8 +205,8 @@ def learner_batch(cfg, b, seq):
 
 def train_learner_step(master, batch, ref, rope, cfg, remat):
     """train.grpo's learner step on one device, as train() builds it: fsdp.sharded_value_and_grad on a
-    one-device mesh (the layer scan with per-layer gathers, gradients added into a donated running
-    sum). Returns (jitted step, its arguments but the running sum, a fresh running sum)."""
+    one-device mesh (whole weights, as the library's pass: fsdp.gather only casts there; gradients
+    added into a donated running sum). Returns (jitted step, its arguments but the running sum, a fresh running sum)."""
     mesh = fsdp.make_mesh(jax.devices()[:1])
     specs = fsdp.param_specs(master, 1)
     step = fsdp.sharded_value_and_grad(
@@ -611,10 +612,12 @@ def sweep_rows(bw, rate, repeats, parts):
 
 
 def attention_sweep(bw, rate, repeats, add, shapes=None, configs=None):
-    """The attention forward's program shapes at Qwen3-4B/8B heads (32 query, 8 KV heads of 128) and
-    a 0.6B decode step: query tiles per program x warps x stages, each output compared bit for bit
-    with the first config's (one tile on 4 warps; a config that changes a bit may not be adopted)."""
+    """The attention forward's program shapes at Qwen3-4B/8B heads (32 query, 8 KV heads of 128),
+    1.7B's learner (16 query heads) and a 0.6B decode step: query tiles per program x warps x
+    stages, each output compared bit for bit with the first config's (one tile on 4 warps; a config
+    that changes a bit may not be adopted)."""
     shapes = shapes or [
+        (2, 4096, 4096, 16, 8, 128),
         (2, 4096, 4096, 32, 8, 128),
         (8, 1024, 1024, 32, 8, 128),
         (64, 1, 2048, 32, 8, 128),
@@ -626,6 +629,8 @@ def attention_sweep(bw, rate, repeats, add, shapes=None, configs=None):
         (2, 2, 2, never),
         (2, 2, 2, 8),
         (4, 2, 2, 8),
+        (4, 4, 2, 8),
+        (8, 4, 2, 8),
         (2, 2, 3, 8),
         (2, 4, 2, 8),
         (1, 2, 2, 8),
@@ -666,11 +671,11 @@ def attention_sweep(bw, rate, repeats, add, shapes=None, configs=None):
 
 def attention_bwd_sweep(rate, repeats, add, shapes=None, configs=None):
     """The learner's attention backward (dq, dk, dv from the forward's out and log-sum-exp) at
-    Qwen3-4B heads: block_q x block_k x warps x stages. Gradients are not bitwise-promised across
+    Qwen3-1.7B and 4B heads: block_q x block_k x warps x stages. Gradients are not bitwise-promised across
     configs (only run to run), so this is a speed table; FLOPs counted as 2x the forward's."""
     from pallas_kernels.attention_bwd import AttentionBwdConfig, attention_bwd
 
-    shapes = shapes or [(2, 4096, 32, 8, 128), (8, 1024, 32, 8, 128)]
+    shapes = shapes or [(2, 4096, 16, 8, 128), (2, 4096, 32, 8, 128), (8, 1024, 32, 8, 128)]
     configs = configs or [
         (64, 64, 4, 2),
         (64, 64, 8, 2),

@@ -118,31 +118,27 @@ def write_kv(pages, new, layer, plan: Plan):
     return pages.at[layer, :, plan.write_page, plan.write_slot].set(new.reshape(b * t, hkv, dh).astype(pages.dtype))
 
 
-def _split_states(layer, pt_ref, k_ref, v_ref, qs, poss, min_pos, first, last, *, page_size, block_pages, scale):
+def _split_states(layer, pt_ref, k_ref, v_ref, qs, poss, first, last, *, page_size, block_pages, scale):
     """The online softmax of each query tile (qs, poss: [rows, Dh] and [rows] per tile) over KV
     blocks [first, last) from a fresh state: ((acc, m, l) per tile). Each KV block is loaded once
     and used by every tile, and each tile runs exactly the single-tile arithmetic on its own rows (a
     block a tile does not see is an exact no-op for it), so the number of tiles changes no bit."""
-    block = page_size * block_pages
 
-    def update(q, pos, keys, values, j, carry, masked):
+    def update(q, pos, keys, values, j, carry):
         acc, m, l = carry
         # The block's pages one by one (they are not contiguous): scores, then one row max over
         # their elementwise max, exps summed elementwise in page order and reduced once.
-        # masked=False: every row sees every key of the block, so the mask and the selects below
-        # would be identities; they are left out (the same bits: compiled tests on the H200). Its
-        # speed gain was not measurable (Qwen3-4B x 2 x 4096: 81.4 -> 81.5 ms of attention a step).
         scores = []
         for i, k in enumerate(keys):
             s = dot_nt(q, k) * scale  # [rows, ps]
             key_pos = (j * block_pages + i) * page_size + jnp.arange(page_size, dtype=jnp.int32)
-            scores.append(jnp.where(key_pos[None, :] <= pos[:, None], s, -jnp.inf) if masked else s)
+            scores.append(jnp.where(key_pos[None, :] <= pos[:, None], s, -jnp.inf))
         s_max = scores[0]
         for s in scores[1:]:
             s_max = jnp.maximum(s_max, s)
         m_blk = jnp.max(s_max, axis=1)
         sees = m_blk > -jnp.inf
-        m_new = jnp.where(sees, jnp.maximum(m, m_blk), 0.0) if masked else jnp.maximum(m, m_blk)
+        m_new = jnp.where(sees, jnp.maximum(m, m_blk), 0.0)
         alpha = _math.exp(m - m_new)
         probs = [_math.exp(s - m_new[:, None]) for s in scores]  # masked keys: exp(-inf) = exact 0
         p_sum = probs[0]
@@ -152,23 +148,15 @@ def _split_states(layer, pt_ref, k_ref, v_ref, qs, poss, min_pos, first, last, *
         acc_new = alpha[:, None] * acc
         for p, v in zip(probs, values):
             acc_new = acc_new + dot_nn(p.astype(v.dtype), v)
-        if not masked:
-            return acc_new, m_new, l_new
         return jnp.where(sees[:, None], acc_new, acc), jnp.where(sees, m_new, m), jnp.where(sees, l_new, l)
 
-    def body(masked, j, carry):
+    def body(j, carry):
         pages = [pt_ref[j * block_pages + i] for i in range(block_pages)]
         keys = [k_ref[layer, page] for page in pages]  # [ps, Dh] each
         values = [v_ref[layer, page] for page in pages]
-        return tuple(update(q, pos, keys, values, j, c, masked) for q, pos, c in zip(qs, poss, carry))
+        return tuple(update(q, pos, keys, values, j, c) for q, pos, c in zip(qs, poss, carry))
 
-    init = _fresh_state(*qs[0].shape)
-    # Blocks below every row's position (all keys visible to all rows: a learner's or prefill's long
-    # rows) first, unmasked; then the rest (the diagonal, and any block a row with position -1,
-    # padding, is in), masked. A decode step's tile has padding rows, so it is all masked.
-    seen_by_all = jnp.clip((min_pos + 1) // block, first, last)
-    out = jax.lax.fori_loop(first, seen_by_all, functools.partial(body, False), (init,) * len(qs))
-    return jax.lax.fori_loop(seen_by_all, last, functools.partial(body, True), out)
+    return jax.lax.fori_loop(first, last, body, (_fresh_state(*qs[0].shape),) * len(qs))
 
 
 def _tiles(q_ref, pos_ref, rows):
@@ -186,7 +174,7 @@ def _kernel(layer_ref, pt_ref, pos_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_r
     @pl.when(first < last)  # splits past the tiles' last position are never read by the merge
     def _():
         qs, poss = _tiles(q_ref, pos_ref, rows)
-        out = _split_states(layer_ref[0], pt_ref, k_ref, v_ref, qs, poss, jnp.min(pos_ref[...]), first, last, **kw)
+        out = _split_states(layer_ref[0], pt_ref, k_ref, v_ref, qs, poss, first, last, **kw)
         for t, (acc, m, l) in enumerate(out):
             acc_ref[pl.ds(t * rows, rows), :] = acc
             m_ref[pl.ds(t * rows, rows)] = m
@@ -233,13 +221,13 @@ def _fused_kernel(layer_ref, pt_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, lse_re
     (the group reaches further) leave its rows' l = 0: skipped by the merge's select, as the merge
     kernel's shorter loop skips them."""
     block = kw["page_size"] * kw["block_pages"]
-    per_split, max_pos, min_pos = kv_split // block, jnp.max(pos_ref[...]), jnp.min(pos_ref[...])
+    per_split, max_pos = kv_split // block, jnp.max(pos_ref[...])
     qs, poss = _tiles(q_ref, pos_ref, rows)
 
     def body(s, merged):
         first = s * per_split
         last = jnp.minimum(first + per_split, max_pos // block + 1)
-        states = _split_states(layer_ref[0], pt_ref, k_ref, v_ref, qs, poss, min_pos, first, last, **kw)
+        states = _split_states(layer_ref[0], pt_ref, k_ref, v_ref, qs, poss, first, last, **kw)
         return tuple(_merge_step(mg, st) for mg, st in zip(merged, states))
 
     num_splits = jnp.maximum(max_pos, -1) // kv_split + 1

@@ -178,10 +178,11 @@ def _grad_kernel(*refs, a_k_axis, block_k, k_steps, stacked, interpret):
     o_ref[...] = jax.lax.fori_loop(0, k_steps, body, jnp.zeros(o_ref.shape, F32)).astype(o_ref.dtype)
 
 
-def _grad_product(a, b, layout: str, config: MatmulConfig, interpret: bool, layer=None):
+def _grad_product(a, b, layout: str, config: MatmulConfig, interpret: bool, layer=None, out_dtype=None):
     """a @ b (layout "nn": a [M, K], b [K, N]) or a.T @ b ("tn": a [K, M], b [K, N]) -> [M, N] in
-    a.dtype, read in place: the backward's dx = dy @ w ("nn") and dw = dy.T @ x ("tn"). With
-    `layer`, b is a stack [L, K, N] (K and N tile multiples) and layer `layer` of it is read in place."""
+    out_dtype (default a.dtype), read in place: the backward's dx = dy @ w ("nn") and dw = dy.T @ x
+    ("tn"). With `layer`, b is a stack [L, K, N] (K and N tile multiples) and layer `layer` of it is
+    read in place."""
     c, a_k_axis = config, 1 if layout == "nn" else 0
     m, n = a.shape[1 - a_k_axis], b.shape[-1]
     a = pad_dim(pad_dim(a, 1 - a_k_axis, c.block_m), a_k_axis, c.block_k)
@@ -210,7 +211,7 @@ def _grad_product(a, b, layout: str, config: MatmulConfig, interpret: bool, laye
         grid=(mp // c.block_m, np_ // c.block_n),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((c.block_m, c.block_n), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((mp, np_), a.dtype),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype or a.dtype),
         compiler_params=compiler_params(c.num_warps, c.num_stages),
         interpret=interpret,
     )(*args)
@@ -220,10 +221,14 @@ def _grad_product(a, b, layout: str, config: MatmulConfig, interpret: bool, laye
 matmul.defvjp(_fwd, _bwd)
 
 
-def product(x, w, config: MatmulConfig, interpret: bool, out_dtype=None):
-    """x [M, K] @ w [N, K].T -> [M, N] in out_dtype (default x.dtype), not differentiable: the
-    kernel for gradients computed by hand (the logprob head's backward), in the same fixed K order."""
-    return _pallas_matmul(x, w, None, config, interpret, out_dtype=out_dtype)
+def product(x, w, config: MatmulConfig, interpret: bool, out_dtype=None, layout: str = "nt"):
+    """x [M, K] @ w [N, K].T ("nt"), x @ w with w [K, N] ("nn") or x.T @ w with x [K, M] ("tn") ->
+    [M, N] in out_dtype (default x.dtype), not differentiable: the kernels for gradients computed by
+    hand (the logprob head's backward), each in a fixed K order; "nn" and "tn" read their operands
+    where they lie (the matmul backward's kernels), where "nt" on a transposed operand copies it."""
+    if layout == "nt":
+        return _pallas_matmul(x, w, None, config, interpret, out_dtype=out_dtype)
+    return _grad_product(x, w, layout, config, interpret, out_dtype=out_dtype)
 
 
 def matmul_layer(x, w, layer, residual, config: MatmulConfig, interpret: bool):

@@ -569,6 +569,7 @@ class Engine:
         # both round lengths (see _dispatch_decode): with one decode step per round they are the same
         todo += [("decode_round_1", r) for r in rows] if c.decode_steps > 1 else []
         with self.lock:
+            self._ensure_cache()
             for name, r in todo:
                 start = time.perf_counter()
                 table = np.zeros((r, self.pages_per_seq), np.int32)
@@ -614,6 +615,22 @@ class Engine:
                     report(name, r, time.perf_counter() - start)
         return len(todo)
 
+    def release_cache(self) -> None:
+        """Free the KV cache's device memory while no request is in flight, for a learner that shares
+        the device (train.grpo between rollouts: at Qwen3-4B one step's P32 x G8 x 640-token cache is
+        ~24 GB, which the learner's step needs). The next step allocates zeroed pages in its place;
+        a finished sequence has released its pages, so nothing cached is lost."""
+        with self.lock:
+            if self.busy or self.weights_pending:
+                raise RuntimeError("release_cache() while requests are in flight: their KV pages would be lost")
+            if self.cache is not None:
+                self._released = [(x.shape, x.dtype, x.sharding) for x in self.cache]
+                self.cache = None
+
+    def _ensure_cache(self):
+        if self.cache is None:
+            self.cache = tuple(jnp.zeros(shape, dtype, device=at) for shape, dtype, at in self._released)
+
     @property
     def busy(self) -> bool:
         """Requests are queued, sequences waiting or running, or a decode round not read yet."""
@@ -629,6 +646,7 @@ class Engine:
         """One scheduling step. Returns the requests that finished in it."""
         start = time.perf_counter()
         with self.lock:
+            self._ensure_cache()
             while self._inbox:
                 req, seqs = self._inbox.popleft()
                 self.requests[req.id] = req

@@ -73,6 +73,14 @@ def set_matmul_backward(in_place: bool) -> None:
     MATMUL_BACKWARD_IN_PLACE = in_place
 
 
+def logprob_config() -> logprob.LogprobConfig:
+    """LOGPROB, its backward's matmuls reading their operands in place as the layers' do (or not:
+    set_matmul_backward). Forward bits are the same either way."""
+    return dataclasses.replace(
+        LOGPROB, backward=dataclasses.replace(LOGPROB.backward, backward_in_place=MATMUL_BACKWARD_IN_PLACE)
+    )
+
+
 def rmsnorm_config(cos) -> rmsnorm.RMSNormConfig:
     """Hidden-size norms (no RoPE) or the per-head q/k norms (RoPE tables given)."""
     return RMSNORM if cos is None else RMSNORM_HEADS
@@ -238,7 +246,7 @@ def ops(numerics: Numerics) -> Ops:
         lambda g, u: swiglu.swiglu(g, u, SWIGLU, interp),
         lambda pt, pos, g: attention.plan(pt, pos, g, ATTENTION.page_size, ATTENTION),
         lambda *a: attention.paged_attention(*a, ATTENTION, interp),
-        lambda h, w, t, temp: logprob.token_logprobs(h, w, t, temp, LOGPROB, interp),
+        lambda h, w, t, temp: logprob.token_logprobs(h, w, t, temp, logprob_config(), interp),
         lambda h, w, s, st, temp: logprob.sample_tokens(h, w, s, st, temp, LOGPROB, interp),
         lambda h, w, s, st, temp, k: logprob.sample_tokens_with_alternatives(h, w, s, st, temp, k, LOGPROB, interp),
         lambda h, w, t, temp, k: logprob.token_logprobs_with_alternatives(h, w, t, temp, k, LOGPROB, interp),

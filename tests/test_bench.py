@@ -65,8 +65,9 @@ def test_speed_attention_sweeps_run_and_compare_bits():
 
 def test_speed_learner_row_times_the_library_pass_and_train_grpo_step():
     """bench.speed's learner row (interpreted on the CPU, qwen3-tiny): the strict side (grpo_loss on
-    whole weights) and the train side (train.grpo's own one-device step: the FSDP layer scan, its
-    gradient running sum donated from call to call) each give a time, an MFU and a memory figure."""
+    whole weights) and the train side (train.grpo's own one-device step: the same whole-weights pass
+    under fsdp.sharded_value_and_grad, its gradient running sum donated from call to call) each give
+    a time, an MFU and a memory figure."""
     import rlkjax
     from bench import speed
 

@@ -139,6 +139,30 @@ def test_shared_prompt_pages_equal_unshared(tiny):
     assert engine.pages.used == 0
 
 
+def test_released_cache_frees_its_memory_and_comes_back_zeroed(tiny):
+    """release_cache (train.grpo's learner turn) drops the KV pages' device arrays: no live array
+    of the cache's shape remains; it refuses while a request is in flight; the next request gets
+    a fresh cache and the same tokens and logprob bits as before the release."""
+    import jax
+
+    cfg, params = tiny
+    engine = Engine(params, cfg, config=CONFIG)
+    shape = engine.cache[0].shape
+    first = engine.submit([7, 8, 9], n=2, max_new_tokens=6, seed=3)
+    engine.step()
+    with pytest.raises(RuntimeError, match="in flight"):
+        engine.release_cache()
+    engine.run_until_done()
+    engine.release_cache()
+    assert engine.cache is None and not any(x.shape == shape for x in jax.live_arrays())
+    again = engine.submit([7, 8, 9], n=2, max_new_tokens=6, seed=3)
+    engine.run_until_done()
+    for a, b in zip(first.results, again.results):
+        assert a.tokens == b.tokens
+        assert_bits_equal(a.logprobs, b.logprobs, "after the release")
+    assert engine.cache[0].shape == shape and engine.pages.used == 0
+
+
 def test_stop_tokens_and_cancellation(tiny):
     cfg, params = tiny
     engine = Engine(params, cfg, config=CONFIG)

@@ -20,7 +20,7 @@ from rlkjax import model
 from rlkjax.tasks import ArithmeticTask, Example, GSM8KTask, LowercaseTask
 from tests.conftest import assert_bits_equal
 from train import fsdp, grpo
-from train.batch import PAD, Batch, LossStats, micro_batches, pack, pad_rows, reduce_stats
+from train.batch import PAD, Batch, LossStats, micro_batches, pack, pad_rows, padded_length, reduce_stats
 from train.grpo import group_advantages
 
 SMALL = dict(prompts_per_step=2, group_size=4, max_new_tokens=4, max_prompt_tokens=16, progress=False)
@@ -61,7 +61,8 @@ def test_loss_by_hand(tiny, monkeypatch):
 
 
 def test_batch_padding_and_stat_reductions():
-    """pack: T is a power-of-two bucket of at least a page, logp column t scores token t + 1. Padding
+    """pack: T is a power of two of at least a page up to 128 tokens, then a multiple of 128 (a short
+    prompt + 512 new tokens trains 640-token rows, not 1,024), logp column t scores token t + 1. Padding
     rows carry the PAD values (positions -1, temperature 1, the rest 0). Stats combine by their declared
     reduction: min of mins, max of maxes, sums added."""
     samples = [
@@ -71,6 +72,8 @@ def test_batch_padding_and_stat_reductions():
     assert batch.tokens.shape == (1, 16) and batch.logp_old.shape == (1, 15)
     assert batch.tokens[0, :6].tolist() == [5, 6, 7, 8, 9, 0] and batch.positions[0, :6].tolist() == [0, 1, 2, 3, 4, -1]
     assert batch.logp_old[0, :5].tolist() == [0, 0, -0.5, -1.5, 0] and batch.mask[0, :5].tolist() == [0, 0, 1, 1, 0]
+    lengths = (1, 17, 100, 128, 129, 600, 1024, 1025)
+    assert [padded_length(n) for n in lengths] == [16, 32, 128, 128, 256, 640, 1024, 1152]
     padded = pad_rows(batch, 4)
     for field, fill in zip(Batch._fields, PAD):
         values = getattr(padded, field)
@@ -107,6 +110,27 @@ def test_learner_logprobs_do_not_depend_on_micro_batch(tiny):
             for mb in micro_batches(batch, size)
         ]
         assert_bits_equal(np.concatenate(parts), whole, f"micro-batch {size}")
+
+
+def test_learner_logprobs_do_not_depend_on_the_padded_length(tiny):
+    """pack pads 300 tokens to T = 384 (not a power of two); the same rows padded to 512 give every
+    logprob the same bits (KV blocks and splits sit at absolute positions; padding is never seen)."""
+    cfg, params = tiny
+    master = jax.tree.map(lambda w: w.astype(jnp.float32), params)
+    rng = np.random.default_rng(2)
+    samples = [
+        {"prompt": rng.integers(0, 256, n).tolist(), "tokens": rng.integers(0, 256, 40).tolist()}
+        | {"logprobs": np.zeros(40, np.float32), "adv": 0.0, "temperature": 1.0}
+        for n in (260, 30)
+    ]
+    batch = pack(samples)
+    assert batch.tokens.shape == (2, 384)
+    wider = [np.pad(batch.tokens, ((0, 0), (0, 128))), np.pad(batch.positions, ((0, 0), (0, 128)), constant_values=-1)]
+    rope = model.rope_tables(cfg)
+    score_fn = jax.jit(grpo.policy_logprobs, static_argnames=("cfg", "numerics"))
+    at_384 = np.asarray(score_fn(master, batch.tokens, batch.positions, batch.temps, rope, cfg, "strict"))
+    at_512 = np.asarray(score_fn(master, *wider, batch.temps, rope, cfg, "strict"))
+    assert_bits_equal(at_512[:, :383], at_384, "T = 512 vs 384")
 
 
 def learner_step_results(cfg, params, variants, set_variant):
@@ -185,7 +209,9 @@ def test_learner_reads_weights_in_place_with_the_same_bits(monkeypatch):
     stacked_reads = []
     grad_product = matmul._grad_product
     monkeypatch.setattr(
-        matmul, "_grad_product", lambda *a: stacked_reads.append(len(a) > 5 and a[5] is not None) or grad_product(*a)
+        matmul,
+        "_grad_product",
+        lambda *a, **k: stacked_reads.append(len(a) > 5 and a[5] is not None) or grad_product(*a, **k),
     )
     rope, ref = model.rope_tables(cfg), jnp.zeros((b, t - 1), jnp.float32)
 

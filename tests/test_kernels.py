@@ -206,9 +206,8 @@ def test_attention_chunked_equals_whole_and_decode(block_pages, kv_split, merge_
     """Prefill in chunks of 20 + 17, or token by token, gives the whole pass's bits: the cache is
     written before it is read and KV blocks are aligned to absolute positions. With 16-key blocks,
     32-key splits and the in-kernel merge from 2 query tiles: the whole pass and the chunks merge
-    their 2 splits in the attention kernel and take its unmasked path for the blocks every row of a
-    tile group sees, where a decode step (one tile, with padding rows) masks every block and merges
-    in the merge kernel: the same bits."""
+    their 2 splits in the attention kernel, where a decode step (one tile) merges them in the merge
+    kernel: the same bits."""
     config = numerics.ATTENTION
     if block_pages:
         config = dataclasses.replace(
@@ -228,13 +227,17 @@ def test_attention_chunked_equals_whole_and_decode(block_pages, kv_split, merge_
     assert_bits_equal(jnp.concatenate(outs, axis=1), whole, "token-by-token decode")
 
 
+@pytest.mark.parametrize("in_place", [True, False])  # the backward's products reading dz, w, h in place or copies
 @pytest.mark.parametrize("d,vocab", [(64, 512), (48, 300)])  # 48, 300: a padded K step and a padded vocab tile
-def test_logprob_values_and_grads(d, vocab):
+def test_logprob_values_and_grads(d, vocab, in_place):
     n = 37
     h, w = randn(1, (n, d), BF16), randn(2, (vocab, d), BF16, 0.3)
     targets = jax.random.randint(jax.random.key(3), (n,), 0, vocab)
     temps = jnp.array([0.7, 1.0, 1.3] * 12 + [1.0], F32)
-    ker = lambda h, w: logprob.token_logprobs(h, w, targets, temps, numerics.LOGPROB, INTERPRET)  # noqa: E731
+    c = dataclasses.replace(
+        numerics.LOGPROB, backward=dataclasses.replace(numerics.LOGPROB.backward, backward_in_place=in_place)
+    )
+    ker = lambda h, w: logprob.token_logprobs(h, w, targets, temps, c, INTERPRET)  # noqa: E731
     ref = lambda h, w: logprob.token_logprobs_reference(h, w, targets, temps)  # noqa: E731
     check_against_truth(ker, ref, [h, w], "token_logprobs")
     check_grads(ker, ref, [h.astype(F32), w.astype(F32)], (0, 1), "token_logprobs")

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from rlkjax.numerics import PAGE_SIZE
-from rlkjax.shapes import bucket, pad_sequences
+from rlkjax.shapes import bucket, cdiv, pad_sequences
 
 
 class Batch(NamedTuple):
@@ -31,11 +31,22 @@ class Batch(NamedTuple):
 PAD = Batch(tokens=0, positions=-1, logp_old=0.0, mask=0.0, adv=0.0, temps=1.0, tis=0.0)
 
 
+LENGTH_STEP = 128
+
+
+def padded_length(n: int) -> int:
+    """T for sequences of up to n tokens: a power of two up to LENGTH_STEP (at least a page), then
+    the next multiple of LENGTH_STEP, so a run compiles a handful of shapes. (Powers of two all the
+    way padded a short prompt + 512 new tokens to 1,024: half the learner's work, at Qwen3-4B 14.4 s
+    of a 26.7 s GRPO step, on padding.) A token's logprob bits do not depend on T."""
+    return min(bucket(n, PAGE_SIZE), cdiv(n, LENGTH_STEP) * LENGTH_STEP)
+
+
 def pack(samples) -> Batch:
-    """Samples (dicts with prompt, tokens, logprobs, adv, temperature) -> a Batch whose T is a power
-    of two (at least a page), so a run compiles a handful of shapes."""
+    """Samples (dicts with prompt, tokens, logprobs, adv, temperature) -> a Batch of T =
+    padded_length(the longest sequence) tokens."""
     sequences = [s["prompt"] + s["tokens"] for s in samples]
-    rows, length = len(samples), bucket(max(map(len, sequences)), PAGE_SIZE)
+    rows, length = len(samples), padded_length(max(map(len, sequences)))
     tokens, positions = pad_sequences(sequences, rows, length)
     logp_old, mask = np.zeros((rows, length - 1), np.float32), np.zeros((rows, length - 1), np.float32)
     for i, s in enumerate(samples):

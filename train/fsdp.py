@@ -182,7 +182,15 @@ def gather(params, specs, dtype=None):
     layer_weights, gathers one layer's slice of them (model.forward calls it inside its layer scan).
     So one layer's full weights exist at a time, and the backward reduce-scatters each layer's
     gradient as the scan reaches it, rather than the whole model's at the end (at 8B on 2 devices the
-    latter held tens of GiB of bf16 cotangents and their all-to-all)."""
+    latter held tens of GiB of bf16 cotangents and their all-to-all).
+
+    On a one-device mesh there is nothing to gather: every leaf is only cast, and layer_weights is
+    None, so model.forward takes the whole weights' pass (layers unrolled, each matrix read in place
+    from its stack), the library's fastest learner pass. The cast's gradient is the gather's with one
+    part (the cotangent widened to the shard's dtype), so the bits are the layer scan's
+    (tests/test_grpo.py test_learner_reads_weights_in_place_with_the_same_bits)."""
+    if jax.lax.axis_size(AXIS) == 1:
+        return jax.tree.map(lambda x: x.astype(dtype or x.dtype), params), None
     leaf = lambda x, s, skip=0: _gather_leaf(list(s).index(AXIS) - skip, dtype or x.dtype, x.dtype)(x)  # noqa: E731
     outer = jax.tree.map(
         leaf, {k: v for k, v in params.items() if k != "layers"}, {k: v for k, v in specs.items() if k != "layers"}

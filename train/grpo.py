@@ -46,6 +46,7 @@ import functools
 import json
 import logging
 import math
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -380,6 +381,9 @@ class LocalRollout:
         # the GIL while a device works); each engine's bits do not depend on the others.
         with ThreadPoolExecutor(len(self.engines) or 1) as pool:
             list(pool.map(Engine.run_until_done, self.engines.values()))
+        for device, engine in self.engines.items():
+            if device in self.mesh.devices.flat:  # the learner's step gets the KV cache's memory until the next rollout
+                engine.release_cache()
         # Every process fills the rows it sampled; the exchange moves them as int32 bits.
         shape = (len(prompts), group)
         mine = {
@@ -816,5 +820,14 @@ def plot(out: Path) -> None:
     plt.close(fig)
 
 
+def claim_device_memory(fraction: str = "0.95") -> None:
+    """Before JAX starts: let it take `fraction` of each GPU (JAX's default is 0.75) unless
+    XLA_PYTHON_CLIENT_MEM_FRACTION is set. A run owns its GPUs: at Qwen3-4B on one H200 the sampler
+    and the learner (micro-batch 8) peak at 98 GiB with 640-token rows, and 1,024-token rows ran out
+    of the default's 105 GiB."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", fraction)
+
+
 if __name__ == "__main__":
+    claim_device_memory()
     train(tyro.cli(GRPOConfig, description=__doc__))
