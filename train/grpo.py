@@ -573,9 +573,11 @@ def train(config: GRPOConfig) -> dict:
     )
     opt_state = optimizer.init(master)
 
-    # Donated: the old state is dropped either way (a non-finite update stops the run), and at 8B the
-    # spare copy of the master weights and AdamW moments would not fit next to the new one.
-    @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+    # The state is donated: the old one is dropped either way (a non-finite update stops the run), and at
+    # 8B the spare copy of the master weights and AdamW moments would not fit next to the new one. The
+    # gradients are not (no output could take their buffers; JAX warned so at every run): they are
+    # dropped after the update instead, so they do not stay through the next rollout.
+    @functools.partial(jax.jit, donate_argnums=(1, 2))
     def update(grads, opt_state, master):
         """The optimiser step, plus what the non-finite check needs (a few bytes leave the device)."""
         updates, opt_state = optimizer.update(grads, opt_state, master)
@@ -739,6 +741,7 @@ def train(config: GRPOConfig) -> dict:
                         + (f"step {good} in {checkpoints.directory}" if good else "none (none was written yet)")
                     )
                 master, opt_state = new_master, new_opt_state
+                del grads  # freed now, not when the next update's zeros replace them
                 if u == 0:
                     row["grad_norm"] = float(fsdp.to_host(grad_norm))
             # 4. Weight sync.
