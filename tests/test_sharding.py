@@ -196,26 +196,38 @@ def test_learner_step_memory_per_layer_scales_like_its_shard():
         assert per_layer < 4 * layer_params / devices + layer_params / 2, (devices, per_layer, layer_params)
 
 
-def test_learner_step_keeps_few_activations_per_layer():
-    """With --remat (model.forward's remat) each added layer costs the learner step (one device) its fp32 gradient
-    and the bf16 activations its backward cannot recompute cheaply: the layer's input and the attention's
-    q, k, v and output. The norms' outputs, the q/k projections before their norms and the MLP's gate,
-    up and swiglu arrays are recomputed, not stacked by the layer scan (at Qwen3-4B, 4 x 1024 tokens,
-    those were 308 of 428 MiB per layer and the step did not fit one H200). Without the remat this
-    probe's slope is 2,048,960 bytes per layer; with it 672,704."""
-    from bench.learner_memory import compiled_memory
+REMAT_PROBE = """
+import dataclasses, json
+from bench.learner_memory import compiled_memory
+from rlkjax.config import ModelConfig
+cfg = ModelConfig.preset("qwen3-tiny")
+print(json.dumps({
+    f"{remat} {layers}": compiled_memory(dataclasses.replace(cfg, num_layers=layers), 2, 4, 256, remat=remat)[
+        "learner step (value and grad)"
+    ]["temporaries"]
+    for remat in (True, False) for layers in (2, 4)
+}))
+"""
 
+
+def test_learner_step_keeps_few_activations_per_layer():
+    """With --remat (model.forward's remat) each added layer costs the FSDP learner step (2 devices, 2 of
+    the 4 rows each) its fp32 gradient shard and the bf16 activations its backward cannot recompute
+    cheaply: the layer's input and the attention's q, k, v and output. The norms' outputs, the q/k
+    projections before their norms and the MLP's gate, up and swiglu arrays are recomputed, not stacked
+    by the layer scan (at Qwen3-4B, 4 x 1024 tokens, those were 308 of 428 MiB per layer and the step
+    did not fit one H200). Without the remat the same probe exceeds the bound (1,098,368 bytes per layer
+    against 344,704 with it), so it can tell. Two devices: one device takes whole weights, no scan
+    (train/fsdp.py gather), and XLA:CPU's analysis of that pass counts interpret mode's copies."""
+    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    r = subprocess.run([sys.executable, "-c", REMAT_PROBE], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    temporaries = json.loads(r.stdout.splitlines()[-1])
     cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
-    rows, tokens = 4, 256
-    temporaries = {
-        layers: compiled_memory(dataclasses.replace(cfg, num_layers=layers), 1, rows, tokens, remat=True)[
-            "learner step (value and grad)"
-        ]["temporaries"]
-        for layers in (2, 4)
-    }
-    per_layer = (temporaries[4] - temporaries[2]) / 2
-    n, d, dh = rows * tokens, cfg.hidden_size, cfg.head_dim
+    n, d, dh = 4 * 256 // 2, cfg.hidden_size, cfg.head_dim  # this device's tokens
     kept = 2 * n * (d + (cfg.num_heads + 2 * cfg.num_kv_heads) * dh + cfg.num_heads * dh)  # x; q, k, v; attn
-    gradient = 4 * sum(math.prod(shape) for shape in rlkjax.model.layer_shapes(cfg).values())
+    gradient = 4 * sum(math.prod(shape) for shape in rlkjax.model.layer_shapes(cfg).values()) / 2  # its shard
     mlp = 2 * n * cfg.intermediate_size  # one bf16 [tokens, intermediate] array: the slack allowed
-    assert per_layer <= kept + gradient + mlp, (per_layer, kept, gradient)
+    per_layer = {remat: (temporaries[f"{remat} 4"] - temporaries[f"{remat} 2"]) / 2 for remat in ("True", "False")}
+    assert per_layer["True"] <= kept + gradient + mlp, (per_layer, kept, gradient)
+    assert per_layer["False"] > kept + gradient + mlp, (per_layer, kept, gradient)
