@@ -3,6 +3,7 @@
     python -m bench.speed                       # everything (one H200 device call)
     python -m bench.speed --quick               # 0.6B + 8B decode at batch 1/64, small learner/score rows
     python -m bench.speed --only decode,kernels --models qwen3-8b
+    python -m bench.speed --merge a.json b.json --out all.json   # one table from runs side by side
 
 Sections (each row: fast, strict, strict/fast time, fraction of a ceiling):
 - ceilings: device-to-device copy bandwidth (bytes read + written) and `jnp.dot` bf16 at 8192^3;
@@ -716,13 +717,29 @@ def attention_bwd_sweep(rate, repeats, add, shapes=None, configs=None):
 
 
 # ----- report -----
-def print_table(report):
-    c = report["ceilings"]
-    print(
-        f"\nceilings: copy {c['copy_bandwidth_Bps'] / 1e9:.0f} GB/s, "
-        f"jnp.dot bf16 {c.get('dot_size', 8192)}^3 {c['dot_bf16_flops'] / 1e12:.0f} TFLOP/s, "
-        f"MFU against {PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s"
+def merge_reports(paths):
+    """One report from several runs: every row, and each run's command, date, hardware and ceilings
+    (each row's fractions were computed against its own run's ceilings)."""
+    parts = []
+    for path in paths:
+        with open(path) as f:
+            parts.append(json.load(f))
+    keys = ("command", "date", "hardware", "backend", "versions", "ceilings")
+    return dict(
+        parts[0],
+        command=" && ".join(p["command"] for p in parts),
+        parts=[{k: p.get(k) for k in keys} for p in parts],
+        results=[r for p in parts for r in p["results"]],
     )
+
+
+def print_table(report):
+    for c in [p["ceilings"] for p in report.get("parts", ())] or [report["ceilings"]]:
+        print(
+            f"\nceilings: copy {c['copy_bandwidth_Bps'] / 1e9:.0f} GB/s, "
+            f"jnp.dot bf16 {c.get('dot_size', 8192)}^3 {c['dot_bf16_flops'] / 1e12:.0f} TFLOP/s, "
+            f"MFU against {PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s"
+        )
     print(
         f"{'section':8} {'model':11} {'shape':28} {'fast':>10} {'strict':>10} {'unit':9} "
         f"{'strict/fast':>11} {'strict ceiling':>16}"
@@ -798,7 +815,19 @@ def main():
     )
     ap.add_argument("--quick", action="store_true", help="a subset that fits a short device call")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/speed_<date>.json)")
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="measure nothing: join these runs' JSON (e.g. the sections of one device call, run on its GPUs "
+        "side by side) into one report at --out and print its table",
+    )
     args = ap.parse_args()
+    if args.merge:
+        report = merge_reports(args.merge)
+        save_report(report, args.out)
+        print_table(report)
+        return
     if args.quick:
         args.models, args.batches, args.learner_models, args.learner_seqs = (
             "qwen3-0.6b,qwen3-8b",

@@ -76,3 +76,32 @@ def test_speed_learner_row_times_the_library_pass_and_train_grpo_step():
     for side in ("strict", "train"):
         assert f"{side}_error" not in row, row
         assert row[f"{side}_tokens_per_s"] > 0 and row[f"{side}_mfu"] > 0 and row[f"{side}_memory_GiB"] > 0, row
+
+
+def test_speed_merge_joins_one_call_s_runs_into_one_table(tmp_path, capsys):
+    """One device call runs bench.speed's sections on its GPUs side by side (two processes, two JSON
+    files); `--merge` joins them into one report and one table, keeping each run's ceilings."""
+    import json
+    import sys
+
+    from bench import speed
+
+    cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
+    row = speed.learner_row(cfg, "qwen3-tiny", 32, 64, 1, 1e14, sides=("strict",))
+    paths = []
+    for i, ceilings in enumerate(({"copy_bandwidth_Bps": 4e12, "dot_bf16_flops": 7e14}, speed.ceilings(1))):
+        report = dict(speed.new_report("bench.speed"), command=f"run {i}", ceilings=ceilings, results=[row])
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(report))
+    out = tmp_path / "merged.json"
+    argv = sys.argv
+    sys.argv = ["speed", "--merge", *map(str, paths), "--out", str(out)]
+    try:
+        speed.main()
+    finally:
+        sys.argv = argv
+    merged = json.loads(out.read_text())
+    assert merged["command"] == "run 0 && run 1" and len(merged["results"]) == 2
+    assert [p["ceilings"]["copy_bandwidth_Bps"] for p in merged["parts"]][0] == 4e12
+    table = capsys.readouterr().out
+    assert table.count("ceilings: copy") == 2 and table.count("learner  qwen3-tiny") == 2, table

@@ -121,9 +121,14 @@ def test_matmul_row_invariance():
         assert_bits_equal(matmul.matmul(x[lo:hi], w, None, numerics.MATMUL, INTERPRET), full[lo:hi], f"rows {lo}:{hi}")
 
 
-@pytest.mark.parametrize("d", [64, 40])  # 40: padded to 64, or to RoPE halves of 32 ([x1, 0, x2, 0])
+# 40: padded to 64, or to RoPE halves of 32 ([x1, 0, x2, 0]); 640: the backward's 256-wide chunks
+# (3, the last padded) or halves padded to 512
+@pytest.mark.parametrize("d", [64, 40, 640])
 @pytest.mark.parametrize("rope", [False, True])
 def test_rmsnorm(rope, d):
+    """Values and gradients (the Pallas backward: 37 rows are 3 programs of partial weight
+    gradients) against float64, gradients in fp32 and in bf16 (the model's dtype, where the
+    reference's vjp rounds at each of its casts and the kernel once per output)."""
     n = 37
     x, w = randn(1, (n, d), BF16, 3.0), (1 + randn(2, (d,), F32, 0.1)).astype(BF16)
     ang = randn(3, (n, d // 2))
@@ -133,11 +138,13 @@ def test_rmsnorm(rope, d):
     if rope:
         check_against_truth(ker, ref, [x, w, cos, sin], "rmsnorm+rope")
         check_grads(ker, ref, [x.astype(F32), w.astype(F32), cos, sin], (0, 1), "rmsnorm+rope")
+        check_grads(ker, ref, [x, w, cos, sin], (0, 1), "rmsnorm+rope, bf16")
     else:
         ker2 = lambda x, w: ker(x, w, None, None)  # noqa: E731
         ref2 = lambda x, w: ref(x, w, None, None)  # noqa: E731
         check_against_truth(ker2, ref2, [x, w], "rmsnorm")
         check_grads(ker2, ref2, [x.astype(F32), w.astype(F32)], (0, 1), "rmsnorm")
+        check_grads(ker2, ref2, [x, w], (0, 1), "rmsnorm, bf16")
 
 
 @pytest.mark.parametrize("f", [160, 100])
@@ -241,6 +248,26 @@ def test_logprob_values_and_grads(d, vocab, in_place):
     ref = lambda h, w: logprob.token_logprobs_reference(h, w, targets, temps)  # noqa: E731
     check_against_truth(ker, ref, [h, w], "token_logprobs")
     check_grads(ker, ref, [h.astype(F32), w.astype(F32)], (0, 1), "token_logprobs")
+
+
+def test_logprob_backward_in_vocab_chunks(monkeypatch):
+    """The backward walks the vocabulary in chunks, each computing dz with the chunk's first id as
+    an offset (target match, padded-id mask): in chunks of 128 ids, 300 ids take three, the last
+    holding 84 padded ids. Gradients as accurate as XLA's (check_grads) and equal, up to fp32
+    summation order, to the one-chunk backward's: dh sums the chunks' products in another grouping
+    (bounded by the same check), dw's rows are computed independently of the chunking, so bit-equal."""
+    n, d, vocab = 37, 64, 300
+    h, w = randn(1, (n, d), BF16), randn(2, (vocab, d), BF16, 0.3)
+    targets = jnp.array([0, 127, 128, 299] * 9 + [256], jnp.int32)  # ids on both sides of chunk edges
+    temps = jnp.full((n,), 0.8, F32)
+    c = dataclasses.replace(numerics.LOGPROB, backward=dataclasses.replace(numerics.LOGPROB.backward, block_n=128))
+    ker = lambda h, w: logprob.token_logprobs(h, w, targets, temps, c, INTERPRET)  # noqa: E731
+    ref = lambda h, w: logprob.token_logprobs_reference(h, w, targets, temps)  # noqa: E731
+    one_chunk = jax.grad(lambda w: jnp.sum(ker(h, w)))(w)
+    monkeypatch.setattr(logprob, "BWD_CHUNK_BYTES", 4 * 64 * 128)  # room for 128 ids of 37 rows, not 256
+    assert logprob._vocab_chunk(n, vocab, 128) == 128
+    check_grads(ker, ref, [h.astype(F32), w.astype(F32)], (0, 1), "token_logprobs, 3 vocab chunks")
+    assert_bits_equal(jax.grad(lambda w: jnp.sum(ker(h, w)))(w), one_chunk, "dw: 3 chunks vs 1")
 
 
 @pytest.mark.parametrize("d,vocab", [(64, 512), (48, 300)])
