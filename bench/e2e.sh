@@ -14,11 +14,12 @@
 #            the fast learner step at 640 tokens (`python -m bench.learner_memory --model qwen3-0.6b
 #            --devices=1 --numerics fast --tokens 640`) gives ~75 GiB at 8 sequences, ~280 GiB at 32.
 #            qwen3-4b needs ~2-3x the time per run, so it is not in the default MODELS:
-#            `MODELS=qwen3-4b PIECES=grpo bash bench/e2e.sh` is a call of its own (session 9, one H200: strict
-#            21.8 s a step at micro-batch 8 without REMAT, 97.7 GiB peak, with the one-device learner on whole
+#            `MODELS=qwen3-4b PIECES=grpo bash bench/e2e.sh` is a call of its own (session 10, one H200: strict
+#            20.7 s a step at micro-batch 8 without REMAT, 96.8 GiB peak, with the one-device learner on whole
 #            weights, the KV cache freed while it learns and 640-token rows; `bench.grpo_compare` lets JAX take
-#            95% of the GPU as train.grpo does). The fast side runs out of memory at 4B, with REMAT too
-#            (session 6): its plain-XLA attention keeps [layers, B, H, T, T] fp32 probabilities.
+#            95% of the GPU as train.grpo does). The fast side runs out of memory at 4B at micro-batch 8, with
+#            REMAT too (session 6: its plain-XLA attention keeps [layers, B, H, T, T] fp32 probabilities); at
+#            MICRO_BATCH=2 it fits (session 10: 57.2 s a step, 87.8 GiB).
 #   server_e2e 200
 #            bench.server_e2e at qwen3-0.6b: 256 concurrent requests (prompts 1-512 tokens, n 1 or 4, 128-512 new
 #            tokens; ~640 completions, ~200k tokens), every completion's logprob bits checked, output tokens/s vs
@@ -28,14 +29,15 @@
 #   latency 90
 #            bench.server_latency at qwen3-0.6b, streaming, concurrency 1,16,256: TTFT and ITL p50/p99. Its
 #            server's engine is server_e2e's, so its step functions come from the compilation cache.
-#   rollout 120
+#   rollout 200
 #            bench.rollout: in-process weight sync at SYNC_MODELS (first: cheap), then ROLLOUT_MODELS (0.6B;
 #            qwen3-8b if the budget allows) batches 16,64,256: engine vs kernel-level loop, strict and fast.
-# The budgets add up to 760 s, more than TOTAL: in one call, grpo and server_e2e are expected to finish and the
+#            Session 10: 0.6B batches 16 and 64 took 120 s (the budget then), batch 256 another ~60 s.
+# The budgets add up to 840 s, more than TOTAL: in one call, grpo and server_e2e are expected to finish and the
 # last pieces get what is left (what the first ones leave unused). Rows are printed as they finish, so a cut
 # piece keeps its finished rows in its .log (and its JSON: each bench rewrites it as it goes). What does not fit
 # runs as a second call:
-# `PIECES="latency rollout" bash bench/e2e.sh` (~210 s).
+# `PIECES="latency rollout" bash bench/e2e.sh` (~290 s).
 #
 # Writes to $OUT (default /tmp/out): env.txt, <piece>.log, <piece>.json, summary.txt (each piece's exit status,
 # seconds and budget; 124 = cut by its timeout) and the summary printed at the end.
@@ -77,7 +79,7 @@ else
                  --num-pages 16384 --max-context 1024)
   ROLLOUT_SHAPE=(--batches 16,64,256 --context 512 --new-tokens 65 --repeats 2)
   B_STRICT=${B_STRICT:-160}; B_FAST=${B_FAST:-190}; B_SERVER=${B_SERVER:-200}; B_LATENCY=${B_LATENCY:-90}
-  B_ROLLOUT=${B_ROLLOUT:-120}
+  B_ROLLOUT=${B_ROLLOUT:-200}
 fi
 
 { date -u +%FT%TZ; git rev-parse HEAD 2>/dev/null; git status --short 2>/dev/null | head -n 20; echo "$0 DRY=$DRY"
