@@ -19,11 +19,13 @@ What each row counts (P = parameter count; B = bytes; 1/N = sharded over the lea
   - micro-batch gradient: the scan's fp32 gradient of this device's layer shards, before it is added
     to the running sum (4P/N B).
   - activations: what the backward keeps per token and layer (the inputs of every matmul and norm,
-    bf16: 4d + q + 2 kv + attention out + 3 FFN widths), times micro-batch / N rows of T tokens (the
-    batch is padded to a power of two). An estimate: XLA may keep less (fusions) or more
+    bf16: 4d + q + 2 kv + attention out + 3 FFN widths), times micro-batch / N rows of T tokens (rows
+    padded as train.batch.pack pads them). An estimate: XLA may keep less (fusions) or more
     (temporaries); the measured row is the figure to trust.
-The peak adds them all, as if the learner's backward ran while the sampler's weights and cache stay
-resident (they do: the engines persist across steps).
+Two phases, and the peak is the larger: the rollout holds the sampler's weights and KV cache beside the
+master weights and AdamW moments; the learner step holds everything but the KV cache, which the
+engines free while the learner runs on their devices (`Engine.release_cache`, called by train.grpo's
+LocalRollout) and allocate again, zeroed, at the next rollout.
 `--compiled` adds what XLA's compiled memory analysis says for the learner step (bench/learner_memory.py:
 compiled on N fake CPU devices, nothing runs; it is CPU's buffer assignment, with the Pallas kernels
 in interpret mode, not a GPU measurement) and the peak with it in place of the estimate's learner rows.
@@ -41,7 +43,8 @@ import numpy as np
 from rlkjax import model
 from rlkjax.config import ModelConfig
 from rlkjax.numerics import PAGE_SIZE
-from rlkjax.shapes import bucket, cdiv
+from rlkjax.shapes import cdiv
+from train.batch import padded_length
 
 GIB = 2**30
 H200_BYTES = 143771 * 2**20  # nvidia-smi's memory.total
@@ -61,7 +64,7 @@ def plan(cfg: ModelConfig, gpus: int, prompts: int, group: int, new_tokens: int,
     engine_rows = cdiv(prompts, gpus) * group
     pages = 1 + engine_rows * cdiv(prompt_tokens + new_tokens, PAGE_SIZE)
     kv = 2 * cfg.num_layers * cfg.num_kv_heads * pages * PAGE_SIZE * cfg.head_dim * 2
-    tokens = bucket(prompt_tokens + new_tokens, PAGE_SIZE) * cdiv(micro_batch, gpus)
+    tokens = padded_length(prompt_tokens + new_tokens) * cdiv(micro_batch, gpus)
     d, f, dh = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     per_token_layer = 2 * (4 * d + cfg.num_heads * dh * 2 + 2 * cfg.num_kv_heads * dh + 3 * f)
     return {
@@ -77,7 +80,25 @@ def plan(cfg: ModelConfig, gpus: int, prompts: int, group: int, new_tokens: int,
     }
 
 
-RESIDENT = ("sampler weights", "KV cache", "AdamW moments")  # held outside the learner step (it holds the rest)
+RESIDENT = ("sampler weights", "master weights", "AdamW moments")  # held all along; the learner step holds the rest
+ROLLOUT_ONLY = "KV cache"  # freed while the learner runs
+
+
+def name(row: str) -> str:
+    return row.split(" (")[0]
+
+
+def peak_bytes(rows: dict, learner_step=None) -> float:
+    """max(rollout, learner step): the rollout holds what is resident and the KV cache; the learner
+    step holds what is resident and its own rows (or `learner_step`: its peak from elsewhere, which
+    counts the master weights among its arguments)."""
+    resident = sum(v for k, v in rows.items() if name(k) in RESIDENT)
+    rollout = resident + sum(v for k, v in rows.items() if name(k) == ROLLOUT_ONLY)
+    if learner_step is None:
+        learner = sum(v for k, v in rows.items() if name(k) != ROLLOUT_ONLY)
+    else:
+        learner = resident - sum(v for k, v in rows.items() if name(k) == "master weights") + learner_step
+    return max(rollout, learner)
 
 
 def compiled_learner_step(model_name: str, gpus: int, micro_batch: int, tokens: int) -> dict:
@@ -109,8 +130,12 @@ def table(args) -> str:
     for row in plans[args.gpus[0]]:
         values = [plans[n][row] for n in args.gpus]
         lines.append(f"| {row} | " + " | ".join(f"{v / GIB:.1f}" for v in values) + " |")
-    totals = [sum(plans[n].values()) for n in args.gpus]
-    lines.append("| **peak estimate** | " + " | ".join(f"**{t / GIB:.1f}**" for t in totals) + " |")
+    totals = [peak_bytes(plans[n]) for n in args.gpus]
+    lines.append(
+        "| **peak estimate** (max of rollout, learner step) | "
+        + " | ".join(f"**{t / GIB:.1f}**" for t in totals)
+        + " |"
+    )
     lines.append(
         "| fits one H200 (140.4 GiB) | " + " | ".join("yes" if t < H200_BYTES else "no" for t in totals) + " |"
     )
@@ -126,9 +151,7 @@ def table(args) -> str:
             )
             + " |"
         )
-        resident = [
-            sum(v for k, v in plans[n].items() if k.split(" (")[0] in RESIDENT) + compiled[n]["peak"] for n in args.gpus
-        ]
+        resident = [peak_bytes(plans[n], compiled[n]["peak"]) for n in args.gpus]
         lines.append(
             "| **peak with the compiled learner step** | " + " | ".join(f"**{t / GIB:.1f}**" for t in resident) + " |"
         )

@@ -229,7 +229,9 @@ def _bwd(eps, config, interpret, saved, dy):
     """The Pallas backward on the forward's padded layout (`_padded_rmsnorm`); the weight's
     gradient is its programs' partial sums added by XLA (deterministic: no atomics). Not part of
     the bitwise contract; tested against a float64 evaluation. (It replaced jax.vjp of the
-    reference, whose XLA reductions and casts took ~10 ms of a Qwen3-1.7B x 8192-token step.)"""
+    reference, whose XLA reductions alone took 7.5 ms of a Qwen3-1.7B x 8192-token step on the
+    H200; this kernel takes 5.7 ms there, ~57 us per hidden-size norm, with its two passes over
+    x and dy at ~70% of the copy bandwidth: its rows and warps are untuned.)"""
     x, weight, cos, sin = saved
     width = x.shape[1]
     if cos is not None and width // 2 != pl.next_power_of_2(width // 2):
