@@ -87,31 +87,35 @@ def _pad_halves(a, half_width):
     return jnp.concatenate([pad_dim(a[..., :h], -1, half_width), pad_dim(a[..., h:], -1, half_width)], axis=-1)
 
 
-def _padded_rmsnorm(x, w, cos, sin, eps, config, interpret, layer=None):
+def _feature_padding(width, rope, block_d):
     """Triton blocks are powers of two: a width that is not a whole number of them gets zero
     features (exact zeros in the sum of squares; the mean divides by the true width), sliced away
-    after. With RoPE each half is padded on its own, so x1, x2, cos and sin stay lined up.
-    w [D], or stacked [L, D] with `layer`: read in place, or sliced (a copy) where it is padded."""
-    width = x.shape[1]
-
-    def one_layer(w):
-        return w if layer is None else jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
-
-    if cos is not None and width // 2 != pl.next_power_of_2(width // 2):
+    after. With RoPE each half is padded on its own ([x1, 0, x2, 0]), so x1, x2, cos and sin stay
+    lined up. Returns (pad features, pad cos/sin, unpad), or None where the width needs none."""
+    if rope:
         half = pl.next_power_of_2(width // 2)
-        x, w, cos, sin = (
-            _pad_halves(x, half),
-            _pad_halves(one_layer(w), half),
-            pad_dim(cos, 1, half),
-            pad_dim(sin, 1, half),
-        )
-        y = _pallas_rmsnorm(x, w, cos, sin, eps, config, interpret, width)
-        return jnp.concatenate([y[:, : width // 2], y[:, half : half + width // 2]], axis=1)
-    chunk = min(config.block_d, pl.next_power_of_2(width))
-    if cos is None and width % chunk:
-        x, w = pad_dim(x, 1, chunk), pad_dim(one_layer(w), 0, chunk)
-        return _pallas_rmsnorm(x, w, cos, sin, eps, config, interpret, width)[:, :width]
-    return _pallas_rmsnorm(x, w, cos, sin, eps, config, interpret, layer=layer)
+        if half == width // 2:
+            return None
+        unpad = lambda a: jnp.concatenate([a[..., : width // 2], a[..., half : half + width // 2]], axis=-1)  # noqa: E731
+        return (lambda a: _pad_halves(a, half)), (lambda t: pad_dim(t, 1, half)), unpad
+    chunk = min(block_d, pl.next_power_of_2(width))
+    if width % chunk == 0:
+        return None
+    return (lambda a: pad_dim(a, -1, chunk)), None, (lambda a: a[..., :width])
+
+
+def _padded_rmsnorm(x, w, cos, sin, eps, config, interpret, layer=None):
+    """`_pallas_rmsnorm` on the padded layout (`_feature_padding`). w [D], or stacked [L, D] with
+    `layer`: read in place, or sliced (a copy) where it is padded."""
+    padding = _feature_padding(x.shape[1], cos is not None, config.block_d)
+    if padding is None:
+        return _pallas_rmsnorm(x, w, cos, sin, eps, config, interpret, layer=layer)
+    pad, pad_table, unpad = padding
+    width, x = x.shape[1], pad(x)
+    w = pad(w if layer is None else jax.lax.dynamic_index_in_dim(w, layer, keepdims=False))
+    if cos is not None:
+        cos, sin = pad_table(cos), pad_table(sin)
+    return unpad(_pallas_rmsnorm(x, w, cos, sin, eps, config, interpret, width))
 
 
 def _pallas_rmsnorm(x, w, cos, sin, eps, config, interpret, width=None, layer=None):
@@ -226,7 +230,7 @@ def _pallas_rmsnorm_bwd(x, w, cos, sin, dy, eps, config, interpret, width):
 
 
 def _bwd(eps, config, interpret, saved, dy):
-    """The Pallas backward on the forward's padded layout (`_padded_rmsnorm`); the weight's
+    """The Pallas backward on the forward's padded layout (`_feature_padding`); the weight's
     gradient is its programs' partial sums added by XLA (deterministic: no atomics). Not part of
     the bitwise contract; tested against a float64 evaluation. (It replaced jax.vjp of the
     reference, whose XLA reductions alone took 7.5 ms of a Qwen3-1.7B x 8192-token step on the
@@ -234,24 +238,16 @@ def _bwd(eps, config, interpret, saved, dy):
     x and dy at ~70% of the copy bandwidth: its rows and warps are untuned.)"""
     x, weight, cos, sin = saved
     width = x.shape[1]
-    if cos is not None and width // 2 != pl.next_power_of_2(width // 2):
-        half = pl.next_power_of_2(width // 2)
-        dx, dw = _pallas_rmsnorm_bwd(
-            *(_pad_halves(a, half) for a in (x, weight)),
-            pad_dim(cos, 1, half),
-            pad_dim(sin, 1, half),
-            _pad_halves(dy, half),
-            eps,
-            config,
-            interpret,
-            width,
-        )
-        dx, dw = (jnp.concatenate([a[:, : width // 2], a[:, half : half + width // 2]], axis=1) for a in (dx, dw))
+    padding = _feature_padding(width, cos is not None, config.backward_block_d)
+    if padding is None:
+        dx, dw = _pallas_rmsnorm_bwd(x, weight, cos, sin, dy, eps, config, interpret, width)
     else:
-        chunk = min(config.backward_block_d, pl.next_power_of_2(width))
-        x_p, w_p, dy_p = (pad_dim(a, -1, chunk) for a in (x, weight, dy)) if cos is None else (x, weight, dy)
-        dx, dw = _pallas_rmsnorm_bwd(x_p, w_p, cos, sin, dy_p, eps, config, interpret, width)
-        dx, dw = dx[:, :width], dw[:, :width]
+        pad, pad_table, unpad = padding
+        x, w = pad(x), pad(weight)
+        if cos is not None:
+            cos, sin = pad_table(cos), pad_table(sin)
+        dx, dw = _pallas_rmsnorm_bwd(x, w, cos, sin, pad(dy), eps, config, interpret, width)
+        dx, dw = unpad(dx), unpad(dw)
     return dx, jnp.sum(dw, axis=0).astype(weight.dtype), None, None
 
 
