@@ -18,7 +18,9 @@ import pytest
 import rlkjax
 from rlkjax import model
 from rlkjax.tasks import ArithmeticTask, Example, GSM8KTask, LowercaseTask
+from rlkjax.tokenizer import ByteTokenizer
 from tests.conftest import assert_bits_equal
+from tests.server_process import ADMIN, start_server
 from train import fsdp, grpo
 from train.batch import PAD, Batch, LossStats, micro_batches, pack, pad_rows, padded_length, reduce_stats
 from train.grpo import group_advantages
@@ -415,8 +417,6 @@ def test_resume_and_same_seed_are_bit_identical(tmp_path):
 
 @pytest.mark.slow
 def test_remote_rollout_server(tmp_path):
-    from tests.test_server import ADMIN, start_server
-
     proc, client = start_server()
     try:
         result = grpo.train(
@@ -507,3 +507,113 @@ def test_hf_tokenizer_json(tmp_path):
         load_tokenizer(bare)
     assert isinstance(load_tokenizer(bare, "bytes"), ByteTokenizer)
     assert load_tokenizer(bare, tmp_path).encode("hello") == [1]
+
+
+EOS = ByteTokenizer.eos_token_id
+
+
+def eos_model(directory):
+    """The tiny model made to draw the byte tokenizer's eos (256) often, saved as an HF checkpoint.
+
+    Why it draws eos: residual channel 0 is set to 1 in every token's embedding, and no layer writes to
+    it (row 0 of every o_proj and down_proj is zero), so at every position x_0 = 1 exactly. The other 63
+    channels are the init's ~0.02, so rms(x) ~ sqrt((1 + 63 x 0.02^2) / 64) ~ 0.126 and the final
+    norm's output has h_0 ~ 1 / 0.126 ~ 7.9 (norm weight 1), the others ~ 0.16. The embeddings are
+    tied: logit_v = h . E[v]. Every row has E[v, 0] = 1, a shift softmax ignores; eos's has 1.5, so
+    its logit stands ~ 7.9 x 0.5 ~ 4 above the rest (whose spread is ~ 0.03): p(eos) ~ e^4 / (e^4 + 511)
+    ~ 0.1 per token, and about half of 8-token completions end early. Prompts are bytes (< 256), so
+    the eos row is only ever read as an output."""
+    cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
+    params = rlkjax.init_params(cfg, seed=0)
+    layers = params["layers"]
+    params = {
+        **params,
+        "embed_tokens": params["embed_tokens"].at[:, 0].set(1.0).at[EOS, 0].set(1.5),
+        "layers": {**layers, **{name: layers[name].at[:, 0].set(0) for name in ("o_proj", "down_proj")}},
+    }
+    rlkjax.save_hf_checkpoint(directory, cfg, params)
+    return str(directory)
+
+
+def check_completions_end_at_eos(groups, max_new_tokens):
+    """Each completion is max_new_tokens long or ends with its only eos; returns how many ended early."""
+    early = 0
+    for s in (s for g in groups for s in g):
+        assert EOS not in s["tokens"][:-1], s["tokens"]
+        assert len(s["tokens"]) == max_new_tokens or s["tokens"][-1] == EOS, s["tokens"]
+        early += len(s["tokens"]) < max_new_tokens
+    return early
+
+
+def test_eos_stop_ids():
+    cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
+    assert grpo.eos_stop(ByteTokenizer(), cfg, ignore_eos=False) == (EOS,)
+    assert grpo.eos_stop(ByteTokenizer(), cfg, ignore_eos=True) == ()
+    with pytest.raises(ValueError, match="eos id 256 is outside the model's vocabulary of 200"):
+        grpo.eos_stop(ByteTokenizer(), dataclasses.replace(cfg, vocab_size=200), ignore_eos=False)
+
+
+def test_training_stops_at_eos(tmp_path, monkeypatch):
+    """A sampled eos ends the completion in training (it once ran on to --max-new-tokens): completions
+    shorter than max_new_tokens end with eos, the loss mask covers exactly the completion through its eos,
+    and the sampler's logprob bits, eos's included, are the learner's (strict numerics stop the run otherwise:
+    --verify-logprobs and the first update's ratio of exactly 1 both check every masked token)."""
+    original, seen = grpo.LocalRollout.sample, []
+
+    def sample(self, prompts, *args):
+        groups = original(self, prompts, *args)
+        seen.append((prompts, groups))
+        return groups
+
+    monkeypatch.setattr(grpo.LocalRollout, "sample", sample)
+    config = grpo.GRPOConfig(
+        model=eos_model(tmp_path / "model"),
+        tokenizer="bytes",
+        steps=1,
+        checkpoint_every=0,
+        out=str(tmp_path / "run"),
+        **(SMALL | dict(max_new_tokens=8)),
+    )
+    (row,) = grpo.train(config)["history"]
+    (prompts, groups) = seen[0]
+    assert check_completions_end_at_eos(groups, 8) >= 2
+    samples = [
+        {"prompt": p, "tokens": s["tokens"], "logprobs": s["logprobs"], "adv": 0.0, "temperature": 1.0}
+        for p, g in zip(prompts, groups)
+        for s in g
+    ]
+    batch = pack(samples)
+    for i, s in enumerate(samples):
+        first, n = len(s["prompt"]) - 1, len(s["tokens"])
+        assert np.flatnonzero(batch.mask[i]).tolist() == list(range(first, first + n))
+        assert batch.tokens[i, first + n] == s["tokens"][-1]  # the last masked column predicts eos (or the 8th token)
+    assert row["tokens_bits_differ"] == 0 and row["tokens_compared"] == int(batch.mask.sum()) < 2 * 4 * 8
+    assert row["completion_tokens_mean"] == batch.mask.sum() / 8
+
+
+@pytest.mark.slow
+def test_local_and_remote_rollouts_give_the_same_completions(tmp_path):
+    """The in-process engine and a `serve.rollout` server on loopback, same weights, prompts, seeds and
+    stop ids: the same tokens and logprob bits, eos-ended completions included (the server once sampled
+    past eos while the engine did not know it). With ignore_eos (no stop ids) both run to max_new_tokens."""
+    model_dir = eos_model(tmp_path / "model")
+    config = grpo.GRPOConfig(model=model_dir, tokenizer="bytes", **(SMALL | dict(max_new_tokens=8)))
+    cfg, params = rlkjax.load_hf_checkpoint(model_dir)
+    devices = fsdp.pick_devices("learner_devices", "0")
+    local = grpo.LocalRollout(params, cfg, config, fsdp.make_mesh(devices), devices)
+    proc, client = start_server("--model", model_dir, "--tokenizer", "bytes")
+    try:
+        remote = grpo.RemoteRollout(client.url, ADMIN)
+        prompts, seeds = [list(b"ab"), list(b"xyz")], [11, 12]
+        for stops in ((EOS,), ()):
+            a = local.sample(prompts, 4, 8, 1.0, seeds, stops)
+            b = remote.sample(prompts, 4, 8, 1.0, seeds, stops)
+            early = check_completions_end_at_eos(a, 8)
+            assert early >= 2 if stops else early == 0
+            for ga, gb in zip(a, b, strict=True):
+                for sa, sb in zip(ga, gb, strict=True):
+                    assert sa["tokens"] == sb["tokens"]
+                    assert_bits_equal(sa["logprobs"], sb["logprobs"], "local vs remote logprobs")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)

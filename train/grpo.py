@@ -95,7 +95,10 @@ class GRPOConfig:
     group_size: int = 8
     """G: completions per prompt; advantages are normalised within each group."""
     max_new_tokens: int = 8
-    """Tokens sampled per completion."""
+    """Most tokens sampled per completion (a completion ends earlier at the tokenizer's eos)."""
+    ignore_eos: bool = False
+    """Sample every completion to --max-new-tokens, past the tokenizer's eos. By default a sampled eos ends the
+    completion: the eos is its last token, trained on like the others, and nothing after it is sampled."""
     max_prompt_tokens: int = 128
     """Longest prompt accepted (sizes the in-process engine's KV cache)."""
     temperature: float = 1.0
@@ -370,10 +373,11 @@ class LocalRollout:
                 with jax.default_device(device):
                     self.engines[device] = Engine(jax.device_put(local, device), cfg, config.numerics, sizing)
 
-    def sample(self, prompts, group, max_new_tokens, temperature, seeds):
+    def sample(self, prompts, group, max_new_tokens, temperature, seeds, stop_token_ids):
         owners = [self.devices[i % len(self.devices)] for i in range(len(prompts))]
+        options = dict(n=group, max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop_token_ids)
         reqs = {
-            i: self.engines[device].submit(p, n=group, max_new_tokens=max_new_tokens, temperature=temperature, seed=s)
+            i: self.engines[device].submit(p, seed=s, **options)
             for i, (p, s, device) in enumerate(zip(prompts, seeds, owners))
             if device in self.engines
         }
@@ -432,9 +436,14 @@ class RemoteRollout:
 
         self.client = RolloutClient(url, admin_key=admin_key or os.environ.get("RLKJAX_ADMIN_KEY"))
 
-    def sample(self, prompts, group, max_new_tokens, temperature, seeds):
+    def sample(self, prompts, group, max_new_tokens, temperature, seeds, stop_token_ids):
         return self.client.generate(
-            prompts, n=group, max_new_tokens=max_new_tokens, temperature=temperature, seed=seeds
+            prompts,
+            n=group,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seeds,
+            stop_token_ids=stop_token_ids,
         )
 
     def push(self, params, cfg, out_dir):
@@ -444,6 +453,20 @@ class RemoteRollout:
 
 
 # ----- the loop -----
+def eos_stop(tokenizer, cfg, ignore_eos: bool) -> tuple[int, ...]:
+    """The stop ids of every completion: the tokenizer's eos (both rollouts send the same ones, so a local
+    and a remote rollout give the same completions), none with ignore_eos or a tokenizer without one."""
+    eos = tokenizer.eos_token_id
+    if ignore_eos or eos is None:
+        return ()
+    if not 0 <= eos < cfg.vocab_size:
+        raise ValueError(
+            f"the tokenizer's eos id {eos} is outside the model's vocabulary of {cfg.vocab_size} "
+            "(ignore_eos samples past it)"
+        )
+    return (eos,)
+
+
 def check_prompt_lengths(task, tokenizer, limit: int) -> None:
     """Every prompt of a file-backed task fits --max-prompt-tokens (found now, not when it is sampled)."""
     for example in getattr(task, "examples", ()):
@@ -536,6 +559,7 @@ def train(config: GRPOConfig) -> dict:
             f"exceeds the model's context of {cfg.max_position} tokens"
         )
     tokenizer = load_tokenizer(config.model, config.tokenizer)
+    stop_token_ids = eos_stop(tokenizer, cfg, config.ignore_eos)
     task = make_task(config.task, config.data, config.reward)
     check_prompt_lengths(task, tokenizer, config.max_prompt_tokens)
     learner_devices = fsdp.pick_devices("--learner-devices", config.learner_devices)
@@ -636,7 +660,9 @@ def train(config: GRPOConfig) -> dict:
             examples = task.sample(data_rng, config.prompts_per_step)
             prompts = [tokenizer.encode(e.prompt) for e in examples]
             seeds = [int(s) for s in data_rng.integers(0, 2**32, config.prompts_per_step)]
-            groups = rollout.sample(prompts, config.group_size, config.max_new_tokens, config.temperature, seeds)
+            groups = rollout.sample(
+                prompts, config.group_size, config.max_new_tokens, config.temperature, seeds, stop_token_ids
+            )
             t1 = time.perf_counter()
             # 2. Rewards and advantages.
             rewards = np.array(
@@ -668,6 +694,7 @@ def train(config: GRPOConfig) -> dict:
                 "reward_mean": float(rewards.mean()),
                 "reward_std": float(rewards.std()),
                 "entropy_estimate": float(-(batch.logp_old * batch.mask).sum() / total_tokens),
+                "completion_tokens_mean": total_tokens / len(samples),  # below --max-new-tokens when eos ends some
             }
             # Optional recomputation of logp_old by the learner (TIS needs it; --verify-logprobs checks it).
             if config.verify_logprobs or config.tis_cap:
