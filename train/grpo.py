@@ -373,7 +373,7 @@ class LocalRollout:
     def sample(self, prompts, group, max_new_tokens, temperature, seeds):
         owners = [self.devices[i % len(self.devices)] for i in range(len(prompts))]
         reqs = {
-            i: self.engines[device].submit(p, n=group, max_new_tokens=max_new_tokens, temperature=temperature, seed=s)
+            i: self.engines[device].submit(p, n=group, max_tokens=max_new_tokens, temperature=temperature, seed=s)
             for i, (p, s, device) in enumerate(zip(prompts, seeds, owners))
             if device in self.engines
         }
