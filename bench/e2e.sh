@@ -39,7 +39,7 @@
 # runs as a second call:
 # `PIECES="latency rollout" bash bench/e2e.sh` (~290 s).
 #
-# Writes to $OUT (default /tmp/out): env.txt, <piece>.log, <piece>.json, summary.txt (each piece's exit status,
+# Writes to $OUT (default /tmp/out): env.json, <piece>.log, <piece>.json, summary.txt (each piece's exit status,
 # seconds and budget; 124 = cut by its timeout) and the summary printed at the end.
 # Environment: DRY, TOTAL, MIN_PIECE, PY (default python3), PIECES (default "grpo server_e2e latency rollout"),
 # MODELS (GRPO presets, default qwen3-0.6b), MICRO_BATCH (default 8), REMAT (non-empty: the GRPO runs with --remat), ROLLOUT_MODELS (default qwen3-0.6b),
@@ -82,12 +82,9 @@ else
   B_ROLLOUT=${B_ROLLOUT:-200}
 fi
 
-{ date -u +%FT%TZ; git rev-parse HEAD 2>/dev/null; git status --short 2>/dev/null | head -n 20; echo "$0 DRY=$DRY"
-  echo "TOTAL=$TOTAL PIECES=$PIECES MODELS=$MODELS ROLLOUT_MODELS=$ROLLOUT_MODELS SYNC_MODELS=$SYNC_MODELS"
-  if [ "$DRY" != 1 ]; then nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; fi
-  "$PY" -c 'import jax, jaxlib, numpy; print("jax", jax.__version__, "jaxlib", jaxlib.__version__, "numpy", numpy.__version__, jax.devices())'
-} > "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
+# Provenance (command, date, commit, hardware through JAX, versions) in env.json, as every piece's JSON carries it.
+"$PY" -m bench._report --out "$OUT/env.json" --command "DRY=$DRY TOTAL=$TOTAL PIECES='$PIECES' MODELS=$MODELS \
+ROLLOUT_MODELS=$ROLLOUT_MODELS SYNC_MODELS=$SYNC_MODELS MICRO_BATCH=$MICRO_BATCH REMAT=${REMAT:-} bash bench/e2e.sh"
 : > "$OUT/summary.txt"
 
 # piece NAME BUDGET command...: runs the command under `timeout` for min(BUDGET, what is left of TOTAL), its

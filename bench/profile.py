@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import rlkjax
+from bench._report import new_report, save_report
 from bench.speed import F32, decode_loop, learner_batch, random_cache
 from rlkjax import model, numerics
 from rlkjax.numerics import PAGE_SIZE
@@ -119,6 +120,7 @@ def main():
         "--copy-backward", action="store_true", help="learner: the matmul backward on transposed copies, not in place"
     )
     args = p.parse_args()
+    report = new_report("bench.profile")
     numerics.set_attention_backward(not args.dense_backward)
     numerics.set_matmul_backward(not args.copy_backward)
     results = {}
@@ -131,9 +133,8 @@ def main():
             key = f"learner {args.learner} {args.tokens // args.seq}x{args.seq} {side}"
             results[key] = learner_profile(args.learner, args.seq, args.tokens, side)
             show(key, results[key], args.top)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    report["results"] = [{"what": key, **result} for key, result in results.items()]
+    save_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -724,7 +724,7 @@ def merge_reports(paths):
     for path in paths:
         with open(path) as f:
             parts.append(json.load(f))
-    keys = ("command", "date", "hardware", "backend", "versions", "ceilings")
+    keys = ("command", "date", "git", "hardware", "versions", "environment", "ceilings")
     return dict(
         parts[0],
         command=" && ".join(p["command"] for p in parts),

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench._report import provenance
+
 TIMINGS = {"tokens_per_s", "step_s", "rollout_s", "learn_s", "sync_s", "learner_tflops_per_device", "learner_mfu"}
 TIMINGS |= {"peak_bytes_per_device"}  # allocator state, not a result of the run
 
@@ -113,12 +115,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["summarize", "compare"])
     parser.add_argument("runs", nargs="+", type=Path)
-    parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--out", help="also write the JSON (with its provenance) here")
     args = parser.parse_args()
     if len(args.runs) != {"summarize": 1, "compare": 2}[args.what]:
         parser.error(f"{args.what} takes {'one run directory' if args.what == 'summarize' else 'two run directories'}")
     result = summarize(*args.runs) if args.what == "summarize" else compare(*args.runs)
-    text = json.dumps(result, indent=2)
+    text = json.dumps(provenance() | result, indent=2)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
