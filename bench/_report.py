@@ -93,21 +93,6 @@ def save_report(report: dict, path: str | None) -> None:
             json.dump(report, f, indent=2)
 
 
-def median_time(fn, repeats: int) -> float:
-    """Median seconds of `repeats` calls of fn() (which blocks), after one warm-up call."""
-    import time
-
-    import numpy as np
-
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--command", required=True, help='the command line to record (a shell script\'s "$0 $*")')

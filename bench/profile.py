@@ -24,7 +24,8 @@ import numpy as np
 
 import rlkjax
 from bench._report import new_report, save_report
-from bench.speed import F32, decode_loop, learner_batch, random_cache
+from bench._timing import F32
+from bench.speed_model import decode_loop, learner_batch, random_cache
 from rlkjax import model, numerics
 from rlkjax.numerics import PAGE_SIZE
 from train import grpo

@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 
 import rlkjax
-from bench._report import median_time, new_report, save_report
+from bench._report import new_report, save_report
+from bench._timing import median_time
 from rlkjax import model
 from rlkjax.engine import Engine, EngineConfig, decode_round
 from rlkjax.numerics import PAGE_SIZE

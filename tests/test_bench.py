@@ -48,18 +48,18 @@ def test_speed_attention_sweeps_run_and_compare_bits():
     kernel against the in-kernel merge, same bits; a decode step's single tile and a learner-like pass
     both run. Guards the harness, which once broke silently when the attention
     plan changed its calling convention."""
-    from bench import speed
+    from bench import speed_sweep
 
     rows = []
     shapes = [(2, 64, 64, 4, 2, 16), (3, 1, 64, 4, 2, 16)]
     configs = [(1, 4, 2, 2**30), (2, 2, 2, 2), (4, 2, 2, 2)]  # the last two merge in the kernel (learner shape)
-    speed.attention_sweep(1e12, 1e14, 1, rows.append, shapes=shapes, configs=configs)
+    speed_sweep.attention_sweep(1e12, 1e14, 1, rows.append, shapes=shapes, configs=configs)
     assert len(rows) == len(shapes) * len(configs)
     assert all("error" not in r and r["us"] > 0 and r["same_bits"] is True for r in rows), rows
     assert [r["config"] for r in rows[:3]] == [list(c) for c in configs]
     bwd = []
     bwd_configs = [(64, 64, 4, 2), (32, 64, 4, 2)]
-    speed.attention_bwd_sweep(1e14, 1, bwd.append, shapes=[(2, 128, 4, 2, 16)], configs=bwd_configs)
+    speed_sweep.attention_bwd_sweep(1e14, 1, bwd.append, shapes=[(2, 128, 4, 2, 16)], configs=bwd_configs)
     assert len(bwd) == 2 and all("error" not in r and r["tflops"] > 0 for r in bwd), bwd
 
 
@@ -68,11 +68,10 @@ def test_speed_learner_row_times_the_library_pass_and_train_grpo_step():
     whole weights) and the train side (train.grpo's own one-device step: the same whole-weights pass
     under fsdp.sharded_value_and_grad, its gradient running sum donated from call to call) each give
     a time, an MFU and a memory figure."""
-    import rlkjax
-    from bench import speed
+    from bench.speed_model import learner_row
 
     cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
-    row = speed.learner_row(cfg, "qwen3-tiny", 32, 64, 2, 1e14, sides=("strict", "train"))
+    row = learner_row(cfg, "qwen3-tiny", 32, 64, 2, 1e14, sides=("strict", "train"))
     for side in ("strict", "train"):
         assert f"{side}_error" not in row, row
         assert row[f"{side}_tokens_per_s"] > 0 and row[f"{side}_mfu"] > 0 and row[f"{side}_memory_GiB"] > 0, row
@@ -85,12 +84,15 @@ def test_speed_merge_joins_one_call_s_runs_into_one_table(tmp_path, capsys):
     import sys
 
     from bench import speed
+    from bench._report import new_report
+    from bench._timing import ceilings
+    from bench.speed_model import learner_row
 
     cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
-    row = speed.learner_row(cfg, "qwen3-tiny", 32, 64, 1, 1e14, sides=("strict",))
+    row = learner_row(cfg, "qwen3-tiny", 32, 64, 1, 1e14, sides=("strict",))
     paths = []
-    for i, ceilings in enumerate(({"copy_bandwidth_Bps": 4e12, "dot_bf16_flops": 7e14}, speed.ceilings(1))):
-        report = dict(speed.new_report("bench.speed"), command=f"run {i}", ceilings=ceilings, results=[row])
+    for i, measured in enumerate(({"copy_bandwidth_Bps": 4e12, "dot_bf16_flops": 7e14}, ceilings(1))):
+        report = dict(new_report("bench.speed"), command=f"run {i}", ceilings=measured, results=[row])
         paths.append(tmp_path / f"{i}.json")
         paths[-1].write_text(json.dumps(report))
     out = tmp_path / "merged.json"
