@@ -11,19 +11,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench._timing import F32, compiled_bytes, median_time, rand
-from rlkjax import model
+from rlkjax import flops, model
 from rlkjax.engine import prefill_chunk
 from rlkjax.numerics import PAGE_SIZE
 from train import fsdp, grpo
 from train.batch import Batch
 
-PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16 datasheet
 SIDES = ("fast", "strict")
 
 
-def matmul_params(cfg):
-    per_layer = sum(int(np.prod(s)) for n, s in model.layer_shapes(cfg).items() if n in model.MATRICES)
-    return cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size
+def mfu(model_flops, seconds):
+    """MFU on this run's device (rlkjax.flops); None where its peak is unknown (the CPU)."""
+    return flops.mfu(model_flops, seconds, jax.devices()[0])
 
 
 def weight_bytes(params):
@@ -103,10 +102,9 @@ def prefill_row(cfg, params, batch, length, repeats, rate, name):
     cache = model.init_kv_cache(cfg, 1 + batch * pages_per_row)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, length)), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-    row = {"section": "prefill", "model": name, "batch": batch, "length": length}
-    flops = (
-        2 * matmul_params(cfg) * batch * length + 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * length**2 * batch
-    )
+    work = flops.sequence_flops(cfg, [length] * batch, backward=False).model
+    row = {"section": "prefill", "model": name, "batch": batch, "length": length, "model_flops": work}
+    row["mfu_of"] = "prefill pass"
     for side in SIDES:
 
         def run():
@@ -116,8 +114,8 @@ def prefill_row(cfg, params, batch, length, repeats, rate, name):
 
         dt = median_time(run, repeats)
         row[f"{side}_tokens_per_s"] = batch * length / dt
-        row[f"{side}_mfu"] = flops / dt / PEAK_BF16_FLOPS
-        row[f"{side}_dot_fraction"] = flops / dt / rate
+        row[f"{side}_mfu"] = mfu(work, dt)
+        row[f"{side}_dot_fraction"] = work / dt / rate
     row["strict_over_fast"] = row["fast_tokens_per_s"] / row["strict_tokens_per_s"]
     print(json.dumps(row), flush=True)
     return row
@@ -167,8 +165,9 @@ def learner_row(cfg, name, seq, tokens_per_call, repeats, rate, remat=False, sid
     batch = learner_batch(cfg, b, seq)
     rope = model.rope_tables(cfg)
     ref = jnp.zeros((b, seq - 1), F32)
-    flops = 6 * matmul_params(cfg) * b * seq + 6 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq**2 * b
-    row = {"section": "learner", "model": name, "seq": seq, "batch": b, "remat": remat}
+    work = flops.sequence_flops(cfg, [seq] * b, backward=True).model
+    row = {"section": "learner", "model": name, "seq": seq, "batch": b, "remat": remat, "model_flops": work}
+    row["mfu_of"] = "learner pass"
     for side in sides:
         if side == "train":
             fn, args, grads = train_learner_step(master, batch, ref, rope, cfg, remat)
@@ -197,8 +196,8 @@ def learner_row(cfg, name, seq, tokens_per_call, repeats, rate, remat=False, sid
             row[f"{side}_error"] = str(e)[:160]
             continue
         row[f"{side}_tokens_per_s"] = b * seq / dt
-        row[f"{side}_mfu"] = flops / dt / PEAK_BF16_FLOPS
-        row[f"{side}_dot_fraction"] = flops / dt / rate
+        row[f"{side}_mfu"] = mfu(work, dt)
+        row[f"{side}_dot_fraction"] = work / dt / rate
         row[f"{side}_memory_GiB"] = compiled_bytes(compiled) / 2**30
     if "fast_tokens_per_s" in row and "strict_tokens_per_s" in row:
         row["strict_over_fast"] = row["fast_tokens_per_s"] / row["strict_tokens_per_s"]
