@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call: the compiled test suite and the mismatch benchmark on the GPU (NVIDIA or AMD).
+# One command: the compiled test suite and the mismatch benchmark on the GPU (NVIDIA or AMD).
 # Usage (repo root, on the GPU machine): bash bench/gpu_check.sh [pytest args...]; logs go to $OUT.
 # Writes $OUT/env.json (provenance), pytest_gpu.log and mismatch.json (logprobs compared, bits differing).
 set -uo pipefail

@@ -119,7 +119,7 @@ def main():
         print(json.dumps(row), flush=True)
         save_report(report, args.out)
 
-    for name in filter(None, args.sync_models.split(",")):  # first: cheap, and issue 10 asks for it at 3 sizes
+    for name in filter(None, args.sync_models.split(",")):  # first: cheap
         cfg = rlkjax.ModelConfig.preset(name)
         add(
             {

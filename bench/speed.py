@@ -1,6 +1,6 @@
 """One speed harness: strict vs fast side by side, with the ceilings measured in the same run.
 
-    python -m bench.speed                       # everything (one H200 device call)
+    python -m bench.speed                       # everything (~10 minutes on one H200)
     python -m bench.speed --quick               # 0.6B + 8B decode at batch 1/64, small learner/score rows
     python -m bench.speed --only decode,kernels --models qwen3-8b
     python -m bench.speed --merge a.json b.json --out all.json   # one table from runs side by side
@@ -94,13 +94,13 @@ def parser():
         help="parts of the tile sweep (--only sweep): matmul, qkv, rmsnorm, learner_matmul, attention "
         "(forward: query tiles per program, warps, stages; bits compared), attention_bwd",
     )
-    ap.add_argument("--quick", action="store_true", help="a subset that fits a short device call")
+    ap.add_argument("--quick", action="store_true", help="a subset that takes a few minutes on one H200")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/speed_<date>.json)")
     ap.add_argument(
         "--merge",
         nargs="+",
         metavar="JSON",
-        help="measure nothing: join these runs' JSON (e.g. the sections of one device call, run on its GPUs "
+        help="measure nothing: join these runs' JSON (e.g. the sections of one run on a host's GPUs, "
         "side by side) into one report at --out and print its table",
     )
     return ap

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 12 on one host with 2 GPUs, one piece per call (each under `timeout`, so it fits one device call):
+# Several GPUs on one host (2), one piece per command (each under `timeout`, within 600 s):
 #
 #   bash bench/two_gpu.sh strict STEPS     # Qwen3-8B shapes, strict, verify on: FSDP learner over both GPUs,
 #   bash bench/two_gpu.sh fast STEPS       #   samplers on both, P16 x G8, 256 new tokens; the same with --numerics fast
