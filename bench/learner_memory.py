@@ -95,11 +95,11 @@ def compiled_memory(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen3-8b")
-    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--model", default="qwen3-8b", help="model preset (shapes only)")
+    parser.add_argument("--devices", type=int, default=2, help="fake CPU devices of the FSDP mesh (write --devices=N)")
     parser.add_argument("--layers", default="1,2", help="layer counts to compile (the preset's own if empty)")
-    parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--numerics", choices=["strict", "fast"], default="strict")
+    parser.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch (padded to the mesh)")
+    parser.add_argument("--numerics", choices=["strict", "fast"], default="strict", help="the learner's numerics")
     parser.add_argument("--tokens", type=int, default=64 + 256, help="prompt + new tokens (bucketed as pack does)")
     parser.add_argument("--remat", action="store_true", help="the learner step with train.grpo --remat")
     parser.add_argument(
