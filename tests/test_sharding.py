@@ -17,7 +17,7 @@ import pytest
 
 import rlkjax
 from tests.sharded_contract import GRPO_RUN
-from train.fsdp import parse_devices, pick_devices
+from train.fsdp import distributed_args, parse_devices, pick_devices
 from train.grpo import GRPOConfig
 
 ENV = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
@@ -88,6 +88,25 @@ def test_process_flags_are_checked():
         GRPOConfig(num_processes=2, process_id=2, coordinator="127.0.0.1:1234")
     with pytest.raises(ValueError, match="--rollout-url runs with one learner process"):
         GRPOConfig(num_processes=2, coordinator="127.0.0.1:1234", rollout_url="http://127.0.0.1:8000")
+
+
+def test_processes_join_from_flags_or_the_environment():
+    """Flags first, then the JAX_* variables, then srun / mpirun (which jax.distributed reads itself);
+    a lone process joins nothing. Prevents a launcher's half-set variables from starting a one-process
+    run that never meets the others."""
+    flags = dict(coordinator_address="10.0.0.1:99", num_processes=4, process_id=3)
+    env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.2:77", "JAX_NUM_PROCESSES": "8", "JAX_PROCESS_ID": "5"}
+    assert distributed_args("10.0.0.1:99", 4, 3, env) == flags
+    assert distributed_args(None, 1, 0, env) == dict(coordinator_address="10.0.0.2:77", num_processes=8, process_id=5)
+    assert distributed_args(None, 1, 0, {}) is None
+    assert distributed_args(None, 1, 0, {"SLURM_NTASKS": "8", "SLURM_STEP_NODELIST": "n[1-8]"}) == {}
+    assert distributed_args(None, 1, 0, {"SLURM_NTASKS": "1", "SLURM_STEP_NODELIST": "n1"}) is None
+    assert distributed_args(None, 1, 0, {"SLURM_NTASKS": "8"}) is None  # sbatch's script itself, not a task of srun
+    assert distributed_args(None, 1, 0, {"OMPI_COMM_WORLD_SIZE": "2"}) == {}
+    with pytest.raises(ValueError, match="JAX_COORDINATOR_ADDRESS set without JAX_NUM_PROCESSES, JAX_PROCESS_ID"):
+        distributed_args(None, 1, 0, {"JAX_COORDINATOR_ADDRESS": "10.0.0.2:77"})
+    with pytest.raises(ValueError, match="expected 0 <= index < count"):
+        distributed_args(None, 1, 0, env | {"JAX_PROCESS_ID": "8"})
 
 
 @pytest.mark.slow
