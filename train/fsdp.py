@@ -318,6 +318,14 @@ def clip_by_global_norm(max_norm: float, mesh, specs) -> optax.GradientTransform
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
+def adamw(learning_rate, max_grad_norm: float, weight_decay: float, mesh, specs) -> optax.GradientTransformation:
+    """train.grpo's optimiser: clip_by_global_norm (the fixed-order norm), then optax's AdamW. Its two
+    fp32 moments are created like the parameters, so they are sharded as they are."""
+    return optax.chain(
+        clip_by_global_norm(max_grad_norm, mesh, specs), optax.adamw(learning_rate, weight_decay=weight_decay)
+    )
+
+
 def peak_memory() -> list[int] | None:
     """Peak bytes allocated on every device (jax.devices() order, all processes), or None where the
     platform does not report it (CPU)."""

@@ -561,10 +561,7 @@ def train(config: GRPOConfig) -> dict:
         max(config.steps * config.updates_per_batch, config.warmup_steps + 1),
         end_value=0.1 * config.learning_rate,
     )
-    optimizer = optax.chain(
-        fsdp.clip_by_global_norm(config.max_grad_norm, mesh, specs),
-        optax.adamw(schedule, weight_decay=config.weight_decay),
-    )
+    optimizer = fsdp.adamw(schedule, config.max_grad_norm, config.weight_decay, mesh, specs)
     opt_state = optimizer.init(master)
 
     # The state is donated: the old one is dropped either way (a non-finite update stops the run), and at
