@@ -284,8 +284,9 @@ def corrupt_one_logprob(monkeypatch, at_step: int, sequence: int, token: int) ->
     Returns what the error must name (filled in when it happens)."""
     original, calls, seen = rollout.LocalRollout.sample, [], {}
 
-    def sample(self, prompts, group, *args):
-        groups = original(self, prompts, group, *args)
+    def sample(self, prompts, seeds, sampling):
+        groups = original(self, prompts, seeds, sampling)
+        group = sampling.n
         calls.append(None)
         if len(calls) == at_step:
             s = groups[sequence // group][sequence % group]
@@ -606,8 +607,9 @@ def test_local_and_remote_rollouts_give_the_same_completions(tmp_path):
         remote = rollout.RemoteRollout(client.url, ADMIN)
         prompts, seeds = [list(b"ab"), list(b"xyz")], [11, 12]
         for stops in ((EOS,), ()):
-            a = local.sample(prompts, 4, 8, 1.0, seeds, stops)
-            b = remote.sample(prompts, 4, 8, 1.0, seeds, stops)
+            sampling = rlkjax.SamplingParams(n=4, max_tokens=8, stop_token_ids=stops)
+            a = local.sample(prompts, seeds, sampling)
+            b = remote.sample(prompts, seeds, sampling)
             if stops:
                 assert check_completions_end_at_eos(a, 8) >= 2
             else:  # every completion runs to max_new_tokens, some through an eos

@@ -68,6 +68,7 @@ from rlkjax import model
 from rlkjax.checkpoint import load_model
 from rlkjax.mismatch import mismatch_stats
 from rlkjax.requests import check_seed, check_temperature
+from rlkjax.sampling_params import SamplingParams
 from rlkjax.shapes import cdiv
 from rlkjax.tasks import make_task
 from rlkjax.tokenizer import load_tokenizer
@@ -160,7 +161,9 @@ class GRPOConfig:
     weights; prompt i goes to the (i mod M)-th. They may be the learner's devices, overlap them, or not."""
     coordinator: str | None = None
     """HOST:PORT of process 0, to run as one of --num-processes processes (jax.distributed): every process runs
-    the same command with its own --process-id, and the devices above count over all of them. CPU runs use gloo."""
+    the same command with its own --process-id, and the devices above count over all of them. CPU runs use gloo.
+    Without it: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID if set, else SLURM's srun or
+    Open MPI's mpirun when they start several tasks (train/fsdp.py distributed_args)."""
     num_processes: int = 1
     """Processes of the run (one per host, or per GPU); more than 1 needs --coordinator."""
     process_id: int = 0
@@ -337,10 +340,7 @@ def build_learner(config: GRPOConfig, cfg, params, devices):
         max(config.steps * config.updates_per_batch, config.warmup_steps + 1),
         end_value=0.1 * config.learning_rate,
     )
-    optimizer = optax.chain(
-        fsdp.clip_by_global_norm(config.max_grad_norm, mesh, specs),
-        optax.adamw(schedule, weight_decay=config.weight_decay),
-    )
+    optimizer = fsdp.adamw(schedule, config.max_grad_norm, config.weight_decay, mesh, specs)
 
     # The state is donated: the old one is dropped either way (a non-finite update stops the run), and at
     # 8B the spare copy of the master weights and AdamW moments would not fit next to the new one. The
@@ -455,7 +455,7 @@ class Run(NamedTuple):
     cfg: rlkjax.ModelConfig
     task: object  # rlkjax.tasks: .sample(rng, n) -> examples, .reward(example, text) -> float
     tokenizer: object
-    stop_token_ids: tuple[int, ...]
+    sampling: SamplingParams  # every completion's: n = G, max_tokens, temperature, the eos stop rule
     rollout: LocalRollout | RemoteRollout
     learner: Learner
     checkpoints: Checkpoints
@@ -468,9 +468,7 @@ def rollout_batch(step: int, run: Run, data_rng) -> tuple[list, list, Batch, dic
     examples = run.task.sample(data_rng, config.prompts_per_step)
     prompts = [run.tokenizer.encode(e.prompt) for e in examples]
     seeds = [int(s) for s in data_rng.integers(0, 2**32, config.prompts_per_step)]
-    groups = run.rollout.sample(
-        prompts, config.group_size, config.max_new_tokens, config.temperature, seeds, run.stop_token_ids
-    )
+    groups = run.rollout.sample(prompts, seeds, run.sampling)
     rewards = np.array(
         [[run.task.reward(e, run.tokenizer.decode(s["tokens"])) for s in g] for e, g in zip(examples, groups)],
         np.float64,
@@ -550,8 +548,7 @@ def grpo_step(step: int, run: Run, state: dict, data_rng) -> tuple[dict, dict]:
 
 def train(config: GRPOConfig) -> dict:
     """Run `config` to its last step -> {"master": the final fp32 weights, "history": the metrics rows}."""
-    if config.coordinator:
-        start_processes(config)
+    fsdp.join_processes(config.coordinator, config.num_processes, config.process_id)  # or from the environment
     primary = jax.process_index() == 0  # writes metrics.jsonl, plot.png and final_hf/
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -564,7 +561,12 @@ def train(config: GRPOConfig) -> dict:
     tokenizer = load_tokenizer(config.model, config.tokenizer)
     task = make_task(config.task, config.data, config.reward)
     check_prompt_lengths(task, tokenizer, config.max_prompt_tokens)
-    stop_token_ids = eos_stop(tokenizer, cfg, config.ignore_eos)
+    sampling = SamplingParams(
+        n=config.group_size,
+        max_tokens=config.max_new_tokens,
+        temperature=config.temperature,
+        stop_token_ids=eos_stop(tokenizer, cfg, config.ignore_eos),
+    )
     learner_devices = fsdp.pick_devices("--learner-devices", config.learner_devices)
     sampler_devices = fsdp.pick_devices("--sampler-devices", config.sampler_devices)
     learner, master, opt_state = build_learner(config, cfg, params, learner_devices)
@@ -577,7 +579,7 @@ def train(config: GRPOConfig) -> dict:
     data_sha256 = file_sha256(config.data)
     state, start = restore(config, checkpoints, state, data_rng, data_sha256)
     rollout = make_rollout(config, cfg, state["master"], learner, sampler_devices, start, out)
-    run = Run(config, cfg, task, tokenizer, stop_token_ids, rollout, learner, checkpoints, out)
+    run = Run(config, cfg, task, tokenizer, sampling, rollout, learner, checkpoints, out)
     metrics_path = out / "metrics.jsonl"
     if primary:
         open_metrics(metrics_path, start if config.resume else None)
@@ -674,13 +676,6 @@ def check_resume(meta: dict, config: GRPOConfig, data_sha256: str | None) -> Non
             meta["config"].get("steps"),
             config.steps,
         )
-
-
-def start_processes(config: GRPOConfig) -> None:
-    """Join the other processes of the run (before anything starts a JAX backend). On CPU their
-    collectives go through gloo (XLA's CPU client has no other cross-process implementation)."""
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(config.coordinator, config.num_processes, config.process_id)
 
 
 def claim_device_memory(fraction: str = "0.95") -> None:

@@ -1,7 +1,8 @@
 """Where train.grpo's completions come from: the in-process engines (`LocalRollout`, the default) or a
-running `serve.rollout` server (`RemoteRollout`). Both have `sample(prompts, group, max_new_tokens, temperature,
-seeds, stop_token_ids) -> [P][G] {tokens, logprobs (float32), policy_version}` and `push(policy, cfg, out_dir)`,
-and for the same weights, prompts, seeds and stop ids both return the same tokens and logprob bits.
+running `serve.rollout` server (`RemoteRollout`). Both have `sample(prompts, seeds, sampling) -> [P][n]
+{tokens, logprobs (float32), policy_version}` (prompt i sampled with seed seeds[i] and the one SamplingParams
+value) and `push(policy, cfg, out_dir)`, and for the same weights, prompts, seeds and sampling both return the
+same tokens and logprob bits.
 """
 
 import os
@@ -14,6 +15,7 @@ import numpy as np
 from rlkjax.checkpoint import save_orbax_params
 from rlkjax.client import RolloutClient
 from rlkjax.engine import Engine, EngineConfig
+from rlkjax.sampling_params import SamplingParams
 from train import fsdp
 
 
@@ -50,11 +52,10 @@ class LocalRollout:
                 with jax.default_device(device):
                     self.engines[device] = Engine(jax.device_put(local, device), cfg, numerics, sizing)
 
-    def sample(self, prompts, group, max_new_tokens, temperature, seeds, stop_token_ids):
+    def sample(self, prompts, seeds, sampling: SamplingParams):
         owners = [self.devices[i % len(self.devices)] for i in range(len(prompts))]
-        options = dict(n=group, max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop_token_ids)
         reqs = {
-            i: self.engines[device].submit(p, seed=s, **options)
+            i: self.engines[device].submit(p, sampling, seed=s)
             for i, (p, s, device) in enumerate(zip(prompts, seeds, owners))
             if device in self.engines
         }
@@ -66,10 +67,10 @@ class LocalRollout:
             if device in self.mesh.devices.flat:  # the learner's step gets the KV cache's memory until the next rollout
                 engine.release_cache()
         # Every process fills the rows it sampled; the exchange moves them as int32 bits.
-        shape = (len(prompts), group)
+        shape = (len(prompts), sampling.n)
         mine = {
-            "tokens": np.zeros((*shape, max_new_tokens), np.int32),
-            "logprob_bits": np.zeros((*shape, max_new_tokens), np.int32),
+            "tokens": np.zeros((*shape, sampling.max_tokens), np.int32),
+            "logprob_bits": np.zeros((*shape, sampling.max_tokens), np.int32),
             "length": np.zeros(shape, np.int32),
             "version": np.zeros(shape, np.int32),
         }
@@ -111,14 +112,18 @@ class RemoteRollout:
     def __init__(self, url, admin_key):
         self.client = RolloutClient(url, admin_key=admin_key or os.environ.get("RLKJAX_ADMIN_KEY"))
 
-    def sample(self, prompts, group, max_new_tokens, temperature, seeds, stop_token_ids):
+    def sample(self, prompts, seeds, sampling: SamplingParams):
+        carried = dict(n=sampling.n, max_tokens=sampling.max_tokens, temperature=sampling.temperature)
+        carried["stop_token_ids"] = sampling.stop_token_ids
+        if sampling != SamplingParams(**carried):
+            raise ValueError(f"{sampling} has fields /generate does not carry (it takes {sorted(carried)})")
         return self.client.generate(
             prompts,
-            n=group,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
+            n=sampling.n,
+            max_new_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
             seed=seeds,
-            stop_token_ids=stop_token_ids,
+            stop_token_ids=sampling.stop_token_ids,
         )
 
     def push(self, params, cfg, out_dir):
