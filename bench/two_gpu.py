@@ -3,7 +3,8 @@
 `python -m bench.two_gpu summarize RUN_DIR [--out JSON]`: one JSON row from RUN_DIR/metrics.jsonl:
 logprobs compared and bits differing over all steps, the first update's ratio range, mean seconds
 per step split into rollout / learn / sync (the first step, which compiles, left out when there are
-more), learner TFLOP/s per device and MFU, and the peak bytes of every device.
+more), learner TFLOP/s per device, MFU of the learner pass and of the whole GRPO step, and the peak
+bytes of every device.
 
 `python -m bench.two_gpu compare RUN_A RUN_B [--out JSON]`: the same run computed two ways (one
 process on N devices, N processes): every metric but timings, every array of the last checkpoint
@@ -17,8 +18,20 @@ from pathlib import Path
 
 import numpy as np
 
+from bench._report import provenance
+
 TIMINGS = {"tokens_per_s", "step_s", "rollout_s", "learn_s", "sync_s", "learner_tflops_per_device", "learner_mfu"}
 TIMINGS |= {"peak_bytes_per_device"}  # allocator state, not a result of the run
+
+
+def grpo_step_mfu(row: dict) -> float | None:
+    """A train.grpo metrics row's MFU over the whole GRPO step (rollout and weight sync included): its
+    learner_mfu (the learner's model FLOPs, rlkjax.flops, over the learner's time: verify pass and updates)
+    with the same FLOPs spread over step_s. None where the device has no known peak (the CPU)."""
+    if row.get("learner_mfu") is None:
+        return None
+    learner_s = row["step_s"] - row["rollout_s"] - row["sync_s"]
+    return row["learner_mfu"] * learner_s / row["step_s"]
 
 
 def metrics(run: Path) -> list[dict]:
@@ -30,10 +43,11 @@ def summarize(run: Path) -> dict:
     timed = rows[1:] or rows  # step 1 compiles every program
 
     def mean(key):
-        values = [r[key] for r in timed if key in r]
+        values = [r[key] for r in timed if r.get(key) is not None]
         return float(np.mean(values)) if values else None
 
     peaks = [r["peak_bytes_per_device"] for r in rows if "peak_bytes_per_device" in r]
+    timed = [r | {"grpo_step_mfu": grpo_step_mfu(r)} for r in timed]
     return {
         "run": str(run),
         "steps": len(rows),
@@ -49,7 +63,8 @@ def summarize(run: Path) -> dict:
         "learn_s": mean("learn_s"),
         "sync_s": mean("sync_s"),
         "learner_tflops_per_device": mean("learner_tflops_per_device"),
-        "learner_mfu": mean("learner_mfu"),
+        "learner_pass_mfu": mean("learner_mfu"),
+        "grpo_step_mfu": mean("grpo_step_mfu"),
         "peak_gib_per_device": [round(max(p) / 2**30, 2) for p in zip(*peaks)] if peaks else None,
     }
 
@@ -111,14 +126,14 @@ def compare(run_a: Path, run_b: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["summarize", "compare"])
-    parser.add_argument("runs", nargs="+", type=Path)
-    parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("what", choices=["summarize", "compare"], help="summarize one run, or compare two")
+    parser.add_argument("runs", nargs="+", type=Path, help="train.grpo --out directories")
+    parser.add_argument("--out", help="also write the JSON (with its provenance) here")
     args = parser.parse_args()
     if len(args.runs) != {"summarize": 1, "compare": 2}[args.what]:
         parser.error(f"{args.what} takes {'one run directory' if args.what == 'summarize' else 'two run directories'}")
     result = summarize(*args.runs) if args.what == "summarize" else compare(*args.runs)
-    text = json.dumps(result, indent=2)
+    text = json.dumps(provenance() | result, indent=2)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
