@@ -33,15 +33,17 @@ def check(answer: str, completion: str) -> float:
 
 
 def main() -> None:
+    # Replies go to the real stdout; anything the libraries print goes to stderr, not into the protocol.
+    replies, sys.stdout = sys.stdout, sys.stderr
     check("\\frac{1}{2}", "$\\boxed{0.5}$")
-    print(json.dumps({"ready": True}), flush=True)
+    print(json.dumps({"ready": True}), file=replies, flush=True)
     for line in sys.stdin:
         request = json.loads(line)
         try:
             reply = {"reward": check(request["answer"], request["completion"])}
         except Exception as e:  # reported to the trainer with its example, not raised there
             reply = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
-        print(json.dumps(reply), flush=True)
+        print(json.dumps(reply), file=replies, flush=True)
 
 
 if __name__ == "__main__":
