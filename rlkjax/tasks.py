@@ -112,17 +112,24 @@ class CustomReward:
 class MathTask:
     """Problems from a local JSONL, Parquet or CSV file (`prompt_field`, `answer_field` name the fields);
     reward 1 when math-verify finds the completion's answer equal to the reference (LaTeX, \\boxed{},
-    fractions, plain numbers), each check bounded by `timeout` seconds (rlkjax.rewards.MathVerifier)."""
+    fractions, plain numbers), each check bounded by `timeout` seconds, `workers` checks at a time
+    (rlkjax.rewards.MathVerifier)."""
 
-    def __init__(self, path, prompt_field: str = "prompt", answer_field: str = "answer", timeout: float = 5.0):
+    def __init__(
+        self, path, prompt_field: str = "prompt", answer_field: str = "answer", timeout: float = 5.0, workers: int = 1
+    ):
         self.examples = load_examples(path, prompt_field, answer_field)
-        self.verifier = MathVerifier(timeout)
+        self.verifier = MathVerifier(timeout, workers)
 
     def sample(self, rng, count):
         return [self.examples[i] for i in rng.integers(0, len(self.examples), count)]
 
     def check(self, example, completion) -> RewardResult:
         return self.verifier(completion, example.answer)
+
+    def check_many(self, examples, completions) -> list[RewardResult]:
+        """One result per (example, completion), checked in parallel over the workers."""
+        return self.verifier.check_many([(c, e.answer) for e, c in zip(examples, completions, strict=True)])
 
     def reward(self, example, completion):
         return self.check(example, completion).reward

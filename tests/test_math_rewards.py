@@ -53,6 +53,17 @@ def test_timeout_is_reported_and_the_next_check_works():
         assert v("\\boxed{\\frac{6}{4}}", "\\frac{3}{2}") == RewardResult(1.0)
 
 
+def test_a_batch_over_two_workers_keeps_order_and_bounds_each_check():
+    """check_many spreads a training step's completions over the workers: results come back in input
+    order, a check past its time fails alone (its worker is replaced) and the others still score."""
+    pairs = [("\\boxed{3}", "3"), (SLOW_ANSWER, "1"), ("\\boxed{\\frac{1}{3}}", "1/3"), ("4", "5"), ("so 8", "8")]
+    with MathVerifier(timeout=2.0, workers=2) as v:
+        results = v.check_many(pairs)
+        assert [r.reward for r in results] == [1.0, 0.0, 1.0, 0.0, 1.0]
+        assert [r.failure for r in results] == [None, "timeout", None, None, None]
+        assert v.check_many([]) == [] and v("\\boxed{9}", "9") == RewardResult(1.0)
+
+
 def test_bounded_from_a_thread(verifier):
     """math-verify's own timeout is SIGALRM-based and refuses to run off the main thread (this is why the
     checks run in a worker process); the verifier works from a trainer's or server's thread."""
@@ -108,5 +119,7 @@ def test_math_task_from_a_parquet_file(tmp_path):
         assert task.check(by_answer["\\frac{3}{4}"], "So the sum is $\\boxed{0.75}$") == RewardResult(1.0)
         assert task.reward(by_answer["5/2"], "10/4 = \\boxed{\\frac{5}{2}}") == 1.0
         assert task.reward(by_answer["42"], "\\boxed{43}") == 0.0
+        batch = task.check_many([by_answer["42"], by_answer["5/2"]], ["\\boxed{42}", "2.5"])
+        assert batch == [RewardResult(1.0), RewardResult(1.0)]
     finally:
         task.verifier.close()
