@@ -1,10 +1,10 @@
 """Verifier rewards: a completion's final answer checked against the reference with `math-verify`.
 
 `MathVerifier()(completion, answer)` returns a `RewardResult`: reward 1.0 when math-verify finds the
-completion's answer (in `\\boxed{}`, LaTeX, a fraction or a plain number; the last one it can parse)
-equal to the reference, else 0.0. A check that raises, or runs past `timeout` seconds, gets reward 0
-and a `failure` ("error" or "timeout") with a `detail`, which the trainer counts and reports with the
-example it failed on.
+completion's answer (a `\\boxed{}` one first, else the last LaTeX expression or plain number in the
+text; fractions and decimals compare by value) equal to the reference, else 0.0. A check that raises,
+or runs past `timeout` seconds, gets reward 0 and a `failure` ("error" or "timeout") with a `detail`,
+which the trainer counts and reports with the example it failed on.
 
 Why a worker process instead of math-verify's own `timeout_seconds`/`parsing_timeout`: those use
 SIGALRM, which works only in the main thread (from any other thread math-verify raises ValueError
