@@ -142,7 +142,9 @@ class GRPOConfig:
     weights; prompt i goes to the (i mod M)-th. They may be the learner's devices, overlap them, or not."""
     coordinator: str | None = None
     """HOST:PORT of process 0, to run as one of --num-processes processes (jax.distributed): every process runs
-    the same command with its own --process-id, and the devices above count over all of them. CPU runs use gloo."""
+    the same command with its own --process-id, and the devices above count over all of them. CPU runs use gloo.
+    Without it: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID if set, else SLURM's srun or
+    Open MPI's mpirun when they start several tasks (train/fsdp.py distributed_args)."""
     num_processes: int = 1
     """Processes of the run (one per host, or per GPU); more than 1 needs --coordinator."""
     process_id: int = 0
@@ -373,7 +375,7 @@ class LocalRollout:
     def sample(self, prompts, group, max_new_tokens, temperature, seeds):
         owners = [self.devices[i % len(self.devices)] for i in range(len(prompts))]
         reqs = {
-            i: self.engines[device].submit(p, n=group, max_new_tokens=max_new_tokens, temperature=temperature, seed=s)
+            i: self.engines[device].submit(p, n=group, max_tokens=max_new_tokens, temperature=temperature, seed=s)
             for i, (p, s, device) in enumerate(zip(prompts, seeds, owners))
             if device in self.engines
         }
@@ -496,13 +498,6 @@ def checkpoint_state(master, opt_state, ref) -> dict:
     return {"master": master, "opt_state": opt_state} | ({"ref": ref} if ref is not None else {})
 
 
-def start_processes(config: GRPOConfig) -> None:
-    """Join the other processes of the run (before anything starts a JAX backend). On CPU their
-    collectives go through gloo (XLA's CPU client has no other cross-process implementation)."""
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(config.coordinator, config.num_processes, config.process_id)
-
-
 def learner_flops(cfg, batch: Batch, config: GRPOConfig) -> float:
     """Model FLOPs of one step's learner work: 2 x matmul params per token per forward pass, a backward
     pass counting two; over every real token (prompt and completion) of the batch. Attention's own
@@ -524,8 +519,7 @@ def peak_flops(device) -> float | None:
 
 
 def train(config: GRPOConfig) -> dict:
-    if config.coordinator:
-        start_processes(config)
+    fsdp.join_processes(config.coordinator, config.num_processes, config.process_id)  # or from the environment
     primary = jax.process_index() == 0  # writes metrics.jsonl, plot.png and final_hf/
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -567,10 +561,7 @@ def train(config: GRPOConfig) -> dict:
         max(config.steps * config.updates_per_batch, config.warmup_steps + 1),
         end_value=0.1 * config.learning_rate,
     )
-    optimizer = optax.chain(
-        fsdp.clip_by_global_norm(config.max_grad_norm, mesh, specs),
-        optax.adamw(schedule, weight_decay=config.weight_decay),
-    )
+    optimizer = fsdp.adamw(schedule, config.max_grad_norm, config.weight_decay, mesh, specs)
     opt_state = optimizer.init(master)
 
     # The state is donated: the old one is dropped either way (a non-finite update stops the run), and at
