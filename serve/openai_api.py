@@ -29,9 +29,9 @@ import time
 from aiohttp import web
 
 import rlkjax
+from rlkjax.chat import ChatTemplateError, message_text
 from rlkjax.requests import MAX_TOP_LOGPROBS
 from rlkjax.sampling_params import SamplingParams
-from serve.chat import ChatTemplateError, message_text
 from serve.http import BadRequest, RequestTimeout, ShuttingDown, _fields, _json, _json_response, _opt, _prompts
 from serve.text import SampleText, offsets, token_pieces
 

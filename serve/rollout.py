@@ -39,13 +39,13 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from rlkjax.chat import load_chat_template
 from rlkjax.checkpoint import load_model
 from rlkjax.engine import Engine, EngineConfig, Request
 from rlkjax.requests import check_int, check_seed, sample_seed
 from rlkjax.sampling_params import SamplingParams
 from rlkjax.tokenizer import load_tokenizer
 from serve import openai_api
-from serve.chat import load_chat_template
 from serve.http import (
     BadRequest,
     RequestTimeout,

@@ -14,8 +14,8 @@ import openai
 import pytest
 
 import rlkjax
+from rlkjax.chat import DEFAULT_TEMPLATE, ChatTemplate
 from rlkjax.tokenizer import load_tokenizer
-from serve.chat import DEFAULT_TEMPLATE, ChatTemplate
 from serve.openai_api import CHAT_FIELDS, COMPLETION_FIELDS
 from serve.text import token_pieces
 from tests.conftest import assert_bits_equal

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from rlkjax.chat import DEFAULT_TEMPLATE, ChatTemplate, ChatTemplateError, load_chat_template, message_text
 from rlkjax.engine import Engine, EngineConfig
 from rlkjax.tokenizer import ByteTokenizer, load_tokenizer
-from serve.chat import DEFAULT_TEMPLATE, ChatTemplate, ChatTemplateError, load_chat_template, message_text
 from serve.text import SampleText, offsets, token_pieces
 from tests.conftest import assert_bits_equal
 
