@@ -70,6 +70,16 @@ class ChatTemplate:
             raise ChatTemplateError(f"the chat template refused the messages: {e}") from None
 
 
+def _tokenizer_config(tokenizer) -> dict:
+    directory = getattr(tokenizer, "directory", None)
+    path = Path(directory) / "tokenizer_config.json" if directory is not None else None
+    return json.loads(path.read_text()) if path is not None and path.exists() else {}
+
+
+def _special_tokens(config: dict) -> dict:
+    return {name: _token_text(config[name]) for name in SPECIAL_TOKENS if config.get(name) is not None}
+
+
 def load_chat_template(tokenizer) -> ChatTemplate:
     """The template of the tokenizer's checkpoint (`tokenizer.directory`), DEFAULT_TEMPLATE for the byte
     tokenizer, or None for a checkpoint without one: its chat route then answers 400 rather than make up a
@@ -77,16 +87,52 @@ def load_chat_template(tokenizer) -> ChatTemplate:
     directory = getattr(tokenizer, "directory", None)
     if directory is None:
         return ChatTemplate(DEFAULT_TEMPLATE, {})
-    config_path = Path(directory) / "tokenizer_config.json"
-    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    config = _tokenizer_config(tokenizer)
     source = config.get("chat_template")
     if isinstance(source, list):  # named templates: HF uses "default"
         source = next((t["template"] for t in source if t.get("name") == "default"), None)
     jinja_file = Path(directory) / "chat_template.jinja"
     if source is None and jinja_file.exists():
         source = jinja_file.read_text()
-    special = {name: _token_text(config[name]) for name in SPECIAL_TOKENS if config.get(name) is not None}
-    return None if source is None else ChatTemplate(source, special)
+    return None if source is None else ChatTemplate(source, _special_tokens(config))
+
+
+class PromptFormat:
+    """A task's prompt text -> the text sampled after: a user message (after `system_prompt`, if any)
+    rendered with `template` and the assistant's generation prompt, as /v1/chat/completions renders it;
+    the text unchanged when `template` is None. `enable_thinking` is Qwen3's switch (its template adds an
+    empty <think></think> block when it is False; templates without the switch ignore it)."""
+
+    def __init__(self, template: ChatTemplate | None, system_prompt: str | None = None, enable_thinking: bool = True):
+        self.template, self.system_prompt, self.enable_thinking = template, system_prompt, enable_thinking
+
+    def __call__(self, prompt: str) -> str:
+        if self.template is None:
+            return prompt
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt is not None else []
+        messages = [*system, {"role": "user", "content": prompt}]
+        return self.template.render(messages, add_generation_prompt=True, enable_thinking=self.enable_thinking)
+
+
+def prompt_format(choice: str, tokenizer, system_prompt: str | None = None, enable_thinking: bool = True):
+    """choice: "auto" (the checkpoint's chat template; plain text for the byte tokenizer of the presets or a
+    checkpoint without a template), "none" (plain text), or the path of a Jinja template file (rendered with
+    the checkpoint's special tokens). A system prompt or thinking switch with no template is an error: it
+    would be silently dropped."""
+    if choice == "none":
+        template = None
+    elif choice == "auto":
+        template = load_chat_template(tokenizer) if getattr(tokenizer, "directory", None) is not None else None
+    else:
+        path = Path(choice)
+        if not path.is_file():
+            raise ValueError(f"chat template {choice!r}: not 'auto', 'none' or a template file")
+        template = ChatTemplate(path.read_text(), _special_tokens(_tokenizer_config(tokenizer)))
+    if template is None and system_prompt is not None:
+        raise ValueError(f"a system prompt needs a chat template (chat template {choice!r} gives plain prompts)")
+    if template is None and not enable_thinking:
+        raise ValueError(f"the thinking switch needs a chat template (chat template {choice!r} gives plain prompts)")
+    return PromptFormat(template, system_prompt, enable_thinking)
 
 
 def message_text(content) -> str:

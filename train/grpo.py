@@ -63,6 +63,7 @@ from tqdm import tqdm
 
 import rlkjax
 from rlkjax import model
+from rlkjax.chat import PromptFormat, prompt_format
 from rlkjax.checkpoint import load_model
 from rlkjax.requests import check_seed, check_temperature
 from rlkjax.sampling_params import SamplingParams
@@ -91,6 +92,15 @@ class GRPOConfig:
     """Prompts and reward: lowercase (default demo), arithmetic (a+b=), gsm8k (needs --data)."""
     data: str | None = None
     """GSM8K-format JSONL file for --task gsm8k."""
+    chat_template: str = "auto"
+    """How a task's prompt becomes the text sampled after: auto (a user message rendered with the checkpoint's chat
+    template, as /v1/chat/completions renders it; plain text for a preset or a checkpoint without a template), none
+    (plain text), or a Jinja template FILE. Prompt lengths are checked after rendering."""
+    system_prompt: str | None = None
+    """A system message before each prompt (needs a chat template)."""
+    enable_thinking: bool = True
+    """Qwen3's thinking switch: --no-enable-thinking renders an empty <think></think> block after the
+    generation prompt, so the model answers directly (templates without the switch ignore it)."""
     reward: str | None = None
     """Optional user reward `module:function(prompt_text, completion_text) -> float`, replacing the task's."""
     steps: int = 80
@@ -292,6 +302,7 @@ class Run(NamedTuple):
     cfg: rlkjax.ModelConfig
     task: object  # rlkjax.tasks: .sample(rng, n) -> examples, .reward(example, text) -> float
     tokenizer: object
+    render: PromptFormat  # a task's prompt text -> the text sampled after (chat-formatted or not)
     sampling: SamplingParams  # every completion's: n = G, max_tokens, temperature, the eos stop rule
     rollout: LocalRollout | RemoteRollout
     learner: Learner
@@ -303,7 +314,7 @@ def rollout_batch(step: int, run: Run, data_rng) -> tuple[list, list, Batch, dic
     """1-2. Sample P prompts x G completions, reward them, group-normalise -> (prompts, groups, Batch, row)."""
     config = run.config
     examples = run.task.sample(data_rng, config.prompts_per_step)
-    prompts = [run.tokenizer.encode(e.prompt) for e in examples]
+    prompts = [run.tokenizer.encode(run.render(e.prompt)) for e in examples]
     seeds = [int(s) for s in data_rng.integers(0, 2**32, config.prompts_per_step)]
     groups = run.rollout.sample(prompts, seeds, run.sampling)
     rewards = np.array(
@@ -397,7 +408,8 @@ def train(config: GRPOConfig) -> dict:
         )
     tokenizer = load_tokenizer(config.model, config.tokenizer)
     task = make_task(config.task, config.data, config.reward)
-    check_prompt_lengths(task, tokenizer, config.max_prompt_tokens)
+    render = prompt_format(config.chat_template, tokenizer, config.system_prompt, config.enable_thinking)
+    check_prompt_lengths(task, tokenizer, config.max_prompt_tokens, render)
     sampling = SamplingParams(
         n=config.group_size,
         max_tokens=config.max_new_tokens,
@@ -416,7 +428,7 @@ def train(config: GRPOConfig) -> dict:
     data_sha256 = file_sha256(config.data)
     state, start = restore(config, checkpoints, state, data_rng, data_sha256)
     rollout = make_rollout(config, cfg, state["master"], learner, sampler_devices, start, out)
-    run = Run(config, cfg, task, tokenizer, sampling, rollout, learner, checkpoints, out)
+    run = Run(config, cfg, task, tokenizer, render, sampling, rollout, learner, checkpoints, out)
     metrics_path = out / "metrics.jsonl"
     if primary:
         open_metrics(metrics_path, start if config.resume else None)
