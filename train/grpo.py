@@ -50,6 +50,7 @@ Deviations from the GRPO paper (Shao et al., 2024), each on purpose:
 
 import dataclasses
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -77,6 +78,7 @@ from train.guards import check_prompt_lengths, check_rewards
 from train.learner import Learner, build_learner, learn, verify
 from train.metrics import append_row, open_metrics, plot, throughput
 from train.rollout import LocalRollout, RemoteRollout, eos_stop
+from train.scoring import group_rewards
 
 log = logging.getLogger("train.grpo")
 
@@ -88,10 +90,19 @@ class GRPOConfig:
     tokenizer: str | None = None
     """'bytes' or a directory with tokenizer.json. Default: bytes for a preset, the checkpoint's tokenizer.json
     otherwise."""
-    task: Literal["lowercase", "arithmetic", "gsm8k"] = "lowercase"
-    """Prompts and reward: lowercase (default demo), arithmetic (a+b=), gsm8k (needs --data)."""
+    task: Literal["lowercase", "arithmetic", "gsm8k", "math"] = "lowercase"
+    """Prompts and reward: lowercase (default demo), arithmetic (a+b=), gsm8k (needs --data), math (needs --data;
+    answers checked by math-verify: LaTeX, \\boxed{}, fractions, plain numbers)."""
     data: str | None = None
-    """GSM8K-format JSONL file for --task gsm8k."""
+    """The task's local data file: GSM8K-format JSONL for --task gsm8k; a .jsonl, .parquet or .csv file of problems
+    for --task math."""
+    prompt_field: str = "prompt"
+    """--task math: the data file's field (column) holding each problem."""
+    answer_field: str = "answer"
+    """--task math: the data file's field (column) holding each reference answer."""
+    reward_timeout: float = 5.0
+    """--task math: seconds one answer check may take; past it the check is stopped and the completion scores 0
+    (counted in the metrics row's reward_failures and reward_timeouts, and logged with the example)."""
     chat_template: str = "auto"
     """How a task's prompt becomes the text sampled after: auto (a user message rendered with the checkpoint's chat
     template, as /v1/chat/completions renders it; plain text for a preset or a checkpoint without a template), none
@@ -238,8 +249,12 @@ class GRPOConfig:
             raise ValueError(f"--num-processes={self.num_processes} needs --coordinator HOST:PORT (process 0's)")
         if self.num_processes > 1 and self.rollout_url:
             raise ValueError("--rollout-url runs with one learner process (--num-processes=1)")
-        if self.data is not None and self.task != "gsm8k":
-            raise ValueError(f"--data {self.data!r} is read only by --task gsm8k (--task {self.task} would ignore it)")
+        if self.data is not None and self.task not in ("gsm8k", "math"):
+            raise ValueError(
+                f"--data {self.data!r} is read only by --task gsm8k and math (--task {self.task} would ignore it)"
+            )
+        if not (math.isfinite(self.reward_timeout) and self.reward_timeout > 0):
+            raise ValueError(f"--reward-timeout={self.reward_timeout!r} must be a positive number of seconds")
 
 
 # ----- the algorithm: advantages and the learner's loss -----
@@ -317,10 +332,8 @@ def rollout_batch(step: int, run: Run, data_rng) -> tuple[list, list, Batch, dic
     prompts = [run.tokenizer.encode(run.render(e.prompt)) for e in examples]
     seeds = [int(s) for s in data_rng.integers(0, 2**32, config.prompts_per_step)]
     groups = run.rollout.sample(prompts, seeds, run.sampling)
-    rewards = np.array(
-        [[run.task.reward(e, run.tokenizer.decode(s["tokens"])) for s in g] for e, g in zip(examples, groups)],
-        np.float64,
-    )
+    texts = [[run.tokenizer.decode(s["tokens"]) for s in g] for g in groups]
+    rewards, failures = group_rewards(f"step {step}", run.task, examples, texts)
     check_rewards(step, rewards, [e.prompt for e in examples])
     adv = group_advantages(rewards, config.scale_advantages)
     samples = [
@@ -342,7 +355,7 @@ def rollout_batch(step: int, run: Run, data_rng) -> tuple[list, list, Batch, dic
         "reward_std": float(rewards.std()),
         "entropy_estimate": float(-(batch.logp_old * batch.mask).sum() / total_tokens),
         "completion_tokens_mean": total_tokens / len(samples),  # below --max-new-tokens when eos ends some
-    }
+    } | failures
     return prompts, groups, batch, row
 
 
@@ -407,7 +420,9 @@ def train(config: GRPOConfig) -> dict:
             f"exceeds the model's context of {cfg.max_position} tokens"
         )
     tokenizer = load_tokenizer(config.model, config.tokenizer)
-    task = make_task(config.task, config.data, config.reward)
+    task = make_task(
+        config.task, config.data, config.reward, config.prompt_field, config.answer_field, config.reward_timeout
+    )
     render = prompt_format(config.chat_template, tokenizer, config.system_prompt, config.enable_thinking)
     check_prompt_lengths(task, tokenizer, config.max_prompt_tokens, render)
     sampling = SamplingParams(

@@ -1,0 +1,49 @@
+"""Rewards of sampled completions, never stopping the run for a reward that fails: a reward that raises, or a
+math-verify check that runs past --reward-timeout, scores 0 and is counted (the row's `reward_failures`, of
+which `reward_timeouts` ran out of time) and logged as a warning naming the example (its file and line) and
+what went wrong. A reward that returns NaN or infinity still stops the run (train/guards.py check_rewards):
+that is a bug in the reward, not a slow or odd completion.
+"""
+
+import logging
+
+import numpy as np
+
+from rlkjax.rewards import RewardResult, checked_reward
+
+log = logging.getLogger("train.grpo")
+
+
+def score(task, examples: list, texts: list[str]) -> list[RewardResult]:
+    """One RewardResult per (example, completion text): a batch checked in parallel where the task can
+    (math-verify's worker pool), else one by one."""
+    check_many = getattr(task, "check_many", None)
+    if check_many is not None:
+        return check_many(examples, texts)
+    return [checked_reward(task, e, t) for e, t in zip(examples, texts, strict=True)]
+
+
+def group_rewards(where: str, task, examples: list, texts: list[list[str]]) -> tuple[np.ndarray, dict]:
+    """texts [P][G] completions of `examples` [P] -> (rewards [P, G] float64, the row's failure counts).
+    `where` names the step (or evaluation) in the warnings."""
+    flat_examples = [e for e, g in zip(examples, texts, strict=True) for _ in g]
+    results = score(task, flat_examples, [t for g in texts for t in g])
+    group = len(texts[0]) if texts else 1
+    for index, result in enumerate(results):
+        if result.failure is not None:
+            example = flat_examples[index]
+            log.warning(
+                "%s: the reward of prompt %d, sample %d (%s) failed (%s: %s); it counts as 0",
+                where,
+                index // group,
+                index % group,
+                example.source or repr(example.prompt[:80]),
+                result.failure,
+                result.detail,
+            )
+    rewards = np.array([r.reward for r in results], np.float64).reshape(len(texts), group)
+    counts = {
+        "reward_failures": sum(r.failure is not None for r in results),
+        "reward_timeouts": sum(r.failure == "timeout" for r in results),
+    }
+    return rewards, counts
