@@ -245,7 +245,7 @@ def test_server_e2e_scores_every_completion_and_swaps_weights(tmp_path):
     """bench.server_e2e against a real server on loopback: every completion's logprob bits checked, and
     /update_weights timed, the next completion on the new version with the new weights' bits."""
     out = tmp_path / "server.json"
-    sizes = ["--requests", "3", "--max-prompt", "16", "--max-new-tokens", "8", "--max-batch", "4"]
+    sizes = ["--requests", "3", "--max-prompt", "24", "--max-new-tokens", "8", "--max-batch", "4"]  # the swap: 16 + 16
     sizes += ["--decode-steps", "2", "--num-pages", "64", "--server-flags=--no-warmup"]
     run_module("server_e2e", *sizes, "--update-weights", "--port", str(free_port()), "--out", str(out))
     report = json.loads(out.read_text())
