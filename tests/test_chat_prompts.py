@@ -56,14 +56,13 @@ def test_bad_choices(tokenizer, choice, kwargs, match):
 
 
 def test_lengths_are_checked_after_rendering(tokenizer):
-    class Task:
-        examples = [Example("What is 2+2?", "4", "data.jsonl:1")]
+    examples = [Example("What is 2+2?", "4", "data.jsonl:1")]
 
     render = prompt_format("auto", tokenizer)
     plain = len(tokenizer.encode("What is 2+2?"))
-    check_prompt_lengths(Task, tokenizer, plain)  # fits as plain text
+    check_prompt_lengths(examples, tokenizer, plain)  # fits as plain text
     rendered = len(tokenizer.encode(render("What is 2+2?")))
     assert rendered == plain + 8  # <|im_start|>user\n ... <|im_end|>\n<|im_start|>assistant\n
     with pytest.raises(ValueError, match=f"data.jsonl:1: the prompt is {rendered} tokens"):
-        check_prompt_lengths(Task, tokenizer, plain, render)
-    check_prompt_lengths(Task, tokenizer, rendered, render)
+        check_prompt_lengths(examples, tokenizer, plain, render)
+    check_prompt_lengths(examples, tokenizer, rendered, render)

@@ -44,6 +44,8 @@ RESUMABLE_CHANGES = frozenset(
         "out",
         "data",
         "progress",
+        "eval_data",  # evaluation samples with its own seeds: the training trajectory is the same without it
+        "eval_every",
         "checkpoint_every",
         "keep_checkpoints",
         "remat",  # recomputes, same bits (tests/test_grpo.py)

@@ -74,6 +74,7 @@ from rlkjax.tokenizer import load_tokenizer
 from train import fsdp
 from train.batch import Batch, LossStats, pack
 from train.checkpoints import Checkpoints, config_changes, file_sha256, run_config
+from train.evaluate import due, evaluate, load_eval_set
 from train.guards import check_prompt_lengths, check_rewards
 from train.learner import Learner, build_learner, learn, verify
 from train.metrics import append_row, open_metrics, plot, throughput
@@ -112,6 +113,11 @@ class GRPOConfig:
     enable_thinking: bool = True
     """Qwen3's thinking switch: --no-enable-thinking renders an empty <think></think> block after the
     generation prompt, so the model answers directly (templates without the switch ignore it)."""
+    eval_data: str | None = None
+    """A held-out file in --data's format and fields (--task gsm8k or math): evaluated before training and every
+    --eval-every steps through the same rollout: greedy and sampled pass@1, pass@k for k <= --group-size."""
+    eval_every: int = 10
+    """Steps between evaluations of --eval-data (and one after the last step)."""
     reward: str | None = None
     """Optional user reward `module:function(prompt_text, completion_text) -> float`, replacing the task's."""
     steps: int = 80
@@ -209,6 +215,7 @@ class GRPOConfig:
             "micro_batch",
             "num_processes",
             "keep_checkpoints",
+            "eval_every",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -253,6 +260,8 @@ class GRPOConfig:
             raise ValueError(
                 f"--data {self.data!r} is read only by --task gsm8k and math (--task {self.task} would ignore it)"
             )
+        if self.eval_data is not None and self.task not in ("gsm8k", "math"):
+            raise ValueError(f"--eval-data {self.eval_data!r} is for --task gsm8k and math (a file of problems)")
         if not (math.isfinite(self.reward_timeout) and self.reward_timeout > 0):
             raise ValueError(f"--reward-timeout={self.reward_timeout!r} must be a positive number of seconds")
 
@@ -325,8 +334,9 @@ class Run(NamedTuple):
     out: Path
 
 
-def rollout_batch(step: int, run: Run, data_rng) -> tuple[list, list, Batch, dict]:
-    """1-2. Sample P prompts x G completions, reward them, group-normalise -> (prompts, groups, Batch, row)."""
+def rollout_batch(step: int, run: Run, data_rng) -> tuple[list, list, Batch, dict, list]:
+    """1-2. Sample P prompts x G completions, reward them, group-normalise -> (prompts, groups, Batch, row, the
+    samples' table: prompt, completion and reward text)."""
     config = run.config
     examples = run.task.sample(data_rng, config.prompts_per_step)
     prompts = [run.tokenizer.encode(run.render(e.prompt)) for e in examples]
@@ -356,15 +366,15 @@ def rollout_batch(step: int, run: Run, data_rng) -> tuple[list, list, Batch, dic
         "entropy_estimate": float(-(batch.logp_old * batch.mask).sum() / total_tokens),
         "completion_tokens_mean": total_tokens / len(samples),  # below --max-new-tokens when eos ends some
     } | failures
-    return prompts, groups, batch, row
+    return prompts, groups, batch, row, []
 
 
-def grpo_step(step: int, run: Run, state: dict, data_rng) -> tuple[dict, dict]:
+def grpo_step(step: int, run: Run, state: dict, data_rng) -> tuple[dict, dict, list]:
     """One step (numbered from 1): rollout, rewards, optional verification, updates, weight sync.
-    -> (the new state, the step's metrics row)."""
+    -> (the new state, the step's metrics row, its samples' table)."""
     config, cfg = run.config, run.cfg
     t0 = time.perf_counter()
-    prompts, groups, batch, row = rollout_batch(step, run, data_rng)
+    prompts, groups, batch, row, samples = rollout_batch(step, run, data_rng)
     t1 = time.perf_counter()
     # Optional recomputation of logp_old by the learner (TIS needs it; --verify-logprobs checks it).
     if config.verify_logprobs or config.tis_cap:
@@ -404,7 +414,7 @@ def grpo_step(step: int, run: Run, state: dict, data_rng) -> tuple[dict, dict]:
     memory = fsdp.peak_memory()
     if memory:
         row["peak_bytes_per_device"] = memory  # jax.devices() order, since the start of the run
-    return state, row
+    return state, row, samples
 
 
 def train(config: GRPOConfig) -> dict:
@@ -424,7 +434,9 @@ def train(config: GRPOConfig) -> dict:
         config.task, config.data, config.reward, config.prompt_field, config.answer_field, config.reward_timeout
     )
     render = prompt_format(config.chat_template, tokenizer, config.system_prompt, config.enable_thinking)
-    check_prompt_lengths(task, tokenizer, config.max_prompt_tokens, render)
+    eval_set = load_eval_set(config, make_task)
+    for examples in (getattr(task, "examples", ()), eval_set):
+        check_prompt_lengths(examples, tokenizer, config.max_prompt_tokens, render)
     sampling = SamplingParams(
         n=config.group_size,
         max_tokens=config.max_new_tokens,
@@ -444,14 +456,20 @@ def train(config: GRPOConfig) -> dict:
     state, start = restore(config, checkpoints, state, data_rng, data_sha256)
     rollout = make_rollout(config, cfg, state["master"], learner, sampler_devices, start, out)
     run = Run(config, cfg, task, tokenizer, render, sampling, rollout, learner, checkpoints, out)
-    metrics_path = out / "metrics.jsonl"
+    metrics_path, resumed = out / "metrics.jsonl", start if config.resume else None
     if primary:
-        open_metrics(metrics_path, start if config.resume else None)
+        open_metrics(metrics_path, resumed)
     history = []
+    if eval_set and start == 0:  # the starting point of the eval curves: the initial policy, as row 0
+        history.append({"step": 0, "policy_version": 0} | evaluate(0, run, eval_set))
+        if primary:
+            append_row(metrics_path, history[-1])
     bar = tqdm(range(start, config.steps), initial=start, total=config.steps, disable=not config.progress, desc="grpo")
     try:
         for step in bar:
-            state, row = grpo_step(step + 1, run, state, data_rng)
+            state, row, samples = grpo_step(step + 1, run, state, data_rng)
+            if due(step + 1, config):  # the policy after this step's update, which the rollout now holds
+                row |= evaluate(step + 1, run, eval_set)
             history.append(row)
             if primary:
                 append_row(metrics_path, row)

@@ -106,10 +106,10 @@ def check_rewards(step: int, rewards: np.ndarray, prompts: list[str]) -> None:
 
 
 # ----- prompts that cannot be sampled -----
-def check_prompt_lengths(task, tokenizer, max_prompt_tokens: int, render=lambda prompt: prompt) -> None:
-    """Every prompt of a file-backed task fits max_prompt_tokens as sampled, after `render` (the chat
-    template), found now, not when it is sampled."""
-    for example in getattr(task, "examples", ()):
+def check_prompt_lengths(examples, tokenizer, max_prompt_tokens: int, render=lambda prompt: prompt) -> None:
+    """Every prompt of a data file (a file-backed task's `examples`, an eval set) fits max_prompt_tokens as
+    sampled, after `render` (the chat template), found now, not when it is sampled."""
+    for example in examples:
         length = len(tokenizer.encode(render(example.prompt)))
         if not 0 < length <= max_prompt_tokens:
             raise ValueError(

@@ -86,18 +86,21 @@ def append_row(path: Path, row: dict) -> None:
 
 
 def plot(out: Path) -> None:
-    """reward, mismatch, ratio/KL and throughput over steps -> out/plot.png (all steps in metrics.jsonl)."""
+    """reward, mismatch, ratio/KL, throughput and (with --eval-data) the evaluation's pass rates over steps ->
+    out/plot.png (all steps in metrics.jsonl; row 0, the initial policy's evaluation, has eval fields only)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    every = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in every if "reward_mean" in r]  # the training steps
+    evals = [r for r in every if "eval_pass@1" in r]
     steps = [r["step"] for r in rows]
-    fig, ax = plt.subplots(2, 2, figsize=(11, 7))
+    fig, ax = plt.subplots(2, 3 if evals else 2, figsize=(16 if evals else 11, 7), squeeze=False)
     ax[0, 0].plot(steps, [r["reward_mean"] for r in rows])
     ax[0, 0].set_title("reward (mean over P x G)")
-    if "tokens_bits_differ" in rows[0]:
+    if rows and "tokens_bits_differ" in rows[0]:
         ax[0, 1].plot(steps, [r["tokens_bits_differ"] for r in rows], label="tokens whose bits differ")
         ax[0, 1].plot(steps, [r["max_abs_delta"] for r in rows], label="max |delta logprob|")
         ax[0, 1].legend()
@@ -109,6 +112,14 @@ def plot(out: Path) -> None:
     ax[1, 0].set_title("importance ratio")
     ax[1, 1].plot(steps, [r["tokens_per_s"] for r in rows])
     ax[1, 1].set_title("trained tokens / s")
+    if evals:
+        names = [k for k in evals[-1] if k.startswith("eval_pass@")]
+        for name in names:
+            ax[0, 2].plot([r["step"] for r in evals], [r[name] for r in evals], marker="o", label=name[5:])
+        ax[0, 2].legend()
+        ax[0, 2].set_title("held-out evaluation (after the step's update)")
+        ax[1, 2].plot([r["step"] for r in evals], [r["eval_reward_mean"] for r in evals], marker="o")
+        ax[1, 2].set_title("held-out mean reward (sampled)")
     for a in ax.flat:
         a.set_xlabel("step")
     fig.tight_layout()
