@@ -46,6 +46,9 @@ RESUMABLE_CHANGES = frozenset(
         "progress",
         "eval_data",  # evaluation samples with its own seeds: the training trajectory is the same without it
         "eval_every",
+        "logger",
+        "table_every",
+        "wandb_project",
         "checkpoint_every",
         "keep_checkpoints",
         "remat",  # recomputes, same bits (tests/test_grpo.py)

@@ -77,6 +77,7 @@ from train.checkpoints import Checkpoints, config_changes, file_sha256, run_conf
 from train.evaluate import due, evaluate, load_eval_set
 from train.guards import check_prompt_lengths, check_rewards
 from train.learner import Learner, build_learner, learn, verify
+from train.loggers import Loggers, sample_table
 from train.metrics import append_row, open_metrics, plot, throughput
 from train.rollout import LocalRollout, RemoteRollout, eos_stop
 from train.scoring import group_rewards
@@ -203,6 +204,14 @@ class GRPOConfig:
     logged)."""
     progress: bool = True
     """Show a progress bar."""
+    logger: Literal["jsonl", "tensorboard", "wandb"] = "jsonl"
+    """Where the metrics rows go besides OUT/metrics.jsonl (always written): TensorBoard event files in OUT/tensorboard
+    or a Weights & Biases run in OUT/wandb (optional extras: pip install -e ".[tensorboard]" / ".[wandb]")."""
+    table_every: int = 10
+    """Every this many steps, the step's prompts, completions and rewards go to OUT/samples.jsonl and the logger's
+    table (0 = never)."""
+    wandb_project: str = "rlkjax"
+    """--logger wandb: the W&B project."""
 
     def __post_init__(self):
         positive = (
@@ -222,6 +231,8 @@ class GRPOConfig:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be positive")
         if self.group_size < 2:
             raise ValueError(f"--group-size={self.group_size} must be >= 2 (advantages compare samples of one prompt)")
+        if self.table_every < 0:
+            raise ValueError(f"--table-every={self.table_every} must be >= 0 (0: no sample tables)")
         if self.checkpoint_every < 0:
             raise ValueError(f"--checkpoint-every={self.checkpoint_every} must be >= 0 (0: no checkpoints)")
         if self.warmup_steps < 0:
@@ -366,7 +377,7 @@ def rollout_batch(step: int, run: Run, data_rng) -> tuple[list, list, Batch, dic
         "entropy_estimate": float(-(batch.logp_old * batch.mask).sum() / total_tokens),
         "completion_tokens_mean": total_tokens / len(samples),  # below --max-new-tokens when eos ends some
     } | failures
-    return prompts, groups, batch, row, []
+    return prompts, groups, batch, row, sample_table(step, examples, texts, rewards)
 
 
 def grpo_step(step: int, run: Run, state: dict, data_rng) -> tuple[dict, dict, list]:
@@ -460,10 +471,12 @@ def train(config: GRPOConfig) -> dict:
     if primary:
         open_metrics(metrics_path, resumed)
     history = []
+    loggers = Loggers(config.logger, out, run_config(config), config.wandb_project, resumed) if primary else None
     if eval_set and start == 0:  # the starting point of the eval curves: the initial policy, as row 0
         history.append({"step": 0, "policy_version": 0} | evaluate(0, run, eval_set))
         if primary:
             append_row(metrics_path, history[-1])
+            loggers.log(0, history[-1])
     bar = tqdm(range(start, config.steps), initial=start, total=config.steps, disable=not config.progress, desc="grpo")
     try:
         for step in bar:
@@ -473,6 +486,9 @@ def train(config: GRPOConfig) -> dict:
             history.append(row)
             if primary:
                 append_row(metrics_path, row)
+                loggers.log(step + 1, row)
+                if config.table_every and (step + 1) % config.table_every == 0:
+                    loggers.table(step + 1, samples)
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", mismatch=row.get("tokens_bits_differ", "-"))
             # Checkpoints (with checksums, the config and the data state; see train/checkpoints.py).
             if config.checkpoint_every and ((step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps):
@@ -485,6 +501,8 @@ def train(config: GRPOConfig) -> dict:
     finally:
         # A save in flight completes, so the last good checkpoint is on disk whatever stopped the run.
         checkpoints.close()
+        if loggers is not None:
+            loggers.close()
     final = fsdp.to_host(to_policy(state["master"], cfg))  # every process takes part in the gather
     if primary:
         rlkjax.save_hf_checkpoint(out / "final_hf", cfg, final)
