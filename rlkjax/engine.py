@@ -34,7 +34,7 @@ from rlkjax.config import ModelConfig
 from rlkjax.model import forward, init_kv_cache, rope_tables, sample, sample_truncated, sample_with_alternatives
 from rlkjax.numerics import PAGE_SIZE, Numerics, ops
 from rlkjax.requests import MAX_TOP_LOGPROBS, check_int, check_tokens, sample_seed
-from rlkjax.sampling_params import SamplingParams
+from rlkjax.sampling_params import SamplingParams, at_stop
 from rlkjax.shapes import bucket, cdiv
 
 
@@ -164,7 +164,7 @@ class Request:
     id: int
     prompt: list[int]
     sampling: SamplingParams
-    stop_ids: frozenset  # the ids that end a sample: sampling.stop_token_ids, and the engine's eos unless ignore_eos
+    stop_ids: tuple[int, ...]  # the ids that end a sample: sampling.stop_ids(the engine's eos)
     group: object = None  # admission takes turns between groups (the server: one per HTTP request); None = its own
     results: list = dataclasses.field(default_factory=list)  # Completion per sample index, None until done
     pending_forks: int = 0  # samples waiting for the leader's prompt pages
@@ -172,9 +172,10 @@ class Request:
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     callbacks: list = dataclasses.field(default_factory=list)  # called (engine thread) when done
     # Called (engine thread) after each decode round with (sample index, new tokens, their logprobs, their
-    # alternatives (top ids, top logprobs: a [k] array each per token) if top_logprobs, else None); returning
-    # an int k keeps the first k of them and stops that sample ("stop"), e.g. on a stop string (the server's
-    # streaming and stop strings). None: no hook.
+    # alternatives (top ids, top logprobs: a [k] array each per token) if top_logprobs, else None, the
+    # engine's finish reason: "stop" | "length" | None while the sample goes on); returning an int k keeps
+    # the first k of them and stops that sample ("stop"), e.g. on a stop string (the server's streaming and
+    # stop strings). None: no hook.
     on_tokens: object = None
 
     def finish(self):
@@ -291,7 +292,7 @@ def decode_round(
         nxt = jnp.where(active, nxt, -1)
         new = (nxt, jnp.where(active, lp, jnp.zeros_like(lp)), *top)
         out = tuple(jax.lax.dynamic_update_index_in_dim(o, x, i, axis=1) for o, x in zip(out, new))
-        stop = (jnp.any(nxt[:, None] == stop_ids, axis=1) & (steps + i + 1 >= min_tokens)) | (i + 1 >= budget)
+        stop = at_stop(nxt, steps + i + 1, stop_ids, min_tokens) | (i + 1 >= budget)
         return jnp.where(active, nxt, tok), pos + 1, active & ~stop, cache, out
 
     out = (jnp.full((rows, num_steps), -1, jnp.int32), jnp.zeros((rows, num_steps), jnp.float32))
@@ -341,9 +342,8 @@ def next_round(
     produced = jnp.sum(out_tok >= 0, axis=1)
     last = jnp.take_along_axis(out_tok, jnp.maximum(produced - 1, 0)[:, None], axis=1)[:, 0]
     last = jnp.where(produced > 0, last, tokens)
-    # decode_round's stop rule, read off its last token: a row that sampled less than its budget stopped there.
-    at_stop = jnp.any(last[:, None] == stop_ids, axis=1) & (steps + produced >= min_tokens) & (produced > 0)
-    stopped = (budget <= 0) | at_stop
+    # The stop rule read off the round's last token: a row that sampled less than its budget stopped there.
+    stopped = (budget <= 0) | (at_stop(last, steps + produced, stop_ids, min_tokens) & (produced > 0))
     pad = carry[0].shape[0] - tokens.shape[0]
     carry = (jnp.pad(last, (0, pad)), jnp.pad(stopped, (0, pad), constant_values=True))
     return out_tok, out_lp, kv_cache, carry, *top
@@ -443,10 +443,7 @@ class Engine:
             raise ValueError(
                 f"prompt + max_tokens needs more KV pages than the cache holds ({self.config.num_pages - 1})"
             )
-        stops = set(sampling.stop_token_ids)
-        if self.eos_token_id is not None and not sampling.ignore_eos:
-            stops.add(self.eos_token_id)
-        req = Request(next(self._ids), prompt, sampling, frozenset(stops), on_tokens=on_tokens)
+        req = Request(next(self._ids), prompt, sampling, sampling.stop_ids(self.eos_token_id), on_tokens=on_tokens)
         req.group = ("request", req.id) if group is None else group
         req.results = [None] * sampling.n
         seed = sampling.seed
@@ -775,7 +772,7 @@ class Engine:
             tokens[i], positions[i], remaining[i] = s.tokens[-1], len(s.tokens) - 1 + ahead[s], budget[s]
             seeds[i], steps[i], temps[i] = s.seed, s.generated + ahead[s], s.request.sampling.temperature
             src[i] = row_of.get(s, -1)
-            stop_ids[i, : len(s.request.stop_ids)] = sorted(s.request.stop_ids)
+            stop_ids[i, : len(s.request.stop_ids)] = s.request.stop_ids
             min_tokens[i] = s.request.sampling.min_tokens
         self.stats["chained_rows"] += int((src >= 0).sum())
         # One variant with alternatives (k = the most any request may ask, so every k shares one
@@ -846,21 +843,26 @@ class Engine:
                 s.cached += 1
                 self.stats["decode_tokens"] += 1
             req = s.request
-            stopped = s.tokens[-1] in req.stop_ids and s.generated >= req.sampling.min_tokens
+            stopped = at_stop(
+                np.int64(s.tokens[-1]), s.generated, np.asarray(req.stop_ids, np.int64), req.sampling.min_tokens
+            )
             reason = "stop" if stopped else ("length" if s.generated >= req.sampling.max_tokens else None)
-            if req.on_tokens is not None and self._hook_stops(s, int((out_tok[i] >= 0).sum())):
+            if req.on_tokens is not None and self._hook_stops(s, int((out_tok[i] >= 0).sum()), reason):
                 reason = "stop"
             if reason and self._finish(s, reason):  # its pages, those the round did not fill included, are freed now
                 finished.append(s.request)
         return finished
 
-    def _hook_stops(self, seq: Sequence, new: int) -> bool:
+    def _hook_stops(self, seq: Sequence, new: int, reason: str | None) -> bool:
         """Show the request's hook the round's `new` tokens (and, when it asked for top_logprobs, their
-        alternatives: (top ids, top logprobs), one [k] array each per token; else None); if it keeps only k of
-        them, drop the rest (their K/V is never read: the sequence ends here) and report that the sequence stopped."""
+        alternatives: (top ids, top logprobs), one [k] array each per token; else None) and the engine's
+        finish reason (None: the sample goes on); if it keeps only k of them, drop the rest (their K/V
+        is never read: the sequence ends here) and report that the sequence stopped."""
         tokens, logprobs = seq.tokens[len(seq.tokens) - new :], seq.logprobs[len(seq.logprobs) - new :]
         top = (seq.top_ids[len(seq.top_ids) - new :], seq.top_logprobs[len(seq.top_logprobs) - new :])
-        keep = seq.request.on_tokens(seq.index, tokens, logprobs, top if seq.request.sampling.top_logprobs else None)
+        keep = seq.request.on_tokens(
+            seq.index, tokens, logprobs, top if seq.request.sampling.top_logprobs else None, reason
+        )
         if keep is None:
             return False
         drop = new - check_int("on_tokens' keep", keep, 0, new)

@@ -149,15 +149,12 @@ def sampling(server, body: dict, *, chat: bool, prompt_len: int) -> Sampling:
         raise BadRequest(f"timeout must be a number of seconds > 0, got {timeout!r}")
     top_k = _opt(body, "top_k", 0)
     top_k = 0 if top_k == -1 and not isinstance(top_k, bool) else top_k  # vLLM's "off" is -1 (ours: 0)
-    # The one eos rule: the tokenizer's eos is a stop id unless ignore_eos (the engine is given none of its own).
-    eos = server.tokenizer.eos_token_id
-    eos = [eos] if eos is not None and eos < server.cfg.vocab_size and _opt(body, "ignore_eos", False) is False else []
     try:
         params = SamplingParams(
             n=_opt(body, "n", 1),
             max_tokens=max(max_tokens, 1),
             temperature=_opt(body, "temperature", 1.0),
-            stop_token_ids=_int_list(body, "stop_token_ids") + eos,
+            stop_token_ids=_int_list(body, "stop_token_ids"),
             min_tokens=_opt(body, "min_tokens", 0),
             ignore_eos=_opt(body, "ignore_eos", False),
             top_logprobs=top,
@@ -214,7 +211,7 @@ class Job:
         # Otherwise the text is made once the request is done, off the engine's path.
         hooked = stream or bool(self.s.stop)
         hooks = [
-            lambda j, toks, lps, top, i=i: self._on_tokens(i * self.n + j, toks, lps, top)
+            lambda j, toks, lps, top, reason, i=i: self._on_tokens(i * self.n + j, toks, lps, top, reason)
             for i in range(len(self.prompts))
         ]
         self.requests = self.server.submit(self.prompts, self.s.params, self.seeds, hooks if hooked else None)
@@ -222,8 +219,9 @@ class Job:
             if self.queue is not None:
                 self.server.when_done(r, lambda i=i: self.queue.put_nowait(("done", i)))
 
-    def _on_tokens(self, choice: int, tokens, logprobs, top):
-        """Engine thread, after each round: grow the sample's text; stream what is safe to send."""
+    def _on_tokens(self, choice: int, tokens, logprobs, top, reason):
+        """Engine thread, after each round: grow the sample's text; stream what is safe to send (all of
+        it once the engine's `reason` or a stop string ends the sample)."""
         text, tops = self.texts[choice], self.tops[choice]
         try:
             keep = text.add(tokens, [float(x) for x in logprobs])
@@ -233,17 +231,9 @@ class Job:
             log.exception("on_tokens failed for %s choice %d", self.id, choice)
             return None
         if self.queue is not None:
-            # The engine's own rule for when a sample ends, so its last chunk can go now, not when the
-            # prompt's other samples are done too: a stop id ends it once it has min_tokens tokens.
-            ended = (
-                text.tokens
-                and text.tokens[-1] in self.s.params.stop_token_ids
-                and len(text.tokens) >= self.s.params.min_tokens
-            )
-            if keep is not None or ended:
-                reason = "stop"
-            else:
-                reason = "length" if len(text.tokens) >= self.s.max_tokens else None
+            # The engine's finish reason, so a sample's last chunk goes now, not when the prompt's other
+            # samples are done too; a stop string found in the text ends it as well.
+            reason = "stop" if keep is not None else reason
             if reason:
                 text.finish()
             sent = self.sent[choice]

@@ -151,7 +151,9 @@ class Server:
             )
         self.tokenizer = load_tokenizer(config.model, config.tokenizer)
         self.chat_template = load_chat_template(self.tokenizer)
-        self.engine = Engine(params, self.cfg, config.numerics, config.engine)
+        eos = self.tokenizer.eos_token_id  # the one eos policy (SamplingParams.stop_ids) applies on every route
+        eos = eos if eos is not None and eos < self.cfg.vocab_size else None
+        self.engine = Engine(params, self.cfg, config.numerics, config.engine, eos_token_id=eos)
         if config.warmup:
             start = time.monotonic()
             count = self.engine.warm_up(lambda name, rows, s: log.info("warm-up: %s, %d rows, %.1f s", name, rows, s))

@@ -318,7 +318,7 @@ def test_rounds_continue_on_the_device_exactly(tiny, monkeypatch):
     def stop_after_six():  # the host's stop: keeps 6 tokens, like a stop string would
         seen = {}
 
-        def hook(index, tokens, logprobs, top):
+        def hook(index, tokens, logprobs, top, reason):
             before = seen.get(index, 0)
             seen[index] = before + len(tokens)
             return 6 - before if seen[index] >= 6 else None

@@ -137,17 +137,18 @@ def test_the_engine_hook_stops_one_sample_and_not_the_others(tiny):
     """Engine.submit(on_tokens=...), what stop strings and streams ride on: the hook sees every token once,
     in order, a round at a time; returning k stops that sample with the first k tokens of the round kept
     (finish_reason stop, its pages freed), and the request's other samples run to their length with the
-    tokens and logprob bits of a run without the hook."""
+    tokens and logprob bits of a run without the hook; the hook is told the engine's finish reason."""
     cfg, params = tiny
     config = EngineConfig(num_pages=64, max_batch=4, prefill_chunk=16, token_budget=64, max_context=128, decode_steps=4)
     plain = Engine(params, cfg, "strict", config)
     free = plain.submit([5, 6, 7], n=3, max_tokens=10, seed=3)
     plain.run_until_done()
-    rounds = {j: [] for j in range(3)}
+    rounds, reasons = {j: [] for j in range(3)}, {j: [] for j in range(3)}
 
-    def hook(j, tokens, logprobs, top):
+    def hook(j, tokens, logprobs, top, reason):
         assert len(tokens) == len(logprobs) and top is None  # no top_logprobs asked
         rounds[j].append(list(tokens))
+        reasons[j].append(reason)
         return 2 if j == 1 and sum(map(len, rounds[1])) >= 5 else None
 
     engine = Engine(params, cfg, "strict", config)
@@ -160,5 +161,6 @@ def test_the_engine_hook_stops_one_sample_and_not_the_others(tiny):
     for j in (0, 2):
         assert hooked.results[j].tokens == free.results[j].tokens == sum(rounds[j], [])
         assert hooked.results[j].finish_reason == "length"
+        assert reasons[j] == [None] * (len(rounds[j]) - 1) + ["length"], "the engine's reason, in the last round"
         assert_bits_equal(hooked.results[j].logprobs, free.results[j].logprobs, f"sample {j}")
     assert engine.metrics()["pages_used"] == 0
