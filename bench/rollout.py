@@ -24,9 +24,10 @@ import jax.numpy as jnp
 import rlkjax
 from bench._report import median_time, new_report, save_report
 from rlkjax import model
-from rlkjax.engine import Engine, EngineConfig, RowSampling, decode_round
+from rlkjax.engine import Engine, EngineConfig
 from rlkjax.numerics import PAGE_SIZE
 from rlkjax.shapes import cdiv
+from rlkjax.steps import RowSampling, decode_round
 
 
 def engine_rate(params, cfg, numerics, batch, context, new_tokens, repeats):

@@ -42,8 +42,8 @@ from bench._report import median_time, new_report, save_report
 from pallas_kernels import attention, logprob, matmul, rmsnorm, swiglu
 from pallas_kernels._common import interpret_mode
 from rlkjax import model, numerics
-from rlkjax.engine import prefill_chunk
 from rlkjax.numerics import PAGE_SIZE
+from rlkjax.steps import prefill_chunk
 from train import fsdp, grpo
 from train.batch import Batch
 

@@ -40,9 +40,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from rlkjax.checkpoint import load_model
-from rlkjax.engine import Engine, EngineConfig, Request
+from rlkjax.engine import Engine, EngineConfig
 from rlkjax.requests import check_int, check_seed, sample_seed
 from rlkjax.sampling_params import SamplingParams
+from rlkjax.sequences import Request
 from rlkjax.tokenizer import load_tokenizer
 from serve import openai_api
 from serve.chat import load_chat_template

@@ -10,7 +10,7 @@ import pytest
 
 import rlkjax
 from rlkjax import audit, model
-from rlkjax.engine import RowSampling, decode_round, decode_step
+from rlkjax.steps import RowSampling, decode_round, decode_step
 from tests import conftest
 from tests.contract import check_case, random_case
 

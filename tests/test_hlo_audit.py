@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import rlkjax
-from rlkjax import audit, engine, model, numerics
+from rlkjax import audit, model, numerics, steps
 from tests.conftest import ODD
 
 
@@ -49,7 +49,7 @@ def lowered(cfg, fn, numerics_mode, b=2, t=16, pages=4):
     vec = lambda dt: jax.ShapeDtypeStruct((b,), dt)  # noqa: E731
     stops = jax.ShapeDtypeStruct((b, 2), jnp.int32)
     truncation = (vec(jnp.int32), vec(jnp.float32), vec(jnp.float32), vec(jnp.bool_))
-    sampling = engine.RowSampling(
+    sampling = steps.RowSampling(
         vec(jnp.uint32),
         vec(jnp.int32),
         vec(jnp.float32),
@@ -60,7 +60,7 @@ def lowered(cfg, fn, numerics_mode, b=2, t=16, pages=4):
     )
     if fn in ("sampler", "sampler_alternatives"):
         return audit.lower_for_gpu(
-            engine.decode_step,
+            steps.decode_step,
             params,
             one,
             one,
@@ -74,7 +74,7 @@ def lowered(cfg, fn, numerics_mode, b=2, t=16, pages=4):
         )
     carry = (jax.ShapeDtypeStruct((2 * b,), jnp.int32), jax.ShapeDtypeStruct((2 * b,), jnp.bool_))
     return audit.lower_for_gpu(  # the engine's round: decode_round continuing the round in flight
-        engine.next_round,
+        steps.next_round,
         params,
         carry,
         vec(jnp.int32),

@@ -16,7 +16,7 @@ import pytest
 import rlkjax
 from rlkjax.tokenizer import load_tokenizer
 from serve.chat import DEFAULT_TEMPLATE, ChatTemplate
-from serve.openai_api import CHAT_FIELDS, COMPLETION_FIELDS
+from serve.openai_params import CHAT_FIELDS, COMPLETION_FIELDS
 from serve.text import token_pieces
 from tests.conftest import assert_bits_equal
 from tests.test_openai_text import make_bpe_checkpoint
