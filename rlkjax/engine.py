@@ -526,7 +526,7 @@ class Engine:
         self.stats["wait_s"] += self._round_read_at - start
         finished = []
         for i, s in enumerate(round_.seqs):
-            if s.done:
+            if s.finished:
                 continue
             k = s.request.sampling.top_logprobs
             for j, (tok, lp) in enumerate(zip(out_tok[i], out_lp[i])):
@@ -570,7 +570,7 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: str) -> bool:
         self.pages.release(seq.pages)  # a round in flight may still write them: later users come after it
-        seq.pages, seq.done = [], True
+        seq.pages, seq.finished = [], True
         if seq in self.running:
             self.running.remove(seq)
         req = seq.request
@@ -617,6 +617,6 @@ class Engine:
             "running": len(self.running),
             "pages_used": self.pages.used,
             "pages_total": self.config.num_pages - 1,
-            "compilations": len(self.shapes_seen),
+            "compiled_shapes": len(self.shapes_seen),
             "policy_version": self.policy_version,
         }

@@ -74,7 +74,7 @@ class Sequence:
     pages: list[int] = dataclasses.field(default_factory=list)
     cached: int = 0  # positions whose K/V are in the cache
     admitted: int = -1  # admission order, for preemption
-    done: bool = False  # finished (its completion recorded); a round still in flight skips it
+    finished: bool = False  # its completion is recorded; a round still in flight skips it
 
     @property
     def generated(self) -> int:

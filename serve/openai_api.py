@@ -317,7 +317,9 @@ class Job:
             await response.write(b"data: [DONE]\n\n")
         except (RequestTimeout, ShuttingDown) as e:
             self.server.cancel(self.requests)
-            error = {"error": {"message": str(e), "type": "timeout", "param": None, "code": None}}
+            # a shutdown is not a timeout: the 503 error type, as a plain response gets it
+            kind = "timeout" if isinstance(e, RequestTimeout) else "server_error"
+            error = {"error": {"message": str(e), "type": kind, "param": None, "code": None}}
             await response.write(b"data: " + json.dumps(error).encode() + b"\n\n")
         finally:  # whatever ended the stream (the client gone: a cancelled handler, a reset), nothing stays in flight
             if any(not r.done.is_set() for r in self.requests):

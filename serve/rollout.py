@@ -400,7 +400,7 @@ class Server:
             ("rlkjax_kv_pages_used", m["pages_used"], "KV pages in use"),
             ("rlkjax_kv_pages_total", m["pages_total"], "KV pages available"),
             ("rlkjax_preemptions_total", m["preemptions"], "sequences preempted for pages"),
-            ("rlkjax_compilations", m["compilations"], "step-function shapes compiled"),
+            ("rlkjax_compiled_shapes", m["compiled_shapes"], "step-function shapes compiled (one compilation each)"),
             ("rlkjax_policy_version", m["policy_version"], "weights version"),
             ("rlkjax_engine_steps_total", m["steps"], "scheduling steps (one decode round and/or prefill chunk each)"),
             ("rlkjax_engine_step_seconds_total", m["step_s"], "seconds the engine spent in scheduling steps"),

@@ -9,7 +9,7 @@ import pytest
 
 import rlkjax
 from bench.server_e2e import make_jobs, swap_weights
-from tests.test_server import start_server
+from tests.servers import start_server
 
 
 def test_server_e2e_requests_have_the_issue_s_mix():

@@ -415,7 +415,7 @@ def test_resume_and_same_seed_are_bit_identical(tmp_path):
 
 @pytest.mark.slow
 def test_remote_rollout_server(tmp_path):
-    from tests.test_server import ADMIN, start_server
+    from tests.servers import ADMIN, start_server
 
     proc, client = start_server()
     try:

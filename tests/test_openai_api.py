@@ -19,8 +19,7 @@ from serve.chat import DEFAULT_TEMPLATE, ChatTemplate
 from serve.openai_params import CHAT_FIELDS, COMPLETION_FIELDS
 from serve.text import token_pieces
 from tests.conftest import assert_bits_equal
-from tests.test_openai_text import make_bpe_checkpoint
-from tests.test_server import metric, post_raw, start_server
+from tests.servers import make_bpe_checkpoint, metric, post_raw, start_server
 
 pytestmark = pytest.mark.slow  # a real server process (its first requests compile)
 
