@@ -47,7 +47,7 @@ def abstract(shape_tree, mesh, specs, dtype=None):
 
 
 def compiled_memory(
-    cfg: ModelConfig, devices: int, rows: int, tokens: int, numerics: str = "strict", remat: bool = False
+    cfg: ModelConfig, devices: int, rows: int, tokens: int, numerics="strict", remat: bool = False
 ) -> dict:
     """{function: {"arguments", "outputs", "temporaries", "aliased"}: bytes per device} for the
     learner's value-and-grad step (train.grpo --remat: `remat`) and its scoring pass on a micro-batch
@@ -108,13 +108,13 @@ def main() -> None:
     parser.add_argument("--hlo", help="write each compiled HLO to this prefix")
     parser.add_argument("--json", action="store_true", help="one JSON line per layer count: {function: {what: bytes}}")
     args = parser.parse_args()
-    numerics.set_attention_backward(not args.dense_backward)
+    options = numerics.NumericsOptions(args.numerics, attention_backward="dense" if args.dense_backward else "flash")
     base = ModelConfig.preset(args.model)
     tokens = bucket(args.tokens, PAGE_SIZE)
     for layers in [int(n) for n in args.layers.split(",")] if args.layers else [base.num_layers]:
         cfg = dataclasses.replace(base, num_layers=layers)
         rows = -(-args.micro_batch // args.devices) * args.devices  # micro_batches pads to a multiple of the mesh
-        results = compiled_memory(cfg, args.devices, rows, tokens, args.numerics, args.remat)
+        results = compiled_memory(cfg, args.devices, rows, tokens, options, args.remat)
         if args.json:
             print(json.dumps({name: {k: v for k, v in m.items() if k != "hlo"} for name, m in results.items()}))
             continue

@@ -119,8 +119,10 @@ def main():
         "--copy-backward", action="store_true", help="learner: the matmul backward on transposed copies, not in place"
     )
     args = p.parse_args()
-    numerics.set_attention_backward(not args.dense_backward)
-    numerics.set_matmul_backward(not args.copy_backward)
+    backward = {
+        "attention_backward": "dense" if args.dense_backward else "flash",
+        "matmul_backward": "copies" if args.copy_backward else "in_place",
+    }
     results = {}
     for side in args.sides.split(","):
         if args.model:
@@ -129,7 +131,8 @@ def main():
             show(key, results[key], args.top)
         if args.learner:
             key = f"learner {args.learner} {args.tokens // args.seq}x{args.seq} {side}"
-            results[key] = learner_profile(args.learner, args.seq, args.tokens, side)
+            options = numerics.NumericsOptions(mode=side, **backward)
+            results[key] = learner_profile(args.learner, args.seq, args.tokens, options)
             show(key, results[key], args.top)
     if args.out:
         with open(args.out, "w") as f:

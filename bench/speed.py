@@ -119,9 +119,7 @@ def random_cache(cfg, num_pages):
 
 
 def decode_rows(cfg, params, batches, contexts, steps, repeats, bw, name, unroll=1):
-    """Decode rows; unroll: the sampler's layer-loop unroll (model.LAYER_UNROLL) they run with."""
-    model.LAYER_UNROLL = unroll
-    jax.clear_caches()  # a module constant is not part of jit's cache key: retrace with it
+    """Decode rows; unroll: the sampler's layer-loop unroll (NumericsOptions.layer_unroll) they run with."""
     rows = []
     rope = model.rope_tables(cfg)
     wbytes = weight_bytes(params)
@@ -141,8 +139,9 @@ def decode_rows(cfg, params, batches, contexts, steps, repeats, bw, name, unroll
 
                 def run():
                     nonlocal cache
+                    options = numerics.NumericsOptions(mode=side, layer_unroll=unroll)
                     _, lp, cache = decode_loop(
-                        params, tokens, start, cache, table, seeds, temps, rope, cfg, side, steps
+                        params, tokens, start, cache, table, seeds, temps, rope, cfg, options, steps
                     )
                     lp.block_until_ready()
 
@@ -204,14 +203,14 @@ def learner_batch(cfg, b, seq):
     )
 
 
-def train_learner_step(master, batch, ref, rope, cfg, remat):
+def train_learner_step(master, batch, ref, rope, cfg, remat, options="strict"):
     """train.grpo's learner step on one device, as train() builds it: fsdp.sharded_value_and_grad on a
     one-device mesh (whole weights, as the library's pass: fsdp.gather only casts there; gradients
     added into a donated running sum). Returns (jitted step, its arguments but the running sum, a fresh running sum)."""
     mesh = fsdp.make_mesh(jax.devices()[:1])
     specs = fsdp.param_specs(master, 1)
     step = fsdp.sharded_value_and_grad(
-        grpo.grpo_loss, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics="strict", clip_eps=0.2, beta=0.0, remat=remat
+        grpo.grpo_loss, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics=options, clip_eps=0.2, beta=0.0, remat=remat
     )
     on_mesh = fsdp.put(master, mesh, specs, dtype=F32)
     tokens = float(np.asarray(batch.mask).sum())
@@ -225,10 +224,11 @@ def train_learner_step(master, batch, ref, rope, cfg, remat):
     return step, args, jax.tree.map(jnp.zeros_like, on_mesh)
 
 
-def learner_row(cfg, name, seq, tokens_per_call, repeats, rate, remat=False, sides=SIDES):
+def learner_row(cfg, name, seq, tokens_per_call, repeats, rate, remat=False, sides=SIDES, strict="strict"):
     """sides: "fast" and "strict" run grpo.grpo_loss on whole weights (the library's learner pass:
     layers unrolled, weights read in place); "train" runs train.grpo's one-device learner step
-    (`train_learner_step`, strict), so the two can be compared in one run."""
+    (`train_learner_step`, strict), so the two can be compared in one run. strict: the strict
+    sides' numerics (a NumericsOptions choosing the backward variants)."""
     b = max(1, tokens_per_call // seq)
     master = model.init_params(cfg, seed=0, dtype=F32)
     batch = learner_batch(cfg, b, seq)
@@ -238,12 +238,12 @@ def learner_row(cfg, name, seq, tokens_per_call, repeats, rate, remat=False, sid
     row = {"section": "learner", "model": name, "seq": seq, "batch": b, "remat": remat}
     for side in sides:
         if side == "train":
-            fn, args, grads = train_learner_step(master, batch, ref, rope, cfg, remat)
+            fn, args, grads = train_learner_step(master, batch, ref, rope, cfg, remat, strict)
             args = (*args, grads)
         else:
             loss = functools.partial(grpo.grpo_loss, remat=remat)
             fn = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=(4, 5, 6, 7))
-            args = (master, batch, ref, rope, cfg, side, 0.2, 0.0, jnp.float32(b * seq))
+            args = (master, batch, ref, rope, cfg, strict if side == "strict" else side, 0.2, 0.0, jnp.float32(b * seq))
         try:
             start = time.perf_counter()
             compiled = fn.lower(*args).compile()
@@ -860,7 +860,6 @@ def main():
         for unroll in map(int, args.layer_unroll.split(",")) if "decode" in sections else ():
             batches, contexts = [int(b) for b in args.batches.split(",")], [int(c) for c in args.contexts.split(",")]
             record(decode_rows(cfg, params, batches, contexts, args.steps, args.repeats, bw, name, unroll))
-        model.LAYER_UNROLL = 1
         if "score" in sections and name == args.score_model:
             record([score_row(cfg, params, name, *map(int, args.score.split("x")), args.repeats)])
         if "prefill" in sections:
@@ -872,15 +871,17 @@ def main():
                 for remat in sorted({False, args.learner_remat}):
                     for flash in sorted({True, not args.learner_dense}, reverse=True):
                         for in_place in sorted({True, not args.learner_copies}, reverse=True):
-                            numerics.set_attention_backward(flash)
-                            numerics.set_matmul_backward(in_place)
+                            strict = numerics.NumericsOptions(
+                                attention_backward="flash" if flash else "dense",
+                                matmul_backward="in_place" if in_place else "copies",
+                            )
                             cfg = rlkjax.ModelConfig.preset(name)
                             # The backward switches change only the strict side: the fast side runs once.
                             sides = args.learner_sides.split(",") if flash and in_place else ("strict",)
-                            row = learner_row(cfg, name, seq, args.learner_tokens, args.repeats, rate, remat, sides)
+                            row = learner_row(
+                                cfg, name, seq, args.learner_tokens, args.repeats, rate, remat, sides, strict
+                            )
                             record([dict(row, flash_backward=flash, matmul_backward_in_place=in_place)])
-                numerics.set_attention_backward(True)
-                numerics.set_matmul_backward(True)
     if "kernels" in sections:
         record(kernel_rows(bw, rate, args.repeats))
     print_table(report)
