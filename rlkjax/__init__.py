@@ -9,6 +9,7 @@ from rlkjax.checkpoint import load_hf_checkpoint, save_hf_checkpoint  # noqa: E4
 from rlkjax.config import PRESETS, ModelConfig  # noqa: E402
 from rlkjax.engine import Completion, Engine, EngineConfig  # noqa: E402
 from rlkjax.model import forward, init_params, sequence_logprobs, token_logprobs  # noqa: E402
+from rlkjax.sampling_params import SamplingParams  # noqa: E402
 
 __all__ = [
     "PRESETS",
@@ -16,6 +17,7 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "ModelConfig",
+    "SamplingParams",
     "forward",
     "generate",
     "init_params",

@@ -32,15 +32,8 @@ import numpy as np
 from rlkjax.config import ModelConfig
 from rlkjax.model import forward, init_kv_cache, rope_tables, sample, sample_truncated, sample_with_alternatives
 from rlkjax.numerics import PAGE_SIZE, Numerics, ops
-from rlkjax.requests import (
-    MAX_TOP_LOGPROBS,
-    check_int,
-    check_sampling,
-    check_seed,
-    check_temperature,
-    check_tokens,
-    sample_seed,
-)
+from rlkjax.requests import MAX_TOP_LOGPROBS, check_int, check_tokens, sample_seed
+from rlkjax.sampling_params import SamplingParams
 from rlkjax.shapes import bucket, cdiv
 
 
@@ -169,17 +162,8 @@ class Sequence:
 class Request:
     id: int
     prompt: list[int]
-    n: int
-    max_new_tokens: int
-    temperature: float
-    seed: int
-    stop_token_ids: frozenset
-    min_tokens: int = 0  # no stop id ends a sample before it has this many tokens
-    top_logprobs: int = 0  # alternatives recorded per token
-    top_k: int = 0  # truncation (pallas_kernels.truncation); 0 / 1.0 / 0.0: off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    truncated_logprobs: bool = False  # record the renormalised logprob instead of the full one
+    sampling: SamplingParams
+    stop_ids: frozenset  # the ids that end a sample: sampling.stop_token_ids, and the engine's eos unless ignore_eos
     group: object = None  # admission takes turns between groups (the server: one per HTTP request); None = its own
     results: list = dataclasses.field(default_factory=list)  # Completion per sample index, None until done
     pending_forks: int = 0  # samples waiting for the leader's prompt pages
@@ -191,11 +175,6 @@ class Request:
     # an int k keeps the first k of them and stops that sample ("stop"), e.g. on a stop string (the server's
     # streaming and stop strings). None: no hook.
     on_tokens: object = None
-
-    @property
-    def truncated(self) -> bool:
-        """Drawn from a truncated distribution, or recording renormalised logprobs."""
-        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0 or self.truncated_logprobs
 
     def finish(self):
         self.done.set()
@@ -465,77 +444,37 @@ class Engine:
 
     # ----- requests -----
     def submit(
-        self,
-        prompt,
-        *,
-        n=1,
-        max_new_tokens=16,
-        temperature=1.0,
-        seed=0,
-        stop_token_ids=(),
-        min_tokens=0,
-        ignore_eos=False,
-        top_logprobs=0,
-        top_k=0,
-        top_p=1.0,
-        min_p=0.0,
-        truncated_logprobs=False,
-        group=None,
-        on_tokens=None,
+        self, prompt, sampling: SamplingParams | None = None, *, group=None, on_tokens=None, **fields
     ) -> Request:
-        """Validate and queue a request; raises ValueError naming the bad field (rlkjax.requests).
+        """Validate and queue a request; raises ValueError naming the bad field.
 
-        temperature 0 is greedy (argmax, ties to the lowest id; logprobs of the temperature-1
-        distribution). A sample stops at max_new_tokens, or at a stop id (stop_token_ids, and the
-        engine's eos_token_id unless ignore_eos) once it has min_tokens tokens; a stop id drawn
-        before that is kept as an ordinary token (the distribution is not changed, unlike vLLM's
-        min_tokens, so the logprobs stay the learner's). top_logprobs=k (0..20) records, per token,
-        the k most likely ids of the full distribution at the temperature and their logprobs.
-        top_k (0: off), top_p (1: off), min_p (0: off) truncate the distribution the tokens are drawn
-        from (rules in pallas_kernels/truncation.py); the logprobs recorded are still those of the
-        full distribution (what the learner computes), or with truncated_logprobs=True those of the
-        renormalised kept set (then without top_logprobs: those are full-distribution values).
-        Requests with the same `group` (e.g. the prompts of one HTTP request) share one turn in admission."""
+        `sampling` holds the request's options (SamplingParams(), the defaults, if None); keyword
+        `fields` replace some of them (`submit(p, n=4, seed=1)`). A sample stops at max_tokens, or at
+        a stop id (stop_token_ids, and the engine's eos_token_id unless ignore_eos) once it has
+        min_tokens tokens. Requests with the same `group` (e.g. the prompts of one HTTP request)
+        share one turn in admission. `on_tokens`: see Request.on_tokens."""
+        sampling = sampling or SamplingParams()
+        if fields:
+            sampling = dataclasses.replace(sampling, **fields)
         prompt = check_tokens("prompt", prompt, self.cfg.vocab_size)
-        n = check_int("n", n, 1, self.config.max_batch)
-        max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
-        if len(prompt) + max_new_tokens > self.max_context:
+        check_int("n", sampling.n, 1, self.config.max_batch)
+        sampling.check_model(self.cfg.vocab_size, self.max_context, len(prompt))
+        if cdiv(len(prompt) + sampling.max_tokens, PAGE_SIZE) > self.config.num_pages - 1:
             raise ValueError(
-                f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds the context "
-                f"of {self.max_context} tokens"
+                f"prompt + max_tokens needs more KV pages than the cache holds ({self.config.num_pages - 1})"
             )
-        if cdiv(len(prompt) + max_new_tokens, PAGE_SIZE) > self.config.num_pages - 1:
-            raise ValueError(
-                f"prompt + max_new_tokens needs more KV pages than the cache holds ({self.config.num_pages - 1})"
-            )
-        temperature = check_temperature("temperature", temperature, greedy=True)
-        seed = check_seed("seed", seed)
-        opts = check_sampling(
-            self.cfg.vocab_size,
-            max_new_tokens,
-            stop_token_ids=stop_token_ids,
-            min_tokens=min_tokens,
-            ignore_eos=ignore_eos,
-            top_logprobs=top_logprobs,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            truncated_logprobs=truncated_logprobs,
-        )
-        stops, ignore_eos = opts.pop("stop_token_ids"), opts.pop("ignore_eos")
-        if self.eos_token_id is not None and not ignore_eos:
-            stops.append(self.eos_token_id)
-        req = Request(
-            next(self._ids), prompt, n, max_new_tokens, temperature, seed, frozenset(stops), group=group, **opts
-        )
+        stops = set(sampling.stop_token_ids)
+        if self.eos_token_id is not None and not sampling.ignore_eos:
+            stops.add(self.eos_token_id)
+        req = Request(next(self._ids), prompt, sampling, frozenset(stops), on_tokens=on_tokens)
         req.group = ("request", req.id) if group is None else group
-        req.on_tokens = on_tokens  # set before the engine can see the request (see Request.on_tokens)
-        req.results = [None] * n
-        if n > 1 and len(req.prompt) > 1:
-            req.pending_forks = n - 1  # they fork from the leader once its prompt is cached
+        req.results = [None] * sampling.n
+        seed = sampling.seed
+        if sampling.n > 1 and len(req.prompt) > 1:
+            req.pending_forks = sampling.n - 1  # they fork from the leader once its prompt is cached
             seqs = [Sequence(req, 0, seed, list(req.prompt))]
         else:
-            seqs = [Sequence(req, j, sample_seed(seed, j), list(req.prompt)) for j in range(n)]
+            seqs = [Sequence(req, j, sample_seed(seed, j), list(req.prompt)) for j in range(sampling.n)]
         self._inbox.append((req, seqs))  # deque.append is thread-safe: no waiting for a step to end
         self.stats["requests"] += 1
         return req
@@ -797,17 +736,17 @@ class Engine:
         full = leader.cached // PAGE_SIZE
         shared, tail = leader.pages[:full], leader.pages[full:]
         src, dst, parked = [], [], []
-        for j in range(1, req.n):
+        for j in range(1, req.sampling.n):
             own = self.pages.alloc(len(tail))
             if own is None:  # no room to fork now: recompute this sample from scratch later
-                self.waiting.append(Sequence(req, j, sample_seed(req.seed, j), list(req.prompt)))
+                self.waiting.append(Sequence(req, j, sample_seed(req.sampling.seed, j), list(req.prompt)))
                 continue
             self.pages.share(shared)
             if leader.cached % PAGE_SIZE:
                 src.append(tail[0])
                 dst.append(own[0])
             child = Sequence(
-                req, j, sample_seed(req.seed, j), list(req.prompt), pages=shared + own, cached=leader.cached
+                req, j, sample_seed(req.sampling.seed, j), list(req.prompt), pages=shared + own, cached=leader.cached
             )
             if len(self.running) < self.config.max_batch:
                 child.admitted = next(self._admissions)
@@ -828,7 +767,9 @@ class Engine:
         unless it stops), and the budget of the next round after those."""
         in_flight = dict(zip(previous.seqs, previous.budget)) if previous else {}
         ahead = {s: in_flight.get(s, 0) for s in seqs}
-        budget = {s: min(self.config.decode_steps, s.request.max_new_tokens - s.generated - ahead[s]) for s in seqs}
+        budget = {
+            s: min(self.config.decode_steps, s.request.sampling.max_tokens - s.generated - ahead[s]) for s in seqs
+        }
         return ahead, budget
 
     def _pages_ahead(self, seqs, previous: Round) -> bool:
@@ -850,7 +791,7 @@ class Engine:
             return None
         assert len(seqs) <= self.config.max_batch, "admission and forks keep the batch within max_batch"
         rows = bucket(len(seqs))
-        stops = bucket(max(len(s.request.stop_token_ids) for s in seqs))
+        stops = bucket(max(len(s.request.stop_ids) for s in seqs))
         tokens, positions, remaining = np.zeros(rows, np.int32), np.full(rows, -1, np.int32), np.zeros(rows, np.int32)
         seeds, steps, temps = np.zeros(rows, np.uint32), np.zeros(rows, np.int32), np.ones(rows, np.float32)
         stop_ids, min_tokens = np.full((rows, stops), -1, np.int32), np.zeros(rows, np.int32)
@@ -858,17 +799,17 @@ class Engine:
         row_of = {s: j for j, s in enumerate(previous.seqs)} if previous else {}
         for i, s in enumerate(seqs):
             tokens[i], positions[i], remaining[i] = s.tokens[-1], len(s.tokens) - 1 + ahead[s], budget[s]
-            seeds[i], steps[i], temps[i] = s.seed, s.generated + ahead[s], s.request.temperature
+            seeds[i], steps[i], temps[i] = s.seed, s.generated + ahead[s], s.request.sampling.temperature
             src[i] = row_of.get(s, -1)
-            stop_ids[i, : len(s.request.stop_token_ids)] = sorted(s.request.stop_token_ids)
-            min_tokens[i] = s.request.min_tokens
+            stop_ids[i, : len(s.request.stop_ids)] = sorted(s.request.stop_ids)
+            min_tokens[i] = s.request.sampling.min_tokens
         self.stats["chained_rows"] += int((src >= 0).sum())
         # One variant with alternatives (k = the most any request may ask, so every k shares one
         # compilation), used only by rounds where some row asked: the default round keeps its speed.
-        alternatives = self._alternatives if any(s.request.top_logprobs for s in seqs) else 0
+        alternatives = self._alternatives if any(s.request.sampling.top_logprobs for s in seqs) else 0
         # Likewise one variant for rounds with a truncating row; the other rows run it untruncated
         # (top_k = vocab, top_p = 1, min_p = 0), which draws their default tokens and bits.
-        truncation = self._truncation(seqs, rows) if any(s.request.truncated for s in seqs) else None
+        truncation = self._truncation(seqs, rows) if any(s.request.sampling.truncates for s in seqs) else None
         # A round runs all its steps (decode_round), so when no row may sample more than one token
         # (max_tokens=1 requests, last tokens) it is a one-step round, not decode_steps steps of padding.
         length = 1 if int(remaining.max()) == 1 else self.config.decode_steps
@@ -906,8 +847,8 @@ class Engine:
         top_p, min_p = np.ones(rows, np.float32), np.zeros(rows, np.float32)
         renormalised = np.zeros(rows, bool)
         for i, s in enumerate(seqs):
-            r = s.request
-            top_k[i] = r.top_k or self.cfg.vocab_size
+            r = s.request.sampling
+            top_k[i] = min(r.top_k, self.cfg.vocab_size) or self.cfg.vocab_size
             top_p[i], min_p[i], renormalised[i] = r.top_p, r.min_p, r.truncated_logprobs
         return top_k, top_p, min_p, renormalised
 
@@ -924,7 +865,7 @@ class Engine:
         for i, s in enumerate(round_.seqs):
             if s.done:
                 continue
-            k = s.request.top_logprobs
+            k = s.request.sampling.top_logprobs
             for j, (tok, lp) in enumerate(zip(out_tok[i], out_lp[i])):
                 if tok < 0:
                     break
@@ -936,8 +877,8 @@ class Engine:
                 s.cached += 1
                 self.stats["decode_tokens"] += 1
             req = s.request
-            stopped = s.tokens[-1] in req.stop_token_ids and s.generated >= req.min_tokens
-            reason = "stop" if stopped else ("length" if s.generated >= req.max_new_tokens else None)
+            stopped = s.tokens[-1] in req.stop_ids and s.generated >= req.sampling.min_tokens
+            reason = "stop" if stopped else ("length" if s.generated >= req.sampling.max_tokens else None)
             if req.on_tokens is not None and self._hook_stops(s, int((out_tok[i] >= 0).sum())):
                 reason = "stop"
             if reason and self._finish(s, reason):  # its pages, those the round did not fill included, are freed now
@@ -950,12 +891,12 @@ class Engine:
         them, drop the rest (their K/V is never read: the sequence ends here) and report that the sequence stopped."""
         tokens, logprobs = seq.tokens[len(seq.tokens) - new :], seq.logprobs[len(seq.logprobs) - new :]
         top = (seq.top_ids[len(seq.top_ids) - new :], seq.top_logprobs[len(seq.top_logprobs) - new :])
-        keep = seq.request.on_tokens(seq.index, tokens, logprobs, top if seq.request.top_logprobs else None)
+        keep = seq.request.on_tokens(seq.index, tokens, logprobs, top if seq.request.sampling.top_logprobs else None)
         if keep is None:
             return False
         drop = new - check_int("on_tokens' keep", keep, 0, new)
         del seq.tokens[len(seq.tokens) - drop :], seq.logprobs[len(seq.logprobs) - drop :]
-        if seq.request.top_logprobs:  # the alternatives stay one per kept token
+        if seq.request.sampling.top_logprobs:  # the alternatives stay one per kept token
             del seq.top_ids[len(seq.top_ids) - drop :], seq.top_logprobs[len(seq.top_logprobs) - drop :]
         return True
 
@@ -977,8 +918,8 @@ class Engine:
 
     def _completion(self, req, tokens, logprobs, top_ids, top_logprobs, reason) -> Completion:
         comp = Completion(tokens, np.asarray(logprobs, np.float32), reason, self.policy_version)
-        if req.top_logprobs:  # [T, k]; T = 0 for a sample cancelled before it started
-            k = req.top_logprobs
+        if req.sampling.top_logprobs:  # [T, k]; T = 0 for a sample cancelled before it started
+            k = req.sampling.top_logprobs
             comp.top_ids = np.asarray(top_ids, np.int32).reshape(-1, k)
             comp.top_logprobs = np.asarray(top_logprobs, np.float32).reshape(-1, k)
         return comp

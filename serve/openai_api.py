@@ -29,7 +29,8 @@ import time
 from aiohttp import web
 
 import rlkjax
-from rlkjax.requests import MAX_TOP_LOGPROBS, check_int, check_sampling, check_temperature
+from rlkjax.requests import MAX_TOP_LOGPROBS
+from rlkjax.sampling_params import SamplingParams
 from serve.chat import ChatTemplateError, message_text
 from serve.http import BadRequest, RequestTimeout, ShuttingDown, _fields, _json, _json_response, _opt, _prompts
 from serve.text import SampleText, offsets, token_pieces
@@ -72,14 +73,9 @@ CHAT_FIELDS = COMMON_FIELDS | {
 class Sampling:
     """What one request asks for, validated."""
 
-    n: int
-    max_tokens: int
-    temperature: float
+    params: SamplingParams  # what the engine samples with (its max_tokens at least 1)
+    max_tokens: int  # 0: echo only, nothing sampled
     stop: list[str]
-    stop_token_ids: list[int]  # the request's, and the tokenizer's eos unless ignore_eos
-    min_tokens: int  # a stop id before this many tokens is an ordinary token
-    top_logprobs: int  # alternatives per token
-    engine: dict  # Engine.submit's other sampling keywords (top_k, top_p, min_p, truncated_logprobs)
     include_stop: bool
     logprobs: bool
     echo: bool
@@ -153,13 +149,15 @@ def sampling(server, body: dict, *, chat: bool, prompt_len: int) -> Sampling:
         raise BadRequest(f"timeout must be a number of seconds > 0, got {timeout!r}")
     top_k = _opt(body, "top_k", 0)
     top_k = 0 if top_k == -1 and not isinstance(top_k, bool) else top_k  # vLLM's "off" is -1 (ours: 0)
+    # The one eos rule: the tokenizer's eos is a stop id unless ignore_eos (the engine is given none of its own).
+    eos = server.tokenizer.eos_token_id
+    eos = [eos] if eos is not None and eos < server.cfg.vocab_size and _opt(body, "ignore_eos", False) is False else []
     try:
-        n = check_int("n", _opt(body, "n", 1), 1, server.engine.config.max_batch)
-        temperature = check_temperature("temperature", _opt(body, "temperature", 1.0), greedy=True)
-        opts = check_sampling(
-            server.cfg.vocab_size,
-            max_tokens,
-            stop_token_ids=_int_list(body, "stop_token_ids"),
+        params = SamplingParams(
+            n=_opt(body, "n", 1),
+            max_tokens=max(max_tokens, 1),
+            temperature=_opt(body, "temperature", 1.0),
+            stop_token_ids=_int_list(body, "stop_token_ids") + eos,
             min_tokens=_opt(body, "min_tokens", 0),
             ignore_eos=_opt(body, "ignore_eos", False),
             top_logprobs=top,
@@ -168,20 +166,13 @@ def sampling(server, body: dict, *, chat: bool, prompt_len: int) -> Sampling:
             min_p=_opt(body, "min_p", 0.0),
             truncated_logprobs=_opt(body, "truncated_logprobs", False),
         )
+        params.check_model(server.cfg.vocab_size, server.engine.max_context)
     except ValueError as e:  # completions call the alternatives logprobs
         raise BadRequest(str(e) if chat else str(e).replace("top_logprobs", "logprobs (top alternatives)")) from None
-    # The one eos rule: the tokenizer's eos is a stop id unless ignore_eos (the engine is given none of its own).
-    eos = server.tokenizer.eos_token_id
-    eos = [eos] if eos is not None and eos < server.cfg.vocab_size and not opts["ignore_eos"] else []
     return Sampling(
-        n=n,
+        params=params,
         max_tokens=max_tokens,
-        temperature=temperature,
         stop=_stop_strings(body["stop"]) if body.get("stop") is not None else [],
-        stop_token_ids=sorted(set(eos + opts["stop_token_ids"])),
-        min_tokens=opts["min_tokens"],
-        top_logprobs=opts["top_logprobs"],
-        engine={k: opts[k] for k in ("top_k", "top_p", "min_p", "truncated_logprobs")},
         include_stop=_bool(body, "include_stop_str_in_output"),
         logprobs=logprobs,
         echo=echo,
@@ -197,9 +188,9 @@ class Job:
 
     def __init__(self, server, prompts: list[list[int]], s: Sampling, seeds, seed, chat: bool):
         self.server, self.prompts, self.s, self.seeds, self.seed, self.chat = server, prompts, s, seeds, seed, chat
-        self.n = s.n
+        self.n = s.params.n
         tok = server.tokenizer
-        self.texts = [SampleText(tok, p, s.stop, s.include_stop) for p in prompts for _ in range(s.n)]
+        self.texts = [SampleText(tok, p, s.stop, s.include_stop) for p in prompts for _ in range(s.params.n)]
         self.tops = [[] for _ in self.texts]  # per choice and token (hooked): (top ids, top logprobs) or None
         self.sent = [0] * len(self.texts)  # tokens streamed per choice
         self.closed = [False] * len(self.texts)  # its last chunk (with finish_reason) streamed
@@ -226,21 +217,7 @@ class Job:
             lambda j, toks, lps, top, i=i: self._on_tokens(i * self.n + j, toks, lps, top)
             for i in range(len(self.prompts))
         ]
-        try:
-            self.requests = self.server.submit(
-                self.prompts,
-                self.s.n,
-                self.s.max_tokens,
-                self.s.temperature,
-                self.seeds,
-                self.s.stop_token_ids,
-                hooks if hooked else None,
-                min_tokens=self.s.min_tokens,
-                top_logprobs=self.s.top_logprobs,
-                **self.s.engine,
-            )
-        except BadRequest as e:  # the engine names its own field; these routes call it max_tokens
-            raise BadRequest(str(e).replace("max_new_tokens", "max_tokens")) from None
+        self.requests = self.server.submit(self.prompts, self.s.params, self.seeds, hooks if hooked else None)
         for i, r in enumerate(self.requests):
             if self.queue is not None:
                 self.server.when_done(r, lambda i=i: self.queue.put_nowait(("done", i)))
@@ -258,7 +235,11 @@ class Job:
         if self.queue is not None:
             # The engine's own rule for when a sample ends, so its last chunk can go now, not when the
             # prompt's other samples are done too: a stop id ends it once it has min_tokens tokens.
-            ended = text.tokens and text.tokens[-1] in self.s.stop_token_ids and len(text.tokens) >= self.s.min_tokens
+            ended = (
+                text.tokens
+                and text.tokens[-1] in self.s.params.stop_token_ids
+                and len(text.tokens) >= self.s.params.min_tokens
+            )
             if keep is not None or ended:
                 reason = "stop"
             else:
@@ -299,7 +280,12 @@ class Job:
         version, params = engine.policy_version, engine.params
         if self.version is not None and self.version != version:
             raise ShuttingDown("the weights changed before the prompt could be scored; retry")
-        cfg, numerics, temp, k = self.server.cfg, self.server.config.numerics, self.s.temperature, self.s.top_logprobs
+        cfg, numerics, temp, k = (
+            self.server.cfg,
+            self.server.config.numerics,
+            self.s.params.temperature,
+            self.s.params.top_logprobs,
+        )
         starts = [1] * len(self.prompts)  # every prompt token but the first has a logprob
         # One call for all the prompts: the learner's pass gives a row the same bits alone or batched.
         scored = await asyncio.to_thread(rlkjax.score, params, cfg, self.prompts, starts, temp, numerics, k)
@@ -371,7 +357,7 @@ class Job:
             ids = self.prompts[choice // self.n] + ids
             pieces, lps, tops = prompt_pieces + pieces, prompt_lps + list(lps), prompt_tops + list(tops)
         out = {"tokens": pieces, "token_logprobs": list(lps), "text_offset": offsets(pieces, start), "token_ids": ids}
-        if self.s.top_logprobs:
+        if self.s.params.top_logprobs:
             out["top_logprobs"] = [self._top_dict(t, p, top) for t, p, top in zip(ids, pieces, tops)]
             out["top_token_ids"] = [None if top is None else top[0] for top in tops]
         return out
@@ -575,7 +561,7 @@ async def _serve(server, request: web.Request, body: dict, prompts: list, chat: 
     if len(prompts) > server.config.max_prompts:
         raise BadRequest(f"at most {server.config.max_prompts} prompts per request, got {len(prompts)}")
     s = sampling(server, body, chat=chat, prompt_len=max(map(len, prompts), default=0))
-    seeds, seed = server.seeds(body, len(prompts), s.n)
+    seeds, seed = server.seeds(body, len(prompts), s.params.n)
     job = Job(server, prompts, s, seeds, seed, chat)
     job.submit(stream=s.stream)
     if s.stream:

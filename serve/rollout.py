@@ -42,6 +42,7 @@ from prometheus_client.core import GaugeMetricFamily
 from rlkjax.checkpoint import load_model
 from rlkjax.engine import Engine, EngineConfig, Request
 from rlkjax.requests import check_int, check_seed, sample_seed
+from rlkjax.sampling_params import SamplingParams
 from rlkjax.tokenizer import load_tokenizer
 from serve import openai_api
 from serve.chat import load_chat_template
@@ -178,38 +179,26 @@ class Server:
         with self.wake:
             self.wake.notify()
 
-    def submit(
-        self, prompts, n, max_new_tokens, temperature, seeds, stop_token_ids, hooks=None, **options
-    ) -> list[Request]:
-        """Submit every prompt (validated first, so a bad one submits nothing). hooks: one engine `on_tokens`
-        hook per prompt, or None; options: Engine.submit's sampling keywords (min_tokens, top_logprobs, top_k...)."""
+    def submit(self, prompts, sampling: SamplingParams, seeds, hooks=None) -> list[Request]:
+        """Submit every prompt, prompt i with seed seeds[i] (validated first, so a bad one submits
+        nothing). hooks: one engine `on_tokens` hook per prompt, or None."""
         if self.draining:
             raise ShuttingDown("the server is shutting down; retry on another replica")
         try:
-            n = check_int("n", n, 1, self.engine.config.max_batch)
+            check_int("n", sampling.n, 1, self.engine.config.max_batch)
         except ValueError as e:
             raise BadRequest(str(e)) from None
-        if len(prompts) * n > self.config.max_sequences:
+        sequences = len(prompts) * sampling.n
+        if sequences > self.config.max_sequences:
             raise BadRequest(
-                f"{len(prompts)} prompts x n={n} = {len(prompts) * n} sequences, over the limit of "
+                f"{len(prompts)} prompts x n={sampling.n} = {sequences} sequences, over the limit of "
                 f"{self.config.max_sequences} per request (--max-sequences)"
             )
         requests, group = [], object()  # this HTTP request's prompts take one turn together in admission
         try:
             for i, (p, s) in enumerate(zip(prompts, seeds)):
-                requests.append(
-                    self.engine.submit(
-                        p,
-                        n=n,
-                        max_new_tokens=max_new_tokens,
-                        temperature=temperature,
-                        seed=s,
-                        stop_token_ids=stop_token_ids,
-                        group=group,
-                        on_tokens=None if hooks is None else hooks[i],
-                        **options,
-                    )
-                )
+                hook = None if hooks is None else hooks[i]
+                requests.append(self.engine.submit(p, sampling, seed=s, group=group, on_tokens=hook))
         except ValueError as e:
             self.cancel(requests)
             raise BadRequest(str(e)) from None
@@ -252,9 +241,6 @@ class Server:
             raise ShuttingDown("the server shut down before this request finished (--shutdown-timeout)")
         return requests
 
-    async def _run(self, prompts, n, max_new_tokens, temperature, seeds, stop_token_ids):
-        return await self.wait(self.submit(prompts, n, max_new_tokens, temperature, seeds, stop_token_ids))
-
     @staticmethod
     def seeds(body, prompts: int, n: int) -> tuple[list, int | list]:
         """(one seed per prompt, the seed to report). A list: one seed per prompt, taken as given. An int
@@ -284,16 +270,18 @@ class Server:
         prompts = _prompts(body["prompt"])
         if len(prompts) > self.config.max_prompts:
             raise BadRequest(f"at most {self.config.max_prompts} prompts per request, got {len(prompts)}")
-        n = _opt(body, "n", 1)
-        seeds, seed = self.seeds(body, len(prompts), n if isinstance(n, int) else 1)
-        reqs = await self._run(
-            prompts,
-            n,
-            _opt(body, "max_new_tokens", 16),
-            _opt(body, "temperature", 1.0),
-            seeds,
-            _opt(body, "stop_token_ids", []),
-        )
+        try:
+            sampling = SamplingParams(
+                n=_opt(body, "n", 1),
+                max_tokens=_opt(body, "max_new_tokens", 16),
+                temperature=_opt(body, "temperature", 1.0),
+                stop_token_ids=_opt(body, "stop_token_ids", []),
+            )
+            seeds, seed = self.seeds(body, len(prompts), sampling.n)
+            requests = self.submit(prompts, sampling, seeds)
+        except ValueError as e:  # this route's name for max_tokens is max_new_tokens
+            raise BadRequest(str(e).replace("max_tokens", "max_new_tokens")) from None
+        reqs = await self.wait(requests)
         return _json_response(
             {
                 "seed": seed,

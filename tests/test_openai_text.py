@@ -141,7 +141,7 @@ def test_the_engine_hook_stops_one_sample_and_not_the_others(tiny):
     cfg, params = tiny
     config = EngineConfig(num_pages=64, max_batch=4, prefill_chunk=16, token_budget=64, max_context=128, decode_steps=4)
     plain = Engine(params, cfg, "strict", config)
-    free = plain.submit([5, 6, 7], n=3, max_new_tokens=10, seed=3)
+    free = plain.submit([5, 6, 7], n=3, max_tokens=10, seed=3)
     plain.run_until_done()
     rounds = {j: [] for j in range(3)}
 
@@ -151,7 +151,7 @@ def test_the_engine_hook_stops_one_sample_and_not_the_others(tiny):
         return 2 if j == 1 and sum(map(len, rounds[1])) >= 5 else None
 
     engine = Engine(params, cfg, "strict", config)
-    hooked = engine.submit([5, 6, 7], n=3, max_new_tokens=10, seed=3, on_tokens=hook)
+    hooked = engine.submit([5, 6, 7], n=3, max_tokens=10, seed=3, on_tokens=hook)
     engine.run_until_done()
     kept = sum(map(len, rounds[1][:-1])) + 2
     stopped = hooked.results[1]
