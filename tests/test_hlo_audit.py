@@ -43,6 +43,17 @@ def lowered(cfg, fn, numerics_mode, b=2, t=16, pages=4):
     pt = jax.ShapeDtypeStruct((b, pages), jnp.int32)
     one = jax.ShapeDtypeStruct((b, 1), jnp.int32)
     vec = lambda dt: jax.ShapeDtypeStruct((b,), dt)  # noqa: E731
+    stops = jax.ShapeDtypeStruct((b, 2), jnp.int32)
+    truncation = (vec(jnp.int32), vec(jnp.float32), vec(jnp.float32), vec(jnp.bool_))
+    sampling = engine.RowSampling(
+        vec(jnp.uint32),
+        vec(jnp.int32),
+        vec(jnp.float32),
+        vec(jnp.int32),
+        stops,
+        vec(jnp.int32),
+        truncation if fn == "sampler_round_truncation" else None,
+    )
     if fn in ("sampler", "sampler_alternatives"):
         return audit.lower_for_gpu(
             engine.decode_step,
@@ -51,15 +62,12 @@ def lowered(cfg, fn, numerics_mode, b=2, t=16, pages=4):
             one,
             cache,
             pt,
-            vec(jnp.uint32),
-            vec(jnp.int32),
-            vec(jnp.float32),
+            sampling,
             rope,
             cfg,
             numerics_mode,
             alternatives=20 if fn == "sampler_alternatives" else 0,
         )
-    stops = jax.ShapeDtypeStruct((b, 2), jnp.int32)
     carry = (jax.ShapeDtypeStruct((2 * b,), jnp.int32), jax.ShapeDtypeStruct((2 * b,), jnp.bool_))
     return audit.lower_for_gpu(  # the engine's round: decode_round continuing the round in flight
         engine.next_round,
@@ -70,20 +78,12 @@ def lowered(cfg, fn, numerics_mode, b=2, t=16, pages=4):
         vec(jnp.int32),
         cache,
         pt,
-        vec(jnp.uint32),
-        vec(jnp.int32),
-        vec(jnp.float32),
-        vec(jnp.int32),
-        stops,
-        vec(jnp.int32),
+        sampling,
         rope,
         cfg,
         numerics_mode,
         num_steps=4,
         alternatives=20 if fn in ("sampler_round_alternatives", "sampler_round_truncation") else 0,
-        truncation=(vec(jnp.int32), vec(jnp.float32), vec(jnp.float32), vec(jnp.bool_))
-        if fn == "sampler_round_truncation"
-        else None,
     )
 
 
