@@ -20,18 +20,10 @@ import numpy as np
 
 from bench._report import provenance
 
-TIMINGS = {"tokens_per_s", "step_s", "rollout_s", "learn_s", "sync_s", "learner_tflops_per_device", "learner_mfu"}
+# train.grpo's row fields that are timings (train/metrics.py defines the two MFUs and their FLOP/s)
+TIMINGS = {"tokens_per_s", "step_s", "rollout_s", "learn_s", "sync_s", "learner_pass_mfu", "grpo_step_mfu"}
+TIMINGS |= {"learner_pass_tflops_per_device", "grpo_step_tflops_per_device"}
 TIMINGS |= {"peak_bytes_per_device"}  # allocator state, not a result of the run
-
-
-def grpo_step_mfu(row: dict) -> float | None:
-    """A train.grpo metrics row's MFU over the whole GRPO step (rollout and weight sync included): its
-    learner_mfu (the learner's model FLOPs, rlkjax.flops, over the learner's time: verify pass and updates)
-    with the same FLOPs spread over step_s. None where the device has no known peak (the CPU)."""
-    if row.get("learner_mfu") is None:
-        return None
-    learner_s = row["step_s"] - row["rollout_s"] - row["sync_s"]
-    return row["learner_mfu"] * learner_s / row["step_s"]
 
 
 def metrics(run: Path) -> list[dict]:
@@ -47,7 +39,6 @@ def summarize(run: Path) -> dict:
         return float(np.mean(values)) if values else None
 
     peaks = [r["peak_bytes_per_device"] for r in rows if "peak_bytes_per_device" in r]
-    timed = [r | {"grpo_step_mfu": grpo_step_mfu(r)} for r in timed]
     return {
         "run": str(run),
         "steps": len(rows),
@@ -62,8 +53,8 @@ def summarize(run: Path) -> dict:
         "rollout_s": mean("rollout_s"),
         "learn_s": mean("learn_s"),
         "sync_s": mean("sync_s"),
-        "learner_tflops_per_device": mean("learner_tflops_per_device"),
-        "learner_pass_mfu": mean("learner_mfu"),
+        "learner_tflops_per_device": mean("learner_pass_tflops_per_device"),
+        "learner_pass_mfu": mean("learner_pass_mfu"),
         "grpo_step_mfu": mean("grpo_step_mfu"),
         "peak_gib_per_device": [round(max(p) / 2**30, 2) for p in zip(*peaks)] if peaks else None,
     }
