@@ -97,16 +97,23 @@ def learner_programs(
     }
 
 
+def shard_sizes(infos, shardings) -> list[tuple[int, int, int]]:
+    """[(elements, elements on one device, bytes per element)] for each leaf of `infos` (ArgInfo or
+    ShapeDtypeStruct) under its sharding; an input XLA dropped as unused (its sharding None) counts
+    (elements, 0, bytes per element)."""
+    return [
+        (math.prod(i.shape), 0 if s is None else math.prod(s.shard_shape(i.shape)), np.dtype(i.dtype).itemsize)
+        for i, s in zip(jax.tree.leaves(infos), jax.tree.leaves(shardings, is_leaf=lambda x: x is None))
+    ]
+
+
 def memory(compiled, lowered) -> dict:
     """XLA's compiled memory analysis of one program, bytes per device, and "per_argument": each
     positional argument's bytes on one device under the shardings the program was compiled with."""
     m = compiled.memory_analysis()
     per_argument = [
-        sum(math.prod(s.shard_shape(i.shape)) * np.dtype(i.dtype).itemsize for i, s in zip(infos, shardings))
-        for infos, shardings in zip(
-            (jax.tree.leaves(a) for a in lowered.args_info[0]),
-            (jax.tree.leaves(s) for s in compiled.input_shardings[0]),
-        )
+        sum(shard * itemsize for _, shard, itemsize in shard_sizes(infos, shardings))
+        for infos, shardings in zip(lowered.args_info[0], compiled.input_shardings[0])
     ]
     return {
         "arguments": m.argument_size_in_bytes,
