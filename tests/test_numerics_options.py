@@ -36,11 +36,15 @@ def test_options_are_static_and_part_of_the_compilation():
     cache = jax.eval_shape(lambda: model.init_kv_cache(cfg, 1 + b * pages))
     rope = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), model.rope_tables(cfg))
     one, vec = jax.ShapeDtypeStruct((b, 1), jnp.int32), lambda dt: jax.ShapeDtypeStruct((b,), dt)
-    args = (params, one, one, cache, jax.ShapeDtypeStruct((b, pages), jnp.int32), vec(jnp.uint32), vec(jnp.int32))
+    i32 = vec(jnp.int32)
+    sampling = engine.RowSampling(
+        vec(jnp.uint32), i32, vec(jnp.float32), i32, jax.ShapeDtypeStruct((b, 1), jnp.int32), i32
+    )
+    args = (params, one, one, cache, jax.ShapeDtypeStruct((b, pages), jnp.int32), sampling)
     cuda = NumericsOptions(platform="cuda")
 
     def text(options):
-        return audit.lower_for_gpu(engine.decode_step, *args, vec(jnp.float32), rope, cfg, options)
+        return audit.lower_for_gpu(engine.decode_step, *args, rope, cfg, options)
 
     once, twice = text(cuda), text(dataclasses.replace(cuda, layer_unroll=2))
     assert once != twice
