@@ -19,18 +19,18 @@ if __name__ == "__main__":  # fake CPU devices, before jax is imported
 import argparse
 import dataclasses
 import json
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import NamedSharding
 
 from rlkjax import model, numerics
 from rlkjax.config import ModelConfig
-from rlkjax.numerics import PAGE_SIZE
-from rlkjax.shapes import bucket
 from train import fsdp, grpo
-from train.batch import PAD, Batch
+from train.batch import PAD, Batch, padded_length
 
 GIB = 2**30
 
@@ -46,12 +46,13 @@ def abstract(shape_tree, mesh, specs, dtype=None):
     )
 
 
-def compiled_memory(
+def learner_programs(
     cfg: ModelConfig, devices: int, rows: int, tokens: int, numerics: str = "strict", remat: bool = False
 ) -> dict:
-    """{function: {"arguments", "outputs", "temporaries", "aliased"}: bytes per device} for the
-    learner's value-and-grad step (train.grpo --remat: `remat`) and its scoring pass on a micro-batch
-    of `rows` x `tokens`."""
+    """{name: jax.stages.Lowered}: train.grpo's programs on a `devices` mesh, lowered against abstract
+    inputs with the shardings train.grpo gives them (nothing allocated): the learner's value-and-grad
+    step (train.grpo --remat: `remat`) and scoring pass on a micro-batch of `rows` x `tokens`, and the
+    optimiser update (fsdp.adamw, the step's own arguments donated as train.grpo donates them)."""
     mesh = fsdp.make_mesh(jax.devices()[:devices])
     shapes = jax.eval_shape(lambda: model.init_params(cfg, dtype=jnp.float32))
     specs = fsdp.param_specs(shapes, devices)
@@ -75,32 +76,86 @@ def compiled_memory(
         grpo.grpo_loss, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics=numerics, clip_eps=0.2, beta=0.0, remat=remat
     )
     score_fn = fsdp.sharded_logprobs(grpo.policy_logprobs, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics=numerics)
-    compiled = {
-        "learner step (value and grad)": grad_fn.lower(master, batch, ref_logp, rope, total, master).compile(),
-        "scoring pass (logprobs)": score_fn.lower(master, batch.tokens, batch.positions, batch.temps, rope).compile(),
+    optimizer = fsdp.adamw(1e-6, 1.0, 0.0, mesh, specs)
+    # train.grpo makes the state with optimizer.init(master) on the mesh: each moment is zeros like the
+    # parameters, so sharded as they are; the step count is a replicated scalar.
+    params_tree = jax.tree.structure(shapes)
+    opt_state = jax.tree.map(
+        lambda x: abstract(x, mesh, specs if jax.tree.structure(x) == params_tree else fsdp.REPLICATED),
+        jax.eval_shape(optimizer.init, shapes),
+        is_leaf=lambda x: jax.tree.structure(x) == params_tree,
+    )
+
+    def update(grads, opt_state, master):  # train.grpo's update, less its few bytes of finiteness flags
+        updates, opt_state = optimizer.update(grads, opt_state, master)
+        return optax.apply_updates(master, updates), opt_state
+
+    return {
+        "learner step (value and grad)": grad_fn.lower(master, batch, ref_logp, rope, total, master),
+        "scoring pass (logprobs)": score_fn.lower(master, batch.tokens, batch.positions, batch.temps, rope),
+        "optimiser update": jax.jit(update, donate_argnums=(1, 2)).lower(master, opt_state, master),
     }
+
+
+def shard_sizes(infos, shardings) -> list[tuple[int, int, int]]:
+    """[(elements, elements on one device, bytes per element)] for each leaf of `infos` (ArgInfo or
+    ShapeDtypeStruct) under its sharding; an input XLA dropped as unused (its sharding None) counts
+    (elements, 0, bytes per element)."""
+    return [
+        (math.prod(i.shape), 0 if s is None else math.prod(s.shard_shape(i.shape)), np.dtype(i.dtype).itemsize)
+        for i, s in zip(jax.tree.leaves(infos), jax.tree.leaves(shardings, is_leaf=lambda x: x is None))
+    ]
+
+
+def memory(compiled, lowered) -> dict:
+    """XLA's compiled memory analysis of one program, bytes per device, and "per_argument": each
+    positional argument's bytes on one device under the shardings the program was compiled with."""
+    m = compiled.memory_analysis()
+    per_argument = [
+        sum(shard * itemsize for _, shard, itemsize in shard_sizes(infos, shardings))
+        for infos, shardings in zip(lowered.args_info[0], compiled.input_shardings[0])
+    ]
+    return {
+        "arguments": m.argument_size_in_bytes,
+        "outputs": m.output_size_in_bytes,
+        "aliased": m.alias_size_in_bytes,
+        "temporaries": m.temp_size_in_bytes,
+        "peak": m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes,
+        "per_argument": per_argument,
+    }
+
+
+PROGRAMS = {"step": "learner step (value and grad)", "score": "scoring pass (logprobs)", "update": "optimiser update"}
+
+
+def compiled_memory(
+    cfg: ModelConfig,
+    devices: int,
+    rows: int,
+    tokens: int,
+    numerics: str = "strict",
+    remat: bool = False,
+    only: tuple[str, ...] = ("step", "score"),
+) -> dict:
+    """{function: memory(...) | {"hlo": text}} for the programs of learner_programs named in `only`
+    (keys of PROGRAMS), compiled (a minute or two each at 8B on CPU)."""
     out = {}
-    for name, c in compiled.items():
-        m = c.memory_analysis()
-        out[name] = {
-            "arguments": m.argument_size_in_bytes,
-            "outputs": m.output_size_in_bytes,
-            "aliased": m.alias_size_in_bytes,
-            "temporaries": m.temp_size_in_bytes,
-            "peak": m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes,
-        }
-        out[name]["hlo"] = c.as_text()
+    for name, lowered in learner_programs(cfg, devices, rows, tokens, numerics, remat).items():
+        if name in [PROGRAMS[p] for p in only]:
+            compiled = lowered.compile()
+            out[name] = memory(compiled, lowered) | {"hlo": compiled.as_text()}
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen3-8b")
-    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--model", default="qwen3-8b", help="model preset (shapes only)")
+    parser.add_argument("--devices", type=int, default=2, help="fake CPU devices of the FSDP mesh (write --devices=N)")
     parser.add_argument("--layers", default="1,2", help="layer counts to compile (the preset's own if empty)")
-    parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--numerics", choices=["strict", "fast"], default="strict")
-    parser.add_argument("--tokens", type=int, default=64 + 256, help="prompt + new tokens (bucketed as pack does)")
+    parser.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch (padded to the mesh)")
+    parser.add_argument("--numerics", choices=["strict", "fast"], default="strict", help="the learner's numerics")
+    parser.add_argument("--tokens", type=int, default=64 + 256, help="prompt + new tokens (padded as pack pads)")
+    parser.add_argument("--programs", default="step,score", help=f"which to compile, of {','.join(PROGRAMS)}")
     parser.add_argument("--remat", action="store_true", help="the learner step with train.grpo --remat")
     parser.add_argument(
         "--dense-backward", action="store_true", help="the attention gradient from XLA's dense backward, not flash"
@@ -108,13 +163,13 @@ def main() -> None:
     parser.add_argument("--hlo", help="write each compiled HLO to this prefix")
     parser.add_argument("--json", action="store_true", help="one JSON line per layer count: {function: {what: bytes}}")
     args = parser.parse_args()
-    numerics.set_attention_backward(not args.dense_backward)
+    options = numerics.NumericsOptions(args.numerics, attention_backward="dense" if args.dense_backward else "flash")
     base = ModelConfig.preset(args.model)
-    tokens = bucket(args.tokens, PAGE_SIZE)
+    tokens = padded_length(args.tokens)
     for layers in [int(n) for n in args.layers.split(",")] if args.layers else [base.num_layers]:
         cfg = dataclasses.replace(base, num_layers=layers)
         rows = -(-args.micro_batch // args.devices) * args.devices  # micro_batches pads to a multiple of the mesh
-        results = compiled_memory(cfg, args.devices, rows, tokens, args.numerics, args.remat)
+        results = compiled_memory(cfg, args.devices, rows, tokens, options, args.remat, args.programs.split(","))
         if args.json:
             print(json.dumps({name: {k: v for k, v in m.items() if k != "hlo"} for name, m in results.items()}))
             continue
@@ -122,7 +177,7 @@ def main() -> None:
             if args.hlo:
                 with open(f"{args.hlo}.{layers}.{name.split()[0]}.hlo", "w") as f:
                     f.write(m["hlo"])
-            sizes = ", ".join(f"{k} {v / GIB:.2f}" for k, v in m.items() if k != "hlo")
+            sizes = ", ".join(f"{k} {v / GIB:.2f}" for k, v in m.items() if k not in ("hlo", "per_argument"))
             print(f"{args.model} {layers} layers, {args.devices} devices, {name}: GiB per device: {sizes}", flush=True)
 
 

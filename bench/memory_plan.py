@@ -3,6 +3,10 @@
 `python -m bench.memory_plan` prints a markdown table for Qwen3-8B on 2, 4 and 8 GPUs at the run
 bench/two_gpu.sh makes (P16 x G8, 256 new tokens, prompts up to 64 tokens, micro-batch 4: at 16
 the 2-GPU plan does not fit);
+`python -m bench.memory_plan --models qwen3-8b,qwen3-4b,qwen3-1.7b --gpus 8 --micro-batch 16 --out PATH`
+prints instead the table of compiled_plan (one column a model; every learner row from XLA's compiled
+analysis of train.grpo's programs on 8 fake CPU devices) with the room left on 8 x H200 and 8 x
+MI300X, and writes it with its provenance to PATH.md and PATH.json;
 `--metrics runs/x/metrics.jsonl` adds the peak bytes that run measured on each of its devices
 (`peak_bytes_per_device`, from `device.memory_stats()`), in the column of its device count.
 
@@ -35,11 +39,14 @@ more (bench/two_gpu.sh sets 0.95).
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 
+from bench._report import new_report
 from rlkjax import model
 from rlkjax.config import ModelConfig
 from rlkjax.numerics import PAGE_SIZE
@@ -166,6 +173,85 @@ def table(args) -> str:
     return setting + "\n\n" + "\n".join(lines)
 
 
+# Device memory, and the share of it train.grpo lets JAX take (claim_device_memory: 95%).
+CAPACITY = {"H200": 143771 * 2**20, "MI300X": 192 * 2**30}  # nvidia-smi's memory.total; AMD's datasheet
+JAX_FRACTION = 0.95
+
+
+def compiled_learner(model_name: str, gpus: int, micro_batch: int, tokens: int, programs: str) -> dict:
+    """bench/learner_memory.py's compiled analysis of `programs` (step, update) on `gpus` fake CPU
+    devices, micro-batch rows padded to a multiple of them (a subprocess: the device count is fixed
+    when JAX starts)."""
+    cmd = [sys.executable, "-m", "bench.learner_memory", f"--devices={gpus}", "--model", model_name, "--layers", ""]
+    cmd += ["--micro-batch", str(micro_batch), "--tokens", str(tokens), "--programs", programs, "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.splitlines()[-1])
+
+
+def compiled_plan(model_name: str, gpus: int, args) -> dict:
+    """{row: bytes per GPU} with an FSDP learner over `gpus` GPUs, the learner's rows from XLA's
+    compiled analysis of train.grpo's programs: parameters, gradients and optimiser state are the
+    compiled arguments' per-device sizes; the learner step's temporaries are split into activations
+    (the compiled slope per micro-batch row per device, times the rows each device takes) and the
+    rest (gathered weights, the gradient exchange, the micro-batch's gradient), by compiling the step
+    at one row per device too. The sampler's weights and KV cache are not compiled programs: from
+    their shapes, as plan() counts them."""
+    cfg = ModelConfig.preset(model_name)
+    tokens = args.prompt_tokens + args.new_tokens
+    full = compiled_learner(model_name, gpus, args.micro_batch, tokens, "step,update")
+    one_row = compiled_learner(model_name, gpus, gpus, tokens, "step")["learner step (value and grad)"]
+    step, update = full["learner step (value and grad)"], full["optimiser update"]
+    rows = cdiv(args.micro_batch, gpus)  # per device
+    activations = (step["temporaries"] - one_row["temporaries"]) * rows / (rows - 1) if rows > 1 else None
+    master, _, _, _, _, grads = step["per_argument"]  # (params, batch, ref_logp, rope, total_tokens, grads)
+    _, opt_state, _ = update["per_argument"]  # (grads, opt_state, master)
+    shapes = plan(cfg, gpus, args.prompts, args.group, args.new_tokens, args.prompt_tokens, args.micro_batch)
+    rows_ = {
+        "parameters (fp32 master weights, 1/N)": master,
+        "optimiser state (AdamW: 2 x fp32, 1/N)": opt_state,
+        "gradients (fp32 running sum, 1/N)": grads,
+        f"activations (learner step, {rows} rows of {padded_length(tokens)} tokens per device)": activations,
+        "learner step's other temporaries (gathered weights, gradient exchange, micro-batch gradient)": (
+            step["temporaries"] - (activations or 0)
+        ),
+        "optimiser update's temporaries": update["temporaries"],
+        "sampler weights (bf16, full copy; from shapes)": shapes["sampler weights (bf16, full copy)"],
+        "KV cache (the engine's share of a step; from shapes)": shapes["KV cache (the engine's share of a step)"],
+    }
+    sampler = rows_["sampler weights (bf16, full copy; from shapes)"]
+    phases = {
+        "rollout": sampler + rows_["KV cache (the engine's share of a step; from shapes)"] + master + opt_state,
+        "learner step": sampler + opt_state + step["peak"],  # its peak counts master, gradients, batch
+        "optimiser update": sampler + update["peak"],  # counts gradients, state and master
+    }
+    return {"rows": rows_, "phases": phases, "compiled": {"step": step, "one_row_step": one_row, "update": update}}
+
+
+def compiled_table(args) -> tuple[str, dict]:
+    """The markdown table of compiled_plan for each of args.models on args.gpus[0] GPUs, and its data."""
+    gpus = args.gpus[0]
+    plans = {m: compiled_plan(m, gpus, args) for m in args.models}
+    cell = lambda v: "n/a" if v is None else f"{v / GIB:.1f}"  # noqa: E731
+    lines = [f"| GiB per GPU, {gpus} GPUs | " + " | ".join(args.models) + " |", "|---|" + "---:|" * len(args.models)]
+    for row in plans[args.models[0]]["rows"]:
+        lines.append(f"| {row} | " + " | ".join(cell(plans[m]["rows"][row]) for m in args.models) + " |")
+    for phase in plans[args.models[0]]["phases"]:
+        lines.append(f"| in the {phase} | " + " | ".join(cell(plans[m]["phases"][phase]) for m in args.models) + " |")
+    peaks = {m: max(plans[m]["phases"].values()) for m in args.models}
+    lines.append("| **peak** (the largest phase) | " + " | ".join(f"**{cell(peaks[m])}**" for m in args.models) + " |")
+    for kind, capacity in CAPACITY.items():
+        limit = JAX_FRACTION * capacity
+        lines.append(
+            f"| {gpus} x {kind} ({capacity / GIB:.1f} GiB; JAX takes {JAX_FRACTION:.0%}: {limit / GIB:.1f}): "
+            "room left | " + " | ".join(f"{(limit - peaks[m]) / GIB:.1f}" for m in args.models) + " |"
+        )
+    setting = (
+        f"P{args.prompts} x G{args.group}, {args.new_tokens} new tokens, prompts up to {args.prompt_tokens} tokens, "
+        f"micro-batch {args.micro_batch} (train.grpo's default is 16), learner FSDP and a sampler engine on every GPU"
+    )
+    return setting + "\n\n" + "\n".join(lines), plans
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-8b")
@@ -177,7 +263,30 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--compiled", action="store_true", help="add XLA's compiled analysis (minutes on CPU)")
     parser.add_argument("--metrics", action="append", default=[], help="a train.grpo metrics.jsonl (repeatable)")
-    print(table(parser.parse_args()))
+    parser.add_argument(
+        "--models",
+        type=lambda s: s.split(","),
+        help="instead: the compiled table for these presets on the first of --gpus (every row from XLA's "
+        "analysis but the sampler's; 3 compilations a model, minutes each on CPU)",
+    )
+    parser.add_argument("--out", help="with --models: write the table (markdown, with provenance) and its JSON here")
+    args = parser.parse_args()
+    if not args.models:
+        print(table(args))
+        return
+    text, plans = compiled_table(args)
+    print(text)
+    if args.out:
+        report = new_report("bench.memory_plan") | {"results": plans}
+        report["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        report["hardware"] = (
+            f"XLA:CPU ({os.cpu_count()} cores), {args.gpus[0]} fake devices standing for {args.gpus[0]} GPUs; "
+            "Pallas kernels in interpret mode"
+        )
+        Path(args.out).with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+        provenance = "\n".join(f"- {k}: {report[k]}" for k in ("command", "date", "commit", "hardware", "versions"))
+        title = f"# Memory per GPU, {args.gpus[0]} GPUs, from XLA's compiled analysis on CPU"
+        Path(args.out).with_suffix(".md").write_text(f"{title}\n\n{provenance}\n\n{text}\n")
 
 
 if __name__ == "__main__":

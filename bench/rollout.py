@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 
 import rlkjax
-from bench._report import median_time, new_report, save_report
+from bench._report import new_report, save_report
+from bench._timing import median_time
 from rlkjax import model
 from rlkjax.engine import Engine, EngineConfig
 from rlkjax.numerics import PAGE_SIZE
@@ -122,7 +123,7 @@ def main():
         print(json.dumps(row), flush=True)
         save_report(report, args.out)
 
-    for name in filter(None, args.sync_models.split(",")):  # first: cheap, and issue 10 asks for it at 3 sizes
+    for name in filter(None, args.sync_models.split(",")):  # first: cheap
         cfg = rlkjax.ModelConfig.preset(name)
         add(
             {

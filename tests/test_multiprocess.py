@@ -1,5 +1,6 @@
 """`python -m train.grpo` as two processes (jax.distributed, coordinator on loopback, gloo CPU
-collectives, 2 fake devices each) against one process on 4 fake devices: the same run, bit for bit.
+collectives, 2 fake devices each; one joins by flags, the other by environment variables) against
+one process on 4 fake devices: the same run, bit for bit.
 
 Both runs use the same global layout (an FSDP learner over all 4 devices, samplers on devices 0 and
 2, so one engine in each process; 16 sequences in 2 micro-batches), the same seed and flags. Every
@@ -32,8 +33,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(out, devices: int, extra=()) -> subprocess.Popen:
-    env = os.environ | {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+def launch(out, devices: int, extra=(), env=None) -> subprocess.Popen:
+    env = os.environ | (env or {}) | {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
     cmd = [sys.executable, "-m", "train.grpo", *FLAGS, "--out", str(out), *extra]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -56,12 +57,15 @@ def finish(procs, timeout=600) -> list[tuple[int, str]]:
 @pytest.mark.parametrize("steps", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_two_processes_have_the_bits_of_one(tmp_path, steps):
     """Prevents the multi-process path from rotting (it had never run), and a collective library's
-    summation order (gloo here, NCCL on GPUs) from leaking into the weights."""
+    summation order (gloo here, NCCL on GPUs) from leaking into the weights. Process 0 joins the run
+    through the flags, process 1 through the JAX_* variables alone (what a launcher sets): both ways
+    of joining are exercised."""
     port, flags = free_port(), ["--steps", str(steps)]
-    coordinator = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
+    by_flags = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "0"]
+    by_env = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}
     for returncode, output in [
         *finish([launch(tmp_path / "one", 4, flags)]),
-        *finish([launch(tmp_path / "two", 2, [*flags, *coordinator, "--process-id", str(i)]) for i in (1, 0)]),
+        *finish([launch(tmp_path / "two", 2, flags, env=by_env), launch(tmp_path / "two", 2, [*flags, *by_flags])]),
     ]:
         assert returncode == 0, output[-4000:]
 

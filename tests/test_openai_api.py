@@ -19,7 +19,8 @@ from serve.chat import DEFAULT_TEMPLATE, ChatTemplate
 from serve.openai_params import CHAT_FIELDS, COMPLETION_FIELDS
 from serve.text import token_pieces
 from tests.conftest import assert_bits_equal
-from tests.servers import make_bpe_checkpoint, metric, post_raw, start_server
+from tests.server_process import metric, post_raw, start_server
+from tests.tokenizer_files import make_bpe_checkpoint
 
 pytestmark = pytest.mark.slow  # a real server process (its first requests compile)
 

@@ -9,7 +9,7 @@ from rlkjax.tokenizer import ByteTokenizer, load_tokenizer
 from serve.chat import DEFAULT_TEMPLATE, ChatTemplate, ChatTemplateError, load_chat_template, message_text
 from serve.text import SampleText, offsets, token_pieces
 from tests.conftest import assert_bits_equal
-from tests.servers import TEXT, make_bpe_checkpoint
+from tests.tokenizer_files import TEXT, make_bpe_checkpoint
 
 
 @pytest.fixture(scope="module")

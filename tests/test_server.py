@@ -16,7 +16,7 @@ import pytest
 import rlkjax
 from rlkjax.client import RolloutError
 from tests.conftest import assert_bits_equal
-from tests.servers import ADMIN, metric, post_raw, start_server, wait_for_metric
+from tests.server_process import ADMIN, metric, post_raw, start_server, wait_for_metric
 
 pytestmark = pytest.mark.slow  # every test here starts a real server process
 

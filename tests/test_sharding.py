@@ -17,7 +17,7 @@ import pytest
 
 import rlkjax
 from tests.sharded_contract import GRPO_RUN
-from train.fsdp import parse_devices, pick_devices
+from train.fsdp import distributed_args, parse_devices, pick_devices
 from train.grpo import GRPOConfig
 
 ENV = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
@@ -35,6 +35,19 @@ def test_sampler_replica_vs_fsdp_learner_on_any_mesh():
     assert r.returncode == 0, r.stderr[-3000:]
     for devices in (8, 4, 2, 1):
         assert f"learner on {devices} devices" in r.stdout
+
+
+def test_learner_step_has_the_samplers_bits_on_two_devices():
+    """The CPU twin of tests/test_gpu.py's two-GPU checks (the same body, tests/sharded_contract.py
+    learner_step_matches_sampler, at the tiny shape): train.grpo's learner step itself, not only the
+    scoring pass, returns the sampler's logprob bits on a 2-device mesh, for short rows and for rows
+    over 3 attention KV splits (the split merge in the learner's pass and in the sampler's decode)."""
+    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    cmd = [sys.executable, "-m", "tests.sharded_contract", "learner-step"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [line for line in r.stdout.splitlines() if line.startswith("learner step")]
+    assert len(lines) == 2 and "'kv_splits': 1" in lines[0] and "'kv_splits': 3" in lines[1], r.stdout
 
 
 @pytest.mark.parametrize(
@@ -88,6 +101,25 @@ def test_process_flags_are_checked():
         GRPOConfig(num_processes=2, process_id=2, coordinator="127.0.0.1:1234")
     with pytest.raises(ValueError, match="--rollout-url runs with one learner process"):
         GRPOConfig(num_processes=2, coordinator="127.0.0.1:1234", rollout_url="http://127.0.0.1:8000")
+
+
+def test_processes_join_from_flags_or_the_environment():
+    """Flags first, then the JAX_* variables, then srun / mpirun (which jax.distributed reads itself);
+    a lone process joins nothing. Prevents a launcher's half-set variables from starting a one-process
+    run that never meets the others."""
+    flags = dict(coordinator_address="10.0.0.1:99", num_processes=4, process_id=3)
+    env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.2:77", "JAX_NUM_PROCESSES": "8", "JAX_PROCESS_ID": "5"}
+    assert distributed_args("10.0.0.1:99", 4, 3, env) == flags
+    assert distributed_args(None, 1, 0, env) == dict(coordinator_address="10.0.0.2:77", num_processes=8, process_id=5)
+    assert distributed_args(None, 1, 0, {}) is None
+    assert distributed_args(None, 1, 0, {"SLURM_NTASKS": "8", "SLURM_STEP_NODELIST": "n[1-8]"}) == {}
+    assert distributed_args(None, 1, 0, {"SLURM_NTASKS": "1", "SLURM_STEP_NODELIST": "n1"}) is None
+    assert distributed_args(None, 1, 0, {"SLURM_NTASKS": "8"}) is None  # sbatch's script itself, not a task of srun
+    assert distributed_args(None, 1, 0, {"OMPI_COMM_WORLD_SIZE": "2"}) == {}
+    with pytest.raises(ValueError, match="JAX_COORDINATOR_ADDRESS set without JAX_NUM_PROCESSES, JAX_PROCESS_ID"):
+        distributed_args(None, 1, 0, {"JAX_COORDINATOR_ADDRESS": "10.0.0.2:77"})
+    with pytest.raises(ValueError, match="expected 0 <= index < count"):
+        distributed_args(None, 1, 0, env | {"JAX_PROCESS_ID": "8"})
 
 
 @pytest.mark.slow
@@ -231,3 +263,58 @@ def test_learner_step_keeps_few_activations_per_layer():
     per_layer = {remat: (temporaries[f"{remat} 4"] - temporaries[f"{remat} 2"]) / 2 for remat in ("True", "False")}
     assert per_layer["True"] <= kept + gradient + mlp, (per_layer, kept, gradient)
     assert per_layer["False"] > kept + gradient + mlp, (per_layer, kept, gradient)
+
+
+# Qwen3-8B's learner step and optimiser update on 8 fake CPU devices, compiled from abstract inputs
+# (bench/learner_memory.py: nothing is allocated, no weights exist). Per program: every input's and
+# output's per-device element count next to its global one, and XLA's memory analysis.
+COMPILE_8B_PROBE = """
+import json
+from bench.learner_memory import learner_programs, memory, shard_sizes
+from rlkjax.config import ModelConfig
+programs = learner_programs(ModelConfig.preset("qwen3-8b"), devices=8, rows=16, tokens=384)
+out = {}
+for name in ("learner step (value and grad)", "optimiser update"):
+    lowered = programs[name]
+    compiled = lowered.compile()
+    out[name] = {
+        "inputs": shard_sizes(lowered.args_info[0], compiled.input_shardings[0]),
+        "outputs": shard_sizes(lowered.out_info, compiled.output_shardings),
+        "memory": memory(compiled, lowered),
+    }
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow  # 2.5 min on 2 idle cores (5.5 loaded), 1.3 GB: the layer scan compiles its body once
+def test_8b_learner_compiles_sharded_over_8_devices():
+    """The Qwen3-8B learner step (all 36 layers; train.grpo's default micro-batch of 16 rows of 384
+    tokens: 64 prompt + 256 new, padded as train.batch pads) and the AdamW update compile for 8
+    devices with the parameters, their gradients and both AdamW moments split 8 ways, in the inputs
+    and in what XLA chose for the outputs (the update's outputs are not pinned: a replicated master
+    or moment costs each device 8x its share, 92 GiB for the three, and would first show on 8 GPUs).
+    Interpret mode's compile on CPU; the shardings and buffer sizes are the program's, not a GPU
+    measurement."""
+    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-c", COMPILE_8B_PROBE], env=env, capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stderr[-3000:]
+    programs = json.loads(r.stdout.splitlines()[-1])
+    shapes = jax.tree.leaves(jax.eval_shape(lambda: rlkjax.init_params(rlkjax.ModelConfig.preset("qwen3-8b"))))
+    n, p = len(shapes), sum(x.size for x in shapes)  # parameter tensors, parameters (8.2e9)
+    step, update = programs["learner step (value and grad)"], programs["optimiser update"]
+    split = {
+        "step's master weights": step["inputs"][:n],
+        "step's gradients in": step["inputs"][-n:],
+        "step's gradients out": step["outputs"][-n:],
+        # (grads, opt_state, master) -> (master, opt_state): all parameter-shaped but AdamW's step count
+        "update's inputs": [s for s in update["inputs"] if s[0] > 1],
+        "update's outputs": [s for s in update["outputs"] if s[0] > 1],
+    }
+    assert len(split["update's inputs"]) == len(split["update's outputs"]) + n == 4 * n  # grads, moments, master
+    for what, sizes in split.items():
+        whole = [size for size, shard, _ in sizes if shard * 8 != size]
+        assert not whole, f"{what}: {len(whole)} tensors not split 8 ways (sizes {whole[:5]})"
+    # The buffers XLA assigned agree: fp32 master + gradients (+ the batch and RoPE tables, < 64 MiB) for
+    # the step; gradients, both moments and master for the update, each 4 bytes x p / 8.
+    assert 8 * p / 8 <= step["memory"]["arguments"] < 8 * p / 8 + 2**26, step["memory"]
+    assert 16 * p / 8 <= update["memory"]["arguments"] < 16 * p / 8 + 2**10, update["memory"]

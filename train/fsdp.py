@@ -17,7 +17,8 @@ sizes: each device rounds its own rows' partial gradient.)
 Samplers: one engine per sampler device, each with a full copy of the weights; prompt i goes to
 sampler device i mod M. New weights reach them device to device, never through disk.
 
-Several processes (`jax.distributed`): every process runs the same program, holds the same host
+Several processes (`jax.distributed`, joined by join_processes from flags, JAX_* variables, or
+srun / mpirun's own): every process runs the same program, holds the same host
 batch (same seed, same data RNG) and feeds its own devices' rows of it; it runs the engines of
 its own sampler devices and the completions are exchanged (as int32 bits) so that every process
 packs the same batch. Every process must hold at least one learner device (that is where it
@@ -25,6 +26,7 @@ receives the weights for its samplers).
 """
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +42,46 @@ AXIS = "data"
 ROWS = P(AXIS)
 REPLICATED = P()
 BATCH_SPECS = jax.tree.map(lambda _: ROWS, PAD)  # every Batch field has rows first: split them all by rows
+
+
+# ----- joining the other processes of a run -----
+PROCESS_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+
+
+def distributed_args(coordinator: str | None, num_processes: int, process_id: int, environ=os.environ) -> dict | None:
+    """jax.distributed.initialize's arguments for this process, or None when the run is one process.
+    The first that applies: the flags (--coordinator, --num-processes, --process-id); the three
+    PROCESS_VARS (the same values, for launchers that set variables: HOST:PORT of process 0, the
+    count, this process's index); a launcher that jax.distributed recognises itself (SLURM's srun,
+    Open MPI's mpirun) starting more than one task: {} (it reads the address, count and index, and
+    gives each task the GPU of its local rank: start one task per GPU)."""
+    if coordinator:
+        return dict(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+    given = [v for v in PROCESS_VARS if environ.get(v)]
+    if given:
+        if len(given) < len(PROCESS_VARS):
+            missing = sorted(set(PROCESS_VARS) - set(given))
+            raise ValueError(f"{', '.join(given)} set without {', '.join(missing)}: set all three, or none")
+        count, index = environ["JAX_NUM_PROCESSES"], environ["JAX_PROCESS_ID"]
+        if not (count.isdigit() and index.isdigit() and int(index) < int(count)):
+            raise ValueError(f"JAX_NUM_PROCESSES={count!r}, JAX_PROCESS_ID={index!r}: expected 0 <= index < count")
+        return dict(
+            coordinator_address=environ["JAX_COORDINATOR_ADDRESS"], num_processes=int(count), process_id=int(index)
+        )
+    srun = "SLURM_STEP_NODELIST" in environ and int(environ.get("SLURM_NTASKS", "1")) > 1
+    mpirun = int(environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
+    return {} if srun or mpirun else None
+
+
+def join_processes(coordinator: str | None = None, num_processes: int = 1, process_id: int = 0) -> None:
+    """Join the other processes of the run (see distributed_args), before anything starts a JAX
+    backend; a run of one process does nothing. On CPU their collectives go through gloo (XLA's CPU
+    client has no other cross-process implementation)."""
+    args = distributed_args(coordinator, num_processes, process_id)
+    if args is None:
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(**args)
 
 
 # ----- which devices -----
@@ -274,6 +316,14 @@ def clip_by_global_norm(max_norm: float, mesh, specs) -> optax.GradientTransform
         ), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def adamw(learning_rate, max_grad_norm: float, weight_decay: float, mesh, specs) -> optax.GradientTransformation:
+    """train.grpo's optimiser: clip_by_global_norm (the fixed-order norm), then optax's AdamW. Its two
+    fp32 moments are created like the parameters, so they are sharded as they are."""
+    return optax.chain(
+        clip_by_global_norm(max_grad_norm, mesh, specs), optax.adamw(learning_rate, weight_decay=weight_decay)
+    )
 
 
 def peak_memory() -> list[int] | None:
