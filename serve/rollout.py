@@ -2,7 +2,8 @@
 
 Endpoints (JSON in and out; errors are 4xx with OpenAI's {"error": {"message", "type", "param", "code"}}
 and the server keeps serving; a request without a seed gets a fresh one, reported as "seed"):
-  POST /generate         token ids in; per sample: tokens, logprobs, finish_reason, policy_version
+  POST /generate         token ids in; per sample: tokens, logprobs, finish_reason, policy_version (a sampled
+                         eos of the tokenizer ends a sample and is its last token, unless ignore_eos)
   POST /v1/completions, POST /v1/chat/completions
                          OpenAI-compatible (serve/openai_api.py; the README's API section lists the fields),
                          streaming or not, using the model's tokenizer and chat template
@@ -267,7 +268,7 @@ class Server:
     async def generate(self, request: web.Request):
         body = _fields(
             await _json(request, self.config.read_timeout),
-            {"prompt", "n", "max_new_tokens", "temperature", "seed", "stop_token_ids"},
+            {"prompt", "n", "max_new_tokens", "temperature", "seed", "stop_token_ids", "ignore_eos"},
             {"prompt"},
         )
         prompts = _prompts(body["prompt"])
@@ -279,6 +280,7 @@ class Server:
                 max_tokens=_opt(body, "max_new_tokens", 16),
                 temperature=_opt(body, "temperature", 1.0),
                 stop_token_ids=_opt(body, "stop_token_ids", []),
+                ignore_eos=_opt(body, "ignore_eos", False),
             )
             seeds, seed = self.seeds(body, len(prompts), sampling.n)
             requests = self.submit(prompts, sampling, seeds)
