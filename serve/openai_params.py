@@ -5,7 +5,7 @@ Field names are OpenAI's and vLLM's; a bad value is a BadRequest naming the fiel
 import dataclasses
 import math
 
-from rlkjax.requests import MAX_TOP_LOGPROBS
+from rlkjax.requests import MAX_TOP_LOGPROBS, check_int
 from rlkjax.sampling_params import SamplingParams
 from serve.http import BadRequest, _opt
 
@@ -136,6 +136,7 @@ def sampling(server, body: dict, *, chat: bool, prompt_len: int) -> Sampling:
             truncated_logprobs=_opt(body, "truncated_logprobs", False),
         )
         params.check_model(server.cfg.vocab_size, server.engine.max_context)
+        check_int("n", params.n, 1, server.engine.config.max_batch)  # before the job sizes anything by n
     except ValueError as e:  # completions call the alternatives logprobs
         raise BadRequest(str(e) if chat else str(e).replace("top_logprobs", "logprobs (top alternatives)")) from None
     return Sampling(
