@@ -8,6 +8,7 @@ sides, since sampler and learner read the same table).
 
 import dataclasses
 import functools
+import logging
 import os
 from collections.abc import Callable
 from typing import Literal, NamedTuple
@@ -281,6 +282,24 @@ def padded_rows(rows: int, numerics: Numerics) -> int:
 
 # XLA must not keep excess precision between ops or drop roundings we asked for.
 STRICT_XLA_FLAGS = ("--xla_allow_excess_precision=false",)
+
+
+class _NoAmdGpuFilter(logging.Filter):
+    """Drops the ROCm plugin's "No AMD GPUs were found" traceback: with `.[rocm]` installed, JAX logs
+    it as a plugin configuration error on every machine without an AMD GPU, even with
+    JAX_PLATFORMS=cpu, though nothing is wrong (JAX goes on with the other backends). Every other
+    plugin error still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and "No AMD GPUs were found" in str(record.exc_info[1]))
+
+
+NO_AMD_GPU_FILTER = _NoAmdGpuFilter()
+
+
+def quiet_rocm_plugin_without_gpu() -> None:
+    """Keep the ROCm plugin's no-GPU traceback from users' screens (before JAX discovers plugins)."""
+    logging.getLogger("jax._src.xla_bridge").addFilter(NO_AMD_GPU_FILTER)
 
 
 _started_without_flags = False  # XLA's backend was already up, without our flags, when rlkjax was imported

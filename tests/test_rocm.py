@@ -94,3 +94,19 @@ def test_rocm_table_keeps_the_contract_interpreted(tiny):
     for c, lp in zip(comps, lps):
         assert len(c.tokens) == 4
         assert_bits_equal(np.asarray(c.logprobs), lp, "sampler vs learner on the ROCm table")
+
+
+def test_rocm_plugin_no_gpu_traceback_is_kept_from_screens(caplog):
+    """With `.[rocm]` installed, JAX logs the plugin's "No AMD GPUs were found" ValueError with a
+    traceback on every machine without one (seen with jax-rocm7-plugin 0.11.2, JAX_PLATFORMS=cpu);
+    `import rlkjax` filters exactly that record. Any other plugin error still shows."""
+    import logging
+
+    logger = logging.getLogger("jax._src.xla_bridge")
+    for message in ("No AMD GPUs were found, skipping ROCm plugin initialization", "libamdhip64.so not found"):
+        try:
+            raise ValueError(message)
+        except ValueError:
+            logger.exception("Jax plugin configuration error: Exception when calling %s.initialize()", "xla_rocm7")
+    shown = [r.exc_info[1].args[0] for r in caplog.records if r.exc_info]
+    assert shown == ["libamdhip64.so not found"]
