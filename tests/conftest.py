@@ -1,9 +1,14 @@
+import gc
 import os
+import tempfile
 
+import jax
 import numpy as np
 import pytest
 
 import rlkjax  # noqa: F401  (sets the strict XLA flags before any test starts a backend)
+
+_COMPILATION_CACHE = pytest.StashKey[tempfile.TemporaryDirectory]()
 
 
 def bits(a) -> np.ndarray:
@@ -43,7 +48,35 @@ def tiny():
     return cfg, rlkjax.init_params(cfg, seed=0)
 
 
-def pytest_report_header(config):
-    import jax
+def pytest_configure(config):
+    """One persistent compilation cache for the run, unless the caller chose one: many tests trace the
+    same programs afresh (every `grpo.train` builds its learner step anew, and the caches are dropped
+    after each module, below), and a cache hit loads the compiled program instead of compiling it again.
+    Set here, before collection, because JAX reads the setting at its first compilation."""
+    if jax.config.jax_compilation_cache_dir is None:
+        cache = config.stash[_COMPILATION_CACHE] = tempfile.TemporaryDirectory(prefix="rlkjax-jax-cache-")
+        jax.config.update("jax_compilation_cache_dir", cache.name)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
+
+def pytest_unconfigure(config):
+    cache = config.stash.get(_COMPILATION_CACHE, None)
+    if cache is not None:
+        cache.cleanup()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _unmap_compiled_code():
+    """XLA:CPU maps every compiled program's code into memory regions of its own, and they stay mapped
+    while jit's caches hold the program: for the life of the process. The whole suite in one process
+    reached Linux's limit of mappings per process (vm.max_map_count, 65,530 by default); the next
+    compilation then failed inside LLVM ("Cannot allocate memory") and XLA segfaulted instead of
+    raising (.ci/map_limit_repro.py shows it in a few seconds). Dropping the caches after each module
+    unmaps them; what a later module needs again comes back from the compilation cache above."""
+    yield
+    jax.clear_caches()
+    gc.collect()
+
+
+def pytest_report_header(config):
     return f"jax {jax.__version__}, backend {jax.default_backend()}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}"
