@@ -76,6 +76,12 @@ def _unmap_compiled_code():
     yield
     jax.clear_caches()
     gc.collect()
+    if os.path.exists("/proc/self/maps"):
+        with open("/proc/self/maps") as maps, open("/proc/sys/vm/max_map_count") as limit:
+            used, allowed = sum(1 for _ in maps), int(limit.read())
+        # After the caches are dropped a few hundred remain; half the table means something else
+        # keeps compiled code alive, and a later compilation would segfault instead of failing here.
+        assert used < allowed // 2, f"{used} of {allowed} memory mappings still in use after clearing jit's caches"
 
 
 def pytest_report_header(config):
