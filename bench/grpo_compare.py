@@ -19,7 +19,6 @@ import numpy as np
 
 import rlkjax
 from bench._report import new_report, save_report
-from bench.two_gpu import grpo_step_mfu
 from rlkjax import flops
 from train import grpo
 
@@ -61,7 +60,6 @@ def run(name, numerics, args):
     )
     result = grpo.train(config)
     rows = result["history"][1:] or result["history"]  # the first step compiles
-    rows = [r | {"grpo_step_mfu": grpo_step_mfu(r)} for r in rows]
 
     def mean(key, rows=rows):
         values = [r[key] for r in rows if r.get(key) is not None]
@@ -79,7 +77,7 @@ def run(name, numerics, args):
         "host_s": mean("step_s") - mean("rollout_s") - mean("learn_s") - mean("sync_s"),
         "rollout_tokens_per_s": trained / mean("rollout_s"),
         "learner_tokens_per_s": trained / mean("learn_s"),
-        "learner_pass_mfu": mean("learner_mfu"),
+        "learner_pass_mfu": mean("learner_pass_mfu"),
         "grpo_step_mfu": mean("grpo_step_mfu"),
         "mismatch_tokens": int(sum(r["tokens_bits_differ"] for r in result["history"])),
         "tokens_compared": int(sum(r.get("tokens_compared", 0) for r in result["history"])),

@@ -9,9 +9,18 @@ bytes of every device.
 `python -m bench.two_gpu compare RUN_A RUN_B [--out JSON]`: the same run computed two ways (one
 process on N devices, N processes): every metric but timings, every array of the last checkpoint
 (fp32 master weights, AdamW state) and final_hf/ compared as bits. Exits 1 if anything differs.
+
+`python -m bench.two_gpu model DIR [--like qwen3-0.6b] [--layers 4]`: an HF checkpoint of random
+weights with the widths of --like (hidden size, heads, FFN) but a byte vocabulary (512 ids) and
+--layers layers, for `train.grpo --model DIR --tokenizer bytes`. A random model with Qwen3's
+151,936-id vocabulary seldom samples a byte (256 of its ids decode to text): at P8 x G4 x 32 new
+tokens about 2 bytes a step, so nearly every reward is 0 and so are the advantages and gradients
+(the 0.6B run of 2026-11-30 had zero gradients); over 512 ids half are bytes, 26 lowercase
+letters, so the lowercase task's rewards vary within every group.
 """
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -20,18 +29,10 @@ import numpy as np
 
 from bench._report import provenance
 
-TIMINGS = {"tokens_per_s", "step_s", "rollout_s", "learn_s", "sync_s", "learner_tflops_per_device", "learner_mfu"}
+# train.grpo's row fields that are timings (train/metrics.py defines the two MFUs and their FLOP/s)
+TIMINGS = {"tokens_per_s", "step_s", "rollout_s", "learn_s", "sync_s", "learner_pass_mfu", "grpo_step_mfu"}
+TIMINGS |= {"learner_pass_tflops_per_device", "grpo_step_tflops_per_device"}
 TIMINGS |= {"peak_bytes_per_device"}  # allocator state, not a result of the run
-
-
-def grpo_step_mfu(row: dict) -> float | None:
-    """A train.grpo metrics row's MFU over the whole GRPO step (rollout and weight sync included): its
-    learner_mfu (the learner's model FLOPs, rlkjax.flops, over the learner's time: verify pass and updates)
-    with the same FLOPs spread over step_s. None where the device has no known peak (the CPU)."""
-    if row.get("learner_mfu") is None:
-        return None
-    learner_s = row["step_s"] - row["rollout_s"] - row["sync_s"]
-    return row["learner_mfu"] * learner_s / row["step_s"]
 
 
 def metrics(run: Path) -> list[dict]:
@@ -47,7 +48,6 @@ def summarize(run: Path) -> dict:
         return float(np.mean(values)) if values else None
 
     peaks = [r["peak_bytes_per_device"] for r in rows if "peak_bytes_per_device" in r]
-    timed = [r | {"grpo_step_mfu": grpo_step_mfu(r)} for r in timed]
     return {
         "run": str(run),
         "steps": len(rows),
@@ -62,8 +62,8 @@ def summarize(run: Path) -> dict:
         "rollout_s": mean("rollout_s"),
         "learn_s": mean("learn_s"),
         "sync_s": mean("sync_s"),
-        "learner_tflops_per_device": mean("learner_tflops_per_device"),
-        "learner_pass_mfu": mean("learner_mfu"),
+        "learner_tflops_per_device": mean("learner_pass_tflops_per_device"),
+        "learner_pass_mfu": mean("learner_pass_mfu"),
         "grpo_step_mfu": mean("grpo_step_mfu"),
         "peak_gib_per_device": [round(max(p) / 2**30, 2) for p in zip(*peaks)] if peaks else None,
     }
@@ -117,6 +117,7 @@ def compare(run_a: Path, run_b: Path) -> dict:
         "elements_compared": int(sum(x.size for x in arrays_a.values())),
         # non-zero gradients: the cross-device gradient sum was exercised, not just weight decay
         "grad_norms": [r.get("grad_norm") for r in rows_a],
+        "every_gradient_nonzero": all(r.get("grad_norm", 0) > 0 for r in rows_a),
         "rewards": [r.get("reward_mean") for r in rows_a],
         "arrays_differ": arrays_differ,
         "final_hf_files_differ": hf_differ,
@@ -124,14 +125,30 @@ def compare(run_a: Path, run_b: Path) -> dict:
     }
 
 
+def byte_vocabulary_model(directory: Path, like: str, layers: int) -> None:
+    import rlkjax
+
+    cfg = dataclasses.replace(rlkjax.ModelConfig.preset(like), vocab_size=512, num_layers=layers)
+    rlkjax.save_hf_checkpoint(directory, cfg, rlkjax.init_params(cfg, seed=0))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["summarize", "compare"], help="summarize one run, or compare two")
-    parser.add_argument("runs", nargs="+", type=Path, help="train.grpo --out directories")
+    parser.add_argument(
+        "what", choices=["summarize", "compare", "model"], help="summarize one run, compare two, or write a model"
+    )
+    parser.add_argument(
+        "runs", nargs="+", type=Path, help="train.grpo --out directories (model: the directory to write)"
+    )
     parser.add_argument("--out", help="also write the JSON (with its provenance) here")
+    parser.add_argument("--like", default="qwen3-0.6b", help="model: the preset whose widths it takes")
+    parser.add_argument("--layers", type=int, default=4, help="model: its layer count")
     args = parser.parse_args()
-    if len(args.runs) != {"summarize": 1, "compare": 2}[args.what]:
-        parser.error(f"{args.what} takes {'one run directory' if args.what == 'summarize' else 'two run directories'}")
+    if len(args.runs) != {"summarize": 1, "compare": 2, "model": 1}[args.what]:
+        parser.error(f"{args.what} takes {'two run directories' if args.what == 'compare' else 'one directory'}")
+    if args.what == "model":
+        byte_vocabulary_model(args.runs[0], args.like, args.layers)
+        return
     result = summarize(*args.runs) if args.what == "summarize" else compare(*args.runs)
     text = json.dumps(provenance() | result, indent=2)
     print(text)

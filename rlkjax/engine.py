@@ -24,6 +24,7 @@ import itertools
 import threading
 import time
 from collections import deque
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -188,32 +189,42 @@ def prefill_chunk(params, tokens, positions, kv_cache, page_table, rope, cfg, nu
     return forward(params, tokens, positions, kv_cache, page_table, rope, cfg, numerics)[1]
 
 
+class RowSampling(NamedTuple):
+    """A decode call's per-row sampling options, one pytree: [B] each (stop_ids [B, S])."""
+
+    seeds: jax.Array  # uint32: the request's sample seed
+    steps: jax.Array  # int32: tokens sampled so far; the next token's key is (seed, steps)
+    temps: jax.Array  # float32: 0 is greedy
+    budget: jax.Array  # int32: tokens the row may still sample
+    stop_ids: jax.Array  # int32 [B, S], -1 pads
+    min_tokens: jax.Array  # int32: no stop id ends the row before it has this many tokens
+    # (top_k [B] (vocab: off), top_p, min_p, renormalised [B] bool), or None: no row truncates (the
+    # default variant; a truncating round runs another)
+    truncation: tuple | None = None
+
+    @staticmethod
+    def idle(rows: int) -> "RowSampling":
+        """Rows that sample nothing (budget 0): what warm-up runs."""
+        zeros = np.zeros(rows, np.int32)
+        return RowSampling(
+            np.zeros(rows, np.uint32), zeros, np.ones(rows, np.float32), zeros, np.full((rows, 1), -1, np.int32), zeros
+        )
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "numerics", "alternatives"), donate_argnames=("kv_cache",))
 def decode_step(
-    params,
-    tokens,
-    positions,
-    kv_cache,
-    page_table,
-    seeds,
-    steps,
-    temps,
-    rope,
-    cfg,
-    numerics,
-    alternatives=0,
-    truncation=None,
+    params, tokens, positions, kv_cache, page_table, sampling: RowSampling, rope, cfg, numerics, alternatives=0
 ):
     """Feed one token per row [B, 1]; sample the next with keys (seed, step); temperature 0 is
     greedy. With `alternatives` = k > 0 (a separate variant: it materialises [B, vocab] fp32
     logits) also returns each row's k most likely ids and their logprobs [B, k]; the tokens and
-    logprobs are the same bits either way. `truncation` = (top_k [B] (vocab: off), top_p, min_p,
-    renormalised [B] bool), or None: draws from the truncated distribution (another variant; a row
-    with nothing truncated draws the default path's token and bits) and records the full or, where
-    `renormalised`, the renormalised logprob."""
+    logprobs are the same bits either way. With `sampling.truncation` draws from the truncated
+    distribution (a row with nothing truncated draws the default path's token and bits) and records
+    the full or, where `renormalised`, the renormalised logprob."""
+    seeds, steps, temps = sampling.seeds, sampling.steps, sampling.temps
     hidden, kv_cache = forward(params, tokens, positions, kv_cache, page_table, rope, cfg, numerics)
-    if truncation is not None:
-        top_k, top_p, min_p, renormalised = truncation
+    if sampling.truncation is not None:
+        top_k, top_p, min_p, renormalised = sampling.truncation
         nxt, lp, renorm_lp, *top = sample_truncated(
             params, hidden[:, 0], seeds, steps, temps, top_k, top_p, min_p, alternatives, numerics
         )
@@ -236,30 +247,22 @@ def decode_round(
     positions,
     kv_cache,
     page_table,
-    seeds,
-    steps,
-    temps,
-    budget,
-    stop_ids,
+    sampling: RowSampling,
     rope,
     cfg,
     numerics,
     num_steps,
-    min_tokens=None,
     alternatives=0,
-    truncation=None,
 ):
     """Up to `num_steps` decode steps on the device per host round trip.
 
-    tokens, positions, seeds, steps (tokens sampled so far), temps (0: greedy), budget (tokens the
-    row may still sample) [B]; stop_ids [B, S] (-1 pads); min_tokens [B] (None: 0). Every step is
-    exactly `decode_step` (same forward, same sample, keys (seed, steps + i)), so a round gives the
-    bits single steps give. A row stops after sampling its budget, or one of its stop ids once it
-    has min_tokens tokens (a stop id drawn earlier is kept as an ordinary token: the distribution
-    is never changed, so the logprobs stay the learner's); from then on it is fed as padding
-    (position -1: written to the trash page, read by nobody). Returns tokens [B, num_steps] (-1
-    after a row stopped), their logprobs, and the cache; with `alternatives` = k > 0 also top ids
-    and logprobs [B, num_steps, k]. `truncation`: as in `decode_step`.
+    tokens, positions [B]. Every step is exactly `decode_step` (same forward, same sample, keys
+    (seed, steps + i)), so a round gives the bits single steps give. A row stops after sampling its
+    budget, or one of its stop ids once it has min_tokens tokens (a stop id drawn earlier is kept as
+    an ordinary token: the distribution is never changed, so the logprobs stay the learner's); from
+    then on it is fed as padding (position -1: written to the trash page, read by nobody). Returns
+    tokens [B, num_steps] (-1 after a row stopped), their logprobs, and the cache; with
+    `alternatives` = k > 0 also top ids and logprobs [B, num_steps, k].
 
     The loop always runs num_steps steps: a loop that ended once every row stopped would need the
     host to read its condition after every step, and XLA:GPU's dispatch then blocks the host for
@@ -268,7 +271,7 @@ def decode_round(
     one of a batch) runs its remaining steps on padding.
     """
     rows = tokens.shape[0]
-    min_tokens = jnp.zeros_like(steps) if min_tokens is None else min_tokens
+    steps, budget, stop_ids, min_tokens = sampling.steps, sampling.budget, sampling.stop_ids, sampling.min_tokens
 
     def body(i, carry):
         tok, pos, active, cache, out = carry
@@ -279,14 +282,11 @@ def decode_round(
             fed[:, None],
             cache,
             page_table,
-            seeds,
-            steps + i,
-            temps,
+            sampling._replace(steps=steps + i),
             rope,
             cfg,
             numerics,
             alternatives,
-            truncation,
         )
         nxt = jnp.where(active, nxt, -1)
         new = (nxt, jnp.where(active, lp, jnp.zeros_like(lp)), *top)
@@ -313,18 +313,12 @@ def next_round(
     positions,
     kv_cache,
     page_table,
-    seeds,
-    steps,
-    temps,
-    budget,
-    stop_ids,
-    min_tokens,
+    sampling: RowSampling,
     rope,
     cfg,
     numerics,
     num_steps,
     alternatives=0,
-    truncation=None,
 ):
     """`decode_round` whose rows may continue the round before it, which the host has not read yet.
 
@@ -338,26 +332,12 @@ def next_round(
     take = src >= 0
     row = jnp.maximum(src, 0)
     tokens = jnp.where(take, carry[0][row], tokens)
-    budget = jnp.where(take & carry[1][row], 0, budget)
+    budget = jnp.where(take & carry[1][row], 0, sampling.budget)
+    sampling = sampling._replace(budget=budget)
     out_tok, out_lp, kv_cache, *top = decode_round(
-        params,
-        tokens,
-        positions,
-        kv_cache,
-        page_table,
-        seeds,
-        steps,
-        temps,
-        budget,
-        stop_ids,
-        rope,
-        cfg,
-        numerics,
-        num_steps,
-        min_tokens,
-        alternatives,
-        truncation,
+        params, tokens, positions, kv_cache, page_table, sampling, rope, cfg, numerics, num_steps, alternatives
     )
+    steps, stop_ids, min_tokens = sampling.steps, sampling.stop_ids, sampling.min_tokens
     produced = jnp.sum(out_tok >= 0, axis=1)
     last = jnp.take_along_axis(out_tok, jnp.maximum(produced - 1, 0)[:, None], axis=1)[:, 0]
     last = jnp.where(produced > 0, last, tokens)
@@ -523,27 +503,21 @@ class Engine:
                     self._note_shape(name, r)
                 elif name.startswith("decode_round"):
                     steps = 1 if name == "decode_round_1" else c.decode_steps
+                    idle = np.full(r, -1, np.int32)  # no row continues a round; every position is padding
                     zeros = np.zeros(r, np.int32)
                     _, _, self.cache, _ = next_round(
                         self.params,
                         self._no_carry,
-                        np.full(r, -1, np.int32),
+                        idle,
                         zeros,
-                        np.full(r, -1, np.int32),
+                        idle,
                         self.cache,
                         table,
-                        np.zeros(r, np.uint32),
-                        zeros,
-                        np.ones(r, np.float32),
-                        zeros,
-                        np.full((r, 1), -1, np.int32),
-                        zeros,
+                        RowSampling.idle(r),
                         self.rope,
                         self.cfg,
                         self.numerics,
                         steps,
-                        0,
-                        None,
                     )
                     self._note_shape("decode_round", (r, 1, 0, False, steps))
                 else:
@@ -817,6 +791,7 @@ class Engine:
         start = time.perf_counter()
         if self._round_read_at is not None and previous is None:
             self.stats["gap_s"] += start - self._round_read_at
+        sampling = RowSampling(seeds, steps, temps, remaining, stop_ids, min_tokens, truncation)
         out_tok, out_lp, self.cache, carry, *top = next_round(
             self.params,
             previous.carry if previous else self._no_carry,
@@ -825,18 +800,12 @@ class Engine:
             positions,
             self.cache,
             self._page_table(seqs, rows),
-            seeds,
-            steps,
-            temps,
-            remaining,
-            stop_ids,
-            min_tokens,
+            sampling,
             self.rope,
             self.cfg,
             self.numerics,
             length,
             alternatives,
-            truncation,
         )
         self.stats["dispatch_s"] += time.perf_counter() - start
         self._round_read_at = None

@@ -114,12 +114,14 @@ def test_report_records_provenance_through_jax(tmp_path, capsys):
 
 def test_two_gpu_summary_gives_both_mfus_from_train_grpo_s_metrics(tmp_path, capsys):
     """bench.two_gpu summarize on hand-written metrics: the first step (compilation) is left out of the
-    means; the GRPO step's MFU is the learner's FLOPs over the whole step: 0.4 x (10 - 4 - 1) / 10 = 0.2."""
+    means; both MFUs are train.grpo's own (train/metrics.py), read from its rows."""
     row = dict(ratio_min=1.0, ratio_max=1.0, reward_mean=0.5, tokens_compared=8, tokens_bits_differ=0)
     steps = [
-        row | dict(step=1, step_s=100.0, rollout_s=50.0, sync_s=1.0, learn_s=40.0, learner_mfu=0.01),
-        row | dict(step=2, step_s=10.0, rollout_s=4.0, sync_s=1.0, learn_s=4.5, learner_mfu=0.4),
+        row | dict(step=1, step_s=100.0, rollout_s=50.0, sync_s=1.0, learn_s=40.0),
+        row | dict(step=2, step_s=10.0, rollout_s=4.0, sync_s=1.0, learn_s=4.5),
     ]
+    steps[0] |= dict(learner_pass_mfu=0.01, grpo_step_mfu=0.005)
+    steps[1] |= dict(learner_pass_mfu=0.4, grpo_step_mfu=0.2)
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
     call_main("two_gpu", "summarize", str(tmp_path / "run"), "--out", str(tmp_path / "summary.json"))
@@ -127,7 +129,7 @@ def test_two_gpu_summary_gives_both_mfus_from_train_grpo_s_metrics(tmp_path, cap
     assert json.loads(capsys.readouterr().out) == summary
     assert_provenance(summary, "python -m ")
     assert summary["logprobs_compared"] == 16 and summary["logprobs_bits_differ"] == 0
-    assert summary["learner_pass_mfu"] == 0.4 and summary["grpo_step_mfu"] == pytest.approx(0.2, rel=1e-12)
+    assert summary["learner_pass_mfu"] == 0.4 and summary["grpo_step_mfu"] == 0.2
 
 
 def test_e2e_summary_says_which_mfu_and_names_missing_pieces(tmp_path, capsys):
@@ -243,7 +245,7 @@ def test_server_e2e_scores_every_completion_and_swaps_weights(tmp_path):
     """bench.server_e2e against a real server on loopback: every completion's logprob bits checked, and
     /update_weights timed, the next completion on the new version with the new weights' bits."""
     out = tmp_path / "server.json"
-    sizes = ["--requests", "3", "--max-prompt", "16", "--max-new-tokens", "8", "--max-batch", "4"]
+    sizes = ["--requests", "3", "--max-prompt", "24", "--max-new-tokens", "8", "--max-batch", "4"]  # the swap: 16 + 16
     sizes += ["--decode-steps", "2", "--num-pages", "64", "--server-flags=--no-warmup"]
     run_module("server_e2e", *sizes, "--update-weights", "--port", str(free_port()), "--out", str(out))
     report = json.loads(out.read_text())

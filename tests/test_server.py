@@ -4,12 +4,8 @@ serving; SIGTERM drains in-flight requests and exits cleanly."""
 
 import concurrent.futures
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
-import tempfile
 import time
 import urllib.request
 
@@ -18,61 +14,11 @@ import numpy as np
 import pytest
 
 import rlkjax
-from rlkjax.client import RolloutClient, RolloutError
+from rlkjax.client import RolloutError
 from tests.conftest import assert_bits_equal
+from tests.server_process import ADMIN, start_server
 
 pytestmark = pytest.mark.slow  # every test here starts a real server process
-
-ADMIN = "test-admin-key"
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(*flags):
-    """The server in a subprocess; its log goes to a file (proc.log), not a pipe nobody reads, whose
-    full buffer would block the server mid-test once it has logged 64 KiB of access lines."""
-    port = free_port()
-    log = tempfile.NamedTemporaryFile("w+", prefix="rlkjax-server-", suffix=".log", delete=False)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "serve.rollout",
-            "--port",
-            str(port),
-            "--num-pages",
-            "512",
-            "--max-batch",
-            "16",
-            "--prefill-chunk",
-            "32",
-            "--token-budget",
-            "128",
-            "--max-context",
-            "256",
-            "--no-warmup",  # test_warm_up_before_serving turns it on
-            *flags,
-        ],
-        env=os.environ | {"RLKJAX_ADMIN_KEY": ADMIN},
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    proc.log = log.name
-    client = RolloutClient(f"http://127.0.0.1:{port}", admin_key=ADMIN, timeout=600)
-    for _ in range(600):
-        try:
-            client.health()
-            return proc, client
-        except OSError:
-            if proc.poll() is not None:
-                raise RuntimeError(open(proc.log).read()) from None
-            time.sleep(0.2)
-    raise TimeoutError("server did not start")
 
 
 @pytest.fixture(scope="module")

@@ -66,6 +66,32 @@ def test_chat_template_thinking_switch_and_history(tokenizer):
     assert last.endswith("<|im_start|>assistant\n<think>\nr1\n</think>\n\nA1<|im_end|>\n")
 
 
+def test_chat_template_tool_calls(tokenizer):
+    """Qwen3's tool format: the tool list in the system turn, a call as <tool_call> JSON, the result as
+    a user turn in <tool_response>; the four markers are single added tokens."""
+    template = load_chat_template(tokenizer)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 2}}}
+    messages = [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "4"},
+    ]
+    text = template.render(messages, tools=tools)
+    assert text.startswith("<|im_start|>system\n# Tools\n\nYou may call one or more functions")
+    assert (
+        '<tools>\n{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}\n</tools>' in text
+    )
+    assert text.endswith(
+        "<|im_start|>user\n2+2?<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 2}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\n4\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    ids = tokenizer.encode(text)
+    # <tool_call> and </tool_call>: twice in the system turn's instructions, once in the call
+    assert [ids.count(marker) for marker in (151657, 151658, 151665, 151666)] == [3, 3, 1, 1]
+
+
 @pytest.mark.slow
 def test_generates_with_bitwise_equal_scores(checkpoint, tokenizer):
     """Sampling over all 151,936 logits of a chat-formatted prompt, then scoring the completion: the
@@ -73,9 +99,10 @@ def test_generates_with_bitwise_equal_scores(checkpoint, tokenizer):
     real tokens, or a padded row that leaked into the log-sum-exp, would break this)."""
     cfg, params = rlkjax.load_hf_checkpoint(checkpoint)
     prompt = tokenizer.encode(load_chat_template(tokenizer).render([{"role": "user", "content": "What is 2+3?"}]))
-    comps = rlkjax.generate(params, cfg, [prompt, prompt[:5]], max_new_tokens=3, temperature=1.0, seeds=[0, 1])
+    comps = rlkjax.generate(params, cfg, [prompt, prompt[:5]], 3, 1.0, [0, 1], eos_token_id=tokenizer.eos_token_id)
     for c in comps:
-        assert len(c.tokens) == 3 and all(0 <= t < QWEN3_VOCAB_SIZE for t in c.tokens)
+        assert 1 <= len(c.tokens) <= 3 and all(0 <= t < QWEN3_VOCAB_SIZE for t in c.tokens)
+        assert IM_END not in c.tokens[:-1]  # a sampled eos ends the completion
         assert np.all(np.isfinite(c.logprobs)) and np.all(c.logprobs < 0)
     scores = rlkjax.score(params, cfg, [prompt + comps[0].tokens, prompt[:5] + comps[1].tokens], [len(prompt), 5])
     for c, lp in zip(comps, scores):
