@@ -10,7 +10,7 @@ import pytest
 
 import rlkjax
 from rlkjax import audit, engine, model, numerics
-from tests.conftest import ODD
+from tests.helpers import ODD
 
 # The strict path on CUDA's tile table, lowered through Triton (not the interpreter) on any machine.
 STRICT_CUDA = numerics.NumericsOptions(platform="cuda")
