@@ -11,7 +11,7 @@ import pytest
 
 import rlkjax
 from rlkjax import audit, model, numerics, steps
-from tests.conftest import ODD
+from tests.helpers import ODD
 
 # The strict path on the audited GPU's tile table (this machine's GPU, or CUDA's on a machine without
 # one), lowered through Triton, not the interpreter.

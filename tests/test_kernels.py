@@ -19,7 +19,7 @@ import pytest
 
 from pallas_kernels import attention, logprob, matmul, rmsnorm, swiglu
 from rlkjax import numerics
-from tests.conftest import assert_bits_equal
+from tests.helpers import assert_bits_equal
 
 INTERPRET = jax.default_backend() == "cpu"
 BF16, F32 = jnp.bfloat16, jnp.float32

@@ -14,7 +14,7 @@ import pytest
 import rlkjax
 from rlkjax import audit, engine, model, numerics
 from rlkjax.numerics import NumericsOptions
-from tests.conftest import assert_bits_equal
+from tests.helpers import assert_bits_equal
 from train import grpo
 from train.batch import Batch
 
