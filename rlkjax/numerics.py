@@ -8,6 +8,7 @@ sides, since sampler and learner read the same table).
 
 import dataclasses
 import functools
+import logging
 import os
 from collections.abc import Callable
 from typing import Literal, NamedTuple
@@ -136,9 +137,37 @@ CUDA_TILES = Tiles(
     logprob=LOGPROB,
 )
 
+# AMD Instinct (gfx942 MI300X; gfx950 MI355X), not yet run on one: chosen from an offline compile with
+# the registry's Triton (tests/test_rocm_compile.py). Two rules the CUDA table breaks there:
+# - LDS: 64 KiB per workgroup on gfx942, and a matmul's usage is (stages - 1) x (A tile + B tile)
+#   (bf16): CUDA's 64x32x128 x 4 stages needs 72 KiB, 64x128x128 x 4 144, 128x256x64 x 3 96, the
+#   logprob's 64 + 128 rows x 64 x 4 stages 72. Every config below fits (at most 48 KiB).
+# - The matrix instruction: Triton's AMD backend picks the MFMA shape from min(tile M, tile N)
+#   (16x16x16 below 32, 32x32x8 at 32 or more). An output row's K chain is its instruction's, so
+#   CUDA's 16-row decode tiles (K steps of 16) and the learner's 128-row tiles (steps of 8) could
+#   give one row different bits on the two sides. Here every matmul on the logprob path has tile
+#   M and N >= 32 (decode pads to 32 rows instead of 16), so the sampler and the learner run one
+#   instruction shape; the attention kernel has one config for both sides anyway.
+ROCM_TILES = Tiles(
+    matmul_decode=matmul.MatmulConfig(block_m=32, block_n=32, block_k=128, num_warps=4, num_stages=3),  # 32 KiB
+    matmul_small=matmul.MatmulConfig(block_m=64, block_n=32, block_k=128, num_warps=4, num_stages=3),  # 48 KiB
+    matmul_medium=matmul.MatmulConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3),  # 48 KiB
+    matmul=matmul.MatmulConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=2),  # 32 KiB
+    rmsnorm=RMSNORM,
+    rmsnorm_heads=RMSNORM_HEADS,
+    swiglu=SWIGLU,
+    attention=ATTENTION,
+    logprob=dataclasses.replace(
+        LOGPROB,
+        num_stages=3,  # (64 + 128) x 64 x 2 bytes x 2 = 48 KiB
+        backward=matmul.MatmulConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=2),
+    ),
+)
+
 Platform = Literal["cuda", "rocm", "cpu"]
-# The CPU runs the kernels interpreted with the CUDA table, so CPU tests exercise the shipped configs.
-TILES: dict[str, Tiles] = {"cuda": CUDA_TILES, "cpu": CUDA_TILES}
+# The CPU runs the kernels interpreted with the CUDA table, so CPU tests exercise the shipped configs
+# (a test runs the contract on the ROCm table interpreted too: tests/test_rocm.py).
+TILES: dict[str, Tiles] = {"cuda": CUDA_TILES, "rocm": ROCM_TILES, "cpu": CUDA_TILES}
 
 
 def default_platform() -> Platform:
@@ -253,6 +282,24 @@ def padded_rows(rows: int, numerics: Numerics) -> int:
 
 # XLA must not keep excess precision between ops or drop roundings we asked for.
 STRICT_XLA_FLAGS = ("--xla_allow_excess_precision=false",)
+
+
+class _NoAmdGpuFilter(logging.Filter):
+    """Drops the ROCm plugin's "No AMD GPUs were found" traceback: with `.[rocm]` installed, JAX logs
+    it as a plugin configuration error on every machine without an AMD GPU, even with
+    JAX_PLATFORMS=cpu, though nothing is wrong (JAX goes on with the other backends). Every other
+    plugin error still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and "No AMD GPUs were found" in str(record.exc_info[1]))
+
+
+NO_AMD_GPU_FILTER = _NoAmdGpuFilter()
+
+
+def quiet_rocm_plugin_without_gpu() -> None:
+    """Keep the ROCm plugin's no-GPU traceback from users' screens (before JAX discovers plugins)."""
+    logging.getLogger("jax._src.xla_bridge").addFilter(NO_AMD_GPU_FILTER)
 
 
 _started_without_flags = False  # XLA's backend was already up, without our flags, when rlkjax was imported

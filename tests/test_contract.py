@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import rlkjax
-from tests.conftest import ODD
 from tests.contract import check_case, random_case
+from tests.helpers import ODD
 
 
 # chunk 37 (not a page multiple) runs by default; 16 with the slow tests (.ci/run runs both).
@@ -77,7 +77,7 @@ def test_layer_unroll_keeps_bits(tiny):
     KV cache keep their bits."""
     from rlkjax import model
     from rlkjax.numerics import NumericsOptions
-    from tests.conftest import assert_bits_equal
+    from tests.helpers import assert_bits_equal
 
     cfg, params = tiny
     rope = model.rope_tables(cfg)

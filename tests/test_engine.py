@@ -10,7 +10,7 @@ import pytest
 import rlkjax
 from rlkjax.engine import Engine, EngineConfig
 from rlkjax.requests import sample_seed
-from tests.conftest import assert_bits_equal
+from tests.helpers import assert_bits_equal
 
 CONFIG = EngineConfig(num_pages=96, max_batch=8, prefill_chunk=16, token_budget=32, max_context=256)
 

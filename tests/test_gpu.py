@@ -11,15 +11,15 @@ import pytest
 import rlkjax
 from rlkjax import audit, model
 from rlkjax.steps import RowSampling, decode_round, decode_step
-from tests import conftest
+from tests import helpers
 from tests.contract import check_case, random_case
 
 pytestmark = pytest.mark.gpu
 
 
-# The conftest's odd shape (every kernel pads it), with 2 layers: the padded tiles compile through
+# The helpers' odd shape (every kernel pads it), with 2 layers: the padded tiles compile through
 # Triton and keep the contract there too.
-ODD = dataclasses.replace(conftest.ODD, num_layers=2, max_position=1024)
+ODD = dataclasses.replace(helpers.ODD, num_layers=2, max_position=1024)
 
 
 @pytest.fixture(scope="module", params=["qwen3-0.6b", "qwen3-8b", "odd"])

@@ -19,7 +19,7 @@ import rlkjax
 from rlkjax import model
 from rlkjax.tasks import ArithmeticTask, Example, GSM8KTask, LowercaseTask
 from rlkjax.tokenizer import ByteTokenizer
-from tests.conftest import assert_bits_equal
+from tests.helpers import assert_bits_equal
 from tests.server_process import ADMIN, start_server
 from train import fsdp, grpo, guards, metrics, rollout
 from train.batch import PAD, Batch, LossStats, micro_batches, pack, pad_rows, padded_length, reduce_stats

@@ -1,6 +1,7 @@
-"""The strict path, lowered for an H200, has no floating-point arithmetic outside our Pallas
-(Triton) custom calls: XLA only moves data. Prevents: an innocent-looking jnp op on the logprob
-path (a cast, a scale, an add) that XLA would fuse differently in the sampler and the learner."""
+"""The strict path, lowered for a GPU (an H200 on a machine without one), has no floating-point
+arithmetic outside our Pallas (Triton) custom calls: XLA only moves data. Prevents: an
+innocent-looking jnp op on the logprob path (a cast, a scale, an add) that XLA would fuse
+differently in the sampler and the learner."""
 
 import dataclasses
 
@@ -10,10 +11,11 @@ import pytest
 
 import rlkjax
 from rlkjax import audit, model, numerics, steps
-from tests.conftest import ODD
+from tests.helpers import ODD
 
-# The strict path on CUDA's tile table, lowered through Triton (not the interpreter) on any machine.
-STRICT_CUDA = numerics.NumericsOptions(platform="cuda")
+# The strict path on the audited GPU's tile table (this machine's GPU, or CUDA's on a machine without
+# one), lowered through Triton, not the interpreter.
+STRICT = numerics.NumericsOptions(platform=audit.target_platform())
 
 
 def abstract(tree):
@@ -99,7 +101,7 @@ def test_strict_path_has_no_xla_float_arithmetic(tiny, fn, shape):
     through XLA's top_k (selection only) and gathers, then back into kernels for every exp, sum,
     cumulative mass, log and subtraction."""
     cfg = tiny[0] if shape == "tiny" else ODD
-    text = lowered(cfg, fn, STRICT_CUDA)
+    text = lowered(cfg, fn, STRICT)
     assert "__gpu$xla.gpu.triton" in text  # the kernels really are there
     assert audit.float_arithmetic(text) == []
     if fn.endswith(("alternatives", "truncation")):
@@ -121,7 +123,7 @@ def test_audit_catches_the_fast_path(tiny):
 
 
 def learner_gradient(cfg, numerics_mode, b=2, t=16):
-    """The learner's gradient (of its sequence logprobs), lowered for an H200."""
+    """The learner's gradient (of its sequence logprobs), lowered for the audited GPU."""
     rope = model.rope_tables(cfg)
     tok = jax.ShapeDtypeStruct((b, t), jnp.int32)
     temps = jax.ShapeDtypeStruct((b,), jnp.float32)
@@ -137,7 +139,7 @@ def test_learner_gradient_has_no_atomic_adds(tiny):
     those as atomic adds, in an order that changes from run to run; the embedding gradient of
     repeated tokens was one: bf16 atomics). model.embed sums repeats in a fixed order instead. The
     KV writes stay scatters, but they overwrite: each real position once, padding onto the trash page."""
-    text = learner_gradient(tiny[0], STRICT_CUDA)
+    text = learner_gradient(tiny[0], STRICT)
     assert '"stablehlo.scatter"' in text  # the audit sees the scatters that are there
     assert audit.combining_scatters(text) == []
 
@@ -147,8 +149,8 @@ def test_learner_gradient_has_no_xla_dots(tiny):
     its own dots' algorithms per compilation by timing, and on 2 H200s two processes got gradients
     that differed in the last bits from one process (2026-11-30) while the attention backward was
     XLA's dense one. The flash backward (default) has no XLA dot; the dense one does (not vacuous)."""
-    assert audit.xla_dots(learner_gradient(tiny[0], STRICT_CUDA)) == []
-    dense = dataclasses.replace(STRICT_CUDA, attention_backward="dense")
+    assert audit.xla_dots(learner_gradient(tiny[0], STRICT)) == []
+    dense = dataclasses.replace(STRICT, attention_backward="dense")
     assert len(audit.xla_dots(learner_gradient(tiny[0], dense))) >= 2
 
 

@@ -18,7 +18,7 @@ from rlkjax.tokenizer import load_tokenizer
 from serve.chat import DEFAULT_TEMPLATE, ChatTemplate
 from serve.openai_params import CHAT_FIELDS, COMPLETION_FIELDS
 from serve.text import token_pieces
-from tests.conftest import assert_bits_equal
+from tests.helpers import assert_bits_equal
 from tests.server_process import metric, post_raw, start_server
 from tests.tokenizer_files import make_bpe_checkpoint
 

@@ -8,7 +8,7 @@ from rlkjax.engine import Engine, EngineConfig
 from rlkjax.tokenizer import ByteTokenizer, load_tokenizer
 from serve.chat import DEFAULT_TEMPLATE, ChatTemplate, ChatTemplateError, load_chat_template, message_text
 from serve.text import SampleText, offsets, token_pieces
-from tests.conftest import assert_bits_equal
+from tests.helpers import assert_bits_equal
 from tests.tokenizer_files import TEXT, make_bpe_checkpoint
 
 
