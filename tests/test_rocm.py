@@ -13,7 +13,7 @@ import pytest
 
 import rlkjax
 from rlkjax import audit, model, numerics
-from rlkjax import steps as steps_  # `steps` is the round length here
+from rlkjax import steps as steps_
 from rlkjax.numerics import NumericsOptions
 from tests.helpers import assert_bits_equal
 from train import grpo
