@@ -374,7 +374,7 @@ def test_smoke_subprocess(tmp_path):
             np.isfinite(r["loss"])
             and r["tokens_bits_differ"] == 0
             and r["max_abs_delta"] == 0.0
-            and r["tokens_compared"] == 32
+            and r["tokens_compared"] == r["completion_tokens_mean"] * 8 <= 32  # 2 x 4 completions; eos may end some
         )
         assert r["ratio_min"] == 1.0 and r["ratio_max"] == 1.0
     assert (out / "plot.png").stat().st_size > 10_000
