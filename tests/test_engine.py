@@ -341,7 +341,7 @@ def test_rounds_continue_on_the_device_exactly(tiny, monkeypatch):
         for a, b in zip(on, off):
             assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
             assert_bits_equal(a.logprobs, b.logprobs, "continued on the device vs read first")
-            check_exact(params, cfg, req, a, req.temperature)
+            check_exact(params, cfg, req, a, req.sampling.temperature)
 
 
 def test_one_token_requests_run_one_step_rounds(tiny):

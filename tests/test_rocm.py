@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import rlkjax
-from rlkjax import audit, engine, model, numerics
+from rlkjax import audit, model, numerics
+from rlkjax import steps as steps_  # `steps` is the round length here
 from rlkjax.numerics import NumericsOptions
 from tests.helpers import assert_bits_equal
 from train import grpo
@@ -29,10 +30,10 @@ def strict_programs(cfg, options, b=2, t=16, pages=4, steps=4):
     rope = jax.tree.map(lambda a: S(a.shape, a.dtype), model.rope_tables(cfg))
     cache = jax.eval_shape(lambda: model.init_kv_cache(cfg, 1 + b * pages))
     pt, one, vec = S((b, pages), jnp.int32), S((b, 1), jnp.int32), lambda dt: S((b,), dt)
-    rows = (vec(jnp.uint32), vec(jnp.int32), vec(jnp.float32))  # seeds, steps, temperatures
+    i32 = vec(jnp.int32)
+    sampling = steps_.RowSampling(vec(jnp.uint32), i32, vec(jnp.float32), i32, S((b, 2), jnp.int32), i32)
     carry = (S((2 * b,), jnp.int32), S((2 * b,), jnp.bool_))
-    ints = (vec(jnp.int32),) * 3
-    round_args = (params, carry, *ints, cache, pt, *rows, vec(jnp.int32), S((b, 2), jnp.int32), vec(jnp.int32), rope)
+    round_args = (params, carry, i32, i32, i32, cache, pt, sampling, rope)
     tok, per_token = S((b, t), jnp.int32), S((b, t - 1), jnp.float32)
     batch = Batch(tok, tok, per_token, per_token, vec(jnp.float32), vec(jnp.float32), per_token)
     rope_tables = model.rope_tables(cfg)
@@ -43,9 +44,9 @@ def strict_programs(cfg, options, b=2, t=16, pages=4, steps=4):
 
     logprobs = jax.jit(model.sequence_logprobs, static_argnames=("cfg", "numerics"))
     return {
-        "decode_step": (engine.decode_step, (params, one, one, cache, pt, *rows, rope, cfg, options), {}),
+        "decode_step": (steps_.decode_step, (params, one, one, cache, pt, sampling, rope, cfg, options), {}),
         "learner_logprobs": (logprobs, (params, tok, tok, vec(jnp.float32), rope, cfg, options), {}),
-        "decode_round": (engine.next_round, (*round_args, cfg, options), {"num_steps": steps}),
+        "decode_round": (steps_.next_round, (*round_args, cfg, options), {"num_steps": steps}),
         "learner_step": (jax.jit(learner_step), (master, batch), {}),
     }
 
