@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 10's end-to-end measurements in one device call on one H200 (600 s wall limit; this script stops by TOTAL):
+# The end-to-end measurements on one H200 within 600 s of wall time (this script stops by TOTAL):
 #
 #   bash bench/e2e.sh            # on the GPU machine, repo root or anywhere
 #   DRY=1 bash bench/e2e.sh      # every piece at qwen3-tiny, tiny sizes, on the CPU (checks the script)
@@ -14,12 +14,12 @@
 #            the fast learner step at 640 tokens (`python -m bench.learner_memory --model qwen3-0.6b
 #            --devices=1 --numerics fast --tokens 640`) gives ~75 GiB at 8 sequences, ~280 GiB at 32.
 #            qwen3-4b needs ~2-3x the time per run, so it is not in the default MODELS:
-#            `MODELS=qwen3-4b PIECES=grpo bash bench/e2e.sh` is a call of its own (session 10, one H200: strict
+#            `MODELS=qwen3-4b PIECES=grpo bash bench/e2e.sh` is a call of its own (one H200: strict
 #            20.7 s a step at micro-batch 8 without REMAT, 96.8 GiB peak, with the one-device learner on whole
 #            weights, the KV cache freed while it learns and 640-token rows; `bench.grpo_compare` lets JAX take
 #            95% of the GPU as train.grpo does). The fast side runs out of memory at 4B at micro-batch 8, with
-#            REMAT too (session 6: its plain-XLA attention keeps [layers, B, H, T, T] fp32 probabilities); at
-#            MICRO_BATCH=2 it fits (session 10: 57.2 s a step, 87.8 GiB).
+#            REMAT too (its plain-XLA attention keeps [layers, B, H, T, T] fp32 probabilities); at
+#            MICRO_BATCH=2 it fits (57.2 s a step, 87.8 GiB).
 #   server_e2e 200
 #            bench.server_e2e at qwen3-0.6b: 256 concurrent requests (prompts 1-512 tokens, n 1 or 4, 128-512 new
 #            tokens; ~640 completions, ~200k tokens), every completion's logprob bits checked, output tokens/s vs
@@ -32,14 +32,14 @@
 #   rollout 200
 #            bench.rollout: in-process weight sync at SYNC_MODELS (first: cheap), then ROLLOUT_MODELS (0.6B;
 #            qwen3-8b if the budget allows) batches 16,64,256: engine vs kernel-level loop, strict and fast.
-#            Session 10: 0.6B batches 16 and 64 took 120 s (the budget then), batch 256 another ~60 s.
-# The budgets add up to 840 s, more than TOTAL: in one call, grpo and server_e2e are expected to finish and the
+#            On one H200: 0.6B batches 16 and 64 took 120 s (the budget then), batch 256 another ~60 s.
+# The budgets add up to 840 s, more than TOTAL: in one run, grpo and server_e2e are expected to finish and the
 # last pieces get what is left (what the first ones leave unused). Rows are printed as they finish, so a cut
 # piece keeps its finished rows in its .log (and its JSON: each bench rewrites it as it goes). What does not fit
-# runs as a second call:
+# runs as a second run:
 # `PIECES="latency rollout" bash bench/e2e.sh` (~290 s).
 #
-# Writes to $OUT (default /tmp/out): env.txt, <piece>.log, <piece>.json, summary.txt (each piece's exit status,
+# Writes to $OUT (default /tmp/out): env.json, <piece>.log, <piece>.json, summary.txt (each piece's exit status,
 # seconds and budget; 124 = cut by its timeout) and the summary printed at the end.
 # Environment: DRY, TOTAL, MIN_PIECE, PY (default python3), PIECES (default "grpo server_e2e latency rollout"),
 # MODELS (GRPO presets, default qwen3-0.6b), MICRO_BATCH (default 8), REMAT (non-empty: the GRPO runs with --remat), ROLLOUT_MODELS (default qwen3-0.6b),
@@ -82,12 +82,9 @@ else
   B_ROLLOUT=${B_ROLLOUT:-200}
 fi
 
-{ date -u +%FT%TZ; git rev-parse HEAD 2>/dev/null; git status --short 2>/dev/null | head -n 20; echo "$0 DRY=$DRY"
-  echo "TOTAL=$TOTAL PIECES=$PIECES MODELS=$MODELS ROLLOUT_MODELS=$ROLLOUT_MODELS SYNC_MODELS=$SYNC_MODELS"
-  if [ "$DRY" != 1 ]; then nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; fi
-  "$PY" -c 'import jax, jaxlib, numpy; print("jax", jax.__version__, "jaxlib", jaxlib.__version__, "numpy", numpy.__version__, jax.devices())'
-} > "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
+# Provenance (command, date, commit, hardware through JAX, versions) in env.json, as every piece's JSON carries it.
+"$PY" -m bench._report --out "$OUT/env.json" --command "DRY=$DRY TOTAL=$TOTAL PIECES='$PIECES' MODELS=$MODELS \
+ROLLOUT_MODELS=$ROLLOUT_MODELS SYNC_MODELS=$SYNC_MODELS MICRO_BATCH=$MICRO_BATCH REMAT=${REMAT:-} bash bench/e2e.sh"
 : > "$OUT/summary.txt"
 
 # piece NAME BUDGET command...: runs the command under `timeout` for min(BUDGET, what is left of TOTAL), its

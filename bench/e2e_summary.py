@@ -1,12 +1,12 @@
-"""The headline numbers of a `bench/e2e.sh` run against issue 10's targets, from the JSON files in its output folder.
+"""The headline numbers of a `bench/e2e.sh` run against the targets, from the JSON files in its output folder.
 
     python -m bench.e2e_summary /tmp/out
 
 A piece whose JSON is missing (cut by its timeout, or skipped) is named as missing, not guessed.
 """
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 NAN = float("nan")
@@ -17,6 +17,14 @@ def load(path: Path):
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+def mfu(r: dict) -> str:
+    """bench.grpo_compare's two MFUs (older results: one key, the learner's, under its old name)."""
+    learner, step = r.get("learner_pass_mfu", r.get("learner_mfu")), r.get("grpo_step_mfu")
+    if learner is None:
+        return "unknown: no peak for this device"
+    return f"learner pass {100 * learner:.1f}%" + (f", GRPO step {100 * step:.1f}%" if step is not None else "")
 
 
 def grpo_lines(out: Path) -> list[str]:
@@ -32,7 +40,7 @@ def grpo_lines(out: Path) -> list[str]:
             f"grpo {model} {numerics}: step {r['step_s']:.2f} s = rollout {r['rollout_s']:.2f} + learn "
             f"{r['learn_s']:.2f} + sync {r['sync_s']:.3f} + host {r['host_s']:.2f}; rollout "
             f"{r['rollout_tokens_per_s']:.0f} tok/s, learner {r['learner_tokens_per_s']:.0f} tok/s "
-            f"(MFU {100 * r['learner_mfu']:.1f}%); bits differ {r['mismatch_tokens']}/{r['tokens_compared']}"
+            f"(MFU {mfu(r)}); bits differ {r['mismatch_tokens']}/{r['tokens_compared']}"
         )
     for model in sorted({m for m, _ in rows}):
         if (model, "strict") in rows and (model, "fast") in rows:
@@ -111,7 +119,9 @@ def rollout_lines(out: Path) -> list[str]:
 
 
 def main():
-    out = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/out")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", nargs="?", default="/tmp/out", type=Path, help="bench/e2e.sh's output folder")
+    out = ap.parse_args().out
     for lines in (grpo_lines(out), server_lines(out), latency_lines(out), rollout_lines(out)):
         print("\n".join(lines))
 

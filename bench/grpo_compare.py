@@ -2,9 +2,9 @@
 
 For each model shape runs a few GRPO steps with `--verify-logprobs` in both numerics and reports
 the step split (rollout / learn / sync / host: the rest of the step, i.e. rewards, packing and the
-learner's verify pass over the sampled tokens), rollout and learner tokens/s, learner MFU (6 x
-params x trained tokens per update over learn time, against the dense bf16 peak) and the
-sampler/learner mismatch (strict must be 0).
+learner's verify pass over the sampled tokens), rollout and learner tokens/s, MFU of the learner pass
+and of the whole GRPO step (train.grpo's own metrics, its FLOPs from rlkjax.flops; none on a device
+without a known peak, such as the CPU) and the sampler/learner mismatch (strict must be 0).
 
     python -m bench.grpo_compare --models qwen3-0.6b,qwen3-1.7b --steps 3 --out bench/results/grpo.json
 
@@ -15,13 +15,82 @@ import argparse
 import json
 import tempfile
 
-import jax
 import numpy as np
 
+import rlkjax
 from bench._report import new_report, save_report
+from rlkjax import flops
 from train import grpo
 
-PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16 datasheet
+
+def percent(x):
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def print_table(results):
+    print(
+        f"\n{'model':11} {'numerics':8} {'step s':>7} {'rollout':>8} {'learn':>7} {'sync':>6} {'host':>6} "
+        f"{'learn tok/s':>11} {'MFU learner pass':>16} {'MFU GRPO step':>13} {'bits differ':>11} {'max|d|':>8}"
+    )
+    for r in results:
+        print(
+            f"{r['model']:11} {r['numerics']:8} {r['step_s']:7.2f} {r['rollout_s']:8.2f} {r['learn_s']:7.2f} "
+            f"{r['sync_s']:6.3f} {r['host_s']:6.2f} {r['learner_tokens_per_s']:11.0f} "
+            f"{percent(r['learner_pass_mfu']):>16} {percent(r['grpo_step_mfu']):>13} "
+            f"{r['mismatch_tokens']:5d}/{r['tokens_compared']:<6d} {r['mismatch_max']:8.3g}"
+        )
+
+
+def run(name, numerics, args):
+    """One train.grpo run (verify on) and its row."""
+    config = grpo.GRPOConfig(
+        model=name,
+        numerics=numerics,
+        steps=args.steps,
+        prompts_per_step=args.prompts,
+        group_size=args.group,
+        max_new_tokens=args.new_tokens,
+        verify_logprobs=True,
+        micro_batch=args.micro_batch,
+        remat=args.remat,
+        learning_rate=1e-6,
+        out=tempfile.mkdtemp(prefix=f"grpo_{name}_{numerics}_"),
+        progress=False,
+        checkpoint_every=10**6,
+    )
+    result = grpo.train(config)
+    rows = result["history"][1:] or result["history"]  # the first step compiles
+
+    def mean(key, rows=rows):
+        values = [r[key] for r in rows if r.get(key) is not None]
+        return float(np.mean(values)) if values else None
+
+    trained = args.prompts * args.group * args.new_tokens
+    row = {
+        "model": name,
+        "numerics": numerics,
+        "matmul_params": flops.matmul_params(rlkjax.ModelConfig.preset(name)),
+        "step_s": mean("step_s"),
+        "rollout_s": mean("rollout_s"),
+        "learn_s": mean("learn_s"),
+        "sync_s": mean("sync_s"),
+        "host_s": mean("step_s") - mean("rollout_s") - mean("learn_s") - mean("sync_s"),
+        "rollout_tokens_per_s": trained / mean("rollout_s"),
+        "learner_tokens_per_s": trained / mean("learn_s"),
+        "learner_pass_mfu": mean("learner_pass_mfu"),
+        "grpo_step_mfu": mean("grpo_step_mfu"),
+        "mismatch_tokens": int(sum(r["tokens_bits_differ"] for r in result["history"])),
+        "tokens_compared": int(sum(r.get("tokens_compared", 0) for r in result["history"])),
+        "mismatch_max": max(r["max_abs_delta"] for r in result["history"]),
+        "mismatch_mean": float(np.mean([r["mean_abs_delta"] for r in result["history"]])),
+        "mismatch_k3": float(np.mean([r["k3_kl"] for r in result["history"]])),
+        "first_ratio_min": min(r["ratio_min"] for r in result["history"]),
+        "first_ratio_max": max(r["ratio_max"] for r in result["history"]),
+    }
+    peaks = [max(r["peak_bytes_per_device"]) for r in result["history"] if "peak_bytes_per_device" in r]
+    if peaks:  # since the start of the run, over the learner and sampler devices
+        row["peak_memory_GiB"] = max(peaks) / 2**30
+    return row
 
 
 def main():
@@ -40,62 +109,11 @@ def main():
     report = new_report("bench.grpo_compare")
     for name in args.models.split(","):
         for numerics in args.numerics.split(","):
-            config = grpo.GRPOConfig(
-                model=name,
-                numerics=numerics,
-                steps=args.steps,
-                prompts_per_step=args.prompts,
-                group_size=args.group,
-                max_new_tokens=args.new_tokens,
-                verify_logprobs=True,
-                micro_batch=args.micro_batch,
-                remat=args.remat,
-                learning_rate=1e-6,
-                out=tempfile.mkdtemp(prefix=f"grpo_{name}_{numerics}_"),
-                progress=False,
-                checkpoint_every=10**6,
-            )
-            result = grpo.train(config)
-            n_params = sum(x.size for x in jax.tree.leaves(result["master"]))
-            rows = result["history"][1:] or result["history"]
-            mean = lambda k: float(np.mean([r[k] for r in rows]))  # noqa: E731
-            trained = args.prompts * args.group * args.new_tokens
-            row = {
-                "model": name,
-                "numerics": numerics,
-                "params": n_params,
-                "step_s": mean("step_s"),
-                "rollout_s": mean("rollout_s"),
-                "learn_s": mean("learn_s"),
-                "sync_s": mean("sync_s"),
-                "host_s": mean("step_s") - mean("rollout_s") - mean("learn_s") - mean("sync_s"),
-                "rollout_tokens_per_s": trained / mean("rollout_s"),
-                "learner_tokens_per_s": trained / mean("learn_s"),
-                "learner_mfu": 6 * n_params * trained / mean("learn_s") / PEAK_BF16_FLOPS,
-                "mismatch_tokens": int(sum(r["tokens_bits_differ"] for r in result["history"])),
-                "tokens_compared": trained * len(result["history"]),
-                "mismatch_max": max(r["max_abs_delta"] for r in result["history"]),
-                "mismatch_mean": float(np.mean([r["mean_abs_delta"] for r in result["history"]])),
-                "mismatch_k3": float(np.mean([r["k3_kl"] for r in result["history"]])),
-                "first_ratio_min": min(r["ratio_min"] for r in result["history"]),
-                "first_ratio_max": max(r["ratio_max"] for r in result["history"]),
-            }
-            peaks = [max(r["peak_bytes_per_device"]) for r in result["history"] if "peak_bytes_per_device" in r]
-            if peaks:  # since the start of the run, over the learner and sampler devices
-                row["peak_memory_GiB"] = max(peaks) / 2**30
+            row = run(name, numerics, args)
             report["results"].append(row)
             print(json.dumps(row), flush=True)
             save_report(report, args.out)
-    print(
-        f"\n{'model':11} {'numerics':8} {'step s':>7} {'rollout':>8} {'learn':>7} {'sync':>6} "
-        f"{'host':>6} {'learn tok/s':>11} {'MFU':>6} {'bits differ':>11} {'max|d|':>8}"
-    )
-    for r in report["results"]:
-        print(
-            f"{r['model']:11} {r['numerics']:8} {r['step_s']:7.2f} {r['rollout_s']:8.2f} {r['learn_s']:7.2f} "
-            f"{r['sync_s']:6.3f} {r['host_s']:6.2f} {r['learner_tokens_per_s']:11.0f} {100 * r['learner_mfu']:5.1f}% "
-            f"{r['mismatch_tokens']:5d}/{r['tokens_compared']:<6d} {r['mismatch_max']:8.3g}"
-        )
+    print_table(report["results"])
     save_report(report, args.out)
 
 

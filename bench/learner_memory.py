@@ -149,11 +149,11 @@ def compiled_memory(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen3-8b")
-    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--model", default="qwen3-8b", help="model preset (shapes only)")
+    parser.add_argument("--devices", type=int, default=2, help="fake CPU devices of the FSDP mesh (write --devices=N)")
     parser.add_argument("--layers", default="1,2", help="layer counts to compile (the preset's own if empty)")
-    parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--numerics", choices=["strict", "fast"], default="strict")
+    parser.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch (padded to the mesh)")
+    parser.add_argument("--numerics", choices=["strict", "fast"], default="strict", help="the learner's numerics")
     parser.add_argument("--tokens", type=int, default=64 + 256, help="prompt + new tokens (padded as pack pads)")
     parser.add_argument("--programs", default="step,score", help=f"which to compile, of {','.join(PROGRAMS)}")
     parser.add_argument("--remat", action="store_true", help="the learner step with train.grpo --remat")
@@ -163,13 +163,13 @@ def main() -> None:
     parser.add_argument("--hlo", help="write each compiled HLO to this prefix")
     parser.add_argument("--json", action="store_true", help="one JSON line per layer count: {function: {what: bytes}}")
     args = parser.parse_args()
-    numerics.set_attention_backward(not args.dense_backward)
+    options = numerics.NumericsOptions(args.numerics, attention_backward="dense" if args.dense_backward else "flash")
     base = ModelConfig.preset(args.model)
     tokens = padded_length(args.tokens)
     for layers in [int(n) for n in args.layers.split(",")] if args.layers else [base.num_layers]:
         cfg = dataclasses.replace(base, num_layers=layers)
         rows = -(-args.micro_batch // args.devices) * args.devices  # micro_batches pads to a multiple of the mesh
-        results = compiled_memory(cfg, args.devices, rows, tokens, args.numerics, args.remat, args.programs.split(","))
+        results = compiled_memory(cfg, args.devices, rows, tokens, options, args.remat, args.programs.split(","))
         if args.json:
             print(json.dumps({name: {k: v for k, v in m.items() if k != "hlo"} for name, m in results.items()}))
             continue

@@ -23,26 +23,35 @@ import jax.numpy as jnp
 import numpy as np
 
 import rlkjax
-from bench.speed import F32, decode_loop, learner_batch, random_cache
+from bench._report import new_report, save_report
+from bench._timing import F32
+from bench.speed_model import decode_loop, learner_batch, random_cache
 from rlkjax import model, numerics
 from rlkjax.numerics import PAGE_SIZE
 from train import grpo
 
 
 def device_events(trace_dir):
-    """(name, duration us) of every event on a GPU track of the Perfetto trace in trace_dir."""
+    """(name, duration us) of every event on a device track of the Perfetto trace in trace_dir: a GPU's
+    (its process is named /device:GPU:N on NVIDIA and AMD), or on the CPU, where there is none, the XLA CPU
+    client's threads (a smoke run: op names, not kernels)."""
     path = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
     if not path:
         raise RuntimeError(f"no perfetto trace under {trace_dir}")
     with gzip.open(path[0]) as f:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    gpu_pids = {
-        e["pid"]
-        for e in events
-        if e.get("ph") == "M" and e.get("name") == "process_name" and "GPU" in str(e.get("args", {}).get("name", ""))
-    }
-    return [(e["name"], float(e["dur"])) for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids]
+
+    def named(kind, word):
+        return {
+            (e["pid"], e.get("tid")) if kind == "thread_name" else e["pid"]
+            for e in events
+            if e.get("ph") == "M" and e.get("name") == kind and word in str(e.get("args", {}).get("name", ""))
+        }
+
+    gpu_pids, cpu_threads = named("process_name", "GPU"), named("thread_name", "XLAPjRtCpuClient")
+    on_device = (lambda e: e["pid"] in gpu_pids) if gpu_pids else (lambda e: (e["pid"], e.get("tid")) in cpu_threads)
+    return [(e["name"], float(e["dur"])) for e in events if e.get("ph") == "X" and on_device(e)]
 
 
 def profile(fn, per):
@@ -119,8 +128,11 @@ def main():
         "--copy-backward", action="store_true", help="learner: the matmul backward on transposed copies, not in place"
     )
     args = p.parse_args()
-    numerics.set_attention_backward(not args.dense_backward)
-    numerics.set_matmul_backward(not args.copy_backward)
+    report = new_report("bench.profile")
+    backward = {
+        "attention_backward": "dense" if args.dense_backward else "flash",
+        "matmul_backward": "copies" if args.copy_backward else "in_place",
+    }
     results = {}
     for side in args.sides.split(","):
         if args.model:
@@ -129,11 +141,11 @@ def main():
             show(key, results[key], args.top)
         if args.learner:
             key = f"learner {args.learner} {args.tokens // args.seq}x{args.seq} {side}"
-            results[key] = learner_profile(args.learner, args.seq, args.tokens, side)
+            options = numerics.NumericsOptions(mode=side, **backward)
+            results[key] = learner_profile(args.learner, args.seq, args.tokens, options)
             show(key, results[key], args.top)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    report["results"] = [{"what": key, **result} for key, result in results.items()]
+    save_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import argparse
 import concurrent.futures
 import json
 import os
+import shlex
 import tempfile
 import time
 
@@ -85,7 +86,7 @@ BURST_COUNTERS = {
     "engine_gap_s": "rlkjax_engine_gap_seconds_total",
     "engine_dispatch_s": "rlkjax_engine_dispatch_seconds_total",
     "prefill_tokens": "rlkjax_prefill_tokens_total",
-    "compilations": "rlkjax_compilations",
+    "compilations": "rlkjax_compiled_shapes",
 }
 
 
@@ -133,6 +134,11 @@ def main():
     )
     ap.add_argument("--kernel-ref", action="store_true", help="also time the kernel-level decode loop (see above)")
     ap.add_argument("--update-weights", action="store_true", help="also time POST /update_weights (see above)")
+    ap.add_argument(
+        "--server-flags",
+        default="",
+        help="more flags for serve.rollout, as one string (e.g. --server-flags='--no-warmup')",
+    )
     ap.add_argument("--port", type=int, default=8765, help="loopback port")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
@@ -151,6 +157,7 @@ def main():
         "--num-pages", str(args.num_pages), "--max-context", str(args.max_prompt + args.max_new_tokens),
         "--decode-steps", str(args.decode_steps),
     ] + (["--token-budget", str(args.token_budget)] if args.token_budget else [])  # fmt: skip
+    server_args += shlex.split(args.server_flags)
     swap = None
     with running_server(server_args, args.port) as url:
         client = RolloutClient(url, admin_key=ADMIN_KEY, timeout=3600)

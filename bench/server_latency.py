@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import time
 
 import aiohttp
@@ -100,6 +101,11 @@ def main():
     ap.add_argument(
         "--token-budget", type=int, default=None, help="the server's prompt tokens prefilled a step (default: its own)"
     )
+    ap.add_argument(
+        "--server-flags",
+        default="",
+        help="more flags for serve.rollout, as one string (e.g. --server-flags='--no-warmup')",
+    )
     ap.add_argument("--port", type=int, default=8766, help="loopback port")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
@@ -114,6 +120,7 @@ def main():
         "--num-pages", str(args.num_pages), "--max-context", str(args.max_context),
         "--decode-steps", str(args.decode_steps),
     ] + (["--token-budget", str(args.token_budget)] if args.token_budget else [])  # fmt: skip
+    server_args += shlex.split(args.server_flags)
     report = new_report("bench.server_latency") | {
         "model": args.model, "numerics": args.numerics, "server_args": server_args, "levels": []
     }  # fmt: skip

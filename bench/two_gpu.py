@@ -3,7 +3,8 @@
 `python -m bench.two_gpu summarize RUN_DIR [--out JSON]`: one JSON row from RUN_DIR/metrics.jsonl:
 logprobs compared and bits differing over all steps, the first update's ratio range, mean seconds
 per step split into rollout / learn / sync (the first step, which compiles, left out when there are
-more), learner TFLOP/s per device and MFU, and the peak bytes of every device.
+more), learner TFLOP/s per device, MFU of the learner pass and of the whole GRPO step, and the peak
+bytes of every device.
 
 `python -m bench.two_gpu compare RUN_A RUN_B [--out JSON]`: the same run computed two ways (one
 process on N devices, N processes): every metric but timings, every array of the last checkpoint
@@ -26,7 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
-TIMINGS = {"tokens_per_s", "step_s", "rollout_s", "learn_s", "sync_s", "learner_tflops_per_device", "learner_mfu"}
+from bench._report import provenance
+
+# train.grpo's row fields that are timings (train/metrics.py defines the two MFUs and their FLOP/s)
+TIMINGS = {"tokens_per_s", "step_s", "rollout_s", "learn_s", "sync_s", "learner_pass_mfu", "grpo_step_mfu"}
+TIMINGS |= {"learner_pass_tflops_per_device", "grpo_step_tflops_per_device"}
 TIMINGS |= {"peak_bytes_per_device"}  # allocator state, not a result of the run
 
 
@@ -39,7 +44,7 @@ def summarize(run: Path) -> dict:
     timed = rows[1:] or rows  # step 1 compiles every program
 
     def mean(key):
-        values = [r[key] for r in timed if key in r]
+        values = [r[key] for r in timed if r.get(key) is not None]
         return float(np.mean(values)) if values else None
 
     peaks = [r["peak_bytes_per_device"] for r in rows if "peak_bytes_per_device" in r]
@@ -57,8 +62,9 @@ def summarize(run: Path) -> dict:
         "rollout_s": mean("rollout_s"),
         "learn_s": mean("learn_s"),
         "sync_s": mean("sync_s"),
-        "learner_tflops_per_device": mean("learner_tflops_per_device"),
-        "learner_mfu": mean("learner_mfu"),
+        "learner_tflops_per_device": mean("learner_pass_tflops_per_device"),
+        "learner_pass_mfu": mean("learner_pass_mfu"),
+        "grpo_step_mfu": mean("grpo_step_mfu"),
         "peak_gib_per_device": [round(max(p) / 2**30, 2) for p in zip(*peaks)] if peaks else None,
     }
 
@@ -128,9 +134,13 @@ def byte_vocabulary_model(directory: Path, like: str, layers: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["summarize", "compare", "model"])
-    parser.add_argument("runs", nargs="+", type=Path)
-    parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument(
+        "what", choices=["summarize", "compare", "model"], help="summarize one run, compare two, or write a model"
+    )
+    parser.add_argument(
+        "runs", nargs="+", type=Path, help="train.grpo --out directories (model: the directory to write)"
+    )
+    parser.add_argument("--out", help="also write the JSON (with its provenance) here")
     parser.add_argument("--like", default="qwen3-0.6b", help="model: the preset whose widths it takes")
     parser.add_argument("--layers", type=int, default=4, help="model: its layer count")
     args = parser.parse_args()
@@ -140,7 +150,7 @@ def main() -> None:
         byte_vocabulary_model(args.runs[0], args.like, args.layers)
         return
     result = summarize(*args.runs) if args.what == "summarize" else compare(*args.runs)
-    text = json.dumps(result, indent=2)
+    text = json.dumps(provenance() | result, indent=2)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")

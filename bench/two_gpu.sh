@@ -12,8 +12,8 @@
 #   bash bench/two_gpu.sh dry-run [PIECE]  # every piece (or one) at tiny shapes on 2 x 2 fake CPU devices (checks
 #                                          #   the script)
 #
-# Writes to $OUT (default /tmp/out): <piece>.log, <piece>.json (bench/two_gpu.py's summary or comparison) and the
-# run's metrics.jsonl / plot.png; checkpoints and final_hf stay in $RUNS (default /tmp/two_gpu_runs: 8B ones are
+# Writes to $OUT (default /tmp/out): env.json (provenance), <piece>.log, <piece>.json (bench/two_gpu.py's summary
+# or comparison) and the run's metrics.jsonl / plot.png; checkpoints and final_hf stay in $RUNS (default /tmp/two_gpu_runs: 8B ones are
 # 16 GB). Environment: TIMEOUT (seconds per piece, default 540), MICRO_BATCH (default 4 sequences: at 16 the
 # 8B learner does not fit two GPUs, see `python -m bench.memory_plan`), REMAT (non-empty: train.grpo --remat),
 # PY (default python3), BIG_MODEL (default qwen3-8b), LAYOUT_MODEL (default qwen3-0.6b), PROCESS_LIKE (default
@@ -47,11 +47,8 @@ BIG_MODEL=${BIG_MODEL:-qwen3-8b}; LAYOUT_MODEL=${LAYOUT_MODEL:-qwen3-0.6b}
 PROCESS_LIKE=${PROCESS_LIKE:-qwen3-0.6b}; PROCESS_LAYERS=${PROCESS_LAYERS:-4}
 COMMON=(--learner-devices 0,1 --sampler-devices 0,1 --verify-logprobs --no-progress)
 
-record_env() {
-  { date -u +%FT%TZ; git rev-parse HEAD 2>/dev/null; echo "$0 $*"
-    if [ "$GPU_PIECES" = 1 ]; then nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; fi
-    "$PY" -c 'import jax, jaxlib; print("jax", jax.__version__, "jaxlib", jaxlib.__version__, jax.devices())'
-  } > "$OUT/env.txt" 2>&1
+record_env() {  # provenance: command, date, commit, hardware through JAX, versions
+  "$PY" -m bench._report --command "bash bench/two_gpu.sh $*" --out "$OUT/env.json" > /dev/null
 }
 
 big() {  # $1: strict | fast

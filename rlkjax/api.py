@@ -4,11 +4,13 @@ padded to power-of-two buckets so a long run compiles a handful of functions, an
 changes a real row's bits (see pallas_kernels).
 """
 
+import dataclasses
+
 import jax
 import numpy as np
 
 from rlkjax.config import ModelConfig
-from rlkjax.engine import Completion, Engine, EngineConfig
+from rlkjax.engine import Engine, EngineConfig
 from rlkjax.model import (
     rope_tables,
     sequence_logprobs,
@@ -22,11 +24,12 @@ from rlkjax.requests import (
     check_bool,
     check_fraction,
     check_int,
-    check_sampling,
     check_seed,
     check_temperature,
     per_row,
 )
+from rlkjax.sampling_params import SamplingParams
+from rlkjax.sequences import Completion
 from rlkjax.shapes import bucket, pad_sequences
 
 
@@ -34,82 +37,74 @@ def generate(
     params,
     cfg: ModelConfig,
     prompts,
-    max_new_tokens: int = 32,
-    temperature=1.0,
-    seeds=0,
+    max_new_tokens: int | None = None,
+    temperature=None,
+    seeds=None,
     numerics: Numerics = "strict",
     prefill_chunk_size: int = 64,
     *,
-    stop_token_ids=(),
-    min_tokens: int = 0,
+    sampling: SamplingParams | list[SamplingParams] | None = None,
     eos_token_id: int | None = None,
-    ignore_eos: bool = False,
-    top_logprobs: int = 0,
-    prompt_logprobs: int | None = None,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    min_p: float = 0.0,
-    truncated_logprobs: bool = False,
 ) -> list[Completion]:
-    """Sample up to `max_new_tokens` tokens after each prompt, recording each token's logprob.
+    """Sample completions of each prompt, recording each token's logprob.
 
-    temperature and seeds: one per prompt, or a scalar for all; temperature 0 is greedy (argmax,
-    ties to the lowest id; the logprobs are the temperature-1 ones, as `score(..., temperature=1)`
-    gives them). A request's tokens depend on its prompt, seed and temperature only, not on the
-    batch it ran in. A thin wrapper over the rollout engine, sized so nothing is preempted: there is
-    one generation path. Stops, min_tokens, eos_token_id/ignore_eos, top_logprobs=k (a completion
-    then has top_ids, top_logprobs [T, k]) and the truncation top_k/top_p/min_p (logprobs of the
-    full distribution unless truncated_logprobs) are `Engine.submit`'s. prompt_logprobs=k
-    (None: off) adds each completion's prompt logprobs (prompt[1:], by `score`, the learner's
-    pass) and, for k > 0, their k alternatives.
+    `sampling`: one SamplingParams for every prompt or a list of one per prompt (default:
+    SamplingParams(max_tokens=32)). The shortcuts override its fields: max_new_tokens its
+    max_tokens, temperature and seeds (a scalar for all prompts, or one per prompt) its
+    temperature and seed. Returns the completions in prompt order, the n samples of prompt i at
+    i * n ... i * n + n - 1. A request's tokens depend on its prompt, seed and temperature only, not
+    on the batch it ran in. eos_token_id: a sampled eos ends a completion (and belongs to it) unless
+    ignore_eos. With prompt_logprobs=k a completion also carries its prompt's logprobs (prompt[1:],
+    by `score`, the learner's pass) and, for k > 0, their k alternatives. A thin wrapper over the
+    rollout engine, sized so nothing is preempted: there is one generation path.
     """
     ops(numerics)  # validates the mode (and the strict XLA flags) before any work
     prompts = check_batch("prompts", prompts, cfg.vocab_size)
-    max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
+    rows = _row_sampling(sampling, len(prompts), max_new_tokens, temperature, seeds)
     prefill_chunk_size = check_int("prefill_chunk_size", prefill_chunk_size, 1)
-    temps = [
-        check_temperature("temperature", t, greedy=True) for t in per_row("temperature", temperature, len(prompts))
-    ]
-    seeds = [check_seed("seeds", s) for s in per_row("seeds", seeds, len(prompts))]
-    if prompt_logprobs is not None:
-        prompt_logprobs = check_int("prompt_logprobs", prompt_logprobs, 0, min(MAX_TOP_LOGPROBS, cfg.vocab_size))
-    lengths = [len(p) + max_new_tokens for p in prompts]
-    if max(lengths) > cfg.max_position:
-        raise ValueError(
-            f"prompt + max_new_tokens = {max(lengths)} tokens exceeds the model's context of {cfg.max_position}"
-        )
-    options = dict(
-        stop_token_ids=stop_token_ids,
-        min_tokens=min_tokens,
-        ignore_eos=ignore_eos,
-        top_logprobs=top_logprobs,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        truncated_logprobs=truncated_logprobs,
-    )
-    check_sampling(cfg.vocab_size, max_new_tokens, **options)  # before any device work
+    for prompt, row in zip(prompts, rows):  # before any device work
+        row.check_model(cfg.vocab_size, cfg.max_position, len(prompt))
+    lengths = [len(p) + row.max_tokens for p, row in zip(prompts, rows) for _ in range(row.n)]
     engine = Engine(params, cfg, numerics, EngineConfig.for_batch(lengths, prefill_chunk_size), eos_token_id)
-    requests = [
-        engine.submit(p, max_new_tokens=max_new_tokens, temperature=t, seed=s, **options)
-        for p, t, s in zip(prompts, temps, seeds)
-    ]
+    requests = [engine.submit(p, row) for p, row in zip(prompts, rows)]
     engine.run_until_done()
-    comps = [r.results[0] for r in requests]
-    if prompt_logprobs is not None:
-        _add_prompt_logprobs(params, cfg, prompts, temps, comps, prompt_logprobs, numerics)
-    return comps
+    _add_prompt_logprobs(params, cfg, prompts, rows, [r.results for r in requests], numerics)
+    return [c for r in requests for c in r.results]
 
 
-def _add_prompt_logprobs(params, cfg, prompts, temps, comps, k, numerics):
-    """Prompt logprobs from the learner's pass over the prompts alone (the completion cannot change
-    them: attention is causal), at each row's temperature."""
-    scored = score(params, cfg, prompts, 1, temperature=temps, numerics=numerics, top_logprobs=k)
-    for comp, row in zip(comps, scored):
-        if k:
-            comp.prompt_logprobs, comp.prompt_top_ids, comp.prompt_top_logprobs = row
-        else:
-            comp.prompt_logprobs = row
+def _row_sampling(sampling, n: int, max_new_tokens, temperature, seeds) -> list[SamplingParams]:
+    """One SamplingParams per prompt: `sampling` (broadcast if one) with the shortcuts applied."""
+    rows = per_row("sampling", SamplingParams(max_tokens=32) if sampling is None else sampling, n)
+    if not all(isinstance(row, SamplingParams) for row in rows):
+        raise ValueError("sampling must be a SamplingParams or a list of one per prompt")
+    # checked under the names the caller used, before they become fields
+    shortcuts = {
+        "max_tokens": None if max_new_tokens is None else [check_int("max_new_tokens", max_new_tokens, 1)] * n,
+        "temperature": None
+        if temperature is None
+        else [check_temperature("temperature", t, greedy=True) for t in per_row("temperature", temperature, n)],
+        "seed": None if seeds is None else [check_seed("seeds", s) for s in per_row("seeds", seeds, n)],
+    }
+    for field, values in shortcuts.items():
+        if values is not None:
+            rows = [dataclasses.replace(row, **{field: v}) for row, v in zip(rows, values)]
+    return rows
+
+
+def _add_prompt_logprobs(params, cfg, prompts, rows: list[SamplingParams], results, numerics):
+    """Prompt logprobs, where a row asks for them, from the learner's pass over the prompts alone
+    (the completion cannot change them: attention is causal), at each row's temperature; one
+    `score` call per number of alternatives asked for."""
+    for k in {row.prompt_logprobs for row in rows} - {None}:
+        picked = [i for i, row in enumerate(rows) if row.prompt_logprobs == k]
+        temps = [rows[i].temperature for i in picked]
+        scored = score(params, cfg, [prompts[i] for i in picked], 1, temps, numerics, top_logprobs=k)
+        for i, row in zip(picked, scored):
+            for comp in results[i]:
+                if k:
+                    comp.prompt_logprobs, comp.prompt_top_ids, comp.prompt_top_logprobs = row
+                else:
+                    comp.prompt_logprobs = row
 
 
 _sequence_logprobs = jax.jit(sequence_logprobs, static_argnames=("cfg", "numerics"))

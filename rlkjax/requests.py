@@ -1,6 +1,7 @@
-"""Request validation, in one place: `rlkjax.generate`, `rlkjax.score`, the engine's `submit` and
-the HTTP server (which only translates HTTP to these calls) all check their inputs here, so a bad
-value gets the same clear `ValueError` whichever door it came through."""
+"""Request validation, in one place: `SamplingParams`, `rlkjax.generate`, `rlkjax.score`, the
+engine's `submit` and the HTTP server (which only translates HTTP to these calls) all check their
+inputs with these helpers, so a bad value gets the same clear `ValueError` whichever door it came
+through."""
 
 import math
 
@@ -88,38 +89,6 @@ def check_bool(name: str, value) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise ValueError(f"{name} must be true or false, got {value!r}")
     return bool(value)
-
-
-def check_sampling(
-    vocab_size: int,
-    max_new_tokens: int,
-    *,
-    stop_token_ids=(),
-    min_tokens=0,
-    ignore_eos=False,
-    top_logprobs=0,
-    top_k=0,
-    top_p=1.0,
-    min_p=0.0,
-    truncated_logprobs=False,
-) -> dict:
-    """A request's sampling options (Engine.submit's keywords), checked and normalised: stop ids as
-    a list, top_k over the vocabulary size clamped to it (it keeps everything)."""
-    if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, (list, tuple, set, frozenset)):
-        raise ValueError("stop_token_ids must be a list of token ids")
-    options = dict(
-        stop_token_ids=[check_int("stop_token_ids[]", t, 0, vocab_size - 1) for t in stop_token_ids],
-        min_tokens=check_int("min_tokens", min_tokens, 0, max_new_tokens),
-        ignore_eos=check_bool("ignore_eos", ignore_eos),
-        top_logprobs=check_int("top_logprobs", top_logprobs, 0, min(MAX_TOP_LOGPROBS, vocab_size)),
-        top_k=min(check_int("top_k", top_k, 0), vocab_size),
-        top_p=check_fraction("top_p", top_p, 0.0, 1.0, lo_open=True),
-        min_p=check_fraction("min_p", min_p, 0.0, 1.0),
-        truncated_logprobs=check_bool("truncated_logprobs", truncated_logprobs),
-    )
-    if options["truncated_logprobs"] and options["top_logprobs"]:
-        raise ValueError("truncated_logprobs cannot be combined with top_logprobs (alternatives are full-distribution)")
-    return options
 
 
 def check_seed(name: str, value) -> int:

@@ -2,22 +2,19 @@
 `reward(example, completion_text) -> float`.
 
 Built-ins: `lowercase` (the default demo: a random model learns to answer in lowercase letters),
-`arithmetic` (a+b=), `gsm8k` (a GSM8K-format JSONL file; numeric answers checked), and any user
-reward given as `module:function` taking (prompt_text, completion_text) -> float.
+`arithmetic` (a+b=), `gsm8k` (a GSM8K-format JSONL file; numeric answers checked), `math` (a JSONL,
+Parquet or CSV file of problems with named prompt and answer fields; answers checked by math-verify),
+and any user reward given as `module:function` taking (prompt_text, completion_text) -> float.
+
+A task may also have `check(example, completion_text) -> RewardResult`: the reward plus, when the check
+raised or ran past its time, why (rlkjax.rewards.checked_reward gives every task that form).
 """
 
-import dataclasses
 import importlib
-import json
 import re
-from pathlib import Path
 
-
-@dataclasses.dataclass(frozen=True)
-class Example:
-    prompt: str
-    answer: str = ""
-    source: str = ""  # where it came from, for errors: "file:line" for a data file
+from rlkjax.data import Example, load_examples, read_jsonl
+from rlkjax.rewards import MathVerifier, RewardResult
 
 
 class LowercaseTask:
@@ -51,37 +48,6 @@ class ArithmeticTask:
 def last_number(text: str) -> str | None:
     numbers = re.findall(r"-?\d[\d,]*\.?\d*", text)
     return numbers[-1].replace(",", "").rstrip(".") if numbers else None
-
-
-def read_jsonl(path) -> list[tuple[int, dict]]:
-    """(1-based line number, object) for each non-blank line of a UTF-8 JSONL file. Lines are split on
-    "\n" only (JSON strings may hold U+2028 and other characters str.splitlines breaks at); a bad file
-    or line raises a one-line ValueError naming the file and the line."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read the data file ({e.strerror or e})") from None
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = data[: e.start].count(b"\n") + 1
-        raise ValueError(
-            f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); expected JSON lines"
-        ) from None
-    rows = []
-    for number, line in enumerate(text.split("\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno})") from None
-        except RecursionError:
-            raise ValueError(f"{path}:{number}: JSON nested too deeply") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
-        rows.append((number, row))
-    return rows
 
 
 class GSM8KTask:
@@ -143,7 +109,42 @@ class CustomReward:
         return getattr(self.base, "examples", ())
 
 
-def make_task(name: str, data: str | None = None, reward: str | None = None):
+class MathTask:
+    """Problems from a local JSONL, Parquet or CSV file (`prompt_field`, `answer_field` name the fields);
+    reward 1 when math-verify finds the completion's answer equal to the reference (LaTeX, \\boxed{},
+    fractions, plain numbers), each check bounded by `timeout` seconds, `workers` checks at a time
+    (rlkjax.rewards.MathVerifier)."""
+
+    def __init__(
+        self, path, prompt_field: str = "prompt", answer_field: str = "answer", timeout: float = 5.0, workers: int = 1
+    ):
+        self.examples = load_examples(path, prompt_field, answer_field)
+        self.verifier = MathVerifier(timeout, workers)
+
+    def sample(self, rng, count):
+        return [self.examples[i] for i in rng.integers(0, len(self.examples), count)]
+
+    def check(self, example, completion) -> RewardResult:
+        return self.verifier(completion, example.answer)
+
+    def check_many(self, examples, completions) -> list[RewardResult]:
+        """One result per (example, completion), checked in parallel over the workers."""
+        return self.verifier.check_many([(c, e.answer) for e, c in zip(examples, completions, strict=True)])
+
+    def reward(self, example, completion):
+        return self.check(example, completion).reward
+
+
+def make_task(
+    name: str,
+    data: str | None = None,
+    reward: str | None = None,
+    prompt_field: str = "prompt",
+    answer_field: str = "answer",
+    reward_timeout: float = 5.0,
+):
+    """A built-in task by name; `data` is its file (gsm8k, math); `reward` a module:function replacing
+    its reward; prompt_field, answer_field and reward_timeout configure `math`."""
     if name == "lowercase":
         task = LowercaseTask()
     elif name == "arithmetic":
@@ -152,6 +153,10 @@ def make_task(name: str, data: str | None = None, reward: str | None = None):
         if not data:
             raise ValueError("--task gsm8k needs --data path/to/gsm8k.jsonl")
         task = GSM8KTask(data)
+    elif name == "math":
+        if not data:
+            raise ValueError("task 'math' needs data: a .jsonl, .parquet or .csv file of problems")
+        task = MathTask(data, prompt_field, answer_field, reward_timeout)
     else:
-        raise ValueError(f"unknown task {name!r}: choose lowercase, arithmetic or gsm8k")
+        raise ValueError(f"unknown task {name!r}: choose lowercase, arithmetic, gsm8k or math")
     return CustomReward(task, reward) if reward else task

@@ -2,7 +2,8 @@
 
 Endpoints (JSON in and out; errors are 4xx with OpenAI's {"error": {"message", "type", "param", "code"}}
 and the server keeps serving; a request without a seed gets a fresh one, reported as "seed"):
-  POST /generate         token ids in; per sample: tokens, logprobs, finish_reason, policy_version
+  POST /generate         token ids in; per sample: tokens, logprobs, finish_reason, policy_version (a sampled
+                         eos of the tokenizer ends a sample and is its last token, unless ignore_eos)
   POST /v1/completions, POST /v1/chat/completions
                          OpenAI-compatible (serve/openai_api.py; the README's API section lists the fields),
                          streaming or not, using the model's tokenizer and chat template
@@ -40,8 +41,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from rlkjax.checkpoint import load_model
-from rlkjax.engine import Engine, EngineConfig, Request
+from rlkjax.engine import Engine, EngineConfig
 from rlkjax.requests import check_int, check_seed, sample_seed
+from rlkjax.sampling_params import SamplingParams
+from rlkjax.sequences import Request
 from rlkjax.tokenizer import load_tokenizer
 from serve import openai_api
 from serve.chat import load_chat_template
@@ -150,7 +153,9 @@ class Server:
             )
         self.tokenizer = load_tokenizer(config.model, config.tokenizer)
         self.chat_template = load_chat_template(self.tokenizer)
-        self.engine = Engine(params, self.cfg, config.numerics, config.engine)
+        eos = self.tokenizer.eos_token_id  # the one eos policy (SamplingParams.stop_ids) applies on every route
+        eos = eos if eos is not None and eos < self.cfg.vocab_size else None
+        self.engine = Engine(params, self.cfg, config.numerics, config.engine, eos_token_id=eos)
         if config.warmup:
             start = time.monotonic()
             count = self.engine.warm_up(lambda name, rows, s: log.info("warm-up: %s, %d rows, %.1f s", name, rows, s))
@@ -178,38 +183,26 @@ class Server:
         with self.wake:
             self.wake.notify()
 
-    def submit(
-        self, prompts, n, max_new_tokens, temperature, seeds, stop_token_ids, hooks=None, **options
-    ) -> list[Request]:
-        """Submit every prompt (validated first, so a bad one submits nothing). hooks: one engine `on_tokens`
-        hook per prompt, or None; options: Engine.submit's sampling keywords (min_tokens, top_logprobs, top_k...)."""
+    def submit(self, prompts, sampling: SamplingParams, seeds, hooks=None) -> list[Request]:
+        """Submit every prompt, prompt i with seed seeds[i] (validated first, so a bad one submits
+        nothing). hooks: one engine `on_tokens` hook per prompt, or None."""
         if self.draining:
             raise ShuttingDown("the server is shutting down; retry on another replica")
         try:
-            n = check_int("n", n, 1, self.engine.config.max_batch)
+            check_int("n", sampling.n, 1, self.engine.config.max_batch)
         except ValueError as e:
             raise BadRequest(str(e)) from None
-        if len(prompts) * n > self.config.max_sequences:
+        sequences = len(prompts) * sampling.n
+        if sequences > self.config.max_sequences:
             raise BadRequest(
-                f"{len(prompts)} prompts x n={n} = {len(prompts) * n} sequences, over the limit of "
+                f"{len(prompts)} prompts x n={sampling.n} = {sequences} sequences, over the limit of "
                 f"{self.config.max_sequences} per request (--max-sequences)"
             )
         requests, group = [], object()  # this HTTP request's prompts take one turn together in admission
         try:
             for i, (p, s) in enumerate(zip(prompts, seeds)):
-                requests.append(
-                    self.engine.submit(
-                        p,
-                        n=n,
-                        max_new_tokens=max_new_tokens,
-                        temperature=temperature,
-                        seed=s,
-                        stop_token_ids=stop_token_ids,
-                        group=group,
-                        on_tokens=None if hooks is None else hooks[i],
-                        **options,
-                    )
-                )
+                hook = None if hooks is None else hooks[i]
+                requests.append(self.engine.submit(p, sampling, seed=s, group=group, on_tokens=hook))
         except ValueError as e:
             self.cancel(requests)
             raise BadRequest(str(e)) from None
@@ -252,9 +245,6 @@ class Server:
             raise ShuttingDown("the server shut down before this request finished (--shutdown-timeout)")
         return requests
 
-    async def _run(self, prompts, n, max_new_tokens, temperature, seeds, stop_token_ids):
-        return await self.wait(self.submit(prompts, n, max_new_tokens, temperature, seeds, stop_token_ids))
-
     @staticmethod
     def seeds(body, prompts: int, n: int) -> tuple[list, int | list]:
         """(one seed per prompt, the seed to report). A list: one seed per prompt, taken as given. An int
@@ -278,22 +268,25 @@ class Server:
     async def generate(self, request: web.Request):
         body = _fields(
             await _json(request, self.config.read_timeout),
-            {"prompt", "n", "max_new_tokens", "temperature", "seed", "stop_token_ids"},
+            {"prompt", "n", "max_new_tokens", "temperature", "seed", "stop_token_ids", "ignore_eos"},
             {"prompt"},
         )
         prompts = _prompts(body["prompt"])
         if len(prompts) > self.config.max_prompts:
             raise BadRequest(f"at most {self.config.max_prompts} prompts per request, got {len(prompts)}")
-        n = _opt(body, "n", 1)
-        seeds, seed = self.seeds(body, len(prompts), n if isinstance(n, int) else 1)
-        reqs = await self._run(
-            prompts,
-            n,
-            _opt(body, "max_new_tokens", 16),
-            _opt(body, "temperature", 1.0),
-            seeds,
-            _opt(body, "stop_token_ids", []),
-        )
+        try:
+            sampling = SamplingParams(
+                n=_opt(body, "n", 1),
+                max_tokens=_opt(body, "max_new_tokens", 16),
+                temperature=_opt(body, "temperature", 1.0),
+                stop_token_ids=_opt(body, "stop_token_ids", []),
+                ignore_eos=_opt(body, "ignore_eos", False),
+            )
+            seeds, seed = self.seeds(body, len(prompts), sampling.n)
+            requests = self.submit(prompts, sampling, seeds)
+        except ValueError as e:  # this route's name for max_tokens is max_new_tokens
+            raise BadRequest(str(e).replace("max_tokens", "max_new_tokens")) from None
+        reqs = await self.wait(requests)
         return _json_response(
             {
                 "seed": seed,
@@ -409,7 +402,7 @@ class Server:
             ("rlkjax_kv_pages_used", m["pages_used"], "KV pages in use"),
             ("rlkjax_kv_pages_total", m["pages_total"], "KV pages available"),
             ("rlkjax_preemptions_total", m["preemptions"], "sequences preempted for pages"),
-            ("rlkjax_compilations", m["compilations"], "step-function shapes compiled"),
+            ("rlkjax_compiled_shapes", m["compiled_shapes"], "step-function shapes compiled (one compilation each)"),
             ("rlkjax_policy_version", m["policy_version"], "weights version"),
             ("rlkjax_engine_steps_total", m["steps"], "scheduling steps (one decode round and/or prefill chunk each)"),
             ("rlkjax_engine_step_seconds_total", m["step_s"], "seconds the engine spent in scheduling steps"),

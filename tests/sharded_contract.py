@@ -24,7 +24,7 @@ import numpy as np
 import rlkjax
 from rlkjax import model
 from rlkjax.numerics import ATTENTION
-from tests.conftest import assert_bits_equal
+from tests.helpers import assert_bits_equal
 from train import fsdp, grpo
 from train.batch import pack, pad_rows
 

@@ -32,11 +32,10 @@ import rlkjax
         (dict(seeds=2**32), "seeds"),
         (dict(numerics="exact"), "numerics"),
         (dict(prefill_chunk_size=0), "prefill_chunk_size"),
-        (dict(top_logprobs=21), "top_logprobs"),
-        (dict(top_logprobs=-1), "top_logprobs"),
-        (dict(prompt_logprobs=21), "prompt_logprobs"),
-        (dict(min_tokens=3), "min_tokens"),  # more than max_new_tokens
-        (dict(ignore_eos="no"), "ignore_eos"),  # a truthy string
+        (dict(sampling=rlkjax.SamplingParams(min_tokens=3)), "min_tokens"),  # more than max_new_tokens
+        (dict(sampling=rlkjax.SamplingParams(stop_token_ids=[512])), "stop_token_ids"),  # outside the vocabulary
+        (dict(sampling=[rlkjax.SamplingParams()] * 2), "2 entries"),
+        (dict(sampling={"max_tokens": 2}), "SamplingParams"),
         (dict(eos_token_id=512), "eos_token_id"),
     ],
 )
@@ -45,6 +44,45 @@ def test_generate_rejects(tiny, kwargs, match):
     args = dict(prompts=[[1, 2, 3]], max_new_tokens=2) | kwargs
     with pytest.raises(ValueError, match=match):
         rlkjax.generate(params, cfg, **args)
+
+
+@pytest.mark.parametrize(
+    "fields,match",
+    [
+        (dict(n=0), "n must"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=2.5), "max_tokens"),
+        (dict(temperature=5e-5), "temperature"),
+        (dict(seed=-1), "seed"),
+        (dict(stop_token_ids="7"), "stop_token_ids"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+        (dict(min_tokens=17), "min_tokens"),  # more than max_tokens (16)
+        (dict(ignore_eos="no"), "ignore_eos"),  # a truthy string
+        (dict(top_logprobs=21), "top_logprobs"),
+        (dict(top_logprobs=-1), "top_logprobs"),
+        (dict(prompt_logprobs=21), "prompt_logprobs"),
+        (dict(top_k=-1), "top_k"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(truncated_logprobs=True, top_logprobs=2), "truncated_logprobs"),
+    ],
+)
+def test_sampling_params_rejects(fields, match):
+    """Checked once, where the value is built, with the field's own name."""
+    with pytest.raises(ValueError, match=match):
+        rlkjax.SamplingParams(**fields)
+
+
+def test_sampling_params_checks_the_model():
+    params = rlkjax.SamplingParams(stop_token_ids=[9, 3, 9], max_tokens=8, top_logprobs=20)
+    assert params.stop_token_ids == (3, 9)  # normalised: a sorted tuple without repeats
+    params.check_model(vocab_size=512, context=16, prompt_len=8)
+    with pytest.raises(ValueError, match="stop_token_ids has token id 9"):
+        params.check_model(vocab_size=8, context=16)
+    with pytest.raises(ValueError, match="top_logprobs"):
+        params.check_model(vocab_size=16, context=16)
+    with pytest.raises(ValueError, match="context of 16"):
+        params.check_model(vocab_size=512, context=16, prompt_len=9)
 
 
 @pytest.mark.parametrize(

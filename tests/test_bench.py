@@ -1,18 +1,279 @@
-"""The benchmarks' own logic: bench.server_e2e's request mix (issue 10's shape) and its /update_weights timing
-against a real server on loopback; bench.speed's attention sweeps (interpreted, tiny shapes)."""
+"""bench/ as a suite. Every entry point documents each flag in --help, and runs for real on the CPU
+(interpret mode, qwen3-tiny, the smallest sizes) writing what it should, with its provenance; the slow
+ones (a compile of the strict kernels in interpret mode, a server) are marked `slow`. Also the benchmarks'
+own logic: bench.server_e2e's request mix, bench.speed's learner row, attention sweeps and --merge, the
+MFUs read back from train.grpo's metrics, bench.memory_plan's peak."""
 
 import argparse
-import signal
+import importlib
+import json
+import math
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
-import numpy as np
+import jax
 import pytest
 
 import rlkjax
-from bench.server_e2e import make_jobs, swap_weights
-from tests.test_server import start_server
+from bench.server_e2e import make_jobs
+from rlkjax import flops
+
+REPO = Path(__file__).resolve().parents[1]
+# Every `python -m bench.X` (bench.memory_plan's flags are documented by its owner's tests).
+ENTRY_POINTS = (
+    "_report",
+    "e2e_summary",
+    "grpo_compare",
+    "learner_memory",
+    "mismatch",
+    "profile",
+    "rollout",
+    "server_e2e",
+    "server_latency",
+    "speed",
+    "two_gpu",
+)
 
 
-def test_server_e2e_requests_have_the_issue_s_mix():
+def undocumented(help_text: str) -> list[str]:
+    """The arguments of an argparse --help text that have no help of their own."""
+    lines, missing, in_arguments = help_text.splitlines(), [], False
+    for i, line in enumerate(lines):
+        if line.endswith(("arguments:", "options:")) and not line.startswith(" "):
+            in_arguments = True
+        elif in_arguments and re.match(r"  \S", line):
+            same_line = re.match(r"  \S.*?\s{2,}\S", line)
+            next_line = i + 1 < len(lines) and re.match(r"\s{4,}\S", lines[i + 1])
+            if not (same_line or next_line):
+                missing.append(line.strip())
+    return missing
+
+
+def call_main(module: str, *args: str) -> None:
+    """`python -m bench.<module> args`, in this process."""
+    argv = sys.argv
+    sys.argv = [module, *args]
+    try:
+        importlib.import_module(f"bench.{module}").main()
+    finally:
+        sys.argv = argv
+
+
+def run_module(module: str, *args: str) -> str:
+    """`python -m bench.<module> args` in a fresh process on the CPU; its stdout."""
+    proc = subprocess.run(
+        [sys.executable, "-m", f"bench.{module}", *args],
+        cwd=REPO,
+        env=os.environ | {"JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc.stdout
+
+
+def assert_provenance(report: dict, command: str) -> None:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    assert report["command"].startswith(command), report["command"]
+    assert report["date"].endswith("+00:00") and report["git"]["commit"] == commit, report
+    assert isinstance(report["git"]["dirty"], bool)
+    hardware = report["hardware"]
+    assert hardware["platform"] == "cpu" and hardware["device_kind"] == "cpu" and hardware["device_count"] >= 1
+    assert report["versions"]["jax"] == jax.__version__ and report["versions"]["numpy"], report["versions"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("module", ENTRY_POINTS)
+def test_every_entry_point_documents_every_flag(module, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        call_main(module, "--help")
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage:") and "--help" in text, text
+    assert undocumented(text) == [], text
+
+
+def test_report_records_provenance_through_jax(tmp_path, capsys):
+    """The shell scripts' provenance (bench/e2e.sh, two_gpu.sh, gpu_check.sh): the hardware comes from
+    JAX, not nvidia-smi, so the same record comes out on NVIDIA, AMD and CPU machines."""
+    call_main("_report", "--command", "bash bench/e2e.sh", "--out", str(tmp_path / "env.json"))
+    record = json.loads((tmp_path / "env.json").read_text())
+    assert json.loads(capsys.readouterr().out) == record
+    assert_provenance(record, "bash bench/e2e.sh")
+    assert record["hardware"]["memory_bytes_limit"] is None  # the CPU has no memory_stats
+
+
+def test_two_gpu_summary_gives_both_mfus_from_train_grpo_s_metrics(tmp_path, capsys):
+    """bench.two_gpu summarize on hand-written metrics: the first step (compilation) is left out of the
+    means; both MFUs are train.grpo's own (train/metrics.py), read from its rows."""
+    row = dict(ratio_min=1.0, ratio_max=1.0, reward_mean=0.5, tokens_compared=8, tokens_bits_differ=0)
+    steps = [
+        row | dict(step=1, step_s=100.0, rollout_s=50.0, sync_s=1.0, learn_s=40.0),
+        row | dict(step=2, step_s=10.0, rollout_s=4.0, sync_s=1.0, learn_s=4.5),
+    ]
+    steps[0] |= dict(learner_pass_mfu=0.01, grpo_step_mfu=0.005)
+    steps[1] |= dict(learner_pass_mfu=0.4, grpo_step_mfu=0.2)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    call_main("two_gpu", "summarize", str(tmp_path / "run"), "--out", str(tmp_path / "summary.json"))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert json.loads(capsys.readouterr().out) == summary
+    assert_provenance(summary, "python -m ")
+    assert summary["logprobs_compared"] == 16 and summary["logprobs_bits_differ"] == 0
+    assert summary["learner_pass_mfu"] == 0.4 and summary["grpo_step_mfu"] == 0.2
+
+
+def test_e2e_summary_says_which_mfu_and_names_missing_pieces(tmp_path, capsys):
+    grpo = dict(model="qwen3-0.6b", numerics="strict", step_s=10.0, rollout_s=4.0, learn_s=4.5, sync_s=1.0, host_s=0.5)
+    grpo |= dict(rollout_tokens_per_s=100.0, learner_tokens_per_s=200.0, mismatch_tokens=0, tokens_compared=64)
+    grpo |= dict(learner_pass_mfu=0.4, grpo_step_mfu=0.2)
+    (tmp_path / "grpo_qwen3-0.6b_strict.json").write_text(json.dumps({"results": [grpo]}))
+    call_main("e2e_summary", str(tmp_path))
+    out = capsys.readouterr().out
+    assert "(MFU learner pass 40.0%, GRPO step 20.0%); bits differ 0/64" in out, out
+    assert "grpo qwen3-0.6b: strict / fast missing" in out and "server_e2e: no results" in out, out
+
+
+@pytest.mark.slow
+def test_mismatch_runs_and_strict_bits_agree(tmp_path):
+    out = tmp_path / "mismatch.json"
+    args = ["--batch", "2", "--new-tokens", "4", "--min-prompt", "2", "--max-prompt", "8", "--repeats", "1"]
+    table = run_module("mismatch", "--models", "qwen3-tiny", *args, "--chunk", "16", "--out", str(out))
+    report = json.loads(out.read_text())
+    assert_provenance(report, "python -m bench.mismatch --models qwen3-tiny")
+    rows = {r["numerics"]: r for r in report["results"]}
+    assert set(rows) == {"fast", "strict"} and rows["strict"]["tokens_bits_differ"] == 0, rows
+    assert all(0 < r["tokens_compared"] <= 8 and r["generate_s"] > 0 for r in rows.values()), rows
+    assert "qwen3-tiny   strict" in table
+
+
+@pytest.mark.slow
+def test_speed_runs_every_section_but_the_sweep(tmp_path):
+    """bench.speed's command line end to end at qwen3-tiny: decode, prefill, score and learner rows with
+    their FLOPs from rlkjax.flops and the pass their MFU is of, the kernel rows at the CPU's shapes, the
+    table printed."""
+    from bench.speed_kernels import CPU_SHAPES
+
+    out = tmp_path / "speed.json"
+    sizes = ["--batches", "1", "--contexts", "16", "--steps", "2", "--repeats", "1", "--prefill", "1x16"]
+    sizes += ["--score", "1x16", "--learner-seqs", "32", "--learner-tokens", "32", "--learner-sides", "strict"]
+    models = ["--models", "qwen3-tiny", "--score-model", "qwen3-tiny", "--learner-models", "qwen3-tiny"]
+    table = run_module("speed", *models, *sizes, "--out", str(out))
+    report = json.loads(out.read_text())
+    assert_provenance(report, "python -m bench.speed --models qwen3-tiny")
+    assert report["ceilings"]["copy_bandwidth_Bps"] > 0 and report["ceilings"]["dot_bf16_flops"] > 0
+    rows = {}
+    for r in report["results"]:
+        rows.setdefault(r["section"], []).append(r)
+    assert sorted(rows) == ["decode", "kernel", "learner", "prefill", "score"], list(rows)
+    (decode,) = rows["decode"]
+    assert decode["strict_tokens_per_s"] > 0 and decode["fast_tokens_per_s"] > 0 and decode["strict_hbm_fraction"] > 0
+    cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
+    (prefill,), (learner,) = rows["prefill"], rows["learner"]
+    assert prefill["model_flops"] == flops.sequence_flops(cfg, [16], backward=False).model
+    assert learner["model_flops"] == flops.sequence_flops(cfg, [32], backward=True).model
+    assert prefill["mfu_of"] == "prefill pass" and learner["mfu_of"] == "learner pass"
+    assert prefill["strict_mfu"] is None and learner["strict_mfu"] is None  # the CPU has no peak
+    assert rows["score"][0]["strict_tokens_per_s"] > 0
+    s = CPU_SHAPES
+    kernels = len(s.decode_matmuls) * len(s.decode_rows) + 2 + len(s.attention) + len(s.logprob_rows)
+    assert len(rows["kernel"]) == kernels and all(r["strict_us"] > 0 for r in rows["kernel"]), rows["kernel"]
+    assert "no MFU (cpu: no peak)" in table and "of jnp.dot learner pass" in table, table
+
+
+@pytest.mark.slow
+def test_rollout_runs_engine_against_the_kernel_loop(tmp_path):
+    """The engine's rate is a difference of two timed runs (N and 1 + D tokens): at these sizes on a busy
+    CPU it is noise and can come out negative, so only its being a number is checked, with the ratio."""
+    out = tmp_path / "rollout.json"
+    sizes = ["--batches", "2", "--context", "8", "--new-tokens", "17", "--repeats", "1"]
+    run_module("rollout", "--models", "qwen3-tiny", *sizes, "--sync-models", "qwen3-tiny", "--out", str(out))
+    report = json.loads(out.read_text())
+    assert_provenance(report, "python -m bench.rollout --models qwen3-tiny")
+    sync, engine = report["results"]
+    assert sync["section"] == "sync" and sync["in_process_s"] > 0
+    assert engine["section"] == "engine" and engine["batch"] == 2
+    for side in ("strict", "fast"):
+        assert math.isfinite(engine[f"{side}_engine_tok_s"]) and engine[f"{side}_kernel_tok_s"] > 0, engine
+        assert engine[f"{side}_ratio"] == engine[f"{side}_engine_tok_s"] / engine[f"{side}_kernel_tok_s"]
+
+
+@pytest.mark.slow
+def test_grpo_compare_runs_a_strict_step_without_mismatch(tmp_path):
+    out = tmp_path / "grpo.json"
+    sizes = ["--steps", "1", "--prompts", "2", "--group", "2", "--new-tokens", "4", "--micro-batch", "4"]
+    table = run_module("grpo_compare", "--models", "qwen3-tiny", *sizes, "--numerics", "strict", "--out", str(out))
+    report = json.loads(out.read_text())
+    assert_provenance(report, "python -m bench.grpo_compare --models qwen3-tiny")
+    (row,) = report["results"]
+    assert row["numerics"] == "strict" and row["mismatch_tokens"] == 0 and 0 < row["tokens_compared"] <= 16, row
+    assert row["matmul_params"] == flops.matmul_params(rlkjax.ModelConfig.preset("qwen3-tiny"))
+    assert row["learner_pass_mfu"] is None and row["grpo_step_mfu"] is None  # the CPU has no peak
+    assert "MFU learner pass" in table and "MFU GRPO step" in table
+
+
+@pytest.mark.slow
+def test_profile_sums_device_time_per_op(tmp_path):
+    """On the CPU the "device" track is the XLA CPU client's threads: the table is of XLA ops, not kernels."""
+    out = tmp_path / "profile.json"
+    run_module("profile", "--model", "qwen3-tiny", "--context", "16", "--steps", "2", "--out", str(out))
+    report = json.loads(out.read_text())
+    assert_provenance(report, "python -m bench.profile --model qwen3-tiny")
+    (result,) = report["results"]
+    assert result["what"] == "decode qwen3-tiny b1 ctx16 strict" and result["device_us"] > 0
+    assert result["kernels"] and sum(k["share"] for k in result["kernels"]) == pytest.approx(1.0)
+
+
+@pytest.mark.slow
+def test_learner_memory_compiles_the_sharded_step():
+    args = ["--model", "qwen3-tiny", "--devices=2", "--layers", "1", "--tokens", "32", "--micro-batch", "2"]
+    (line,) = run_module("learner_memory", *args, "--json").splitlines()
+    memory = json.loads(line)
+    assert set(memory) == {"learner step (value and grad)", "scoring pass (logprobs)"}
+    assert all(m["peak"] > 0 and m["arguments"] > 0 for m in memory.values()), memory
+
+
+@pytest.mark.slow
+def test_server_e2e_scores_every_completion_and_swaps_weights(tmp_path):
+    """bench.server_e2e against a real server on loopback: every completion's logprob bits checked, and
+    /update_weights timed, the next completion on the new version with the new weights' bits."""
+    out = tmp_path / "server.json"
+    sizes = ["--requests", "3", "--max-prompt", "24", "--max-new-tokens", "8", "--max-batch", "4"]  # the swap: 16 + 16
+    sizes += ["--decode-steps", "2", "--num-pages", "64", "--server-flags=--no-warmup"]
+    run_module("server_e2e", *sizes, "--update-weights", "--port", str(free_port()), "--out", str(out))
+    report = json.loads(out.read_text())
+    assert_provenance(report, "python -m bench.server_e2e --requests 3")
+    assert report["requests"] == 3 and report["completions"] >= 3 and report["output_tokens"] > 0
+    assert report["tokens_compared"] == report["output_tokens"] and report["tokens_bits_differ"] == 0, report
+    swap = report["update_weights"]
+    assert swap["policy_version"] == 1 and swap["completion_policy_version"] == 1
+    assert swap["completion_bits_equal_new_weights"] is True and swap["update_weights_s"] > 0
+
+
+@pytest.mark.slow
+def test_server_latency_streams_at_each_concurrency(tmp_path):
+    out = tmp_path / "latency.json"
+    sizes = ["--concurrency", "1,2", "--prompt", "8", "--max-tokens", "4", "--decode-steps", "2"]
+    sizes += ["--max-batch", "4", "--num-pages", "64", "--max-context", "64", "--server-flags=--no-warmup"]
+    run_module("server_latency", *sizes, "--port", str(free_port()), "--out", str(out))
+    report = json.loads(out.read_text())
+    assert_provenance(report, "python -m bench.server_latency --concurrency 1,2")
+    assert [level["concurrency"] for level in report["levels"]] == [1, 2]
+    for level in report["levels"]:
+        assert 0 < level["output_tokens"] <= 4 * level["concurrency"] and level["ttft"]["p50_ms"] > 0, level
+
+
+def test_server_e2e_requests_mix_lengths_and_samples():
     args = argparse.Namespace(requests=256, max_prompt=512, min_new_tokens=128, max_new_tokens=512)
     jobs = make_jobs(args, vocab_size=1000)
     assert len(jobs) == 256 and len({j["seed"] for j in jobs}) == 256
@@ -27,20 +288,6 @@ def test_server_e2e_requests_have_the_issue_s_mix():
     assert [j["max_new_tokens"] for j in fixed] == [64] * 8
 
 
-@pytest.mark.slow
-def test_server_e2e_update_weights_swaps_to_the_new_weights():
-    proc, client = start_server()
-    try:
-        cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
-        swap = swap_weights(client, cfg, "strict")
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-    assert swap["policy_version"] == 1 and swap["completion_policy_version"] == 1
-    assert swap["completion_bits_equal_new_weights"] is True
-    assert np.isfinite(swap["update_weights_s"]) and swap["update_weights_s"] > 0
-
-
 def test_speed_attention_sweeps_run_and_compare_bits():
     """bench.speed's attention sweeps (interpreted on the CPU at tiny shapes): every config gives a
     timed row without error, and the forward rows compare each config's output bits with the first
@@ -48,18 +295,18 @@ def test_speed_attention_sweeps_run_and_compare_bits():
     kernel against the in-kernel merge, same bits; a decode step's single tile and a learner-like pass
     both run. Guards the harness, which once broke silently when the attention
     plan changed its calling convention."""
-    from bench import speed
+    from bench import speed_sweep
 
     rows = []
     shapes = [(2, 64, 64, 4, 2, 16), (3, 1, 64, 4, 2, 16)]
     configs = [(1, 4, 2, 2**30), (2, 2, 2, 2), (4, 2, 2, 2)]  # the last two merge in the kernel (learner shape)
-    speed.attention_sweep(1e12, 1e14, 1, rows.append, shapes=shapes, configs=configs)
+    speed_sweep.attention_sweep(1e12, 1e14, 1, rows.append, shapes=shapes, configs=configs)
     assert len(rows) == len(shapes) * len(configs)
     assert all("error" not in r and r["us"] > 0 and r["same_bits"] is True for r in rows), rows
     assert [r["config"] for r in rows[:3]] == [list(c) for c in configs]
     bwd = []
     bwd_configs = [(64, 64, 4, 2), (32, 64, 4, 2)]
-    speed.attention_bwd_sweep(1e14, 1, bwd.append, shapes=[(2, 128, 4, 2, 16)], configs=bwd_configs)
+    speed_sweep.attention_bwd_sweep(1e14, 1, bwd.append, shapes=[(2, 128, 4, 2, 16)], configs=bwd_configs)
     assert len(bwd) == 2 and all("error" not in r and r["tflops"] > 0 for r in bwd), bwd
 
 
@@ -67,30 +314,40 @@ def test_speed_learner_row_times_the_library_pass_and_train_grpo_step():
     """bench.speed's learner row (interpreted on the CPU, qwen3-tiny): the strict side (grpo_loss on
     whole weights) and the train side (train.grpo's own one-device step: the same whole-weights pass
     under fsdp.sharded_value_and_grad, its gradient running sum donated from call to call) each give
-    a time, an MFU and a memory figure."""
-    import rlkjax
-    from bench import speed
+    a time, a fraction of the dot rate, a memory figure, and an MFU of the learner pass from rlkjax.flops
+    (none on the CPU, which has no peak)."""
+    import jax
+
+    from bench.speed_model import learner_row
+    from rlkjax import flops
 
     cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
-    row = speed.learner_row(cfg, "qwen3-tiny", 32, 64, 2, 1e14, sides=("strict", "train"))
+    row = learner_row(cfg, "qwen3-tiny", 32, 64, 2, 1e14, sides=("strict", "train"))
+    assert row["model_flops"] == flops.sequence_flops(cfg, [32, 32], backward=True).model
+    assert row["mfu_of"] == "learner pass"
     for side in ("strict", "train"):
         assert f"{side}_error" not in row, row
-        assert row[f"{side}_tokens_per_s"] > 0 and row[f"{side}_mfu"] > 0 and row[f"{side}_memory_GiB"] > 0, row
+        assert row[f"{side}_tokens_per_s"] > 0 and row[f"{side}_dot_fraction"] > 0, row
+        assert row[f"{side}_memory_GiB"] > 0, row
+        assert (row[f"{side}_mfu"] is None) == (jax.default_backend() == "cpu"), row
 
 
 def test_speed_merge_joins_one_call_s_runs_into_one_table(tmp_path, capsys):
-    """One device call runs bench.speed's sections on its GPUs side by side (two processes, two JSON
+    """A host runs bench.speed's sections on its GPUs side by side (two processes, two JSON
     files); `--merge` joins them into one report and one table, keeping each run's ceilings."""
     import json
     import sys
 
     from bench import speed
+    from bench._report import new_report
+    from bench._timing import ceilings
+    from bench.speed_model import learner_row
 
     cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
-    row = speed.learner_row(cfg, "qwen3-tiny", 32, 64, 1, 1e14, sides=("strict",))
+    row = learner_row(cfg, "qwen3-tiny", 32, 64, 1, 1e14, sides=("strict",))
     paths = []
-    for i, ceilings in enumerate(({"copy_bandwidth_Bps": 4e12, "dot_bf16_flops": 7e14}, speed.ceilings(1))):
-        report = dict(speed.new_report("bench.speed"), command=f"run {i}", ceilings=ceilings, results=[row])
+    for i, measured in enumerate(({"copy_bandwidth_Bps": 4e12, "dot_bf16_flops": 7e14}, ceilings(1))):
+        report = dict(new_report("bench.speed"), command=f"run {i}", ceilings=measured, results=[row])
         paths.append(tmp_path / f"{i}.json")
         paths[-1].write_text(json.dumps(report))
     out = tmp_path / "merged.json"

@@ -10,7 +10,7 @@ import pytest
 import rlkjax
 from rlkjax.engine import Engine, EngineConfig
 from rlkjax.requests import sample_seed
-from tests.conftest import assert_bits_equal
+from tests.helpers import assert_bits_equal
 
 CONFIG = EngineConfig(num_pages=96, max_batch=8, prefill_chunk=16, token_budget=32, max_context=256)
 
@@ -45,7 +45,7 @@ def test_warm_up_compiles_every_default_shape(tiny):
                 engine.submit(**pending.pop())
             engine.step()
         for rows in (1, 8):  # the smallest and largest decode buckets
-            reqs = [engine.submit([1, 2], max_new_tokens=2) for _ in range(rows)]
+            reqs = [engine.submit([1, 2], max_tokens=2) for _ in range(rows)]
             engine.run_until_done()
             assert all(r.done.is_set() for r in reqs)
         assert len(compiles) == warm, f"{len(compiles) - warm} compilations after the warm-up"
@@ -71,7 +71,7 @@ def random_workload(rng, cfg, count, max_new=8):
         yield dict(
             prompt=rng.integers(0, cfg.vocab_size, int(rng.integers(1, 60))).tolist(),
             n=int(rng.integers(1, 4)),
-            max_new_tokens=int(rng.integers(1, max_new + 1)),
+            max_tokens=int(rng.integers(1, max_new + 1)),
             temperature=float(rng.choice([0.7, 1.0, 1.3])),
             seed=int(rng.integers(0, 2**32)),
         )
@@ -103,14 +103,14 @@ def test_random_schedules_keep_the_contract(tiny, config):
     for req, kw in submitted:
         assert req.done.is_set()
         for comp in req.results:
-            assert comp.finish_reason == "length" and len(comp.tokens) == kw["max_new_tokens"]
+            assert comp.finish_reason == "length" and len(comp.tokens) == kw["max_tokens"]
             check_exact(params, cfg, req, comp, kw["temperature"])
         j = int(rng.integers(0, kw["n"]))
         alone = rlkjax.generate(
             params,
             cfg,
             [kw["prompt"]],
-            max_new_tokens=kw["max_new_tokens"],
+            max_new_tokens=kw["max_tokens"],
             temperature=kw["temperature"],
             seeds=sample_seed(kw["seed"], j),
             prefill_chunk_size=16,
@@ -125,12 +125,12 @@ def test_shared_prompt_pages_equal_unshared(tiny):
     cfg, params = tiny
     prompt = list(range(100, 137))
     engine = Engine(params, cfg, config=dataclasses.replace(CONFIG, decode_steps=2))
-    shared = engine.submit(prompt, n=3, max_new_tokens=6, seed=11)
+    shared = engine.submit(prompt, n=3, max_tokens=6, seed=11)
     for _ in range(3):  # prefill 16 + 16 + 4 of the 36 cached prompt tokens, then fork (and 2 tokens each)
         engine.step()
     assert max(engine.pages.refs) == 3
     engine.run_until_done()
-    apart = [engine.submit(prompt, max_new_tokens=6, seed=sample_seed(11, j)) for j in range(3)]
+    apart = [engine.submit(prompt, max_tokens=6, seed=sample_seed(11, j)) for j in range(3)]
     engine.run_until_done()
     for j in range(3):
         assert shared.results[j].tokens == apart[j].results[0].tokens
@@ -148,14 +148,14 @@ def test_released_cache_frees_its_memory_and_comes_back_zeroed(tiny):
     cfg, params = tiny
     engine = Engine(params, cfg, config=CONFIG)
     shape = engine.cache[0].shape
-    first = engine.submit([7, 8, 9], n=2, max_new_tokens=6, seed=3)
+    first = engine.submit([7, 8, 9], n=2, max_tokens=6, seed=3)
     engine.step()
     with pytest.raises(RuntimeError, match="in flight"):
         engine.release_cache()
     engine.run_until_done()
     engine.release_cache()
     assert engine.cache is None and not any(x.shape == shape for x in jax.live_arrays())
-    again = engine.submit([7, 8, 9], n=2, max_new_tokens=6, seed=3)
+    again = engine.submit([7, 8, 9], n=2, max_tokens=6, seed=3)
     engine.run_until_done()
     for a, b in zip(first.results, again.results):
         assert a.tokens == b.tokens
@@ -166,11 +166,11 @@ def test_released_cache_frees_its_memory_and_comes_back_zeroed(tiny):
 def test_stop_tokens_and_cancellation(tiny):
     cfg, params = tiny
     engine = Engine(params, cfg, config=CONFIG)
-    probe = engine.submit([1, 2, 3], max_new_tokens=8, seed=5)
+    probe = engine.submit([1, 2, 3], max_tokens=8, seed=5)
     engine.run_until_done()
     stop_at = probe.results[0].tokens[2]
-    stopped = engine.submit([1, 2, 3], max_new_tokens=8, seed=5, stop_token_ids=[stop_at])
-    long = engine.submit([4, 5, 6], n=2, max_new_tokens=200, seed=1)
+    stopped = engine.submit([1, 2, 3], max_tokens=8, seed=5, stop_token_ids=[stop_at])
+    long = engine.submit([4, 5, 6], n=2, max_tokens=200, seed=1)
     for _ in range(4):
         engine.step()
     engine.cancel(long)
@@ -193,7 +193,7 @@ def test_no_recompiles_after_warmup(tiny):
     engine.run_until_done()
     for rows in (1, 2, 4, 8):  # make sure every decode bucket has been seen
         for _ in range(rows):
-            engine.submit([1, 2], max_new_tokens=1)
+            engine.submit([1, 2], max_tokens=1)
         engine.run_until_done()
     from rlkjax import engine as eng
 
@@ -214,10 +214,10 @@ def test_weight_update_between_steps(tiny):
     cfg, params = tiny
     new_params = rlkjax.init_params(cfg, seed=1)
     engine = Engine(params, cfg, config=CONFIG)
-    old = engine.submit([9, 8, 7], max_new_tokens=6, seed=2)
+    old = engine.submit([9, 8, 7], max_tokens=6, seed=2)
     engine.step()
     engine.update_weights(new_params)
-    queued = engine.submit([9, 8, 7], max_new_tokens=6, seed=2)
+    queued = engine.submit([9, 8, 7], max_tokens=6, seed=2)
     engine.run_until_done()
     assert old.results[0].policy_version == 0 and queued.results[0].policy_version == 1
     check_exact(params, cfg, old, old.results[0], 1.0)
@@ -233,13 +233,13 @@ def test_weight_update_between_steps(tiny):
         (dict(prompt=[1.5]), "integer"),
         (dict(n=0), "n must be"),
         (dict(n=99), "n must be"),
-        (dict(max_new_tokens=0), "max_new_tokens"),
-        (dict(max_new_tokens=10**6), "context"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=10**6), "context"),
         (dict(temperature=float("nan")), "temperature"),
         (dict(temperature=5e-5), "temperature"),  # 0 is greedy; 0 < T < 1e-4 underflows
         (dict(seed=-3), "seed"),
         (dict(stop_token_ids=[-1]), "stop_token_ids"),
-        (dict(min_tokens=17), "min_tokens"),  # more than max_new_tokens (16)
+        (dict(min_tokens=17), "min_tokens"),  # more than max_tokens (16)
         (dict(top_logprobs=21), "top_logprobs"),
         (dict(top_k=-1), "top_k"),
         (dict(top_p=0.0), "top_p"),
@@ -263,7 +263,7 @@ def test_two_weight_updates_before_a_swap_both_complete(tiny):
     (the first used to wait forever), the last weights are served, and the version moves once."""
     cfg, params = tiny
     engine = Engine(params, cfg, config=CONFIG)
-    running = engine.submit([9, 8, 7], max_new_tokens=4, seed=2)
+    running = engine.submit([9, 8, 7], max_tokens=4, seed=2)
     engine.step()
     first = engine.update_weights(rlkjax.init_params(cfg, seed=1))
     second_params = rlkjax.init_params(cfg, seed=2)
@@ -272,7 +272,7 @@ def test_two_weight_updates_before_a_swap_both_complete(tiny):
     engine.run_until_done()
     assert first.is_set() and second.is_set() and not engine.weights_pending
     assert running.results[0].policy_version == 0 and engine.policy_version == 1
-    after = engine.submit([9, 8, 7], max_new_tokens=4, seed=2)
+    after = engine.submit([9, 8, 7], max_tokens=4, seed=2)
     engine.run_until_done()
     check_exact(second_params, cfg, after, after.results[0], 1.0)
 
@@ -286,8 +286,8 @@ def test_forked_samples_respect_max_batch(tiny):
     engine = Engine(
         params, cfg, config=EngineConfig(num_pages=64, max_batch=4, prefill_chunk=16, token_budget=32, max_context=128)
     )
-    other = engine.submit([5, 6, 7, 8], n=2, max_new_tokens=30, seed=3)  # still decoding when req forks
-    req = engine.submit(list(range(20, 57)), n=4, max_new_tokens=5, seed=7)
+    other = engine.submit([5, 6, 7, 8], n=2, max_tokens=30, seed=3)  # still decoding when req forks
+    req = engine.submit(list(range(20, 57)), n=4, max_tokens=5, seed=7)
     widest, parked = 0, False
     while engine.busy:
         engine.step()
@@ -296,7 +296,7 @@ def test_forked_samples_respect_max_batch(tiny):
     assert widest <= 4 and parked, (widest, parked)
     for r in (other, req):
         for comp in r.results:
-            assert len(comp.tokens) == r.max_new_tokens
+            assert len(comp.tokens) == r.sampling.max_tokens
             check_exact(params, cfg, r, comp, 1.0)
     alone = rlkjax.generate(params, cfg, [req.prompt], max_new_tokens=5, seeds=sample_seed(7, 3))[0]
     assert alone.tokens == req.results[3].tokens
@@ -313,12 +313,12 @@ def test_rounds_continue_on_the_device_exactly(tiny, monkeypatch):
     rng = np.random.default_rng(11)
     work = list(random_workload(rng, cfg, 8, max_new=14))
     work[0] |= dict(n=2, stop_token_ids=[token_at(params, cfg, work[0], 14, 4)], min_tokens=3)  # sample 0: 5th token
-    work[1] |= dict(max_new_tokens=14)
+    work[1] |= dict(max_tokens=14)
 
     def stop_after_six():  # the host's stop: keeps 6 tokens, like a stop string would
         seen = {}
 
-        def hook(index, tokens, logprobs, top):
+        def hook(index, tokens, logprobs, top, reason):
             before = seen.get(index, 0)
             seen[index] = before + len(tokens)
             return 6 - before if seen[index] >= 6 else None
@@ -350,10 +350,10 @@ def test_one_token_requests_run_one_step_rounds(tiny):
     first token of a longer request."""
     cfg, params = tiny
     engine = Engine(params, cfg, config=CONFIG)
-    one = engine.submit([5, 6, 7], max_new_tokens=1, seed=3)
+    one = engine.submit([5, 6, 7], max_tokens=1, seed=3)
     engine.run_until_done()
     assert [key for name, key in engine.shapes_seen if name == "decode_round"] == [(1, 1, 0, False, 1)]
-    longer = engine.submit([5, 6, 7], max_new_tokens=5, seed=3)
+    longer = engine.submit([5, 6, 7], max_tokens=5, seed=3)
     engine.run_until_done()
     assert one.results[0].tokens == longer.results[0].tokens[:1]
     assert_bits_equal(one.results[0].logprobs, longer.results[0].logprobs[:1], "one-step round vs longer")
@@ -368,7 +368,7 @@ def test_decode_rounds_equal_single_steps(tiny):
     rng = np.random.default_rng(7)
     work = list(random_workload(rng, cfg, 6, max_new=12))
     stop = token_at(params, cfg, work[0], 12, 2)
-    work[0] |= dict(n=1, max_new_tokens=12, stop_token_ids=[stop])  # stops at its 3rd token, mid-round
+    work[0] |= dict(n=1, max_tokens=12, stop_token_ids=[stop])  # stops at its 3rd token, mid-round
     results = {}
     for steps in (1, 5):
         engine = Engine(params, cfg, config=dataclasses.replace(CONFIG, decode_steps=steps))
@@ -405,8 +405,8 @@ def test_weight_swap_waits_for_parked_and_preempted_sequences(tiny, case):
             ),
         )
         reqs = [
-            engine.submit([1, 2, 3], max_new_tokens=12, seed=0),
-            engine.submit(list(range(30, 50)), n=3, max_new_tokens=4, seed=5),
+            engine.submit([1, 2, 3], max_tokens=12, seed=0),
+            engine.submit(list(range(30, 50)), n=3, max_tokens=4, seed=5),
         ]
         while not any(s.pages for s in engine.waiting):
             engine.step()
@@ -418,7 +418,7 @@ def test_weight_swap_waits_for_parked_and_preempted_sequences(tiny, case):
                 num_pages=6, max_batch=4, prefill_chunk=16, token_budget=32, max_context=128, decode_steps=2
             ),
         )
-        reqs = [engine.submit(list(range(1, 30)), max_new_tokens=40, seed=j) for j in range(2)]
+        reqs = [engine.submit(list(range(1, 30)), max_tokens=40, seed=j) for j in range(2)]
         while not any(s.generated for s in engine.waiting):
             engine.step()
     engine.update_weights(new_params)
@@ -426,7 +426,7 @@ def test_weight_swap_waits_for_parked_and_preempted_sequences(tiny, case):
     assert engine.policy_version == 1
     for r in reqs:
         for comp in r.results:
-            assert comp.policy_version == 0 and len(comp.tokens) == r.max_new_tokens
+            assert comp.policy_version == 0 and len(comp.tokens) == r.sampling.max_tokens
             check_exact(params, cfg, r, comp, 1.0)
 
 
@@ -437,8 +437,8 @@ def test_admission_takes_turns_between_groups(tiny):
     (before, a 2-token request waited minutes behind a 256-sequence one). Every result exact."""
     cfg, params = tiny
     engine = Engine(params, cfg, config=dataclasses.replace(CONFIG, max_batch=2, decode_steps=4))
-    big = [engine.submit([3, i + 1], max_new_tokens=8, seed=i, group="big") for i in range(12)]
-    small = engine.submit([7, 7, 7], max_new_tokens=2, seed=99)
+    big = [engine.submit([3, i + 1], max_tokens=8, seed=i, group="big") for i in range(12)]
+    small = engine.submit([7, 7, 7], max_tokens=2, seed=99)
     while not small.done.is_set():
         engine.step()
     assert sum(r.done.is_set() for r in big) <= 2, "the lone request waited behind the whole group"

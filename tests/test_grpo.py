@@ -18,8 +18,10 @@ import pytest
 import rlkjax
 from rlkjax import model
 from rlkjax.tasks import ArithmeticTask, Example, GSM8KTask, LowercaseTask
-from tests.conftest import assert_bits_equal
-from train import fsdp, grpo
+from rlkjax.tokenizer import ByteTokenizer
+from tests.helpers import assert_bits_equal
+from tests.server_process import ADMIN, start_server
+from train import fsdp, grpo, guards, metrics, rollout
 from train.batch import PAD, Batch, LossStats, micro_batches, pack, pad_rows, padded_length, reduce_stats
 from train.grpo import group_advantages
 
@@ -162,10 +164,7 @@ def learner_step_results(cfg, params, variants, set_variant):
             specs,
             dtype=cfg.dtype,
             cfg=cfg,
-            numerics="strict",
-            clip_eps=0.2,
-            beta=0.0,
-            **set_variant(variant),
+            **{"numerics": "strict", "clip_eps": 0.2, "beta": 0.0, **set_variant(variant)},
         )
         zeros = jax.tree.map(jnp.zeros_like, master)
         (loss, (_, logp)), grads = grad_fn(master, on_mesh, ref_logp, rope, total, zeros)
@@ -231,15 +230,13 @@ def test_learner_reads_weights_in_place_with_the_same_bits(monkeypatch):
             assert_bits_equal(g, g_s, f"{jax.tree_util.keystr(path)}, {label}")
 
 
-def backward_variants(tiny, set_backward):
-    """The learner step with set_backward(True) and set_backward(False): asserts the loss and
-    logp_new keep their bits (a backward switch must not touch the forward), then yields (path,
-    gradient with True, gradient with False) per parameter, as float64."""
+def backward_variants(tiny, field, default, other):
+    """The learner step with NumericsOptions(field=default) and (field=other): asserts the loss and
+    logp_new keep their bits (a backward choice must not touch the forward), then yields (path,
+    gradient with the default, gradient with the other) per parameter, as float64."""
+    from rlkjax.numerics import NumericsOptions
 
-    def use(on):
-        set_backward(on)
-        return {}
-
+    use = lambda on: {"numerics": NumericsOptions(**{field: default if on else other})}  # noqa: E731
     results = learner_step_results(*tiny, (True, False), use)
     (loss, logp, grads), (loss_d, logp_d, grads_d) = results[True], results[False]
     assert_bits_equal(loss, loss_d, "loss")
@@ -248,30 +245,24 @@ def backward_variants(tiny, set_backward):
         yield jax.tree_util.keystr(path), np.asarray(g, np.float64), np.asarray(g_d, np.float64)
 
 
-def test_flash_attention_backward_in_the_learner(tiny, monkeypatch):
+def test_flash_attention_backward_in_the_learner(tiny):
     """The flash attention backward (default) against XLA's dense one: the learner step's loss and
     logp_new keep their bits (only the attention's gradient changes implementation) and every
     gradient is finite and reaches its weights. Its accuracy (within twice the dense backward's own
     error against float64) is checked where it can be derived, on the attention alone:
     test_kernels' test_attention_flash_backward."""
-    from rlkjax import numerics
-
-    monkeypatch.setattr(numerics, "ATTENTION", numerics.ATTENTION)  # restored after the test
-    for path, g, g_d in backward_variants(tiny, numerics.set_attention_backward):
+    for path, g, g_d in backward_variants(tiny, "attention_backward", "flash", "dense"):
         assert np.isfinite(g).all() and (np.abs(g).max() > 0) == (np.abs(g_d).max() > 0), path
 
 
-def test_matmul_backward_in_place_in_the_learner(tiny, monkeypatch):
-    """numerics.set_matmul_backward: in place (default) vs transposed copies: the learner step's loss and
+def test_matmul_backward_in_place_in_the_learner(tiny):
+    """NumericsOptions.matmul_backward: in place (default) vs transposed copies: the learner step's loss and
     logp_new keep their bits (the forward is untouched) and the gradients agree to within bf16 rounding:
     both accumulate in fp32 and round dx and dw to bf16 (relative 2^-8 each), so over this model's few
     layers they may differ by a few such roundings, never by more than 1% in norm per weight (in
     interpret mode they came out the same bits). Their accuracy against float64 is checked on the
     kernel: test_kernels' test_matmul_backward_in_place."""
-    from rlkjax import numerics
-
-    monkeypatch.setattr(numerics, "MATMUL_BACKWARD_IN_PLACE", numerics.MATMUL_BACKWARD_IN_PLACE)
-    for path, g, g_d in backward_variants(tiny, numerics.set_matmul_backward):
+    for path, g, g_d in backward_variants(tiny, "matmul_backward", "in_place", "copies"):
         assert np.isfinite(g).all(), path
         assert np.linalg.norm(g - g_d) <= 0.01 * np.linalg.norm(g_d), path
 
@@ -280,10 +271,11 @@ def corrupt_one_logprob(monkeypatch, at_step: int, sequence: int, token: int) ->
     """At the `at_step`-th rollout, move one recorded logprob (completion token `token` of batch
     sequence `sequence`) one float32 ulp down: a sampler that broke the contract by the least amount.
     Returns what the error must name (filled in when it happens)."""
-    original, calls, seen = grpo.LocalRollout.sample, [], {}
+    original, calls, seen = rollout.LocalRollout.sample, [], {}
 
-    def sample(self, prompts, group, *args):
-        groups = original(self, prompts, group, *args)
+    def sample(self, prompts, seeds, sampling):
+        groups = original(self, prompts, seeds, sampling)
+        group = sampling.n
         calls.append(None)
         if len(calls) == at_step:
             s = groups[sequence // group][sequence % group]
@@ -298,7 +290,7 @@ def corrupt_one_logprob(monkeypatch, at_step: int, sequence: int, token: int) ->
             )
         return groups
 
-    monkeypatch.setattr(grpo.LocalRollout, "sample", sample)
+    monkeypatch.setattr(rollout.LocalRollout, "sample", sample)
     return seen
 
 
@@ -309,7 +301,7 @@ def test_broken_contract_stops_the_run(tmp_path, monkeypatch, verify):
     --verify-logprobs the sampler/learner comparison catches it; without, the first update's own
     logp_new (its ratio must be exactly 1) does."""
     seen = corrupt_one_logprob(monkeypatch, at_step=1, sequence=5, token=1)
-    with pytest.raises(grpo.ContractError) as error:
+    with pytest.raises(guards.ContractError) as error:
         grpo.train(grpo.GRPOConfig(steps=1, verify_logprobs=verify, out=str(tmp_path), **SMALL))
     message = str(error.value)
     what = "sampler vs learner logprobs" if verify else "first update's logp_new vs logp_old"
@@ -415,8 +407,6 @@ def test_resume_and_same_seed_are_bit_identical(tmp_path):
 
 @pytest.mark.slow
 def test_remote_rollout_server(tmp_path):
-    from tests.test_server import ADMIN, start_server
-
     proc, client = start_server()
     try:
         result = grpo.train(
@@ -507,3 +497,165 @@ def test_hf_tokenizer_json(tmp_path):
         load_tokenizer(bare)
     assert isinstance(load_tokenizer(bare, "bytes"), ByteTokenizer)
     assert load_tokenizer(bare, tmp_path).encode("hello") == [1]
+
+
+EOS = ByteTokenizer.eos_token_id
+
+
+def eos_model(directory):
+    """The tiny model made to draw the byte tokenizer's eos (256) often, saved as an HF checkpoint.
+
+    Why it draws eos: residual channel 0 is set to 1 in every token's embedding, and no layer writes to
+    it (row 0 of every o_proj and down_proj is zero), so at every position x_0 = 1 exactly. The other 63
+    channels are the init's ~0.02, so rms(x) ~ sqrt((1 + 63 x 0.02^2) / 64) ~ 0.126 and the final
+    norm's output has h_0 ~ 1 / 0.126 ~ 7.9 (norm weight 1), the others ~ 0.16. The embeddings are
+    tied: logit_v = h . E[v]. Every row has E[v, 0] = 1, a shift softmax ignores; eos's has 1.5, so
+    its logit stands ~ 7.9 x 0.5 ~ 4 above the rest (whose spread is ~ 0.03): p(eos) ~ e^4 / (e^4 + 511)
+    ~ 0.1 per token, and about half of 8-token completions end early. Prompts are bytes (< 256), so
+    the eos row is only ever read as an output."""
+    cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
+    params = rlkjax.init_params(cfg, seed=0)
+    layers = params["layers"]
+    params = {
+        **params,
+        "embed_tokens": params["embed_tokens"].at[:, 0].set(1.0).at[EOS, 0].set(1.5),
+        "layers": {**layers, **{name: layers[name].at[:, 0].set(0) for name in ("o_proj", "down_proj")}},
+    }
+    rlkjax.save_hf_checkpoint(directory, cfg, params)
+    return str(directory)
+
+
+def check_completions_end_at_eos(groups, max_new_tokens):
+    """Each completion is max_new_tokens long or ends with its only eos; returns how many ended early."""
+    early = 0
+    for s in (s for g in groups for s in g):
+        assert EOS not in s["tokens"][:-1], s["tokens"]
+        assert len(s["tokens"]) == max_new_tokens or s["tokens"][-1] == EOS, s["tokens"]
+        early += len(s["tokens"]) < max_new_tokens
+    return early
+
+
+def test_eos_stop_ids():
+    cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
+    assert rollout.eos_stop(ByteTokenizer(), cfg, ignore_eos=False) == (EOS,)
+    assert rollout.eos_stop(ByteTokenizer(), cfg, ignore_eos=True) == ()
+    with pytest.raises(ValueError, match="eos id 256 is outside the model's vocabulary of 200"):
+        rollout.eos_stop(ByteTokenizer(), dataclasses.replace(cfg, vocab_size=200), ignore_eos=False)
+
+
+def test_training_stops_at_eos(tmp_path, monkeypatch):
+    """A sampled eos ends the completion in training (it once ran on to --max-new-tokens): completions
+    shorter than max_new_tokens end with eos, the loss mask covers exactly the completion through its eos,
+    and the sampler's logprob bits, eos's included, are the learner's (strict numerics stop the run otherwise:
+    --verify-logprobs and the first update's ratio of exactly 1 both check every masked token)."""
+    original, seen = rollout.LocalRollout.sample, []
+
+    def sample(self, prompts, *args):
+        groups = original(self, prompts, *args)
+        seen.append((prompts, groups))
+        return groups
+
+    monkeypatch.setattr(rollout.LocalRollout, "sample", sample)
+    config = grpo.GRPOConfig(
+        model=eos_model(tmp_path / "model"),
+        tokenizer="bytes",
+        steps=1,
+        checkpoint_every=0,
+        out=str(tmp_path / "run"),
+        **(SMALL | dict(max_new_tokens=8)),
+    )
+    (row,) = grpo.train(config)["history"]
+    (prompts, groups) = seen[0]
+    assert check_completions_end_at_eos(groups, 8) >= 2
+    samples = [
+        {"prompt": p, "tokens": s["tokens"], "logprobs": s["logprobs"], "adv": 0.0, "temperature": 1.0}
+        for p, g in zip(prompts, groups)
+        for s in g
+    ]
+    batch = pack(samples)
+    for i, s in enumerate(samples):
+        first, n = len(s["prompt"]) - 1, len(s["tokens"])
+        assert np.flatnonzero(batch.mask[i]).tolist() == list(range(first, first + n))
+        assert batch.tokens[i, first + n] == s["tokens"][-1]  # the last masked column predicts eos (or the 8th token)
+    assert row["tokens_bits_differ"] == 0 and row["tokens_compared"] == int(batch.mask.sum()) < 2 * 4 * 8
+    assert row["completion_tokens_mean"] == batch.mask.sum() / 8
+
+
+@pytest.mark.slow
+def test_local_and_remote_rollouts_give_the_same_completions(tmp_path):
+    """The in-process engine and a `serve.rollout` server on loopback, same weights, prompts, seeds and
+    stop ids: the same tokens and logprob bits, eos-ended completions included (the server once sampled
+    past eos while the engine did not know it). With ignore_eos (no stop ids) both sample past eos to
+    max_new_tokens."""
+    model_dir = eos_model(tmp_path / "model")
+    cfg, params = rlkjax.load_hf_checkpoint(model_dir)
+    devices = fsdp.pick_devices("learner_devices", "0")
+    local = rollout.LocalRollout(params, cfg, "strict", fsdp.make_mesh(devices), devices, rows=8, max_length=32)
+    proc, client = start_server("--model", model_dir, "--tokenizer", "bytes")
+    try:
+        remote = rollout.RemoteRollout(client.url, ADMIN)
+        prompts, seeds = [list(b"ab"), list(b"xyz")], [11, 12]
+        for stops in ((EOS,), ()):
+            sampling = rlkjax.SamplingParams(n=4, max_tokens=8, stop_token_ids=stops)
+            a = local.sample(prompts, seeds, sampling)
+            b = remote.sample(prompts, seeds, sampling)
+            if stops:
+                assert check_completions_end_at_eos(a, 8) >= 2
+            else:  # every completion runs to max_new_tokens, some through an eos
+                assert all(len(s["tokens"]) == 8 for g in a for s in g)
+                assert any(EOS in s["tokens"][:-1] for g in a for s in g)
+            for ga, gb in zip(a, b, strict=True):
+                for sa, sb in zip(ga, gb, strict=True):
+                    assert sa["tokens"] == sb["tokens"]
+                    assert_bits_equal(sa["logprobs"], sb["logprobs"], "local vs remote logprobs")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+
+
+def test_step_flops_and_mfu_by_hand():
+    """train.grpo's FLOPs come from rlkjax.flops (it once counted 8N with no attention). qwen3-tiny (hidden 64,
+    2 layers, 4 query heads of 16, 2 KV heads, FFN 128, vocab 512): matmul parameters per layer
+    q, o 2 x 64 x 64 + k, v 2 x 64 x 32 + gate, up, down 3 x 64 x 128 = 36,864; x 2 layers + lm_head
+    512 x 64 = 106,496. Attention per query-key pair: 2 x 4 x 16 = 128 times 2 forward, 6 trained.
+    Rows of 5 and 3 real tokens (padded to 8; padding counts nothing):
+      one update   6 x 106,496 x 8 + 6 x 128 x (25 + 9) = 5,111,808 + 26,112 = 5,137,920
+      one scoring  2 x 106,496 x 8 + 2 x 128 x 34       = 1,703,936 +  8,704 = 1,712,640
+    Rollout of a 3-token prompt and one 3-token completion: the prefill 2 x 106,496 x 3 + 2 x 128 x 9 =
+    641,280 draws the first token; decode steps over contexts 4 and 5: 2 x (2 x 106,496) + 4 x 128 x 9 =
+    430,592."""
+    cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
+    batch = pack(
+        [
+            {"prompt": [1, 2], "tokens": [3, 4, 5], "logprobs": np.zeros(3), "adv": 0.0, "temperature": 1.0},
+            {"prompt": [1], "tokens": [3, 4], "logprobs": np.zeros(2), "adv": 0.0, "temperature": 1.0},
+        ]
+    )
+    assert metrics.learner_flops(cfg, batch, scoring_passes=1, updates=1) == 5_137_920 + 1_712_640
+    groups = [[{"tokens": [7, 8, 9]}]]
+    assert metrics.rollout_flops(cfg, [[1, 2, 3]], groups) == 641_280 + 430_592
+    h200 = "NVIDIA H200"
+    row = metrics.throughput(
+        cfg,
+        batch,
+        [[1, 2, 3]],
+        groups,
+        {"learner": 2.0, "step": 4.0},
+        {"learner": [h200], "all": [h200, h200]},
+        scoring_passes=1,
+        updates=1,
+    )
+    assert row["learner_pass_mfu"] == 6_850_560 / 2.0 / 989e12
+    assert row["grpo_step_mfu"] == (6_850_560 + 1_071_872) / 4.0 / (2 * 989e12)
+    assert row["learner_pass_tflops_per_device"] == 6_850_560 / 2.0 / 1e12
+    cpu = metrics.throughput(
+        cfg,
+        batch,
+        [[1, 2, 3]],
+        groups,
+        {"learner": 2.0, "step": 4.0},
+        {"learner": ["cpu"], "all": ["cpu"]},
+        scoring_passes=1,
+        updates=1,
+    )
+    assert "learner_pass_mfu" not in cpu and cpu["grpo_step_tflops_per_device"] == 7_922_432 / 4.0 / 1e12

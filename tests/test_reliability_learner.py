@@ -16,7 +16,7 @@ import tyro
 
 from rlkjax.requests import MIN_TEMPERATURE
 from rlkjax.tasks import GSM8KTask, make_task
-from train import grpo
+from train import grpo, guards, metrics
 from train.checkpoints import CheckpointError, Checkpoints
 
 SMALL = dict(prompts_per_step=2, group_size=4, max_new_tokens=4, max_prompt_tokens=16, progress=False)
@@ -113,7 +113,7 @@ def test_overlong_prompt_is_found_when_the_file_is_loaded(tmp_path):
     whenever it happens to be sampled, maybe hours in)."""
     path = tmp_path / "data.jsonl"
     path.write_text("\n".join([gsm8k(), "", gsm8k(question="x" * 17), gsm8k()]) + "\n")
-    with pytest.raises(ValueError, match=rf"^{path}:3: the prompt is 17 tokens; --max-prompt-tokens=16"):
+    with pytest.raises(ValueError, match=rf"^{path}:3: the prompt is 17 tokens; max_prompt_tokens=16"):
         grpo.train(grpo.GRPOConfig(task="gsm8k", data=str(path), out=str(tmp_path / "run"), **SMALL))
     assert not (tmp_path / "run" / "checkpoints").exists()
 
@@ -135,7 +135,7 @@ def test_nonfinite_parameters_stop_the_run_before_anything_is_written(tmp_path):
         out=str(tmp_path),
         **SMALL,
     )
-    with pytest.raises(grpo.NonFiniteError) as error:
+    with pytest.raises(guards.NonFiniteError) as error:
         grpo.train(config)
     message = str(error.value)
     assert message.startswith("step 2: parameter ['embed_tokens'] holds non-finite values"), message
@@ -152,7 +152,7 @@ def nan_reward(prompt: str, completion: str) -> float:
 
 def test_nonfinite_user_reward_stops_the_run(tmp_path):
     """A NaN reward would make every advantage of its group NaN (and the loss); it is named at its source."""
-    with pytest.raises(grpo.NonFiniteError, match=r"^step 1: the reward of prompt 0, sample 0 is nan \('"):
+    with pytest.raises(guards.NonFiniteError, match=r"^step 1: the reward of prompt 0, sample 0 is nan \('"):
         grpo.train(
             grpo.GRPOConfig(
                 steps=1,
@@ -176,13 +176,13 @@ def test_nonfinite_names_what_came_first():
     grads = {"a": np.ones(2), "b": np.array([1.0, np.nan])}
     finite = {"gradient": np.array([True, False]), "parameter": np.array([False, False])}
     trees = {"gradient": grads, "parameter": grads}
-    assert grpo.nonfinite(7, float("inf"), 1.0, finite, trees) == "step 7: the loss is inf"
-    assert grpo.nonfinite(7, 0.5, float("nan"), finite, trees).startswith(
+    assert guards.nonfinite(7, float("inf"), 1.0, finite, trees) == "step 7: the loss is inf"
+    assert guards.nonfinite(7, 0.5, float("nan"), finite, trees).startswith(
         "step 7: gradient ['b'] holds non-finite values (1 of 2"
     )
     ok = {"gradient": np.array([True, True]), "parameter": np.array([True, True])}
-    assert "the gradient norm is inf" in grpo.nonfinite(7, 0.5, float("inf"), ok, trees)
-    assert grpo.nonfinite(7, 0.5, 1.0, ok, trees) is None
+    assert "the gradient norm is inf" in guards.nonfinite(7, 0.5, float("inf"), ok, trees)
+    assert guards.nonfinite(7, 0.5, 1.0, ok, trees) is None
 
 
 # ----- 2. checkpoints that prove themselves -----
@@ -292,7 +292,7 @@ def test_metrics_are_truncated_to_the_restored_step(tmp_path, caplog):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3, 4)) + '{"step": 5, "rew')
     with caplog.at_level(logging.WARNING, logger="train.grpo"):
-        grpo.keep_metrics_until(path, 2)
+        metrics.keep_metrics_until(path, 2)
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
     assert any("metrics.jsonl:5: dropped an unreadable" in r.getMessage() for r in caplog.records)
 

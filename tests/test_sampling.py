@@ -11,7 +11,7 @@ import rlkjax
 from pallas_kernels import logprob, truncation
 from rlkjax import numerics
 from rlkjax.engine import Engine, EngineConfig
-from tests.conftest import assert_bits_equal, bits
+from tests.helpers import assert_bits_equal, bits
 from tests.test_kernels import INTERPRET, float64_on_cpu, randn, rel_err
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -83,7 +83,7 @@ def test_greedy_ties_go_to_the_lowest_id(tied, expected):
 
 def run(engine, *requests):
     """Submit (prompt, options) pairs together, run them to the end, return their first samples."""
-    reqs = [engine.submit(prompt, max_new_tokens=6, **options) for prompt, options in requests]
+    reqs = [engine.submit(prompt, max_tokens=6, **options) for prompt, options in requests]
     engine.run_until_done()
     return [r.results[0] for r in reqs]
 
@@ -178,7 +178,9 @@ def test_prompt_logprobs_are_the_learners(tiny):
     inside its full sequence (causal attention) gives the same bits."""
     cfg, params = tiny
     prompts, temps = [[7, 8, 9, 10, 11], [3], list(range(100, 170))], [1.0, 0.0, 0.6]
-    comps = rlkjax.generate(params, cfg, prompts, max_new_tokens=2, temperature=temps, prompt_logprobs=3)
+    comps = rlkjax.generate(
+        params, cfg, prompts, max_new_tokens=2, temperature=temps, sampling=rlkjax.SamplingParams(prompt_logprobs=3)
+    )
     plain = rlkjax.score(params, cfg, prompts + [prompts[2] + comps[2].tokens], 1, temps + [0.6])
     for p, c, lp in zip(prompts, comps, plain):
         assert c.prompt_logprobs.shape == (len(p) - 1,) and c.prompt_top_ids.shape == (len(p) - 1, 3)
@@ -190,7 +192,7 @@ def test_prompt_logprobs_are_the_learners(tiny):
 
 # ----- min_tokens, ignore_eos -----
 def stop_run(engine, prompt, **kw):
-    req = engine.submit(prompt, max_new_tokens=10, temperature=0.0, **kw)
+    req = engine.submit(prompt, max_tokens=10, temperature=0.0, **kw)
     engine.run_until_done()
     return req.results[0]
 
@@ -214,7 +216,7 @@ def test_min_tokens_and_ignore_eos(tiny, decode_steps):
         assert comp.tokens == probe.tokens[: end + 1] and comp.finish_reason == reason, (comp.tokens, end, reason)
         assert_bits_equal(comp.logprobs, probe.logprobs[: end + 1], "same distribution")
 
-    def end(min_tokens):  # the first stop with at least min_tokens tokens up to it, else max_new_tokens
+    def end(min_tokens):  # the first stop with at least min_tokens tokens up to it, else max_tokens
         return next(((j, "stop") for j in later if j + 1 >= min_tokens), (9, "length"))
 
     for min_tokens in (0, later[1], later[1] + 1, later[-1] + 1, 10):
@@ -385,8 +387,7 @@ def test_top_k_draws_are_among_the_top_alternatives(tiny, numerics_mode):
         temperature=[1.3, 0.0],
         seeds=[1, 2],
         numerics=numerics_mode,
-        top_k=3,
-        top_logprobs=3,
+        sampling=rlkjax.SamplingParams(top_k=3, top_logprobs=3),
     )
     for c in comps:
         assert c.top_ids.shape == (6, 3) and (np.diff(c.top_logprobs, axis=1) <= 0).all()
@@ -399,7 +400,7 @@ def test_cancelled_samples_keep_the_alternatives_shape(tiny):
     server can format every sample the same way."""
     cfg, params = tiny
     engine = Engine(params, cfg, config=ENGINE)
-    req = engine.submit(list(range(1, 40)), n=3, max_new_tokens=4, top_logprobs=2)
+    req = engine.submit(list(range(1, 40)), n=3, max_tokens=4, top_logprobs=2)
     engine.cancel(req)
     engine.run_until_done()
     assert [c.finish_reason for c in req.results] == ["cancelled"] * 3

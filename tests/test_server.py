@@ -4,12 +4,8 @@ serving; SIGTERM drains in-flight requests and exits cleanly."""
 
 import concurrent.futures
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
-import tempfile
 import time
 import urllib.request
 
@@ -18,61 +14,11 @@ import numpy as np
 import pytest
 
 import rlkjax
-from rlkjax.client import RolloutClient, RolloutError
-from tests.conftest import assert_bits_equal
+from rlkjax.client import RolloutError
+from tests.helpers import assert_bits_equal
+from tests.server_process import ADMIN, metric, post_raw, start_server, wait_for_metric
 
 pytestmark = pytest.mark.slow  # every test here starts a real server process
-
-ADMIN = "test-admin-key"
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(*flags):
-    """The server in a subprocess; its log goes to a file (proc.log), not a pipe nobody reads, whose
-    full buffer would block the server mid-test once it has logged 64 KiB of access lines."""
-    port = free_port()
-    log = tempfile.NamedTemporaryFile("w+", prefix="rlkjax-server-", suffix=".log", delete=False)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "serve.rollout",
-            "--port",
-            str(port),
-            "--num-pages",
-            "512",
-            "--max-batch",
-            "16",
-            "--prefill-chunk",
-            "32",
-            "--token-budget",
-            "128",
-            "--max-context",
-            "256",
-            "--no-warmup",  # test_warm_up_before_serving turns it on
-            *flags,
-        ],
-        env=os.environ | {"RLKJAX_ADMIN_KEY": ADMIN},
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    proc.log = log.name
-    client = RolloutClient(f"http://127.0.0.1:{port}", admin_key=ADMIN, timeout=600)
-    for _ in range(600):
-        try:
-            client.health()
-            return proc, client
-        except OSError:
-            if proc.poll() is not None:
-                raise RuntimeError(open(proc.log).read()) from None
-            time.sleep(0.2)
-    raise TimeoutError("server did not start")
 
 
 @pytest.fixture(scope="module")
@@ -81,29 +27,6 @@ def server():
     yield client
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=60)
-
-
-def metric(client, name: str) -> float:
-    return next(float(line.split()[-1]) for line in client.metrics().splitlines() if line.startswith(name + " "))
-
-
-def wait_for_metric(client, name: str, at_least: float, timeout: float = 300):
-    """Poll /metrics instead of sleeping a fixed time: a slow machine must not change what a test checks."""
-    deadline = time.time() + timeout
-    while metric(client, name) < at_least:
-        assert time.time() < deadline, f"{name} did not reach {at_least} within {timeout} s"
-        time.sleep(0.05)
-
-
-def post_raw(client, path, data: bytes, headers=None):
-    req = urllib.request.Request(
-        client.url + path, data=data, headers={"Content-Type": "application/json"} | (headers or {}), method="POST"
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 @pytest.mark.parametrize(
@@ -172,7 +95,7 @@ def test_openai_completions_and_metrics(server, tiny):
         "rlkjax_tokens_per_second",
         "rlkjax_queue_depth",
         "rlkjax_kv_pages_used",
-        "rlkjax_compilations",
+        "rlkjax_compiled_shapes",
         "rlkjax_policy_version",
     ):
         assert name in text
@@ -503,7 +426,7 @@ def test_warm_up_before_serving(tiny):
     try:
         # prefill of 1, 2 sequences (64 / 32 tokens); decode rounds (of 8 steps and of 1) and page copies of 1, 2
         shapes = 2 + 2 + 2 + 2
-        assert metric(client, "rlkjax_compilations") == shapes
+        assert metric(client, "rlkjax_compiled_shapes") == shapes
         assert f"warm-up: {shapes} shapes compiled" in open(proc.log).read()
         cfg, params = tiny
         for n, prompt in ((1, [5, 6, 7]), (2, list(range(1, 40)))):
@@ -511,7 +434,7 @@ def test_warm_up_before_serving(tiny):
             for sample in out:
                 scored = rlkjax.score(params, cfg, [prompt + sample["tokens"]], [len(prompt)])[0]
                 assert_bits_equal(np.asarray(sample["logprobs"], np.float32), scored, f"n={n}")
-        assert metric(client, "rlkjax_compilations") == shapes
+        assert metric(client, "rlkjax_compiled_shapes") == shapes
     finally:
         proc.terminate()
         proc.wait(timeout=120)

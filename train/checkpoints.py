@@ -196,10 +196,8 @@ class Checkpoints:
                 )
             return state, meta
         if not skipped:
-            raise ValueError(f"--resume: no checkpoint in {self.directory}")
-        raise CheckpointError(
-            f"--resume: no usable checkpoint in {self.directory}: " + "; ".join(why for _, why in skipped)
-        )
+            raise ValueError(f"no checkpoint to restore in {self.directory}")
+        raise CheckpointError(f"no usable checkpoint in {self.directory}: " + "; ".join(why for _, why in skipped))
 
     def _set_aside(self, step: int) -> None:
         """Move an unusable checkpoint out of the manager's directory, kept for inspection."""

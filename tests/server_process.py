@@ -1,0 +1,88 @@
+"""A `python -m serve.rollout` server started for real on loopback, and reading its metrics and raw
+responses, for the tests that talk to one (not a test module: test modules import this, never each other)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+from rlkjax.client import RolloutClient
+
+ADMIN = "test-admin-key"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(*flags):
+    """The server in a subprocess; its log goes to a file (proc.log), not a pipe nobody reads, whose
+    full buffer would block the server mid-test once it has logged 64 KiB of access lines."""
+    port = free_port()
+    log = tempfile.NamedTemporaryFile("w+", prefix="rlkjax-server-", suffix=".log", delete=False)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "serve.rollout",
+            "--port",
+            str(port),
+            "--num-pages",
+            "512",
+            "--max-batch",
+            "16",
+            "--prefill-chunk",
+            "32",
+            "--token-budget",
+            "128",
+            "--max-context",
+            "256",
+            "--no-warmup",  # test_warm_up_before_serving turns it on
+            *flags,
+        ],
+        env=os.environ | {"RLKJAX_ADMIN_KEY": ADMIN},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    proc.log = log.name
+    client = RolloutClient(f"http://127.0.0.1:{port}", admin_key=ADMIN, timeout=600)
+    for _ in range(600):
+        try:
+            client.health()
+            return proc, client
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError(open(proc.log).read()) from None
+            time.sleep(0.2)
+    raise TimeoutError("server did not start")
+
+
+def metric(client, name: str) -> float:
+    return next(float(line.split()[-1]) for line in client.metrics().splitlines() if line.startswith(name + " "))
+
+
+def wait_for_metric(client, name: str, at_least: float, timeout: float = 300):
+    """Poll /metrics instead of sleeping a fixed time: a slow machine must not change what a test checks."""
+    deadline = time.time() + timeout
+    while metric(client, name) < at_least:
+        assert time.time() < deadline, f"{name} did not reach {at_least} within {timeout} s"
+        time.sleep(0.05)
+
+
+def post_raw(client, path, data: bytes, headers=None):
+    req = urllib.request.Request(
+        client.url + path, data=data, headers={"Content-Type": "application/json"} | (headers or {}), method="POST"
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())

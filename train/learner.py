@@ -1,0 +1,182 @@
+"""train.grpo's learner on its mesh: the jitted gradient, scoring and optimiser functions, built once per run
+(`build_learner`), and what a step does with them: score a batch (`score`), check the sampler's logprobs
+against the learner's (`verify`), and the updates (`learn`: gradients summed over micro-batches, the first
+update's contract check, AdamW, the non-finite check). The loss itself is train.grpo's `grpo_loss`.
+"""
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from rlkjax import model
+from rlkjax.mismatch import mismatch_stats
+from train import fsdp
+from train.batch import Batch, micro_batches, reduce_stats
+from train.guards import (
+    NonFiniteError,
+    contract_violation,
+    enforce,
+    finite_leaves,
+    first_update_violation,
+    nonfinite,
+)
+
+if TYPE_CHECKING:
+    from train.grpo import GRPOConfig
+
+
+class Learner(NamedTuple):
+    """The learner's mesh and its jitted functions: gradients of grpo_loss (grad_fn, summed over micro-batches
+    into its last argument), scoring (score_fn, policy_logprobs) and the optimiser step (update)."""
+
+    devices: list
+    mesh: jax.sharding.Mesh
+    rope: tuple
+    grad_fn: Callable
+    score_fn: Callable
+    update: Callable
+
+    def on_mesh(self, batch: Batch, size: int):
+        """batch's micro-batches of `size` rows on the mesh (each process supplies its own devices' rows of
+        the same host batch)."""
+        return (fsdp.put(mb, self.mesh, fsdp.BATCH_SPECS) for mb in micro_batches(batch, size, len(self.devices)))
+
+
+def build_learner(config: "GRPOConfig", cfg, params, devices, loss: Callable, logprobs: Callable):
+    """-> (Learner, fp32 master weights sharded over `devices`, their optimiser state). loss: train.grpo's
+    grpo_loss; logprobs: its policy_logprobs (the learner's scoring pass)."""
+    mesh = fsdp.make_mesh(devices)
+    specs = fsdp.param_specs(params, len(devices))
+    master = fsdp.put(params, mesh, specs, dtype=jnp.float32)
+    rope = fsdp.put(model.rope_tables(cfg), mesh, fsdp.REPLICATED)
+    # The weights are gathered as the policy's dtype (train.grpo's policy_logprobs' own cast is then a no-op): the same
+    # bits as casting after the gather, with half the bytes moved and held.
+    grad_fn = fsdp.sharded_value_and_grad(
+        loss,
+        mesh,
+        specs,
+        dtype=cfg.dtype,
+        cfg=cfg,
+        numerics=config.numerics,
+        clip_eps=config.clip_eps,
+        beta=config.beta,
+        remat=config.remat,
+    )
+    score_fn = fsdp.sharded_logprobs(logprobs, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics=config.numerics)
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0,
+        config.learning_rate,
+        config.warmup_steps,
+        max(config.steps * config.updates_per_batch, config.warmup_steps + 1),
+        end_value=0.1 * config.learning_rate,
+    )
+    optimizer = fsdp.adamw(schedule, config.max_grad_norm, config.weight_decay, mesh, specs)
+
+    # The state is donated: the old one is dropped either way (a non-finite update stops the run), and at
+    # 8B the spare copy of the master weights and AdamW moments would not fit next to the new one. The
+    # gradients are not (no output could take their buffers; JAX warned so at every run): they are
+    # dropped after the update instead, so they do not stay through the next rollout.
+    @functools.partial(jax.jit, donate_argnums=(1, 2))
+    def update(grads, opt_state, master):
+        """The optimiser step, plus what the non-finite check needs (a few bytes leave the device)."""
+        updates, opt_state = optimizer.update(grads, opt_state, master)
+        master = optax.apply_updates(master, updates)
+        finite = {
+            "gradient": finite_leaves(grads),
+            "parameter": finite_leaves(master),
+            "optimiser state": finite_leaves(opt_state),
+        }
+        return master, opt_state, fsdp.global_norm(grads, mesh, specs), finite
+
+    return Learner(devices, mesh, rope, grad_fn, score_fn, update), master, optimizer.init(master)
+
+
+def score(learner: Learner, weights, batch: Batch, micro_batch: int) -> np.ndarray:
+    """[B, T-1] logprobs of `batch` under `weights` (master or the KL reference), on the host. Every
+    micro-batch is dispatched before any is read back: the device never waits on the host."""
+    scored = [
+        learner.score_fn(weights, mb.tokens, mb.positions, mb.temps, learner.rope)
+        for mb in learner.on_mesh(batch, micro_batch)
+    ]
+    return np.concatenate([fsdp.to_host(x) for x in scored])[: len(batch.tokens)]
+
+
+def verify(step: int, learner: Learner, master, batch: Batch, config: "GRPOConfig") -> tuple[dict, Batch]:
+    """The learner recomputes logp_old: the mismatch row, the contract enforced in strict numerics (before
+    any update, so a broken contract never trains), and with --tis-cap the batch's truncated IS weights."""
+    learner_old = score(learner, master, batch, config.micro_batch)
+    sel = batch.mask > 0
+    row = mismatch_stats(batch.logp_old[sel], learner_old[sel])
+    if config.numerics == "strict":
+        problem = contract_violation(step, "sampler vs learner logprobs", batch, learner_old, config.group_size)
+        enforce(problem, config.on_mismatch)
+    if config.tis_cap:
+        tis = np.minimum(np.exp(learner_old - batch.logp_old), config.tis_cap).astype(np.float32) * batch.mask
+        batch = batch._replace(tis=tis)
+    return row, batch
+
+
+def gradients(learner: Learner, master, ref, batch: Batch, total_tokens, config: "GRPOConfig"):
+    """One update's gradient, summed over micro-batches -> (grads, [loss], [LossStats], [logp_new]) on the
+    device; the caller reads them back after the last micro-batch is dispatched (reading each one made the
+    device wait for the host to put the next micro-batch on the mesh)."""
+    # Zeros to start the sum: 0 + g is g exactly (a -0.0 becomes +0.0, the same to AdamW).
+    grads, losses, stats, logp_new = jax.tree.map(jnp.zeros_like, master), [], [], []
+    for mb in learner.on_mesh(batch, config.micro_batch):
+        ref_logp = (
+            learner.score_fn(ref, mb.tokens, mb.positions, mb.temps, learner.rope)
+            if config.beta
+            else fsdp.put(np.zeros(mb.logp_old.shape, np.float32), learner.mesh, fsdp.ROWS)
+        )
+        (loss, (st, logp)), grads = learner.grad_fn(master, mb, ref_logp, learner.rope, total_tokens, grads)
+        losses.append(loss)
+        stats.append(st)
+        logp_new.append(logp)
+    return grads, losses, stats, logp_new
+
+
+def learn(step: int, learner: Learner, state: dict, batch: Batch, config: "GRPOConfig", checkpoints):
+    """--updates-per-batch optimiser steps on `batch`. state: {master, opt_state, ref} -> (the updated state,
+    the row's loss, ratio and gradient fields, from the first update). The first update's logp_new must have
+    logp_old's bits (strict numerics), and a non-finite loss, gradient or state stops the run before any
+    weight sync, metrics row or checkpoint is written from it."""
+    master, opt_state = state["master"], state["opt_state"]
+    total_tokens = float(batch.mask.sum())
+    tokens_on_mesh = fsdp.put(np.float32(total_tokens), learner.mesh, fsdp.REPLICATED)
+    row = {}
+    for u in range(config.updates_per_batch):
+        grads, losses, stats, logp_new = gradients(learner, master, state["ref"], batch, tokens_on_mesh, config)
+        losses = [float(x) for x in fsdp.to_host(losses)]
+        stats = fsdp.to_host(stats)
+        if u == 0:
+            st = reduce_stats(stats)
+            row |= {
+                "ratio_min": float(st.ratio_min),
+                "ratio_max": float(st.ratio_max),
+                "ratio_mean": float(st.ratio_sum / total_tokens),
+                "clip_fraction": float(st.clipped / total_tokens),
+                "loss": sum(losses),
+            }
+            if config.numerics == "strict":  # before the update is applied
+                logp_new = np.concatenate([fsdp.to_host(x) for x in logp_new])[: len(batch.tokens)]
+                enforce(first_update_violation(step, batch, logp_new, st, config.group_size), config.on_mismatch)
+        new_master, new_opt_state, grad_norm, finite = learner.update(grads, opt_state, master)
+        trees = {"gradient": grads, "parameter": new_master, "optimiser state": new_opt_state}
+        problem = nonfinite(step, sum(losses), float(fsdp.to_host(grad_norm)), fsdp.to_host(finite), trees)
+        if problem:
+            good = checkpoints.latest()
+            raise NonFiniteError(
+                f"{problem} (update {u + 1} of {config.updates_per_batch}); stopped before any "
+                "checkpoint, weight sync or final_hf from this state; the last good checkpoint is "
+                + (f"step {good} in {checkpoints.directory}" if good else "none (none was written yet)")
+            )
+        master, opt_state = new_master, new_opt_state
+        del grads, trees  # freed now, not when the next update's zeros replace them
+        if u == 0:
+            row["grad_norm"] = float(fsdp.to_host(grad_norm))
+    return {**state, "master": master, "opt_state": opt_state}, row

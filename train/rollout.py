@@ -1,0 +1,132 @@
+"""Where train.grpo's completions come from: the in-process engines (`LocalRollout`, the default) or a
+running `serve.rollout` server (`RemoteRollout`). Both have `sample(prompts, seeds, sampling) -> [P][n]
+{tokens, logprobs (float32), policy_version}` (prompt i sampled with seed seeds[i] and the one SamplingParams
+value) and `push(policy, cfg, out_dir)`, and for the same weights, prompts, seeds and sampling both return the
+same tokens and logprob bits.
+"""
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from rlkjax.checkpoint import save_orbax_params
+from rlkjax.client import RolloutClient
+from rlkjax.engine import Engine, EngineConfig
+from rlkjax.sampling_params import SamplingParams
+from train import fsdp
+
+
+def eos_stop(tokenizer, cfg, ignore_eos: bool) -> tuple[int, ...]:
+    """The stop ids of every completion: the tokenizer's eos (both rollouts send the same ones, so a local
+    and a remote rollout give the same completions), none with ignore_eos or a tokenizer without one."""
+    eos = tokenizer.eos_token_id
+    if ignore_eos or eos is None:
+        return ()
+    if not 0 <= eos < cfg.vocab_size:
+        raise ValueError(
+            f"the tokenizer's eos id {eos} is outside the model's vocabulary of {cfg.vocab_size} "
+            "(ignore_eos samples past it)"
+        )
+    return (eos,)
+
+
+class LocalRollout:
+    """One engine per sampler device, each with a full copy of the weights; prompt i goes to sampler
+    device i mod M. With several processes each runs its own devices' engines and the completions
+    are exchanged, so every process returns the same groups."""
+
+    def __init__(self, policy, cfg, numerics, mesh, devices, *, rows: int, max_length: int, first_version: int = 0):
+        """policy: on the learner's `mesh`; devices: the sampler devices; rows: the most sequences (prompts x
+        group) one engine runs in a step, each of up to max_length tokens (prompt + completion)."""
+        # Caches for exactly one step's sequences: nothing is preempted, nothing idles.
+        sizing = EngineConfig.for_batch([max_length] * rows)
+        self.mesh, self.devices = mesh, devices
+        self.first_version = first_version  # a resumed run's weights have had `start` updates: versions continue
+        self.engines = {}
+        local = fsdp.local_copy(policy, mesh)
+        for device in devices:
+            if device.process_index == jax.process_index():
+                with jax.default_device(device):
+                    self.engines[device] = Engine(jax.device_put(local, device), cfg, numerics, sizing)
+
+    def sample(self, prompts, seeds, sampling: SamplingParams):
+        owners = [self.devices[i % len(self.devices)] for i in range(len(prompts))]
+        reqs = {
+            i: self.engines[device].submit(p, sampling, seed=s)
+            for i, (p, s, device) in enumerate(zip(prompts, seeds, owners))
+            if device in self.engines
+        }
+        # One thread per engine, so engines on different devices decode at the same time (JAX releases
+        # the GIL while a device works); each engine's bits do not depend on the others.
+        with ThreadPoolExecutor(len(self.engines) or 1) as pool:
+            list(pool.map(Engine.run_until_done, self.engines.values()))
+        for device, engine in self.engines.items():
+            if device in self.mesh.devices.flat:  # the learner's step gets the KV cache's memory until the next rollout
+                engine.release_cache()
+        # Every process fills the rows it sampled; the exchange moves them as int32 bits.
+        shape = (len(prompts), sampling.n)
+        mine = {
+            "tokens": np.zeros((*shape, sampling.max_tokens), np.int32),
+            "logprob_bits": np.zeros((*shape, sampling.max_tokens), np.int32),
+            "length": np.zeros(shape, np.int32),
+            "version": np.zeros(shape, np.int32),
+        }
+        for i, req in reqs.items():
+            for j, c in enumerate(req.results):
+                n = len(c.tokens)
+                mine["tokens"][i, j, :n] = c.tokens
+                mine["logprob_bits"][i, j, :n] = np.asarray(c.logprobs, np.float32).view(np.int32)
+                mine["length"][i, j] = n
+                mine["version"][i, j] = self.first_version + c.policy_version
+        every = fsdp.exchange(mine)
+        groups = []
+        for i, device in enumerate(owners):
+            theirs = {k: v[device.process_index, i] for k, v in every.items()}
+            groups.append(
+                [
+                    {
+                        "tokens": theirs["tokens"][j, :n].tolist(),
+                        "logprobs": theirs["logprob_bits"][j, :n].view(np.float32),
+                        "policy_version": int(theirs["version"][j]),
+                    }
+                    for j, n in enumerate(theirs["length"])
+                ]
+            )
+        return groups
+
+    def push(self, policy, cfg, out_dir):
+        local = fsdp.local_copy(policy, self.mesh)  # every process takes part, samplers or not
+        for device, engine in self.engines.items():  # device to device, no disk
+            engine.update_weights(jax.device_put(local, device))  # live before the next request is admitted
+
+
+class RemoteRollout:
+    """A `serve.rollout` server; its policy_version is the server's own count of weight updates (a
+    restarted server starts again from 0, also on --resume)."""
+
+    devices = ()  # the server's devices are not this process's: a step's FLOPs count the learner's alone
+
+    def __init__(self, url, admin_key):
+        self.client = RolloutClient(url, admin_key=admin_key or os.environ.get("RLKJAX_ADMIN_KEY"))
+
+    def sample(self, prompts, seeds, sampling: SamplingParams):
+        carried = dict(n=sampling.n, max_tokens=sampling.max_tokens, temperature=sampling.temperature)
+        carried["stop_token_ids"] = sampling.stop_token_ids
+        if sampling != SamplingParams(**carried):
+            raise ValueError(f"{sampling} has fields /generate does not carry (it takes {sorted(carried)})")
+        return self.client.generate(
+            prompts,
+            n=sampling.n,
+            max_new_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            seed=seeds,
+            stop_token_ids=sampling.stop_token_ids,
+        )
+
+    def push(self, params, cfg, out_dir):
+        path = Path(out_dir) / "sync"
+        save_orbax_params(path, cfg, params)
+        self.client.update_weights(str(path.absolute()))
