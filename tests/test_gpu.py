@@ -13,6 +13,7 @@ from rlkjax import audit, model
 from rlkjax.steps import RowSampling, decode_round, decode_step
 from tests import helpers
 from tests.contract import check_case, random_case
+from tests.sharded_contract import LONG_PROMPTS, SHORT_PROMPTS, learner_step_matches_sampler
 
 pytestmark = pytest.mark.gpu
 
@@ -67,3 +68,24 @@ def test_optimised_hlo_has_no_float_arithmetic(real_shapes):
     text = lowered.compile().as_text()
     bad = audit.float_arithmetic_hlo(text)
     assert not bad, "float arithmetic outside the kernels (decode round):\n" + "\n".join(bad)
+
+
+@pytest.fixture(scope="module")
+def two_gpus():
+    if jax.default_backend() != "gpu" or len(jax.devices()) < 2:
+        pytest.skip("needs 2 GPUs")
+    cfg = rlkjax.ModelConfig.preset("qwen3-0.6b")
+    return cfg, rlkjax.init_params(cfg, seed=0), jax.devices()[:2]
+
+
+@pytest.mark.parametrize("prompts", [SHORT_PROMPTS, LONG_PROMPTS], ids=["one-kv-split", "three-kv-splits"])
+def test_learner_step_has_the_samplers_bits_on_two_gpus(two_gpus, prompts):
+    """train.grpo's learner step itself (value and gradient, FSDP over 2 GPUs, weights gathered
+    through NCCL), not only the scoring pass, returns the sampler's bits on every completion token,
+    at Qwen3-0.6B shapes: short rows, and rows of up to 536 keys (3 of attention's 256-key splits,
+    merged in the learner's pass and crossed by the sampler's decode). The tests/test_sharding.py
+    twin runs the same body on 2 fake CPU devices."""
+    cfg, params, devices = two_gpus
+    result = learner_step_matches_sampler(cfg, params, devices, prompts, max_new_tokens=16)
+    assert result["kv_splits"] == (1 if prompts == SHORT_PROMPTS else 3), result
+    print(result)
