@@ -97,16 +97,23 @@ def learner_programs(
     }
 
 
+def shard_sizes(infos, shardings) -> list[tuple[int, int, int]]:
+    """[(elements, elements on one device, bytes per element)] for each leaf of `infos` (ArgInfo or
+    ShapeDtypeStruct) under its sharding; an input XLA dropped as unused (its sharding None) counts
+    (elements, 0, bytes per element)."""
+    return [
+        (math.prod(i.shape), 0 if s is None else math.prod(s.shard_shape(i.shape)), np.dtype(i.dtype).itemsize)
+        for i, s in zip(jax.tree.leaves(infos), jax.tree.leaves(shardings, is_leaf=lambda x: x is None))
+    ]
+
+
 def memory(compiled, lowered) -> dict:
     """XLA's compiled memory analysis of one program, bytes per device, and "per_argument": each
     positional argument's bytes on one device under the shardings the program was compiled with."""
     m = compiled.memory_analysis()
     per_argument = [
-        sum(math.prod(s.shard_shape(i.shape)) * np.dtype(i.dtype).itemsize for i, s in zip(infos, shardings))
-        for infos, shardings in zip(
-            (jax.tree.leaves(a) for a in lowered.args_info[0]),
-            (jax.tree.leaves(s) for s in compiled.input_shardings[0]),
-        )
+        sum(shard * itemsize for _, shard, itemsize in shard_sizes(infos, shardings))
+        for infos, shardings in zip(lowered.args_info[0], compiled.input_shardings[0])
     ]
     return {
         "arguments": m.argument_size_in_bytes,
@@ -156,13 +163,13 @@ def main() -> None:
     parser.add_argument("--hlo", help="write each compiled HLO to this prefix")
     parser.add_argument("--json", action="store_true", help="one JSON line per layer count: {function: {what: bytes}}")
     args = parser.parse_args()
-    numerics.set_attention_backward(not args.dense_backward)
+    options = numerics.NumericsOptions(args.numerics, attention_backward="dense" if args.dense_backward else "flash")
     base = ModelConfig.preset(args.model)
     tokens = padded_length(args.tokens)
     for layers in [int(n) for n in args.layers.split(",")] if args.layers else [base.num_layers]:
         cfg = dataclasses.replace(base, num_layers=layers)
         rows = -(-args.micro_batch // args.devices) * args.devices  # micro_batches pads to a multiple of the mesh
-        results = compiled_memory(cfg, args.devices, rows, tokens, args.numerics, args.remat, args.programs.split(","))
+        results = compiled_memory(cfg, args.devices, rows, tokens, options, args.remat, args.programs.split(","))
         if args.json:
             print(json.dumps({name: {k: v for k, v in m.items() if k != "hlo"} for name, m in results.items()}))
             continue

@@ -129,8 +129,10 @@ def main():
     )
     args = p.parse_args()
     report = new_report("bench.profile")
-    numerics.set_attention_backward(not args.dense_backward)
-    numerics.set_matmul_backward(not args.copy_backward)
+    backward = {
+        "attention_backward": "dense" if args.dense_backward else "flash",
+        "matmul_backward": "copies" if args.copy_backward else "in_place",
+    }
     results = {}
     for side in args.sides.split(","):
         if args.model:
@@ -139,7 +141,8 @@ def main():
             show(key, results[key], args.top)
         if args.learner:
             key = f"learner {args.learner} {args.tokens // args.seq}x{args.seq} {side}"
-            results[key] = learner_profile(args.learner, args.seq, args.tokens, side)
+            options = numerics.NumericsOptions(mode=side, **backward)
+            results[key] = learner_profile(args.learner, args.seq, args.tokens, options)
             show(key, results[key], args.top)
     report["results"] = [{"what": key, **result} for key, result in results.items()]
     save_report(report, args.out)

@@ -25,9 +25,10 @@ import rlkjax
 from bench._report import new_report, save_report
 from bench._timing import median_time
 from rlkjax import model
-from rlkjax.engine import Engine, EngineConfig, decode_round
+from rlkjax.engine import Engine, EngineConfig
 from rlkjax.numerics import PAGE_SIZE
 from rlkjax.shapes import cdiv
+from rlkjax.steps import RowSampling, decode_round
 
 
 def engine_rate(params, cfg, numerics, batch, context, new_tokens, repeats):
@@ -56,19 +57,22 @@ def kernel_rate(params, cfg, numerics, batch, context, new_tokens, repeats):
         rows % cfg.vocab_size,
         jnp.full((batch,), context, jnp.int32),
         table,
-        rows.astype(jnp.uint32),
-        jnp.zeros((batch,), jnp.int32),
-        jnp.ones((batch,), jnp.float32),
-        jnp.full((batch,), steps, jnp.int32),
-        jnp.full((batch, 1), -1, jnp.int32),
+        RowSampling(
+            seeds=rows.astype(jnp.uint32),
+            steps=jnp.zeros((batch,), jnp.int32),
+            temps=jnp.ones((batch,), jnp.float32),
+            budget=jnp.full((batch,), steps, jnp.int32),
+            stop_ids=jnp.full((batch, 1), -1, jnp.int32),
+            min_tokens=jnp.zeros((batch,), jnp.int32),
+        ),
         model.rope_tables(cfg),
     )
-    tokens, positions, table, seeds, counts, temps, budget, stops, rope = jax.block_until_ready(args)
+    tokens, positions, table, sampling, rope = jax.block_until_ready(args)
 
     def run():
         cache = state["cache"]
         out, _, state["cache"] = decode_round(
-            params, tokens, positions, cache, table, seeds, counts, temps, budget, stops, rope, cfg, numerics, steps
+            params, tokens, positions, cache, table, sampling, rope, cfg, numerics, steps
         )
         out.block_until_ready()
 

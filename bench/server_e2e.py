@@ -86,7 +86,7 @@ BURST_COUNTERS = {
     "engine_gap_s": "rlkjax_engine_gap_seconds_total",
     "engine_dispatch_s": "rlkjax_engine_dispatch_seconds_total",
     "prefill_tokens": "rlkjax_prefill_tokens_total",
-    "compilations": "rlkjax_compilations",
+    "compilations": "rlkjax_compiled_shapes",
 }
 
 

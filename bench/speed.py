@@ -39,7 +39,7 @@ from bench.speed_kernels import kernel_rows
 from bench.speed_model import decode_rows, learner_row, prefill_row, score_row
 from bench.speed_sweep import sweep_rows
 from bench.speed_table import merge_reports, print_table
-from rlkjax import model, numerics
+from rlkjax import numerics
 from train import grpo
 
 
@@ -117,7 +117,6 @@ def model_sections(args, sections, record, bw, rate):
                     cfg, params, ints(args.batches), ints(args.contexts), args.steps, args.repeats, bw, name, unroll
                 )
             )
-        model.LAYER_UNROLL = 1
         if "score" in sections and name == args.score_model:
             record([score_row(cfg, params, name, *map(int, args.score.split("x")), args.repeats)])
         if "prefill" in sections:
@@ -132,15 +131,15 @@ def learner_section(args, record, rate):
             for remat in sorted({False, args.learner_remat}):
                 for flash in sorted({True, not args.learner_dense}, reverse=True):
                     for in_place in sorted({True, not args.learner_copies}, reverse=True):
-                        numerics.set_attention_backward(flash)
-                        numerics.set_matmul_backward(in_place)
+                        strict = numerics.NumericsOptions(
+                            attention_backward="flash" if flash else "dense",
+                            matmul_backward="in_place" if in_place else "copies",
+                        )
                         cfg = rlkjax.ModelConfig.preset(name)
                         # The backward switches change only the strict side: the fast side runs once.
                         sides = args.learner_sides.split(",") if flash and in_place else ("strict",)
-                        row = learner_row(cfg, name, seq, args.learner_tokens, args.repeats, rate, remat, sides)
+                        row = learner_row(cfg, name, seq, args.learner_tokens, args.repeats, rate, remat, sides, strict)
                         record([dict(row, flash_backward=flash, matmul_backward_in_place=in_place)])
-            numerics.set_attention_backward(True)
-            numerics.set_matmul_backward(True)
 
 
 def main():

@@ -12,8 +12,8 @@ import numpy as np
 
 from bench._timing import F32, compiled_bytes, median_time, rand
 from rlkjax import flops, model
-from rlkjax.engine import prefill_chunk
-from rlkjax.numerics import PAGE_SIZE
+from rlkjax.numerics import PAGE_SIZE, NumericsOptions
+from rlkjax.steps import prefill_chunk
 from train import fsdp, grpo
 from train.batch import Batch
 
@@ -56,9 +56,7 @@ def random_cache(cfg, num_pages):
 
 
 def decode_rows(cfg, params, batches, contexts, steps, repeats, bw, name, unroll=1):
-    """Decode rows; unroll: the sampler's layer-loop unroll (model.LAYER_UNROLL) they run with."""
-    model.LAYER_UNROLL = unroll
-    jax.clear_caches()  # a module constant is not part of jit's cache key: retrace with it
+    """Decode rows; unroll: the sampler's layer-loop unroll (NumericsOptions.layer_unroll) they run with."""
     rows = []
     rope = model.rope_tables(cfg)
     wbytes = weight_bytes(params)
@@ -78,8 +76,9 @@ def decode_rows(cfg, params, batches, contexts, steps, repeats, bw, name, unroll
 
                 def run():
                     nonlocal cache
+                    options = NumericsOptions(mode=side, layer_unroll=unroll)
                     _, lp, cache = decode_loop(
-                        params, tokens, start, cache, table, seeds, temps, rope, cfg, side, steps
+                        params, tokens, start, cache, table, seeds, temps, rope, cfg, options, steps
                     )
                     lp.block_until_ready()
 
@@ -135,14 +134,14 @@ def learner_batch(cfg, b, seq):
     )
 
 
-def train_learner_step(master, batch, ref, rope, cfg, remat):
+def train_learner_step(master, batch, ref, rope, cfg, remat, options="strict"):
     """train.grpo's learner step on one device, as train() builds it: fsdp.sharded_value_and_grad on a
     one-device mesh (whole weights, as the library's pass: fsdp.gather only casts there; gradients
     added into a donated running sum). Returns (jitted step, its arguments but the running sum, a fresh running sum)."""
     mesh = fsdp.make_mesh(jax.devices()[:1])
     specs = fsdp.param_specs(master, 1)
     step = fsdp.sharded_value_and_grad(
-        grpo.grpo_loss, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics="strict", clip_eps=0.2, beta=0.0, remat=remat
+        grpo.grpo_loss, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics=options, clip_eps=0.2, beta=0.0, remat=remat
     )
     on_mesh = fsdp.put(master, mesh, specs, dtype=F32)
     tokens = float(np.asarray(batch.mask).sum())
@@ -156,7 +155,7 @@ def train_learner_step(master, batch, ref, rope, cfg, remat):
     return step, args, jax.tree.map(jnp.zeros_like, on_mesh)
 
 
-def learner_row(cfg, name, seq, tokens_per_call, repeats, rate, remat=False, sides=SIDES):
+def learner_row(cfg, name, seq, tokens_per_call, repeats, rate, remat=False, sides=SIDES, strict="strict"):
     """sides: "fast" and "strict" run grpo.grpo_loss on whole weights (the library's learner pass:
     layers unrolled, weights read in place); "train" runs train.grpo's one-device learner step
     (`train_learner_step`, strict), so the two can be compared in one run."""
@@ -170,12 +169,12 @@ def learner_row(cfg, name, seq, tokens_per_call, repeats, rate, remat=False, sid
     row["mfu_of"] = "learner pass"
     for side in sides:
         if side == "train":
-            fn, args, grads = train_learner_step(master, batch, ref, rope, cfg, remat)
+            fn, args, grads = train_learner_step(master, batch, ref, rope, cfg, remat, strict)
             args = (*args, grads)
         else:
             loss = functools.partial(grpo.grpo_loss, remat=remat)
             fn = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=(4, 5, 6, 7))
-            args = (master, batch, ref, rope, cfg, side, 0.2, 0.0, jnp.float32(b * seq))
+            args = (master, batch, ref, rope, cfg, strict if side == "strict" else side, 0.2, 0.0, jnp.float32(b * seq))
         try:
             start = time.perf_counter()
             compiled = fn.lower(*args).compile()

@@ -9,9 +9,18 @@ bytes of every device.
 `python -m bench.two_gpu compare RUN_A RUN_B [--out JSON]`: the same run computed two ways (one
 process on N devices, N processes): every metric but timings, every array of the last checkpoint
 (fp32 master weights, AdamW state) and final_hf/ compared as bits. Exits 1 if anything differs.
+
+`python -m bench.two_gpu model DIR [--like qwen3-0.6b] [--layers 4]`: an HF checkpoint of random
+weights with the widths of --like (hidden size, heads, FFN) but a byte vocabulary (512 ids) and
+--layers layers, for `train.grpo --model DIR --tokenizer bytes`. A random model with Qwen3's
+151,936-id vocabulary seldom samples a byte (256 of its ids decode to text): at P8 x G4 x 32 new
+tokens about 2 bytes a step, so nearly every reward is 0 and so are the advantages and gradients
+(the 0.6B run of 2026-11-30 had zero gradients); over 512 ids half are bytes, 26 lowercase
+letters, so the lowercase task's rewards vary within every group.
 """
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -108,6 +117,7 @@ def compare(run_a: Path, run_b: Path) -> dict:
         "elements_compared": int(sum(x.size for x in arrays_a.values())),
         # non-zero gradients: the cross-device gradient sum was exercised, not just weight decay
         "grad_norms": [r.get("grad_norm") for r in rows_a],
+        "every_gradient_nonzero": all(r.get("grad_norm", 0) > 0 for r in rows_a),
         "rewards": [r.get("reward_mean") for r in rows_a],
         "arrays_differ": arrays_differ,
         "final_hf_files_differ": hf_differ,
@@ -115,14 +125,30 @@ def compare(run_a: Path, run_b: Path) -> dict:
     }
 
 
+def byte_vocabulary_model(directory: Path, like: str, layers: int) -> None:
+    import rlkjax
+
+    cfg = dataclasses.replace(rlkjax.ModelConfig.preset(like), vocab_size=512, num_layers=layers)
+    rlkjax.save_hf_checkpoint(directory, cfg, rlkjax.init_params(cfg, seed=0))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["summarize", "compare"], help="summarize one run, or compare two")
-    parser.add_argument("runs", nargs="+", type=Path, help="train.grpo --out directories")
+    parser.add_argument(
+        "what", choices=["summarize", "compare", "model"], help="summarize one run, compare two, or write a model"
+    )
+    parser.add_argument(
+        "runs", nargs="+", type=Path, help="train.grpo --out directories (model: the directory to write)"
+    )
     parser.add_argument("--out", help="also write the JSON (with its provenance) here")
+    parser.add_argument("--like", default="qwen3-0.6b", help="model: the preset whose widths it takes")
+    parser.add_argument("--layers", type=int, default=4, help="model: its layer count")
     args = parser.parse_args()
-    if len(args.runs) != {"summarize": 1, "compare": 2}[args.what]:
-        parser.error(f"{args.what} takes {'one run directory' if args.what == 'summarize' else 'two run directories'}")
+    if len(args.runs) != {"summarize": 1, "compare": 2, "model": 1}[args.what]:
+        parser.error(f"{args.what} takes {'two run directories' if args.what == 'compare' else 'one directory'}")
+    if args.what == "model":
+        byte_vocabulary_model(args.runs[0], args.like, args.layers)
+        return
     result = summarize(*args.runs) if args.what == "summarize" else compare(*args.runs)
     text = json.dumps(provenance() | result, indent=2)
     print(text)

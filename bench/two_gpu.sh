@@ -1,21 +1,26 @@
 #!/usr/bin/env bash
-# Several GPUs on one host (2), one piece per command (each under `timeout`, within 600 s):
+# train.grpo on one host with 2 GPUs, one piece per command (each under `timeout`, so a piece fits a
+# 10-minute slot):
 #
 #   bash bench/two_gpu.sh strict STEPS     # Qwen3-8B shapes, strict, verify on: FSDP learner over both GPUs,
 #   bash bench/two_gpu.sh fast STEPS       #   samplers on both, P16 x G8, 256 new tokens; the same with --numerics fast
-#   bash bench/two_gpu.sh processes STEPS  # tiny shape: two processes (one per GPU) vs one process on both GPUs,
-#                                          #   final weights, AdamW state, final_hf and metrics compared as bits
+#   bash bench/two_gpu.sh processes STEPS  # two processes (one per GPU) vs one process on both GPUs, at Qwen3-0.6B
+#                                          #   widths (PROCESS_MODEL) with non-zero gradients: final weights, AdamW
+#                                          #   state, final_hf and metrics compared as bits
 #   bash bench/two_gpu.sh layouts STEPS    # layouts that differ, strict, verify on: learner 0,1 + sampler 0;
 #                                          #   learner 0 + samplers 0,1; learner 0 + sampler 1 (LAYOUT_MODEL)
-#   bash bench/two_gpu.sh dry-run          # every piece at tiny shapes on 2 x 2 fake CPU devices (checks the script)
+#   bash bench/two_gpu.sh dry-run [PIECE]  # every piece (or one) at tiny shapes on 2 x 2 fake CPU devices (checks
+#                                          #   the script)
 #
 # Writes to $OUT (default /tmp/out): env.json (provenance), <piece>.log, <piece>.json (bench/two_gpu.py's summary
 # or comparison) and the run's metrics.jsonl / plot.png; checkpoints and final_hf stay in $RUNS (default /tmp/two_gpu_runs: 8B ones are
 # 16 GB). Environment: TIMEOUT (seconds per piece, default 540), MICRO_BATCH (default 4 sequences: at 16 the
 # 8B learner does not fit two GPUs, see `python -m bench.memory_plan`), REMAT (non-empty: train.grpo --remat),
-# PY (default python3), BIG_MODEL (default qwen3-8b), SMALL_MODEL (default qwen3-tiny), TASK (default lowercase:
-# random weights earn some reward on it, so the updates have non-zero gradients and the cross-GPU gradient sum is
-# exercised; a random model never answers `arithmetic`, the task of the 2026-11-30 runs).
+# PY (default python3), BIG_MODEL (default qwen3-8b), LAYOUT_MODEL (default qwen3-0.6b), PROCESS_LIKE (default
+# qwen3-0.6b) and PROCESS_LAYERS (default 4): the processes piece's model, random weights with those widths and
+# a byte vocabulary (bench/two_gpu.py model: with Qwen3's own vocabulary a random model samples no text, every
+# reward is 0 and every gradient zero; with bytes the lowercase task's rewards vary, so the cross-GPU gradient
+# sum is exercised), TASK (default lowercase).
 set -uo pipefail
 PIECE=${1:?usage: bash bench/two_gpu.sh strict|fast|processes|layouts STEPS, or bash bench/two_gpu.sh dry-run}
 STEPS=${2:-3}
@@ -23,14 +28,14 @@ OUT=${OUT:-/tmp/out}; RUNS=${RUNS:-/tmp/two_gpu_runs}; PY=${PY:-python3}; TIMEOU
 mkdir -p "$OUT" "$RUNS"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
-# This workplace's GPUs must never use NVLink multicast (KINDS.md): kept set for every process started here.
+# NVLink multicast stays off for every process started here (NCCL's NVLS, PyTorch's and NVSHMEM's).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 GPU_PIECES=1
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.95}  # JAX takes 75% of a GPU by default; 8B needs more
 if [ "$PIECE" = dry-run ]; then  # every piece at tiny shapes, 2 fake CPU devices per process
   export XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu
-  BIG_MODEL=qwen3-tiny SMALL_MODEL=qwen3-tiny LAYOUT_MODEL=qwen3-tiny GPU_PIECES=0
+  BIG_MODEL=qwen3-tiny PROCESS_LIKE=qwen3-tiny LAYOUT_MODEL=qwen3-tiny GPU_PIECES=0
   SHAPE_BIG=(--prompts-per-step 4 --group-size 2 --max-new-tokens 8 --max-prompt-tokens 32)
   SHAPE_SMALL=(--prompts-per-step 4 --group-size 2 --max-new-tokens 4 --max-prompt-tokens 32)
   STEPS=2
@@ -38,7 +43,8 @@ else
   SHAPE_BIG=(--prompts-per-step 16 --group-size 8 --max-new-tokens 256 --max-prompt-tokens 64)
   SHAPE_SMALL=(--prompts-per-step 8 --group-size 4 --max-new-tokens 32 --max-prompt-tokens 64)
 fi
-BIG_MODEL=${BIG_MODEL:-qwen3-8b}; SMALL_MODEL=${SMALL_MODEL:-qwen3-tiny}; LAYOUT_MODEL=${LAYOUT_MODEL:-qwen3-0.6b}
+BIG_MODEL=${BIG_MODEL:-qwen3-8b}; LAYOUT_MODEL=${LAYOUT_MODEL:-qwen3-0.6b}
+PROCESS_LIKE=${PROCESS_LIKE:-qwen3-0.6b}; PROCESS_LAYERS=${PROCESS_LAYERS:-4}
 COMMON=(--learner-devices 0,1 --sampler-devices 0,1 --verify-logprobs --no-progress)
 
 record_env() {  # provenance: command, date, commit, hardware through JAX, versions
@@ -57,9 +63,10 @@ big() {  # $1: strict | fast
 }
 
 processes() {
-  local one="$RUNS/one_process" two="$RUNS/two_processes"; rm -rf "$one" "$two"
-  local flags=(--model "$SMALL_MODEL" "${SHAPE_SMALL[@]}" "${COMMON[@]}" --task "${TASK:-lowercase}" --steps "$STEPS" --warmup-steps 0
-               --checkpoint-every "$STEPS")
+  local one="$RUNS/one_process" two="$RUNS/two_processes" model="$RUNS/process_model"; rm -rf "$one" "$two" "$model"
+  "$PY" -m bench.two_gpu model "$model" --like "$PROCESS_LIKE" --layers "$PROCESS_LAYERS" || return 1
+  local flags=(--model "$model" --tokenizer bytes "${SHAPE_SMALL[@]}" "${COMMON[@]}" --task "${TASK:-lowercase}"
+               --steps "$STEPS" --warmup-steps 0 --checkpoint-every "$STEPS")
   local port; port=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   {
     echo "== one process on both devices"
@@ -101,6 +108,13 @@ case "$PIECE" in
   strict|fast) big "$PIECE" ;;
   processes) processes ;;
   layouts) layouts ;;
-  dry-run) big strict; big fast; processes; layouts ;;
+  dry-run)
+    case "${2:-all}" in
+      strict|fast) big "$2" ;;
+      processes) processes ;;
+      layouts) layouts ;;
+      all) big strict; big fast; processes; layouts ;;
+      *) echo "unknown piece $2: strict | fast | processes | layouts" >&2; exit 2 ;;
+    esac ;;
   *) echo "unknown piece $PIECE: strict | fast | processes | layouts | dry-run" >&2; exit 2 ;;
 esac

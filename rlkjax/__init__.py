@@ -1,15 +1,17 @@
 """rlkjax: GRPO for Qwen3-style models where sampler and learner logprobs agree bit for bit."""
 
-from rlkjax.numerics import set_xla_flags
+from rlkjax.numerics import quiet_rocm_plugin_without_gpu, set_xla_flags
 
 set_xla_flags()  # before anything below can start a JAX backend
+quiet_rocm_plugin_without_gpu()
 
 from rlkjax.api import generate, score  # noqa: E402
 from rlkjax.checkpoint import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 from rlkjax.config import PRESETS, ModelConfig  # noqa: E402
-from rlkjax.engine import Completion, Engine, EngineConfig  # noqa: E402
+from rlkjax.engine import Engine, EngineConfig  # noqa: E402
 from rlkjax.model import forward, init_params, sequence_logprobs, token_logprobs  # noqa: E402
 from rlkjax.sampling_params import SamplingParams  # noqa: E402
+from rlkjax.sequences import Completion  # noqa: E402
 
 __all__ = [
     "PRESETS",

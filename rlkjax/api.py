@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from rlkjax.config import ModelConfig
-from rlkjax.engine import Completion, Engine, EngineConfig
+from rlkjax.engine import Engine, EngineConfig
 from rlkjax.model import (
     rope_tables,
     sequence_logprobs,
@@ -29,6 +29,7 @@ from rlkjax.requests import (
     per_row,
 )
 from rlkjax.sampling_params import SamplingParams
+from rlkjax.sequences import Completion
 from rlkjax.shapes import bucket, pad_sequences
 
 

@@ -1,10 +1,12 @@
-"""The strict-path audit: lower a function for the GPU and list every floating-point operation
-that XLA would run outside our Pallas (Triton) custom calls. On the strict path there must be
-none: XLA may only move data."""
+"""The strict-path audit: lower a function for a GPU (CUDA or ROCm, present or abstract) and list
+every floating-point operation that XLA would run outside our Pallas (Triton) custom calls. On the
+strict path there must be none: XLA may only move data."""
 
 import re
 
 import jax
+
+from rlkjax.numerics import default_platform
 
 # Ops that move or select data exactly; anything else touching a float type is arithmetic.
 DATA_MOVEMENT = {
@@ -83,15 +85,43 @@ def xla_dots(stablehlo_text: str) -> list[str]:
     ]
 
 
-def lower_for_gpu(jitted, *args, device_kind: str = "NVIDIA H200", **kwargs) -> str:
-    """StableHLO of `jitted(*args)` lowered for CUDA, on any host (args may be ShapeDtypeStructs).
-    On a machine without a GPU the Triton lowering needs an abstract device to target."""
-    if jax.default_backend() == "gpu":
+# The GPU each platform's programs are lowered for on a machine without one (name as JAX reports
+# it, compute units): Pallas's Triton lowering reads the target from this abstract device.
+ABSTRACT_GPUS = {"cuda": ("NVIDIA H200", 132), "rocm": ("gfx942", 304)}
+
+
+def target_platform() -> str:
+    """The GPU platform to audit: this machine's GPU, or CUDA's programs on a machine without one."""
+    platform = default_platform()
+    return "cuda" if platform == "cpu" else platform
+
+
+def _abstract_mesh(platform: str, device_kind: str | None):
+    kind, cores = ABSTRACT_GPUS[platform]
+    dev = jax.sharding.AbstractDevice(device_kind=device_kind or kind, num_cores=cores, platform="gpu")
+    return jax.sharding.AbstractMesh((1,), ("audit",), abstract_device=dev)
+
+
+def lower_for_gpu(jitted, *args, platform: str | None = None, device_kind: str | None = None, **kwargs) -> str:
+    """StableHLO of `jitted(*args)` lowered for a GPU platform ("cuda", "rocm"; None: target_platform()),
+    on any host (args may be ShapeDtypeStructs): directly on a GPU of that platform, else for an
+    abstract device (ABSTRACT_GPUS, or `device_kind`). Pass `jitted` the numerics of that platform."""
+    platform = platform or target_platform()
+    if device_kind is None and jax.default_backend() == "gpu" and target_platform() == platform:
         return jitted.trace(*args, **kwargs).lower().as_text()
-    dev = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=132, platform="gpu")
-    mesh = jax.sharding.AbstractMesh((1,), ("audit",), abstract_device=dev)
-    with jax.sharding.use_abstract_mesh(mesh):
-        return jitted.trace(*args, **kwargs).lower(lowering_platforms=("cuda",)).as_text()
+    with jax.sharding.use_abstract_mesh(_abstract_mesh(platform, device_kind)):
+        return jitted.trace(*args, **kwargs).lower(lowering_platforms=(platform,)).as_text()
+
+
+def export_for_gpu(jitted, *args, platform: str, device_kind: str | None = None, **kwargs) -> str:
+    """`jax.export` of `jitted(*args)` for a GPU platform and an abstract device, on any host: the
+    serialised module a deployment would load, as StableHLO text. The Triton kernels' custom call is
+    not among the targets jax.export guarantees stable across JAX versions, so its check is disabled:
+    an export holds for this JAX version only (the pin)."""
+    check = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    with jax.sharding.use_abstract_mesh(_abstract_mesh(platform, device_kind)):
+        exported = jax.export.export(jitted, platforms=[platform], disabled_checks=[check])(*args, **kwargs)
+    return exported.mlir_module()
 
 
 _HLO_OP = re.compile(r"=\s*(?:\(|)([a-z0-9]+)\[[^=]*?\s([a-z][a-z0-9-]*)\(")

@@ -41,9 +41,12 @@ class RolloutClient:
             raise RolloutError(e.code, text) from None
         return payload if path == "/metrics" else json.loads(payload)
 
-    def generate(self, prompts, *, n=1, max_new_tokens=16, temperature=1.0, seed=None, stop_token_ids=()):
+    def generate(
+        self, prompts, *, n=1, max_new_tokens=16, temperature=1.0, seed=None, stop_token_ids=(), ignore_eos=False
+    ):
         """prompts: list of token-id lists; seed: an int, one per prompt, or None (the server draws one).
-        Returns, per prompt, n samples with logprobs as float32 arrays."""
+        A sampled eos (the server's tokenizer's) ends a sample, unless ignore_eos. Returns, per prompt,
+        n samples with logprobs as float32 arrays."""
         out = self._call(
             "POST",
             "/generate",
@@ -54,6 +57,7 @@ class RolloutClient:
                 "temperature": temperature,
                 "seed": seed,
                 "stop_token_ids": list(stop_token_ids),
+                "ignore_eos": ignore_eos,
             },
         )
         for samples in out["results"]:

@@ -14,12 +14,12 @@ preempted, and a request's tokens depend only on its prompt, seed and temperatur
 Shapes (compiled once per bucket): prefill tokens [B, prefill_chunk], decode tokens [B, 1], page
 table [B, pages_per_seq]; B is a power of two up to max_batch.
 
+The device functions are rlkjax.steps', the request and sequence records rlkjax.sequences'.
 The public surface for a server or a learner: `submit`, `cancel`, `update_weights`, `step`,
 `run_until_done`, and the read-only `busy`, `weights_pending`, `policy_version` and `metrics()`.
 """
 
 import dataclasses
-import functools
 import itertools
 import threading
 import time
@@ -30,31 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlkjax.config import ModelConfig
-from rlkjax.model import forward, init_kv_cache, rope_tables, sample, sample_truncated, sample_with_alternatives
+from rlkjax.model import init_kv_cache, rope_tables
 from rlkjax.numerics import PAGE_SIZE, Numerics, ops
 from rlkjax.requests import MAX_TOP_LOGPROBS, check_int, check_tokens, sample_seed
-from rlkjax.sampling_params import SamplingParams
+from rlkjax.sampling_params import SamplingParams, at_stop
+from rlkjax.sequences import Completion, PageAllocator, Request, Round, Sequence, round_rows
 from rlkjax.shapes import bucket, cdiv
-
-
-@dataclasses.dataclass
-class Completion:
-    tokens: list[int]
-    # float32, one per token: log p(token | prefix) at the sampling temperature (greedy: T = 1), over the
-    # full vocabulary even when top_k/top_p/min_p truncated the draw (the learner's value), or over the
-    # renormalised kept set when the request asked for truncated_logprobs
-    logprobs: np.ndarray
-    finish_reason: str = "length"  # "length" | "stop" | "cancelled"
-    policy_version: int = 0
-    # Asked for with top_logprobs=k: per token, the k most likely ids of the same distribution
-    # (descending; equal values: lowest id first) [T, k] int32, and their logprobs [T, k] float32.
-    top_ids: np.ndarray | None = None
-    top_logprobs: np.ndarray | None = None
-    # Asked for with prompt_logprobs (rlkjax.generate): the learner's logprobs of prompt[1:] [P - 1],
-    # and, with k alternatives, their top ids and logprobs [P - 1, k].
-    prompt_logprobs: np.ndarray | None = None
-    prompt_top_ids: np.ndarray | None = None
-    prompt_top_logprobs: np.ndarray | None = None
+from rlkjax.steps import RowSampling, copy_pages, next_round, prefill_chunk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,290 +81,6 @@ class EngineConfig:
             token_budget=prefill_chunk * rows,
             max_context=max(lengths),
         )
-
-
-class PageAllocator:
-    """Free list with reference counts; page 0 is the trash page and never handed out."""
-
-    def __init__(self, num_pages: int):
-        self.free = deque(range(1, num_pages))
-        self.refs = np.zeros(num_pages, np.int32)
-
-    def alloc(self, n: int) -> list[int] | None:
-        if n > len(self.free):
-            return None
-        pages = [self.free.popleft() for _ in range(n)]
-        self.refs[pages] = 1
-        return pages
-
-    def share(self, pages):
-        for p in pages:
-            self.refs[p] += 1
-
-    def release(self, pages):
-        for p in pages:
-            self.refs[p] -= 1
-            if self.refs[p] == 0:
-                self.free.append(p)
-
-    @property
-    def used(self) -> int:
-        return int((self.refs > 0).sum())
-
-
-@dataclasses.dataclass(eq=False)
-class Sequence:
-    request: "Request"
-    index: int  # sample index within the request
-    seed: int
-    tokens: list[int]  # prompt + generated
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    top_ids: list = dataclasses.field(default_factory=list)  # [k] arrays, one per token (top_logprobs=k)
-    top_logprobs: list = dataclasses.field(default_factory=list)
-    pages: list[int] = dataclasses.field(default_factory=list)
-    cached: int = 0  # positions whose K/V are in the cache
-    admitted: int = -1  # admission order, for preemption
-    done: bool = False  # finished (its completion recorded); a round still in flight skips it
-
-    @property
-    def generated(self) -> int:
-        return len(self.tokens) - len(self.request.prompt)
-
-    @property
-    def decoding(self) -> bool:
-        return self.cached == len(self.tokens) - 1
-
-    @property
-    def started(self) -> bool:
-        """Its pages or tokens came from the current weights: it must finish before a swap."""
-        return bool(self.pages) or self.generated > 0
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-    id: int
-    prompt: list[int]
-    sampling: SamplingParams
-    stop_ids: frozenset  # the ids that end a sample: sampling.stop_token_ids, and the engine's eos unless ignore_eos
-    group: object = None  # admission takes turns between groups (the server: one per HTTP request); None = its own
-    results: list = dataclasses.field(default_factory=list)  # Completion per sample index, None until done
-    pending_forks: int = 0  # samples waiting for the leader's prompt pages
-    cancelled: bool = False
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    callbacks: list = dataclasses.field(default_factory=list)  # called (engine thread) when done
-    # Called (engine thread) after each decode round with (sample index, new tokens, their logprobs, their
-    # alternatives (top ids, top logprobs: a [k] array each per token) if top_logprobs, else None); returning
-    # an int k keeps the first k of them and stops that sample ("stop"), e.g. on a stop string (the server's
-    # streaming and stop strings). None: no hook.
-    on_tokens: object = None
-
-    def finish(self):
-        self.done.set()
-        for callback in self.callbacks:
-            callback()
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "numerics"), donate_argnames=("kv_cache",))
-def prefill_chunk(params, tokens, positions, kv_cache, page_table, rope, cfg, numerics):
-    """Write a chunk of prompt tokens [B, C] into the cache (their hidden states are not needed)."""
-    return forward(params, tokens, positions, kv_cache, page_table, rope, cfg, numerics)[1]
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "numerics", "alternatives"), donate_argnames=("kv_cache",))
-def decode_step(
-    params,
-    tokens,
-    positions,
-    kv_cache,
-    page_table,
-    seeds,
-    steps,
-    temps,
-    rope,
-    cfg,
-    numerics,
-    alternatives=0,
-    truncation=None,
-):
-    """Feed one token per row [B, 1]; sample the next with keys (seed, step); temperature 0 is
-    greedy. With `alternatives` = k > 0 (a separate variant: it materialises [B, vocab] fp32
-    logits) also returns each row's k most likely ids and their logprobs [B, k]; the tokens and
-    logprobs are the same bits either way. `truncation` = (top_k [B] (vocab: off), top_p, min_p,
-    renormalised [B] bool), or None: draws from the truncated distribution (another variant; a row
-    with nothing truncated draws the default path's token and bits) and records the full or, where
-    `renormalised`, the renormalised logprob."""
-    hidden, kv_cache = forward(params, tokens, positions, kv_cache, page_table, rope, cfg, numerics)
-    if truncation is not None:
-        top_k, top_p, min_p, renormalised = truncation
-        nxt, lp, renorm_lp, *top = sample_truncated(
-            params, hidden[:, 0], seeds, steps, temps, top_k, top_p, min_p, alternatives, numerics
-        )
-        return nxt, jnp.where(renormalised, renorm_lp, lp), kv_cache, *top
-    if alternatives:
-        nxt, lp, top_ids, top_lp = sample_with_alternatives(
-            params, hidden[:, 0], seeds, steps, temps, alternatives, numerics
-        )
-        return nxt, lp, kv_cache, top_ids, top_lp
-    next_tokens, logprobs = sample(params, hidden[:, 0], seeds, steps, temps, numerics)
-    return next_tokens, logprobs, kv_cache
-
-
-@functools.partial(
-    jax.jit, static_argnames=("cfg", "numerics", "num_steps", "alternatives"), donate_argnames=("kv_cache",)
-)
-def decode_round(
-    params,
-    tokens,
-    positions,
-    kv_cache,
-    page_table,
-    seeds,
-    steps,
-    temps,
-    budget,
-    stop_ids,
-    rope,
-    cfg,
-    numerics,
-    num_steps,
-    min_tokens=None,
-    alternatives=0,
-    truncation=None,
-):
-    """Up to `num_steps` decode steps on the device per host round trip.
-
-    tokens, positions, seeds, steps (tokens sampled so far), temps (0: greedy), budget (tokens the
-    row may still sample) [B]; stop_ids [B, S] (-1 pads); min_tokens [B] (None: 0). Every step is
-    exactly `decode_step` (same forward, same sample, keys (seed, steps + i)), so a round gives the
-    bits single steps give. A row stops after sampling its budget, or one of its stop ids once it
-    has min_tokens tokens (a stop id drawn earlier is kept as an ordinary token: the distribution
-    is never changed, so the logprobs stay the learner's); from then on it is fed as padding
-    (position -1: written to the trash page, read by nobody). Returns tokens [B, num_steps] (-1
-    after a row stopped), their logprobs, and the cache; with `alternatives` = k > 0 also top ids
-    and logprobs [B, num_steps, k]. `truncation`: as in `decode_step`.
-
-    The loop always runs num_steps steps: a loop that ended once every row stopped would need the
-    host to read its condition after every step, and XLA:GPU's dispatch then blocks the host for
-    the whole round (measured on the H200: 7.1 of 8.2 s of a server burst in dispatch), so the host
-    could not plan the next round while this one runs. A round whose rows all stop early (the last
-    one of a batch) runs its remaining steps on padding.
-    """
-    rows = tokens.shape[0]
-    min_tokens = jnp.zeros_like(steps) if min_tokens is None else min_tokens
-
-    def body(i, carry):
-        tok, pos, active, cache, out = carry
-        fed = jnp.where(active, pos, -1)
-        nxt, lp, cache, *top = decode_step(
-            params,
-            tok[:, None],
-            fed[:, None],
-            cache,
-            page_table,
-            seeds,
-            steps + i,
-            temps,
-            rope,
-            cfg,
-            numerics,
-            alternatives,
-            truncation,
-        )
-        nxt = jnp.where(active, nxt, -1)
-        new = (nxt, jnp.where(active, lp, jnp.zeros_like(lp)), *top)
-        out = tuple(jax.lax.dynamic_update_index_in_dim(o, x, i, axis=1) for o, x in zip(out, new))
-        stop = (jnp.any(nxt[:, None] == stop_ids, axis=1) & (steps + i + 1 >= min_tokens)) | (i + 1 >= budget)
-        return jnp.where(active, nxt, tok), pos + 1, active & ~stop, cache, out
-
-    out = (jnp.full((rows, num_steps), -1, jnp.int32), jnp.zeros((rows, num_steps), jnp.float32))
-    if alternatives:
-        k = (rows, num_steps, alternatives)
-        out += (jnp.zeros(k, jnp.int32), jnp.zeros(k, jnp.float32))
-    *_, kv_cache, out = jax.lax.fori_loop(0, num_steps, body, (tokens, positions, budget > 0, kv_cache, out))
-    return out[0], out[1], kv_cache, *out[2:]
-
-
-@functools.partial(
-    jax.jit, static_argnames=("cfg", "numerics", "num_steps", "alternatives"), donate_argnames=("kv_cache",)
-)
-def next_round(
-    params,
-    carry,
-    src,
-    tokens,
-    positions,
-    kv_cache,
-    page_table,
-    seeds,
-    steps,
-    temps,
-    budget,
-    stop_ids,
-    min_tokens,
-    rope,
-    cfg,
-    numerics,
-    num_steps,
-    alternatives=0,
-    truncation=None,
-):
-    """`decode_round` whose rows may continue the round before it, which the host has not read yet.
-
-    carry: (last token [C], stopped [C]) of the previous round's rows (padded to C rows), src [B]:
-    the previous round's row a row continues (-1: a row from the host, fed `tokens`). The host
-    knows every other input of a continuing row exactly (a row that did not stop sampled its whole
-    budget), so only the last token and whether the row stopped come from the device; a stopped
-    row gets no budget (it samples nothing, writes only the trash page). Integer selects and
-    gathers only: the forward and the sample are decode_round's. Returns decode_round's outputs
-    and this round's carry."""
-    take = src >= 0
-    row = jnp.maximum(src, 0)
-    tokens = jnp.where(take, carry[0][row], tokens)
-    budget = jnp.where(take & carry[1][row], 0, budget)
-    out_tok, out_lp, kv_cache, *top = decode_round(
-        params,
-        tokens,
-        positions,
-        kv_cache,
-        page_table,
-        seeds,
-        steps,
-        temps,
-        budget,
-        stop_ids,
-        rope,
-        cfg,
-        numerics,
-        num_steps,
-        min_tokens,
-        alternatives,
-        truncation,
-    )
-    produced = jnp.sum(out_tok >= 0, axis=1)
-    last = jnp.take_along_axis(out_tok, jnp.maximum(produced - 1, 0)[:, None], axis=1)[:, 0]
-    last = jnp.where(produced > 0, last, tokens)
-    # decode_round's stop rule, read off its last token: a row that sampled less than its budget stopped there.
-    at_stop = jnp.any(last[:, None] == stop_ids, axis=1) & (steps + produced >= min_tokens) & (produced > 0)
-    stopped = (budget <= 0) | at_stop
-    pad = carry[0].shape[0] - tokens.shape[0]
-    carry = (jnp.pad(last, (0, pad)), jnp.pad(stopped, (0, pad), constant_values=True))
-    return out_tok, out_lp, kv_cache, carry, *top
-
-
-@dataclasses.dataclass
-class Round:
-    """A decode round dispatched to the device and not read yet."""
-
-    seqs: list[Sequence]  # row i's sequence
-    budget: list[int]  # tokens row i may sample (it samples all of them unless it stops)
-    out: tuple  # device arrays: tokens, logprobs (and alternatives)
-    carry: tuple  # device arrays: next_round's carry
-
-
-@functools.partial(jax.jit, donate_argnames=("kv_cache",))
-def copy_pages(kv_cache, src, dst):
-    """Copy-on-write: pages dst <- pages src in every layer (data movement only)."""
-    return tuple(c.at[:, :, dst].set(c[:, :, src]) for c in kv_cache)
 
 
 class Engine:
@@ -463,10 +161,7 @@ class Engine:
             raise ValueError(
                 f"prompt + max_tokens needs more KV pages than the cache holds ({self.config.num_pages - 1})"
             )
-        stops = set(sampling.stop_token_ids)
-        if self.eos_token_id is not None and not sampling.ignore_eos:
-            stops.add(self.eos_token_id)
-        req = Request(next(self._ids), prompt, sampling, frozenset(stops), on_tokens=on_tokens)
+        req = Request(next(self._ids), prompt, sampling, sampling.stop_ids(self.eos_token_id), on_tokens=on_tokens)
         req.group = ("request", req.id) if group is None else group
         req.results = [None] * sampling.n
         seed = sampling.seed
@@ -523,27 +218,21 @@ class Engine:
                     self._note_shape(name, r)
                 elif name.startswith("decode_round"):
                     steps = 1 if name == "decode_round_1" else c.decode_steps
+                    idle = np.full(r, -1, np.int32)  # no row continues a round; every position is padding
                     zeros = np.zeros(r, np.int32)
                     _, _, self.cache, _ = next_round(
                         self.params,
                         self._no_carry,
-                        np.full(r, -1, np.int32),
+                        idle,
                         zeros,
-                        np.full(r, -1, np.int32),
+                        idle,
                         self.cache,
                         table,
-                        np.zeros(r, np.uint32),
-                        zeros,
-                        np.ones(r, np.float32),
-                        zeros,
-                        np.full((r, 1), -1, np.int32),
-                        zeros,
+                        RowSampling.idle(r),
                         self.rope,
                         self.cfg,
                         self.numerics,
                         steps,
-                        0,
-                        None,
                     )
                     self._note_shape("decode_round", (r, 1, 0, False, steps))
                 else:
@@ -791,29 +480,19 @@ class Engine:
             return None
         assert len(seqs) <= self.config.max_batch, "admission and forks keep the batch within max_batch"
         rows = bucket(len(seqs))
-        stops = bucket(max(len(s.request.stop_ids) for s in seqs))
-        tokens, positions, remaining = np.zeros(rows, np.int32), np.full(rows, -1, np.int32), np.zeros(rows, np.int32)
-        seeds, steps, temps = np.zeros(rows, np.uint32), np.zeros(rows, np.int32), np.ones(rows, np.float32)
-        stop_ids, min_tokens = np.full((rows, stops), -1, np.int32), np.zeros(rows, np.int32)
-        src = np.full(rows, -1, np.int32)
+        tokens, positions, sampling = round_rows(seqs, ahead, budget, rows, self.cfg.vocab_size)
         row_of = {s: j for j, s in enumerate(previous.seqs)} if previous else {}
-        for i, s in enumerate(seqs):
-            tokens[i], positions[i], remaining[i] = s.tokens[-1], len(s.tokens) - 1 + ahead[s], budget[s]
-            seeds[i], steps[i], temps[i] = s.seed, s.generated + ahead[s], s.request.sampling.temperature
-            src[i] = row_of.get(s, -1)
-            stop_ids[i, : len(s.request.stop_ids)] = sorted(s.request.stop_ids)
-            min_tokens[i] = s.request.sampling.min_tokens
+        src = np.full(rows, -1, np.int32)
+        src[: len(seqs)] = [row_of.get(s, -1) for s in seqs]
         self.stats["chained_rows"] += int((src >= 0).sum())
         # One variant with alternatives (k = the most any request may ask, so every k shares one
         # compilation), used only by rounds where some row asked: the default round keeps its speed.
         alternatives = self._alternatives if any(s.request.sampling.top_logprobs for s in seqs) else 0
-        # Likewise one variant for rounds with a truncating row; the other rows run it untruncated
-        # (top_k = vocab, top_p = 1, min_p = 0), which draws their default tokens and bits.
-        truncation = self._truncation(seqs, rows) if any(s.request.sampling.truncates for s in seqs) else None
         # A round runs all its steps (decode_round), so when no row may sample more than one token
         # (max_tokens=1 requests, last tokens) it is a one-step round, not decode_steps steps of padding.
-        length = 1 if int(remaining.max()) == 1 else self.config.decode_steps
-        self._note_shape("decode_round", (rows, stops, alternatives, truncation is not None, length))
+        length = 1 if int(sampling.budget.max()) == 1 else self.config.decode_steps
+        truncates = sampling.truncation is not None
+        self._note_shape("decode_round", (rows, sampling.stop_ids.shape[1], alternatives, truncates, length))
         start = time.perf_counter()
         if self._round_read_at is not None and previous is None:
             self.stats["gap_s"] += start - self._round_read_at
@@ -825,32 +504,16 @@ class Engine:
             positions,
             self.cache,
             self._page_table(seqs, rows),
-            seeds,
-            steps,
-            temps,
-            remaining,
-            stop_ids,
-            min_tokens,
+            sampling,
             self.rope,
             self.cfg,
             self.numerics,
             length,
             alternatives,
-            truncation,
         )
         self.stats["dispatch_s"] += time.perf_counter() - start
         self._round_read_at = None
         return Round(seqs, [budget[s] for s in seqs], (out_tok, out_lp, *top), carry)
-
-    def _truncation(self, seqs, rows):
-        top_k = np.full(rows, self.cfg.vocab_size, np.int32)
-        top_p, min_p = np.ones(rows, np.float32), np.zeros(rows, np.float32)
-        renormalised = np.zeros(rows, bool)
-        for i, s in enumerate(seqs):
-            r = s.request.sampling
-            top_k[i] = min(r.top_k, self.cfg.vocab_size) or self.cfg.vocab_size
-            top_p[i], min_p[i], renormalised[i] = r.top_p, r.min_p, r.truncated_logprobs
-        return top_k, top_p, min_p, renormalised
 
     def _collect_decode(self, round_: Round) -> list[Request]:
         """Read a round's tokens (this waits for the device) and finish the sequences that stopped.
@@ -863,7 +526,7 @@ class Engine:
         self.stats["wait_s"] += self._round_read_at - start
         finished = []
         for i, s in enumerate(round_.seqs):
-            if s.done:
+            if s.finished:
                 continue
             k = s.request.sampling.top_logprobs
             for j, (tok, lp) in enumerate(zip(out_tok[i], out_lp[i])):
@@ -877,21 +540,26 @@ class Engine:
                 s.cached += 1
                 self.stats["decode_tokens"] += 1
             req = s.request
-            stopped = s.tokens[-1] in req.stop_ids and s.generated >= req.sampling.min_tokens
+            stopped = at_stop(
+                np.int64(s.tokens[-1]), s.generated, np.asarray(req.stop_ids, np.int64), req.sampling.min_tokens
+            )
             reason = "stop" if stopped else ("length" if s.generated >= req.sampling.max_tokens else None)
-            if req.on_tokens is not None and self._hook_stops(s, int((out_tok[i] >= 0).sum())):
+            if req.on_tokens is not None and self._hook_stops(s, int((out_tok[i] >= 0).sum()), reason):
                 reason = "stop"
             if reason and self._finish(s, reason):  # its pages, those the round did not fill included, are freed now
                 finished.append(s.request)
         return finished
 
-    def _hook_stops(self, seq: Sequence, new: int) -> bool:
+    def _hook_stops(self, seq: Sequence, new: int, reason: str | None) -> bool:
         """Show the request's hook the round's `new` tokens (and, when it asked for top_logprobs, their
-        alternatives: (top ids, top logprobs), one [k] array each per token; else None); if it keeps only k of
-        them, drop the rest (their K/V is never read: the sequence ends here) and report that the sequence stopped."""
+        alternatives: (top ids, top logprobs), one [k] array each per token; else None) and the engine's
+        finish reason (None: the sample goes on); if it keeps only k of them, drop the rest (their K/V
+        is never read: the sequence ends here) and report that the sequence stopped."""
         tokens, logprobs = seq.tokens[len(seq.tokens) - new :], seq.logprobs[len(seq.logprobs) - new :]
         top = (seq.top_ids[len(seq.top_ids) - new :], seq.top_logprobs[len(seq.top_logprobs) - new :])
-        keep = seq.request.on_tokens(seq.index, tokens, logprobs, top if seq.request.sampling.top_logprobs else None)
+        keep = seq.request.on_tokens(
+            seq.index, tokens, logprobs, top if seq.request.sampling.top_logprobs else None, reason
+        )
         if keep is None:
             return False
         drop = new - check_int("on_tokens' keep", keep, 0, new)
@@ -902,7 +570,7 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: str) -> bool:
         self.pages.release(seq.pages)  # a round in flight may still write them: later users come after it
-        seq.pages, seq.done = [], True
+        seq.pages, seq.finished = [], True
         if seq in self.running:
             self.running.remove(seq)
         req = seq.request
@@ -949,6 +617,6 @@ class Engine:
             "running": len(self.running),
             "pages_used": self.pages.used,
             "pages_total": self.config.num_pages - 1,
-            "compilations": len(self.shapes_seen),
+            "compiled_shapes": len(self.shapes_seen),
             "policy_version": self.policy_version,
         }

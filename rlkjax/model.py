@@ -17,7 +17,7 @@ import numpy as np
 
 from pallas_kernels._common import pad_dim
 from rlkjax.config import ModelConfig
-from rlkjax.numerics import PAGE_SIZE, Numerics, ops, padded_rows
+from rlkjax.numerics import PAGE_SIZE, Numerics, ops, options, padded_rows
 from rlkjax.shapes import cdiv, fresh_page_table
 
 
@@ -120,12 +120,6 @@ def _embed_bwd(saved, ct):
 embed.defvjp(_embed_fwd, _embed_bwd)
 
 
-# Layers per iteration of the sampler's layer loop (weights read in place). Unrolling only removes the
-# loop's own counter/compare kernels (~4 launches a layer at 0.6B decode); the same kernels run on the
-# same inputs, so the bits do not depend on it. bench.speed --layer-unroll measures it.
-LAYER_UNROLL = 1
-
-
 def unstack(w):
     """[L, ...] -> L arrays [...]: one split, whose gradient is one concatenation of the layers'."""
     return [p.reshape(w.shape[1:]) for p in jax.lax.split(w, [1] * w.shape[0])]
@@ -162,7 +156,8 @@ def forward(
     q/k/v + q/k norms; o_proj + norm + gate/up + swiglu + down_proj) in the backward instead of
     keeping their intermediates: the layer scan then stacks only each layer's input and the
     attention's q, k, v and output (Qwen3-4B, 4 x 1024 tokens: 100 instead of 428 MiB per layer)
-    for about a quarter more matmul work. Same kernels on the same inputs: the same bits."""
+    for about a quarter more matmul work. Same kernels on the same inputs: the same bits.
+    numerics: "strict", "fast" or a NumericsOptions (its layer_unroll sets the sampler's layer loop)."""
     op = ops(numerics)
     b, t = tokens.shape
     n = b * t
@@ -230,7 +225,7 @@ def forward(
     if weights_in_place or layer_weights is not None:
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         scanned = {} if weights_in_place else params["layers"]
-        unroll = LAYER_UNROLL if weights_in_place else 1
+        unroll = options(numerics).layer_unroll if weights_in_place else 1
         step = lambda carry, xs: layer_step(carry, xs, (*shared, None))  # noqa: E731
         (x, k_pages, v_pages), _ = jax.lax.scan(step, (x, *kv_cache), (scanned, layer_ids), unroll=unroll)
     else:

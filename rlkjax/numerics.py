@@ -8,14 +8,16 @@ sides, since sampler and learner read the same table).
 
 import dataclasses
 import functools
+import logging
 import os
 from collections.abc import Callable
 from typing import Literal, NamedTuple
 
-from pallas_kernels import attention, attention_bwd, logprob, matmul, rmsnorm, swiglu, truncation
-from pallas_kernels._common import interpret_mode
+import jax
 
-Numerics = Literal["strict", "fast"]
+from pallas_kernels import attention, attention_bwd, logprob, matmul, rmsnorm, swiglu, truncation
+
+Mode = Literal["strict", "fast"]
 
 # op: (inputs, accumulate / statistics, output). "act" = the model dtype (bf16, or fp32 in tests).
 PRECISION = {
@@ -52,51 +54,6 @@ MATMUL_SMALL = matmul.MatmulConfig(block_m=64, block_n=32, block_k=MATMUL_BLOCK_
 MATMUL_MEDIUM = matmul.MatmulConfig(block_m=64, block_n=128, block_k=MATMUL_BLOCK_K, num_warps=4, num_stages=4)
 MATMUL = matmul.MatmulConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
 
-
-# The matmul backward reads dy, w and x in place (MatmulConfig.backward_in_place) instead of
-# multiplying transposed copies: learner 34.9 -> 38.0% MFU at Qwen3-1.7B x 8 x 1024, 37.2 -> 40.1% at
-# 4B (H200, 2026-11-30, bench.speed --learner-copies side by side). Forward bits are unchanged.
-MATMUL_BACKWARD_IN_PLACE = True
-
-
-def matmul_config(rows: int) -> matmul.MatmulConfig:
-    """The tile config for a call with `rows` rows (a static shape, so chosen at trace time)."""
-    c = MATMUL_DECODE if rows <= 16 else MATMUL_SMALL if rows <= 64 else MATMUL_MEDIUM if rows <= 256 else MATMUL
-    return dataclasses.replace(c, backward_in_place=True) if MATMUL_BACKWARD_IN_PLACE else c
-
-
-def set_matmul_backward(in_place: bool) -> None:
-    """The matmuls' gradient: kernels that read the operands in place (default) or transposed copies
-    through the forward kernel. Forward bits are the same either way. Takes effect for functions
-    traced afterwards."""
-    global MATMUL_BACKWARD_IN_PLACE
-    MATMUL_BACKWARD_IN_PLACE = in_place
-
-
-def logprob_config() -> logprob.LogprobConfig:
-    """LOGPROB, its backward's matmuls reading their operands in place as the layers' do (or not:
-    set_matmul_backward). Forward bits are the same either way."""
-    return dataclasses.replace(
-        LOGPROB, backward=dataclasses.replace(LOGPROB.backward, backward_in_place=MATMUL_BACKWARD_IN_PLACE)
-    )
-
-
-def rmsnorm_config(cos) -> rmsnorm.RMSNormConfig:
-    """Hidden-size norms (no RoPE) or the per-head q/k norms (RoPE tables given)."""
-    return RMSNORM if cos is None else RMSNORM_HEADS
-
-
-def padded_rows(rows: int, numerics: "Numerics") -> int:
-    """Rows the strict forward carries its activations at: a multiple of the matmul tile height of
-    `rows`' class (16 for decode), so no kernel pads or slices per call (a decode step of one row
-    spent ~5% of its time in pad/slice copies around every matmul and norm). Rows are independent
-    in every kernel, so padding never changes a real row's bits. The fast path pads nothing."""
-    if numerics == "fast":
-        return rows
-    block = matmul_config(rows).block_m
-    return -(-rows // block) * block
-
-
 # RMSNorm: one row per program for the hidden-size norms (a decode step's single real row was one
 # program walking 16 padded rows: 21 us per call at 4096 wide on the H200, 73 calls a step); the
 # per-head q/k norms (+RoPE, 128 wide, heads x tokens rows) keep 16-row programs. The row tile
@@ -107,9 +64,10 @@ SWIGLU = swiglu.SwiGLUConfig(block_rows=16, block_cols=128, num_warps=4)
 # Attention: 4 pages (64 keys) per online-softmax step: a decode step's attention was a chain of
 # one-page steps (19 us per layer at 8B, batch 1, context 512 on the H200 for 1 MB of KV).
 # The learner's attention gradient: the Pallas flash backward (pallas_kernels/attention_bwd.py). XLA's
-# dense backward (backward=None) holds [B, H, T, T] fp32 arrays and runs XLA dots, whose algorithm
-# XLA's autotuner picks per compilation by timing: two processes training on the same two H200s got
-# gradients that differed in the last bits (2026-11-30), and the flash backward has no XLA dot.
+# dense backward (NumericsOptions.attention_backward="dense") holds [B, H, T, T] fp32 arrays and runs
+# XLA dots, whose algorithm XLA's autotuner picks per compilation by timing: two processes training on
+# the same two H200s got gradients that differed in the last bits (2026-11-30), and the flash backward
+# has no XLA dot.
 # Forward programs: 2 warps and 2 query tiles per program (where a call has 2): the learner's
 # attention at Qwen3-4B x 2 x 4096 tokens 4.06 -> 2.80 ms a layer, 8 x 1024 1.37 -> 1.02 ms, a
 # decode step at batch 64 x 2048 (8B heads) 373 -> 299 us (H200, 2026-11-30, bench.speed --only
@@ -128,16 +86,6 @@ ATTENTION = attention.AttentionConfig(
     tiles=2,
     backward=attention_bwd.AttentionBwdConfig(),
 )
-
-
-def set_attention_backward(flash: bool) -> None:
-    """The learner's attention gradient: the Pallas flash backward (default) or XLA's dense one (to
-    compare speed and memory). Forward bits are the same either way (only the backward changes).
-    Takes effect for functions traced afterwards."""
-    global ATTENTION
-    ATTENTION = dataclasses.replace(ATTENTION, backward=attention_bwd.AttentionBwdConfig() if flash else None)
-
-
 LOGPROB = logprob.LogprobConfig(
     block_rows=64, block_vocab=128, block_k=64, vocab_splits=128, num_warps=4, num_stages=4, backward=MATMUL
 )
@@ -148,10 +96,210 @@ LOGPROB = logprob.LogprobConfig(
 # the H200 and in interpret mode: 16- vs 64-row programs differ in the last bit for some rows).
 # A decode step reads the lm_head once anyway: row blocks of one vocab range run next to each
 # other (rows are the fastest grid axis) and share it through L2.
-PAGE_SIZE = ATTENTION.page_size  # the fast path uses the same cache layout
+PAGE_SIZE = ATTENTION.page_size  # the fast path uses the same cache layout, and so does every tile table
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Every kernel's config on one platform. Part of the contract: the sampler and the learner read
+    the same table, and a different table may give different bits."""
+
+    matmul_decode: matmul.MatmulConfig  # calls of <= 16 rows
+    matmul_small: matmul.MatmulConfig  # 17-64 rows
+    matmul_medium: matmul.MatmulConfig  # 65-256 rows
+    matmul: matmul.MatmulConfig  # more (the learner)
+    rmsnorm: rmsnorm.RMSNormConfig  # hidden-size norms
+    rmsnorm_heads: rmsnorm.RMSNormConfig  # per-head q/k norms with RoPE
+    swiglu: swiglu.SwiGLUConfig
+    attention: attention.AttentionConfig  # its `backward` is the flash backward's config
+    logprob: logprob.LogprobConfig
+
+    def __post_init__(self):
+        if self.attention.page_size != PAGE_SIZE:
+            raise ValueError(f"attention.page_size={self.attention.page_size} must be {PAGE_SIZE} (the cache layout)")
+
+    def matmul_for(self, rows: int) -> matmul.MatmulConfig:
+        """The tile config for a call with `rows` rows (a static shape, so chosen at trace time)."""
+        if rows <= 16:
+            return self.matmul_decode
+        return self.matmul_small if rows <= 64 else self.matmul_medium if rows <= 256 else self.matmul
+
+
+CUDA_TILES = Tiles(
+    matmul_decode=MATMUL_DECODE,
+    matmul_small=MATMUL_SMALL,
+    matmul_medium=MATMUL_MEDIUM,
+    matmul=MATMUL,
+    rmsnorm=RMSNORM,
+    rmsnorm_heads=RMSNORM_HEADS,
+    swiglu=SWIGLU,
+    attention=ATTENTION,
+    logprob=LOGPROB,
+)
+
+# AMD Instinct (gfx942 MI300X; gfx950 MI355X), not yet run on one: chosen from an offline compile with
+# the registry's Triton (tests/test_rocm_compile.py). Two rules the CUDA table breaks there:
+# - LDS: 64 KiB per workgroup on gfx942, and a matmul's usage is (stages - 1) x (A tile + B tile)
+#   (bf16): CUDA's 64x32x128 x 4 stages needs 72 KiB, 64x128x128 x 4 144, 128x256x64 x 3 96, the
+#   logprob's 64 + 128 rows x 64 x 4 stages 72. Every config below fits (at most 48 KiB).
+# - The matrix instruction: Triton's AMD backend picks the MFMA shape from min(tile M, tile N)
+#   (16x16x16 below 32, 32x32x8 at 32 or more). An output row's K chain is its instruction's, so
+#   CUDA's 16-row decode tiles (K steps of 16) and the learner's 128-row tiles (steps of 8) could
+#   give one row different bits on the two sides. Here every matmul on the logprob path has tile
+#   M and N >= 32 (decode pads to 32 rows instead of 16), so the sampler and the learner run one
+#   instruction shape; the attention kernel has one config for both sides anyway.
+ROCM_TILES = Tiles(
+    matmul_decode=matmul.MatmulConfig(block_m=32, block_n=32, block_k=128, num_warps=4, num_stages=3),  # 32 KiB
+    matmul_small=matmul.MatmulConfig(block_m=64, block_n=32, block_k=128, num_warps=4, num_stages=3),  # 48 KiB
+    matmul_medium=matmul.MatmulConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3),  # 48 KiB
+    matmul=matmul.MatmulConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=2),  # 32 KiB
+    rmsnorm=RMSNORM,
+    rmsnorm_heads=RMSNORM_HEADS,
+    swiglu=SWIGLU,
+    attention=ATTENTION,
+    logprob=dataclasses.replace(
+        LOGPROB,
+        num_stages=3,  # (64 + 128) x 64 x 2 bytes x 2 = 48 KiB
+        backward=matmul.MatmulConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=2),
+    ),
+)
+
+Platform = Literal["cuda", "rocm", "cpu"]
+# The CPU runs the kernels interpreted with the CUDA table, so CPU tests exercise the shipped configs
+# (a test runs the contract on the ROCm table interpreted too: tests/test_rocm.py).
+TILES: dict[str, Tiles] = {"cuda": CUDA_TILES, "rocm": ROCM_TILES, "cpu": CUDA_TILES}
+
+
+def default_platform() -> Platform:
+    """The platform the default backend compiles for: Pallas runs through Triton on NVIDIA and AMD
+    GPUs and interpreted on the CPU; nothing else."""
+    backend = jax.default_backend()
+    if backend == "cpu":
+        return "cpu"
+    if backend in ("gpu", "cuda", "rocm"):
+        version = jax.devices()[0].client.platform_version.lower()
+        return "rocm" if "rocm" in version or "hip" in version else "cuda"
+    raise RuntimeError(f"strict numerics need a GPU (Triton) or the CPU (interpret mode); got backend {backend!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class NumericsOptions:
+    """The numerics choices of a compiled function, as one hashable value: `ops()`, `model.forward`
+    and the jitted step functions take it (or the plain strings "strict" / "fast", the defaults
+    below) as a static argument, so a different choice is a different compilation, never a module
+    global that a function compiled earlier silently ignores. Only `mode`, `platform` and `tiles`
+    can change a logprob; the backward choices change gradients' implementation (and possibly
+    their last bits), `layer_unroll` nothing."""
+
+    mode: Mode = "strict"
+    # The matmuls' gradient: kernels that read dy, w and x in place, or transposed copies through the
+    # forward kernel. In place: learner 34.9 -> 38.0% MFU at Qwen3-1.7B x 8 x 1024, 37.2 -> 40.1% at 4B
+    # (H200, 2026-11-30, bench.speed --learner-copies side by side). Forward bits are the same.
+    matmul_backward: Literal["in_place", "copies"] = "in_place"
+    # The learner's attention gradient: the Pallas flash backward, or XLA's dense one (to compare speed
+    # and memory; it runs XLA dots). Forward bits are the same.
+    attention_backward: Literal["flash", "dense"] = "flash"
+    # Layers per iteration of the sampler's layer loop (weights read in place). Unrolling only removes the
+    # loop's own counter/compare kernels (~4 launches a layer at 0.6B decode); the same kernels run on
+    # the same inputs, so the bits do not depend on it. bench.speed --layer-unroll measures it.
+    layer_unroll: int = 1
+    # The platform whose tile table and lowering (Triton or the interpreter) to use; None: the default
+    # backend's (a lowering for another platform, e.g. CUDA on a CPU machine, names it).
+    platform: Platform | None = None
+    tiles: Tiles | None = None  # None: TILES[platform]
+
+    def __post_init__(self):
+        if self.mode not in ("strict", "fast"):
+            raise ValueError(f"numerics mode={self.mode!r} must be 'strict' or 'fast'")
+        if self.matmul_backward not in ("in_place", "copies"):
+            raise ValueError(f"matmul_backward={self.matmul_backward!r} must be 'in_place' or 'copies'")
+        if self.attention_backward not in ("flash", "dense"):
+            raise ValueError(f"attention_backward={self.attention_backward!r} must be 'flash' or 'dense'")
+        if self.layer_unroll < 1:
+            raise ValueError(f"layer_unroll={self.layer_unroll} must be >= 1")
+        if self.platform not in (None, *TILES):
+            raise ValueError(f"platform={self.platform!r} must be one of {sorted(TILES)} (or None: the default)")
+
+    def resolved(self) -> "NumericsOptions":
+        """The same choices with the platform and its tile table filled in."""
+        platform = self.platform or default_platform()
+        return dataclasses.replace(self, platform=platform, tiles=self.tiles or TILES[platform])
+
+    def matmul_config(self, rows: int) -> matmul.MatmulConfig:
+        """The tile config for a call with `rows` rows, its backward as chosen (resolved options only)."""
+        c = self.tiles.matmul_for(rows)
+        return dataclasses.replace(c, backward_in_place=True) if self.matmul_backward == "in_place" else c
+
+    def logprob_config(self) -> logprob.LogprobConfig:
+        """The learner's logprob config: its backward's matmuls read their operands in place as the
+        layers' do (or not). Forward bits are the same either way."""
+        c = self.tiles.logprob
+        in_place = self.matmul_backward == "in_place"
+        return dataclasses.replace(c, backward=dataclasses.replace(c.backward, backward_in_place=in_place))
+
+    def attention_config(self) -> attention.AttentionConfig:
+        c = self.tiles.attention
+        return c if self.attention_backward == "flash" else dataclasses.replace(c, backward=None)
+
+    def rmsnorm_config(self, cos) -> rmsnorm.RMSNormConfig:
+        """Hidden-size norms (no RoPE) or the per-head q/k norms (RoPE tables given)."""
+        return self.tiles.rmsnorm if cos is None else self.tiles.rmsnorm_heads
+
+
+Numerics = Mode | NumericsOptions  # the public API takes the plain strings; the library passes either
+
+
+def matmul_config(rows: int, numerics: Numerics = "strict") -> matmul.MatmulConfig:
+    """The matmul config a strict call with `rows` rows runs with (the default platform's table)."""
+    return options(numerics).resolved().matmul_config(rows)
+
+
+def rmsnorm_config(cos, numerics: Numerics = "strict") -> rmsnorm.RMSNormConfig:
+    """The norm config a strict call runs with: hidden-size norms (cos None) or per-head q/k norms."""
+    return options(numerics).resolved().rmsnorm_config(cos)
+
+
+def options(numerics: Numerics) -> NumericsOptions:
+    """The options a string ("strict", "fast") or an options value stands for."""
+    if isinstance(numerics, NumericsOptions):
+        return numerics
+    if numerics not in ("strict", "fast"):
+        raise ValueError(f"numerics={numerics!r} must be 'strict', 'fast' or a NumericsOptions")
+    return NumericsOptions(mode=numerics)
+
+
+def padded_rows(rows: int, numerics: Numerics) -> int:
+    """Rows the strict forward carries its activations at: a multiple of the matmul tile height of
+    `rows`' class (16 for decode), so no kernel pads or slices per call (a decode step of one row
+    spent ~5% of its time in pad/slice copies around every matmul and norm). Rows are independent
+    in every kernel, so padding never changes a real row's bits. The fast path pads nothing."""
+    opts = options(numerics)
+    if opts.mode == "fast":
+        return rows
+    block = opts.resolved().tiles.matmul_for(rows).block_m
+    return -(-rows // block) * block
+
 
 # XLA must not keep excess precision between ops or drop roundings we asked for.
 STRICT_XLA_FLAGS = ("--xla_allow_excess_precision=false",)
+
+
+class _NoAmdGpuFilter(logging.Filter):
+    """Drops the ROCm plugin's "No AMD GPUs were found" traceback: with `.[rocm]` installed, JAX logs
+    it as a plugin configuration error on every machine without an AMD GPU, even with
+    JAX_PLATFORMS=cpu, though nothing is wrong (JAX goes on with the other backends). Every other
+    plugin error still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and "No AMD GPUs were found" in str(record.exc_info[1]))
+
+
+NO_AMD_GPU_FILTER = _NoAmdGpuFilter()
+
+
+def quiet_rocm_plugin_without_gpu() -> None:
+    """Keep the ROCm plugin's no-GPU traceback from users' screens (before JAX discovers plugins)."""
+    logging.getLogger("jax._src.xla_bridge").addFilter(NO_AMD_GPU_FILTER)
 
 
 _started_without_flags = False  # XLA's backend was already up, without our flags, when rlkjax was imported
@@ -212,44 +360,55 @@ class Ops(NamedTuple):
     token_logprobs_truncated: Callable
 
 
-@functools.cache
 def ops(numerics: Numerics) -> Ops:
-    if numerics == "fast":
+    """The op set of `numerics` (a string or options), on its platform's tile table."""
+    opts = options(numerics)
+    if opts.mode == "strict":
+        check_xla_flags()
+    return _ops(opts.resolved() if opts.mode == "strict" else NumericsOptions(mode="fast"))
+
+
+@functools.cache
+def _ops(opts: NumericsOptions) -> Ops:
+    if opts.mode == "fast":
         return Ops(
-            lambda x, w, r=None: matmul.matmul_reference(x, w, r),
-            lambda x, w, layer, r=None: matmul.matmul_reference(x, w[layer], r),
-            lambda x, w_layer, w, layer, r=None: matmul.matmul_reference(x, w_layer, r),
-            lambda x, ws, layer: tuple(matmul.matmul_reference(x, w[layer]) for w in ws),
-            rmsnorm.rmsnorm_reference,
-            lambda x, w, layer, cos, sin, eps: rmsnorm.rmsnorm_reference(x, w[layer], cos, sin, eps),
-            swiglu.swiglu_reference,
-            lambda pt, pos, g: attention.plan(pt, pos, g, PAGE_SIZE),
-            attention.paged_attention_reference,
-            logprob.token_logprobs_reference,
-            logprob.sample_tokens_reference,
-            logprob.sample_tokens_with_alternatives_reference,
-            logprob.token_logprobs_with_alternatives_reference,
-            truncation.sample_tokens_truncated_reference,
-            truncation.token_logprobs_truncated_reference,
+            matmul=lambda x, w, r=None: matmul.matmul_reference(x, w, r),
+            matmul_layer=lambda x, w, layer, r=None: matmul.matmul_reference(x, w[layer], r),
+            matmul_in_place=lambda x, w_layer, w, layer, r=None: matmul.matmul_reference(x, w_layer, r),
+            matmul_layer_fused=lambda x, ws, layer: tuple(matmul.matmul_reference(x, w[layer]) for w in ws),
+            rmsnorm=rmsnorm.rmsnorm_reference,
+            rmsnorm_layer=lambda x, w, layer, cos, sin, eps: rmsnorm.rmsnorm_reference(x, w[layer], cos, sin, eps),
+            swiglu=swiglu.swiglu_reference,
+            attention_plan=lambda pt, pos, g: attention.plan(pt, pos, g, PAGE_SIZE),
+            attention=attention.paged_attention_reference,
+            token_logprobs=logprob.token_logprobs_reference,
+            sample_tokens=logprob.sample_tokens_reference,
+            sample_tokens_with_alternatives=logprob.sample_tokens_with_alternatives_reference,
+            token_logprobs_with_alternatives=logprob.token_logprobs_with_alternatives_reference,
+            sample_tokens_truncated=truncation.sample_tokens_truncated_reference,
+            token_logprobs_truncated=truncation.token_logprobs_truncated_reference,
         )
-    if numerics != "strict":
-        raise ValueError(f"numerics={numerics!r} must be 'strict' or 'fast'")
-    check_xla_flags()
-    interp = interpret_mode()
+    interp = opts.platform == "cpu"
+    mm, norm = opts.matmul_config, opts.rmsnorm_config
+    att, lp = opts.attention_config(), opts.tiles.logprob
     return Ops(
-        lambda x, w, r=None: matmul.matmul(x, w, r, matmul_config(x.shape[0]), interp),
-        lambda x, w, layer, r=None: matmul.matmul_layer(x, w, layer, r, matmul_config(x.shape[0]), interp),
-        lambda x, wl, w, i, r=None: matmul.matmul_in_place(x, wl, w, i, r, matmul_config(x.shape[0]), interp),
-        lambda x, ws, layer: matmul.matmul_layer_fused(x, ws, layer, matmul_config(x.shape[0]), interp),
-        lambda x, w, cos, sin, eps: rmsnorm.rmsnorm(x, w, cos, sin, eps, rmsnorm_config(cos), interp),
-        lambda x, w, i, cos, sin, eps: rmsnorm.rmsnorm_layer(x, w, i, cos, sin, eps, rmsnorm_config(cos), interp),
-        lambda g, u: swiglu.swiglu(g, u, SWIGLU, interp),
-        lambda pt, pos, g: attention.plan(pt, pos, g, ATTENTION.page_size, ATTENTION),
-        lambda *a: attention.paged_attention(*a, ATTENTION, interp),
-        lambda h, w, t, temp: logprob.token_logprobs(h, w, t, temp, logprob_config(), interp),
-        lambda h, w, s, st, temp: logprob.sample_tokens(h, w, s, st, temp, LOGPROB, interp),
-        lambda h, w, s, st, temp, k: logprob.sample_tokens_with_alternatives(h, w, s, st, temp, k, LOGPROB, interp),
-        lambda h, w, t, temp, k: logprob.token_logprobs_with_alternatives(h, w, t, temp, k, LOGPROB, interp),
-        lambda *a: truncation.sample_tokens_truncated(*a, LOGPROB, interp),
-        lambda *a: truncation.token_logprobs_truncated(*a, LOGPROB, interp),
+        matmul=lambda x, w, r=None: matmul.matmul(x, w, r, mm(x.shape[0]), interp),
+        matmul_layer=lambda x, w, layer, r=None: matmul.matmul_layer(x, w, layer, r, mm(x.shape[0]), interp),
+        matmul_in_place=lambda x, wl, w, i, r=None: matmul.matmul_in_place(x, wl, w, i, r, mm(x.shape[0]), interp),
+        matmul_layer_fused=lambda x, ws, layer: matmul.matmul_layer_fused(x, ws, layer, mm(x.shape[0]), interp),
+        rmsnorm=lambda x, w, cos, sin, eps: rmsnorm.rmsnorm(x, w, cos, sin, eps, norm(cos), interp),
+        rmsnorm_layer=lambda x, w, i, cos, sin, eps: rmsnorm.rmsnorm_layer(x, w, i, cos, sin, eps, norm(cos), interp),
+        swiglu=lambda g, u: swiglu.swiglu(g, u, opts.tiles.swiglu, interp),
+        attention_plan=lambda pt, pos, g: attention.plan(pt, pos, g, att.page_size, att),
+        attention=lambda *a: attention.paged_attention(*a, att, interp),
+        token_logprobs=lambda h, w, t, temp: logprob.token_logprobs(h, w, t, temp, opts.logprob_config(), interp),
+        sample_tokens=lambda h, w, s, st, temp: logprob.sample_tokens(h, w, s, st, temp, lp, interp),
+        sample_tokens_with_alternatives=lambda h, w, s, st, temp, k: logprob.sample_tokens_with_alternatives(
+            h, w, s, st, temp, k, lp, interp
+        ),
+        token_logprobs_with_alternatives=lambda h, w, t, temp, k: logprob.token_logprobs_with_alternatives(
+            h, w, t, temp, k, lp, interp
+        ),
+        sample_tokens_truncated=lambda *a: truncation.sample_tokens_truncated(*a, lp, interp),
+        token_logprobs_truncated=lambda *a: truncation.token_logprobs_truncated(*a, lp, interp),
     )

@@ -1,7 +1,10 @@
 """`SamplingParams`: what one request asks the sampler for, as one frozen value with vLLM's field
 names, checked once when it is built. `check_model` adds the checks that need the model (its
 vocabulary and context). `rlkjax.generate`, `Engine.submit`, the server's routes and train.grpo's
-rollouts all take this one value, so an option is spelled, defaulted and validated in one place."""
+rollouts all take this one value, so an option is spelled, defaulted and validated in one place.
+
+Here too, once for every caller: the eos policy (`SamplingParams.stop_ids`) and the stop rule
+(`at_stop`), which the engine applies on the device and on the host."""
 
 import dataclasses
 
@@ -82,6 +85,13 @@ class SamplingParams:
         """Drawn from a truncated distribution, or recording renormalised logprobs."""
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0 or self.truncated_logprobs
 
+    def stop_ids(self, eos_token_id: int | None) -> tuple[int, ...]:
+        """The eos policy: the ids that end a sample are stop_token_ids and, unless ignore_eos, the
+        model's eos (None: the model has none). A sampled eos belongs to the completion (returned
+        with its logprob, and trained on) like any stop id."""
+        eos = () if eos_token_id is None or self.ignore_eos else (eos_token_id,)
+        return tuple(sorted(set(self.stop_token_ids) | set(eos)))
+
     def check_model(self, vocab_size: int, context: int, prompt_len: int = 0) -> None:
         """The checks that need the model: ids inside its vocabulary, at most `vocab_size`
         alternatives, and prompt_len + max_tokens within `context` tokens. Raises ValueError naming
@@ -96,3 +106,11 @@ class SamplingParams:
             raise ValueError(
                 f"prompt ({prompt_len}) + max_tokens ({self.max_tokens}) exceeds the context of {context} tokens"
             )
+
+
+def at_stop(token, generated, stop_ids, min_tokens):
+    """The stop rule, for numpy and jax arrays alike: `token` [...], a sample's `generated`-th token,
+    ends the sample if it is one of `stop_ids` [..., S] (-1 pads) and generated >= min_tokens. A
+    stop id sampled earlier is an ordinary token. (Sampling max_tokens tokens ends it too: the
+    callers count that themselves.)"""
+    return (token[..., None] == stop_ids).any(axis=-1) & (generated >= min_tokens)

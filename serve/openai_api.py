@@ -20,167 +20,19 @@ the more likely one's, and the extension `top_token_ids` lists the k ids themsel
 """
 
 import asyncio
-import dataclasses
 import json
 import logging
-import math
 import time
 
 from aiohttp import web
 
 import rlkjax
 from rlkjax.chat import ChatTemplateError, message_text
-from rlkjax.requests import MAX_TOP_LOGPROBS
-from rlkjax.sampling_params import SamplingParams
 from serve.http import BadRequest, RequestTimeout, ShuttingDown, _fields, _json, _json_response, _opt, _prompts
+from serve.openai_params import CHAT_FIELDS, COMPLETION_FIELDS, Sampling, bool_field, sampling
 from serve.text import SampleText, offsets, token_pieces
 
 log = logging.getLogger("serve.rollout")
-
-COMMON_FIELDS = {
-    "model",
-    "max_tokens",
-    "temperature",
-    "n",
-    "seed",
-    "stop",
-    "stream",
-    "stream_options",
-    "user",
-    "stop_token_ids",
-    "include_stop_str_in_output",
-    "return_token_ids",
-    "timeout",
-    "top_k",
-    "top_p",
-    "min_p",
-    "min_tokens",
-    "ignore_eos",
-    "truncated_logprobs",
-}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo"}
-CHAT_FIELDS = COMMON_FIELDS | {
-    "messages",
-    "logprobs",
-    "top_logprobs",
-    "max_completion_tokens",
-    "add_generation_prompt",
-    "chat_template_kwargs",
-}
-
-
-@dataclasses.dataclass
-class Sampling:
-    """What one request asks for, validated."""
-
-    params: SamplingParams  # what the engine samples with (its max_tokens at least 1)
-    max_tokens: int  # 0: echo only, nothing sampled
-    stop: list[str]
-    include_stop: bool
-    logprobs: bool
-    echo: bool
-    return_token_ids: bool
-    stream: bool
-    include_usage: bool
-    timeout: float | None
-
-
-def _bool(body, name, default=False) -> bool:
-    value = _opt(body, name, default)
-    if not isinstance(value, bool):
-        raise BadRequest(f"{name} must be true or false, got {value!r}")
-    return value
-
-
-MAX_STOPS, MAX_STOP_CHARS = 32, 1024  # stop strings are searched after every token on the engine thread
-
-
-def _stop_strings(value) -> list[str]:
-    stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise BadRequest("stop must be a non-empty string or a list of them")
-    if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
-        raise BadRequest(f"stop takes at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters")
-    return stops
-
-
-def _int_list(body, name) -> list[int]:
-    value = _opt(body, name, [])
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        raise BadRequest(f"{name} must be a list of token ids")
-    return value
-
-
-def sampling(server, body: dict, *, chat: bool, prompt_len: int) -> Sampling:
-    """The request's sampling fields, checked; the engine checks the rest (n, ids, lengths) with its own messages."""
-    most = min(MAX_TOP_LOGPROBS, server.cfg.vocab_size)
-    if chat:
-        logprobs = _bool(body, "logprobs")
-        top = _opt(body, "top_logprobs", 0)
-        if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= most:
-            raise BadRequest(f"top_logprobs must be null or an integer in [0, {most}], got {top!r}")
-        if top and not logprobs:
-            raise BadRequest("top_logprobs needs logprobs: true")
-        default_max = max(server.engine.max_context - prompt_len, 1)  # OpenAI's chat default: up to the context
-        max_tokens = _opt(body, "max_completion_tokens", _opt(body, "max_tokens", default_max))
-        echo = False
-    else:
-        lp = body.get("logprobs")
-        if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= most):
-            raise BadRequest(
-                f"logprobs must be null or an integer in [0, {most}] (top alternatives per token), got {lp!r}"
-            )
-        top = lp or 0
-        logprobs, max_tokens, echo = lp is not None, _opt(body, "max_tokens", 16), _bool(body, "echo")
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
-        raise BadRequest(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
-    if max_tokens == 0 and not echo:
-        raise BadRequest("max_tokens 0 asks for no tokens: it is only allowed with echo (the prompt's logprobs)")
-    stream = _bool(body, "stream")
-    options = _opt(body, "stream_options", {})
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise BadRequest('stream_options must be {"include_usage": true|false}')
-    if options and not stream:
-        raise BadRequest("stream_options is only allowed with stream: true")
-    timeout = _opt(body, "timeout", None)
-    if timeout is not None and (
-        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf
-    ):
-        raise BadRequest(f"timeout must be a number of seconds > 0, got {timeout!r}")
-    top_k = _opt(body, "top_k", 0)
-    top_k = 0 if top_k == -1 and not isinstance(top_k, bool) else top_k  # vLLM's "off" is -1 (ours: 0)
-    # The one eos rule: the tokenizer's eos is a stop id unless ignore_eos (the engine is given none of its own).
-    eos = server.tokenizer.eos_token_id
-    eos = [eos] if eos is not None and eos < server.cfg.vocab_size and _opt(body, "ignore_eos", False) is False else []
-    try:
-        params = SamplingParams(
-            n=_opt(body, "n", 1),
-            max_tokens=max(max_tokens, 1),
-            temperature=_opt(body, "temperature", 1.0),
-            stop_token_ids=_int_list(body, "stop_token_ids") + eos,
-            min_tokens=_opt(body, "min_tokens", 0),
-            ignore_eos=_opt(body, "ignore_eos", False),
-            top_logprobs=top,
-            top_k=top_k,
-            top_p=_opt(body, "top_p", 1.0),
-            min_p=_opt(body, "min_p", 0.0),
-            truncated_logprobs=_opt(body, "truncated_logprobs", False),
-        )
-        params.check_model(server.cfg.vocab_size, server.engine.max_context)
-    except ValueError as e:  # completions call the alternatives logprobs
-        raise BadRequest(str(e) if chat else str(e).replace("top_logprobs", "logprobs (top alternatives)")) from None
-    return Sampling(
-        params=params,
-        max_tokens=max_tokens,
-        stop=_stop_strings(body["stop"]) if body.get("stop") is not None else [],
-        include_stop=_bool(body, "include_stop_str_in_output"),
-        logprobs=logprobs,
-        echo=echo,
-        return_token_ids=_bool(body, "return_token_ids"),
-        stream=stream,
-        include_usage=_bool(options, "include_usage"),
-        timeout=timeout,
-    )
 
 
 class Job:
@@ -214,7 +66,7 @@ class Job:
         # Otherwise the text is made once the request is done, off the engine's path.
         hooked = stream or bool(self.s.stop)
         hooks = [
-            lambda j, toks, lps, top, i=i: self._on_tokens(i * self.n + j, toks, lps, top)
+            lambda j, toks, lps, top, reason, i=i: self._on_tokens(i * self.n + j, toks, lps, top, reason)
             for i in range(len(self.prompts))
         ]
         self.requests = self.server.submit(self.prompts, self.s.params, self.seeds, hooks if hooked else None)
@@ -222,8 +74,9 @@ class Job:
             if self.queue is not None:
                 self.server.when_done(r, lambda i=i: self.queue.put_nowait(("done", i)))
 
-    def _on_tokens(self, choice: int, tokens, logprobs, top):
-        """Engine thread, after each round: grow the sample's text; stream what is safe to send."""
+    def _on_tokens(self, choice: int, tokens, logprobs, top, reason):
+        """Engine thread, after each round: grow the sample's text; stream what is safe to send (all of
+        it once the engine's `reason` or a stop string ends the sample)."""
         text, tops = self.texts[choice], self.tops[choice]
         try:
             keep = text.add(tokens, [float(x) for x in logprobs])
@@ -233,17 +86,9 @@ class Job:
             log.exception("on_tokens failed for %s choice %d", self.id, choice)
             return None
         if self.queue is not None:
-            # The engine's own rule for when a sample ends, so its last chunk can go now, not when the
-            # prompt's other samples are done too: a stop id ends it once it has min_tokens tokens.
-            ended = (
-                text.tokens
-                and text.tokens[-1] in self.s.params.stop_token_ids
-                and len(text.tokens) >= self.s.params.min_tokens
-            )
-            if keep is not None or ended:
-                reason = "stop"
-            else:
-                reason = "length" if len(text.tokens) >= self.s.max_tokens else None
+            # The engine's finish reason, so a sample's last chunk goes now, not when the prompt's other
+            # samples are done too; a stop string found in the text ends it as well.
+            reason = "stop" if keep is not None else reason
             if reason:
                 text.finish()
             sent = self.sent[choice]
@@ -472,7 +317,9 @@ class Job:
             await response.write(b"data: [DONE]\n\n")
         except (RequestTimeout, ShuttingDown) as e:
             self.server.cancel(self.requests)
-            error = {"error": {"message": str(e), "type": "timeout", "param": None, "code": None}}
+            # a shutdown is not a timeout: the 503 error type, as a plain response gets it
+            kind = "timeout" if isinstance(e, RequestTimeout) else "server_error"
+            error = {"error": {"message": str(e), "type": kind, "param": None, "code": None}}
             await response.write(b"data: " + json.dumps(error).encode() + b"\n\n")
         finally:  # whatever ended the stream (the client gone: a cancelled handler, a reset), nothing stays in flight
             if any(not r.done.is_set() for r in self.requests):
@@ -551,7 +398,7 @@ async def chat_completions(server, request: web.Request):
     if not isinstance(kwargs, dict):
         raise BadRequest("chat_template_kwargs must be an object")
     try:
-        text = server.chat_template.render(rendered, _bool(body, "add_generation_prompt", True), **kwargs)
+        text = server.chat_template.render(rendered, bool_field(body, "add_generation_prompt", True), **kwargs)
     except ChatTemplateError as e:
         raise BadRequest(str(e)) from None
     return await _serve(server, request, body, [server.encode(text)], chat=True)

@@ -2,7 +2,8 @@
 
 Endpoints (JSON in and out; errors are 4xx with OpenAI's {"error": {"message", "type", "param", "code"}}
 and the server keeps serving; a request without a seed gets a fresh one, reported as "seed"):
-  POST /generate         token ids in; per sample: tokens, logprobs, finish_reason, policy_version
+  POST /generate         token ids in; per sample: tokens, logprobs, finish_reason, policy_version (a sampled
+                         eos of the tokenizer ends a sample and is its last token, unless ignore_eos)
   POST /v1/completions, POST /v1/chat/completions
                          OpenAI-compatible (serve/openai_api.py; the README's API section lists the fields),
                          streaming or not, using the model's tokenizer and chat template
@@ -41,9 +42,10 @@ from prometheus_client.core import GaugeMetricFamily
 
 from rlkjax.chat import load_chat_template
 from rlkjax.checkpoint import load_model
-from rlkjax.engine import Engine, EngineConfig, Request
+from rlkjax.engine import Engine, EngineConfig
 from rlkjax.requests import check_int, check_seed, sample_seed
 from rlkjax.sampling_params import SamplingParams
+from rlkjax.sequences import Request
 from rlkjax.tokenizer import load_tokenizer
 from serve import openai_api
 from serve.http import (
@@ -151,7 +153,9 @@ class Server:
             )
         self.tokenizer = load_tokenizer(config.model, config.tokenizer)
         self.chat_template = load_chat_template(self.tokenizer)
-        self.engine = Engine(params, self.cfg, config.numerics, config.engine)
+        eos = self.tokenizer.eos_token_id  # the one eos policy (SamplingParams.stop_ids) applies on every route
+        eos = eos if eos is not None and eos < self.cfg.vocab_size else None
+        self.engine = Engine(params, self.cfg, config.numerics, config.engine, eos_token_id=eos)
         if config.warmup:
             start = time.monotonic()
             count = self.engine.warm_up(lambda name, rows, s: log.info("warm-up: %s, %d rows, %.1f s", name, rows, s))
@@ -264,7 +268,7 @@ class Server:
     async def generate(self, request: web.Request):
         body = _fields(
             await _json(request, self.config.read_timeout),
-            {"prompt", "n", "max_new_tokens", "temperature", "seed", "stop_token_ids"},
+            {"prompt", "n", "max_new_tokens", "temperature", "seed", "stop_token_ids", "ignore_eos"},
             {"prompt"},
         )
         prompts = _prompts(body["prompt"])
@@ -276,6 +280,7 @@ class Server:
                 max_tokens=_opt(body, "max_new_tokens", 16),
                 temperature=_opt(body, "temperature", 1.0),
                 stop_token_ids=_opt(body, "stop_token_ids", []),
+                ignore_eos=_opt(body, "ignore_eos", False),
             )
             seeds, seed = self.seeds(body, len(prompts), sampling.n)
             requests = self.submit(prompts, sampling, seeds)
@@ -397,7 +402,7 @@ class Server:
             ("rlkjax_kv_pages_used", m["pages_used"], "KV pages in use"),
             ("rlkjax_kv_pages_total", m["pages_total"], "KV pages available"),
             ("rlkjax_preemptions_total", m["preemptions"], "sequences preempted for pages"),
-            ("rlkjax_compilations", m["compilations"], "step-function shapes compiled"),
+            ("rlkjax_compiled_shapes", m["compiled_shapes"], "step-function shapes compiled (one compilation each)"),
             ("rlkjax_policy_version", m["policy_version"], "weights version"),
             ("rlkjax_engine_steps_total", m["steps"], "scheduling steps (one decode round and/or prefill chunk each)"),
             ("rlkjax_engine_step_seconds_total", m["step_s"], "seconds the engine spent in scheduling steps"),

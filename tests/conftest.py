@@ -1,40 +1,13 @@
+import gc
 import os
+import tempfile
 
-import numpy as np
+import jax
 import pytest
 
 import rlkjax  # noqa: F401  (sets the strict XLA flags before any test starts a backend)
 
-
-def bits(a) -> np.ndarray:
-    """Bit pattern of a float array, for exact comparisons."""
-    a = np.asarray(a)
-    return a.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
-
-
-def assert_bits_equal(a, b, what=""):
-    a, b = np.asarray(a), np.asarray(b)
-    assert a.shape == b.shape, f"{what}: shapes {a.shape} vs {b.shape}"
-    diff = int((bits(a) != bits(b)).sum())
-    assert diff == 0, (
-        f"{what}: {diff} of {a.size} values differ in their bits "
-        f"(max |diff| {np.abs(a.astype(np.float64) - b.astype(np.float64)).max()})"
-    )
-
-
-# A shape every kernel pads, like the tiny random Qwen3 models on the Hub: width 40, group size 3,
-# head dim 24 (RoPE halves of 12), FFN 37, vocab 300 (a padded vocab tile).
-ODD = rlkjax.ModelConfig(
-    vocab_size=300,
-    hidden_size=40,
-    num_layers=1,
-    num_heads=6,
-    num_kv_heads=2,
-    head_dim=24,
-    intermediate_size=37,
-    tie_embeddings=False,
-    max_position=256,
-)
+_COMPILATION_CACHE = pytest.StashKey[tempfile.TemporaryDirectory]()
 
 
 @pytest.fixture(scope="session")
@@ -43,7 +16,41 @@ def tiny():
     return cfg, rlkjax.init_params(cfg, seed=0)
 
 
-def pytest_report_header(config):
-    import jax
+def pytest_configure(config):
+    """One persistent compilation cache for the run, unless the caller chose one: many tests trace the
+    same programs afresh (every `grpo.train` builds its learner step anew, and the caches are dropped
+    after each module, below), and a cache hit loads the compiled program instead of compiling it again.
+    Set here, before collection, because JAX reads the setting at its first compilation."""
+    if jax.config.jax_compilation_cache_dir is None:
+        cache = config.stash[_COMPILATION_CACHE] = tempfile.TemporaryDirectory(prefix="rlkjax-jax-cache-")
+        jax.config.update("jax_compilation_cache_dir", cache.name)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
+
+def pytest_unconfigure(config):
+    cache = config.stash.get(_COMPILATION_CACHE, None)
+    if cache is not None:
+        cache.cleanup()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _unmap_compiled_code():
+    """XLA:CPU maps every compiled program's code into memory regions of its own, and they stay mapped
+    while jit's caches hold the program: for the life of the process. The whole suite in one process
+    reached Linux's limit of mappings per process (vm.max_map_count, 65,530 by default); the next
+    compilation then failed inside LLVM ("Cannot allocate memory") and XLA segfaulted instead of
+    raising (.ci/map_limit_repro.py shows it in a few seconds). Dropping the caches after each module
+    unmaps them; what a later module needs again comes back from the compilation cache above."""
+    yield
+    jax.clear_caches()
+    gc.collect()
+    if os.path.exists("/proc/self/maps"):
+        with open("/proc/self/maps") as maps, open("/proc/sys/vm/max_map_count") as limit:
+            used, allowed = sum(1 for _ in maps), int(limit.read())
+        # After the caches are dropped a few hundred remain; half the table means something else
+        # keeps compiled code alive, and a later compilation would segfault instead of failing here.
+        assert used < allowed // 2, f"{used} of {allowed} memory mappings still in use after clearing jit's caches"
+
+
+def pytest_report_header(config):
     return f"jax {jax.__version__}, backend {jax.default_backend()}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}"

@@ -4,7 +4,7 @@
 import numpy as np
 
 import rlkjax
-from tests.conftest import assert_bits_equal
+from tests.helpers import assert_bits_equal
 
 TEMPERATURES = (0.7, 1.0, 1.3)
 

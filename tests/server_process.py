@@ -1,11 +1,15 @@
-"""A `python -m serve.rollout` server started for real on loopback, for the tests that talk to one."""
+"""A `python -m serve.rollout` server started for real on loopback, and reading its metrics and raw
+responses, for the tests that talk to one (not a test module: test modules import this, never each other)."""
 
+import json
 import os
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 
 from rlkjax.client import RolloutClient
 
@@ -59,3 +63,26 @@ def start_server(*flags):
                 raise RuntimeError(open(proc.log).read()) from None
             time.sleep(0.2)
     raise TimeoutError("server did not start")
+
+
+def metric(client, name: str) -> float:
+    return next(float(line.split()[-1]) for line in client.metrics().splitlines() if line.startswith(name + " "))
+
+
+def wait_for_metric(client, name: str, at_least: float, timeout: float = 300):
+    """Poll /metrics instead of sleeping a fixed time: a slow machine must not change what a test checks."""
+    deadline = time.time() + timeout
+    while metric(client, name) < at_least:
+        assert time.time() < deadline, f"{name} did not reach {at_least} within {timeout} s"
+        time.sleep(0.05)
+
+
+def post_raw(client, path, data: bytes, headers=None):
+    req = urllib.request.Request(
+        client.url + path, data=data, headers={"Content-Type": "application/json"} | (headers or {}), method="POST"
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())

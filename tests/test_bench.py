@@ -7,6 +7,7 @@ MFUs read back from train.grpo's metrics, bench.memory_plan's peak."""
 import argparse
 import importlib
 import json
+import math
 import os
 import re
 import socket
@@ -192,6 +193,8 @@ def test_speed_runs_every_section_but_the_sweep(tmp_path):
 
 @pytest.mark.slow
 def test_rollout_runs_engine_against_the_kernel_loop(tmp_path):
+    """The engine's rate is a difference of two timed runs (N and 1 + D tokens): at these sizes on a busy
+    CPU it is noise and can come out negative, so only its being a number is checked, with the ratio."""
     out = tmp_path / "rollout.json"
     sizes = ["--batches", "2", "--context", "8", "--new-tokens", "17", "--repeats", "1"]
     run_module("rollout", "--models", "qwen3-tiny", *sizes, "--sync-models", "qwen3-tiny", "--out", str(out))
@@ -201,7 +204,7 @@ def test_rollout_runs_engine_against_the_kernel_loop(tmp_path):
     assert sync["section"] == "sync" and sync["in_process_s"] > 0
     assert engine["section"] == "engine" and engine["batch"] == 2
     for side in ("strict", "fast"):
-        assert engine[f"{side}_engine_tok_s"] > 0 and engine[f"{side}_kernel_tok_s"] > 0, engine
+        assert math.isfinite(engine[f"{side}_engine_tok_s"]) and engine[f"{side}_kernel_tok_s"] > 0, engine
         assert engine[f"{side}_ratio"] == engine[f"{side}_engine_tok_s"] / engine[f"{side}_kernel_tok_s"]
 
 

@@ -11,7 +11,7 @@ import pytest
 import rlkjax
 from pallas_kernels import matmul
 from rlkjax import model, numerics
-from tests.conftest import assert_bits_equal
+from tests.helpers import assert_bits_equal
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

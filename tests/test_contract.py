@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import rlkjax
-from tests.conftest import ODD
 from tests.contract import check_case, random_case
+from tests.helpers import ODD
 
 
 # chunk 37 (not a page multiple) runs by default; 16 with the slow tests (.ci/run runs both).
@@ -71,12 +71,13 @@ def test_odd_shapes_bitwise():
     check_case(params, cfg, prompts, [1, 2, 3], [0.7, 1.0, 1.3], max_new=4, chunk=16, rng=rng)
 
 
-def test_layer_unroll_keeps_bits(tiny, monkeypatch):
-    """model.LAYER_UNROLL (bench.speed --layer-unroll) only changes how many layers one iteration of
+def test_layer_unroll_keeps_bits(tiny):
+    """NumericsOptions.layer_unroll (bench.speed --layer-unroll) only changes how many layers one iteration of
     the sampler's layer loop runs: the same kernels on the same inputs, so the hidden states and the
     KV cache keep their bits."""
     from rlkjax import model
-    from tests.conftest import assert_bits_equal
+    from rlkjax.numerics import NumericsOptions
+    from tests.helpers import assert_bits_equal
 
     cfg, params = tiny
     rope = model.rope_tables(cfg)
@@ -85,8 +86,8 @@ def test_layer_unroll_keeps_bits(tiny, monkeypatch):
     page_table = jnp.array([[1], [2]], jnp.int32)
     runs = []
     for unroll in (1, 2):
-        monkeypatch.setattr(model, "LAYER_UNROLL", unroll)
         cache = model.init_kv_cache(cfg, 3)
-        runs.append(model.forward(params, tokens, positions, cache, page_table, rope, cfg, "strict"))
+        options = NumericsOptions(layer_unroll=unroll)
+        runs.append(model.forward(params, tokens, positions, cache, page_table, rope, cfg, options))
     for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1]), strict=True):
         assert_bits_equal(a, b, "unroll 2 vs 1")

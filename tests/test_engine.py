@@ -10,7 +10,7 @@ import pytest
 import rlkjax
 from rlkjax.engine import Engine, EngineConfig
 from rlkjax.requests import sample_seed
-from tests.conftest import assert_bits_equal
+from tests.helpers import assert_bits_equal
 
 CONFIG = EngineConfig(num_pages=96, max_batch=8, prefill_chunk=16, token_budget=32, max_context=256)
 
@@ -318,7 +318,7 @@ def test_rounds_continue_on_the_device_exactly(tiny, monkeypatch):
     def stop_after_six():  # the host's stop: keeps 6 tokens, like a stop string would
         seen = {}
 
-        def hook(index, tokens, logprobs, top):
+        def hook(index, tokens, logprobs, top, reason):
             before = seen.get(index, 0)
             seen[index] = before + len(tokens)
             return 6 - before if seen[index] >= 6 else None
@@ -341,7 +341,7 @@ def test_rounds_continue_on_the_device_exactly(tiny, monkeypatch):
         for a, b in zip(on, off):
             assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
             assert_bits_equal(a.logprobs, b.logprobs, "continued on the device vs read first")
-            check_exact(params, cfg, req, a, req.temperature)
+            check_exact(params, cfg, req, a, req.sampling.temperature)
 
 
 def test_one_token_requests_run_one_step_rounds(tiny):

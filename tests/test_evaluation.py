@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.conftest import assert_bits_equal
+from tests.helpers import assert_bits_equal
 from train import grpo
 from train.evaluate import ks, pass_at_k
 

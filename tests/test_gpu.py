@@ -10,16 +10,17 @@ import pytest
 
 import rlkjax
 from rlkjax import audit, model
-from rlkjax.engine import decode_round, decode_step
-from tests import conftest
+from rlkjax.steps import RowSampling, decode_round, decode_step
+from tests import helpers
 from tests.contract import check_case, random_case
+from tests.sharded_contract import LONG_PROMPTS, SHORT_PROMPTS, learner_step_matches_sampler
 
 pytestmark = pytest.mark.gpu
 
 
-# The conftest's odd shape (every kernel pads it), with 2 layers: the padded tiles compile through
+# The helpers' odd shape (every kernel pads it), with 2 layers: the padded tiles compile through
 # Triton and keep the contract there too.
-ODD = dataclasses.replace(conftest.ODD, num_layers=2, max_position=1024)
+ODD = dataclasses.replace(helpers.ODD, num_layers=2, max_position=1024)
 
 
 @pytest.fixture(scope="module", params=["qwen3-0.6b", "qwen3-8b", "odd"])
@@ -57,45 +58,34 @@ def test_optimised_hlo_has_no_float_arithmetic(real_shapes):
     assert not bad, "float arithmetic outside the kernels:\n" + "\n".join(bad)
     cache = model.init_kv_cache(cfg, 1 + b * pages)
     one = jnp.zeros((b, 1), jnp.int32)
-    text = (
-        decode_step.lower(
-            params,
-            one,
-            one,
-            cache,
-            jnp.zeros((b, pages), jnp.int32),
-            jnp.zeros((b,), jnp.uint32),
-            jnp.zeros((b,), jnp.int32),
-            jnp.ones((b,)),
-            rope,
-            cfg,
-            "strict",
-        )
-        .compile()
-        .as_text()
-    )
+    vec = jnp.zeros((b,), jnp.int32)
+    sampling = RowSampling(vec.astype(jnp.uint32), vec, jnp.ones((b,)), vec + 4, jnp.full((b, 2), -1, jnp.int32), vec)
+    table = jnp.zeros((b, pages), jnp.int32)
+    text = decode_step.lower(params, one, one, cache, table, sampling, rope, cfg, "strict").compile().as_text()
     bad = audit.float_arithmetic_hlo(text)
     assert not bad, "float arithmetic outside the kernels:\n" + "\n".join(bad)
-    vec = jnp.zeros((b,), jnp.int32)
-    text = (
-        decode_round.lower(
-            params,
-            vec,
-            vec,
-            cache,
-            jnp.zeros((b, pages), jnp.int32),
-            vec.astype(jnp.uint32),
-            vec,
-            jnp.ones((b,)),
-            vec + 4,
-            jnp.full((b, 2), -1, jnp.int32),
-            rope,
-            cfg,
-            "strict",
-            num_steps=4,
-        )
-        .compile()
-        .as_text()
-    )
+    lowered = decode_round.lower(params, vec, vec, cache, table, sampling, rope, cfg, "strict", num_steps=4)
+    text = lowered.compile().as_text()
     bad = audit.float_arithmetic_hlo(text)
     assert not bad, "float arithmetic outside the kernels (decode round):\n" + "\n".join(bad)
+
+
+@pytest.fixture(scope="module")
+def two_gpus():
+    if jax.default_backend() != "gpu" or len(jax.devices()) < 2:
+        pytest.skip("needs 2 GPUs")
+    cfg = rlkjax.ModelConfig.preset("qwen3-0.6b")
+    return cfg, rlkjax.init_params(cfg, seed=0), jax.devices()[:2]
+
+
+@pytest.mark.parametrize("prompts", [SHORT_PROMPTS, LONG_PROMPTS], ids=["one-kv-split", "three-kv-splits"])
+def test_learner_step_has_the_samplers_bits_on_two_gpus(two_gpus, prompts):
+    """train.grpo's learner step itself (value and gradient, FSDP over 2 GPUs, weights gathered
+    through NCCL), not only the scoring pass, returns the sampler's bits on every completion token,
+    at Qwen3-0.6B shapes: short rows, and rows of up to 536 keys (3 of attention's 256-key splits,
+    merged in the learner's pass and crossed by the sampler's decode). The tests/test_sharding.py
+    twin runs the same body on 2 fake CPU devices."""
+    cfg, params, devices = two_gpus
+    result = learner_step_matches_sampler(cfg, params, devices, prompts, max_new_tokens=16)
+    assert result["kv_splits"] == (1 if prompts == SHORT_PROMPTS else 3), result
+    print(result)

@@ -19,7 +19,7 @@ import rlkjax
 from rlkjax import model
 from rlkjax.tasks import ArithmeticTask, Example, GSM8KTask, LowercaseTask
 from rlkjax.tokenizer import ByteTokenizer
-from tests.conftest import assert_bits_equal
+from tests.helpers import assert_bits_equal
 from tests.server_process import ADMIN, start_server
 from train import fsdp, grpo, guards, metrics, rollout
 from train.batch import PAD, Batch, LossStats, micro_batches, pack, pad_rows, padded_length, reduce_stats
@@ -164,10 +164,7 @@ def learner_step_results(cfg, params, variants, set_variant):
             specs,
             dtype=cfg.dtype,
             cfg=cfg,
-            numerics="strict",
-            clip_eps=0.2,
-            beta=0.0,
-            **set_variant(variant),
+            **{"numerics": "strict", "clip_eps": 0.2, "beta": 0.0, **set_variant(variant)},
         )
         zeros = jax.tree.map(jnp.zeros_like, master)
         (loss, (_, logp)), grads = grad_fn(master, on_mesh, ref_logp, rope, total, zeros)
@@ -233,15 +230,13 @@ def test_learner_reads_weights_in_place_with_the_same_bits(monkeypatch):
             assert_bits_equal(g, g_s, f"{jax.tree_util.keystr(path)}, {label}")
 
 
-def backward_variants(tiny, set_backward):
-    """The learner step with set_backward(True) and set_backward(False): asserts the loss and
-    logp_new keep their bits (a backward switch must not touch the forward), then yields (path,
-    gradient with True, gradient with False) per parameter, as float64."""
+def backward_variants(tiny, field, default, other):
+    """The learner step with NumericsOptions(field=default) and (field=other): asserts the loss and
+    logp_new keep their bits (a backward choice must not touch the forward), then yields (path,
+    gradient with the default, gradient with the other) per parameter, as float64."""
+    from rlkjax.numerics import NumericsOptions
 
-    def use(on):
-        set_backward(on)
-        return {}
-
+    use = lambda on: {"numerics": NumericsOptions(**{field: default if on else other})}  # noqa: E731
     results = learner_step_results(*tiny, (True, False), use)
     (loss, logp, grads), (loss_d, logp_d, grads_d) = results[True], results[False]
     assert_bits_equal(loss, loss_d, "loss")
@@ -250,30 +245,24 @@ def backward_variants(tiny, set_backward):
         yield jax.tree_util.keystr(path), np.asarray(g, np.float64), np.asarray(g_d, np.float64)
 
 
-def test_flash_attention_backward_in_the_learner(tiny, monkeypatch):
+def test_flash_attention_backward_in_the_learner(tiny):
     """The flash attention backward (default) against XLA's dense one: the learner step's loss and
     logp_new keep their bits (only the attention's gradient changes implementation) and every
     gradient is finite and reaches its weights. Its accuracy (within twice the dense backward's own
     error against float64) is checked where it can be derived, on the attention alone:
     test_kernels' test_attention_flash_backward."""
-    from rlkjax import numerics
-
-    monkeypatch.setattr(numerics, "ATTENTION", numerics.ATTENTION)  # restored after the test
-    for path, g, g_d in backward_variants(tiny, numerics.set_attention_backward):
+    for path, g, g_d in backward_variants(tiny, "attention_backward", "flash", "dense"):
         assert np.isfinite(g).all() and (np.abs(g).max() > 0) == (np.abs(g_d).max() > 0), path
 
 
-def test_matmul_backward_in_place_in_the_learner(tiny, monkeypatch):
-    """numerics.set_matmul_backward: in place (default) vs transposed copies: the learner step's loss and
+def test_matmul_backward_in_place_in_the_learner(tiny):
+    """NumericsOptions.matmul_backward: in place (default) vs transposed copies: the learner step's loss and
     logp_new keep their bits (the forward is untouched) and the gradients agree to within bf16 rounding:
     both accumulate in fp32 and round dx and dw to bf16 (relative 2^-8 each), so over this model's few
     layers they may differ by a few such roundings, never by more than 1% in norm per weight (in
     interpret mode they came out the same bits). Their accuracy against float64 is checked on the
     kernel: test_kernels' test_matmul_backward_in_place."""
-    from rlkjax import numerics
-
-    monkeypatch.setattr(numerics, "MATMUL_BACKWARD_IN_PLACE", numerics.MATMUL_BACKWARD_IN_PLACE)
-    for path, g, g_d in backward_variants(tiny, numerics.set_matmul_backward):
+    for path, g, g_d in backward_variants(tiny, "matmul_backward", "in_place", "copies"):
         assert np.isfinite(g).all(), path
         assert np.linalg.norm(g - g_d) <= 0.01 * np.linalg.norm(g_d), path
 

@@ -1,23 +1,21 @@
-"""The strict path, lowered for an H200, has no floating-point arithmetic outside our Pallas
-(Triton) custom calls: XLA only moves data. Prevents: an innocent-looking jnp op on the logprob
-path (a cast, a scale, an add) that XLA would fuse differently in the sampler and the learner."""
+"""The strict path, lowered for a GPU (an H200 on a machine without one), has no floating-point
+arithmetic outside our Pallas (Triton) custom calls: XLA only moves data. Prevents: an
+innocent-looking jnp op on the logprob path (a cast, a scale, an add) that XLA would fuse
+differently in the sampler and the learner."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 import rlkjax
-from rlkjax import audit, engine, model, numerics
-from tests.conftest import ODD
+from rlkjax import audit, model, numerics, steps
+from tests.helpers import ODD
 
-
-@pytest.fixture
-def compiled_kernels(monkeypatch):
-    """Lower the Triton (GPU) kernels, not the interpreter, even on a CPU-only machine."""
-    monkeypatch.setattr(numerics, "interpret_mode", lambda: False)
-    numerics.ops.cache_clear()
-    yield
-    numerics.ops.cache_clear()
+# The strict path on the audited GPU's tile table (this machine's GPU, or CUDA's on a machine without
+# one), lowered through Triton, not the interpreter.
+STRICT = numerics.NumericsOptions(platform=audit.target_platform())
 
 
 def abstract(tree):
@@ -47,26 +45,34 @@ def lowered(cfg, fn, numerics_mode, b=2, t=16, pages=4):
     pt = jax.ShapeDtypeStruct((b, pages), jnp.int32)
     one = jax.ShapeDtypeStruct((b, 1), jnp.int32)
     vec = lambda dt: jax.ShapeDtypeStruct((b,), dt)  # noqa: E731
+    stops = jax.ShapeDtypeStruct((b, 2), jnp.int32)
+    truncation = (vec(jnp.int32), vec(jnp.float32), vec(jnp.float32), vec(jnp.bool_))
+    sampling = steps.RowSampling(
+        vec(jnp.uint32),
+        vec(jnp.int32),
+        vec(jnp.float32),
+        vec(jnp.int32),
+        stops,
+        vec(jnp.int32),
+        truncation if fn == "sampler_round_truncation" else None,
+    )
     if fn in ("sampler", "sampler_alternatives"):
         return audit.lower_for_gpu(
-            engine.decode_step,
+            steps.decode_step,
             params,
             one,
             one,
             cache,
             pt,
-            vec(jnp.uint32),
-            vec(jnp.int32),
-            vec(jnp.float32),
+            sampling,
             rope,
             cfg,
             numerics_mode,
             alternatives=20 if fn == "sampler_alternatives" else 0,
         )
-    stops = jax.ShapeDtypeStruct((b, 2), jnp.int32)
     carry = (jax.ShapeDtypeStruct((2 * b,), jnp.int32), jax.ShapeDtypeStruct((2 * b,), jnp.bool_))
     return audit.lower_for_gpu(  # the engine's round: decode_round continuing the round in flight
-        engine.next_round,
+        steps.next_round,
         params,
         carry,
         vec(jnp.int32),
@@ -74,20 +80,12 @@ def lowered(cfg, fn, numerics_mode, b=2, t=16, pages=4):
         vec(jnp.int32),
         cache,
         pt,
-        vec(jnp.uint32),
-        vec(jnp.int32),
-        vec(jnp.float32),
-        vec(jnp.int32),
-        stops,
-        vec(jnp.int32),
+        sampling,
         rope,
         cfg,
         numerics_mode,
         num_steps=4,
         alternatives=20 if fn in ("sampler_round_alternatives", "sampler_round_truncation") else 0,
-        truncation=(vec(jnp.int32), vec(jnp.float32), vec(jnp.float32), vec(jnp.bool_))
-        if fn == "sampler_round_truncation"
-        else None,
     )
 
 
@@ -98,12 +96,12 @@ def lowered(cfg, fn, numerics_mode, b=2, t=16, pages=4):
     + ["learner_alternatives", "sampler_alternatives", "sampler_round_alternatives"]
     + ["sampler_round_truncation", "learner_truncation"],
 )
-def test_strict_path_has_no_xla_float_arithmetic(tiny, compiled_kernels, fn, shape):
+def test_strict_path_has_no_xla_float_arithmetic(tiny, fn, shape):
     """Also the variants with top alternatives and truncation: their logits kernel's output goes
     through XLA's top_k (selection only) and gathers, then back into kernels for every exp, sum,
     cumulative mass, log and subtraction."""
     cfg = tiny[0] if shape == "tiny" else ODD
-    text = lowered(cfg, fn, "strict")
+    text = lowered(cfg, fn, STRICT)
     assert "__gpu$xla.gpu.triton" in text  # the kernels really are there
     assert audit.float_arithmetic(text) == []
     if fn.endswith(("alternatives", "truncation")):
@@ -117,7 +115,7 @@ def test_audit_reads_chlo_ops():
     assert audit.float_arithmetic("%v, %i = chlo.top_k(%arg0, k = 4) : tensor<4x300xf32> -> (...)") == []
 
 
-def test_audit_catches_the_fast_path(tiny, compiled_kernels):
+def test_audit_catches_the_fast_path(tiny):
     """The audit is not vacuous: the plain-XLA path is full of float arithmetic."""
     cfg, _ = tiny
     bad = audit.float_arithmetic(lowered(cfg, "learner", "fast"))
@@ -125,7 +123,7 @@ def test_audit_catches_the_fast_path(tiny, compiled_kernels):
 
 
 def learner_gradient(cfg, numerics_mode, b=2, t=16):
-    """The learner's gradient (of its sequence logprobs), lowered for an H200."""
+    """The learner's gradient (of its sequence logprobs), lowered for the audited GPU."""
     rope = model.rope_tables(cfg)
     tok = jax.ShapeDtypeStruct((b, t), jnp.int32)
     temps = jax.ShapeDtypeStruct((b,), jnp.float32)
@@ -136,25 +134,24 @@ def learner_gradient(cfg, numerics_mode, b=2, t=16):
     return audit.lower_for_gpu(jax.jit(jax.grad(total)), abstract(rlkjax.init_params(cfg)), tok, tok, temps)
 
 
-def test_learner_gradient_has_no_atomic_adds(tiny, compiled_kernels):
+def test_learner_gradient_has_no_atomic_adds(tiny):
     """The strict learner's gradient has no scatter that adds where an index repeats (a GPU runs
     those as atomic adds, in an order that changes from run to run; the embedding gradient of
     repeated tokens was one: bf16 atomics). model.embed sums repeats in a fixed order instead. The
     KV writes stay scatters, but they overwrite: each real position once, padding onto the trash page."""
-    text = learner_gradient(tiny[0], "strict")
+    text = learner_gradient(tiny[0], STRICT)
     assert '"stablehlo.scatter"' in text  # the audit sees the scatters that are there
     assert audit.combining_scatters(text) == []
 
 
-def test_learner_gradient_has_no_xla_dots(tiny, compiled_kernels, monkeypatch):
+def test_learner_gradient_has_no_xla_dots(tiny):
     """The strict learner's gradient runs every matrix product in our kernels: XLA's autotuner picks
     its own dots' algorithms per compilation by timing, and on 2 H200s two processes got gradients
     that differed in the last bits from one process (2026-11-30) while the attention backward was
     XLA's dense one. The flash backward (default) has no XLA dot; the dense one does (not vacuous)."""
-    monkeypatch.setattr(numerics, "ATTENTION", numerics.ATTENTION)  # restored after the test
-    assert audit.xla_dots(learner_gradient(tiny[0], "strict")) == []
-    numerics.set_attention_backward(False)
-    assert len(audit.xla_dots(learner_gradient(tiny[0], "strict"))) >= 2
+    assert audit.xla_dots(learner_gradient(tiny[0], STRICT)) == []
+    dense = dataclasses.replace(STRICT, attention_backward="dense")
+    assert len(audit.xla_dots(learner_gradient(tiny[0], dense))) >= 2
 
 
 def test_combining_scatter_audit_catches_a_plain_gather_gradient():

@@ -16,11 +16,11 @@ import pytest
 import rlkjax
 from rlkjax.chat import DEFAULT_TEMPLATE, ChatTemplate
 from rlkjax.tokenizer import load_tokenizer
-from serve.openai_api import CHAT_FIELDS, COMPLETION_FIELDS
+from serve.openai_params import CHAT_FIELDS, COMPLETION_FIELDS
 from serve.text import token_pieces
-from tests.conftest import assert_bits_equal
-from tests.test_openai_text import make_bpe_checkpoint
-from tests.test_server import metric, post_raw, start_server
+from tests.helpers import assert_bits_equal
+from tests.server_process import metric, post_raw, start_server
+from tests.tokenizer_files import make_bpe_checkpoint
 
 pytestmark = pytest.mark.slow  # a real server process (its first requests compile)
 
@@ -455,6 +455,33 @@ def test_min_tokens_and_ignore_eos(oai):
         else:
             assert b.logprobs.model_extra["token_ids"] == ids
     assert hits, "seed 11 draws the eos in some sample (the tiny model is near uniform over 512 ids)"
+
+
+def test_every_door_stops_at_eos_with_the_same_completion(server, oai, tiny):
+    """One request (n=8, seed 11, the prompt "eos") through /generate, /v1/completions, rlkjax.generate
+    and Engine.submit: the same tokens and logprob bits, a sampled eos (256, the byte tokenizer's) ending
+    a sample as its last token with finish_reason stop. /generate used to sample past the eos up to
+    max_new_tokens, so a learner fed by it trained on tokens after the end."""
+    cfg, params = tiny
+    prompt, sampling = list(b"eos"), rlkjax.SamplingParams(n=8, max_tokens=40, seed=11)
+    native = server.generate([prompt], n=8, max_new_tokens=40, seed=11)[0]
+    doors = {"/generate": [(s["tokens"], s["logprobs"], s["finish_reason"]) for s in native]}
+    choices = oai.completions.create(model=MODEL, prompt="eos", max_tokens=40, n=8, seed=11, logprobs=0).choices
+    doors["/v1/completions"] = [
+        (c.logprobs.model_extra["token_ids"], exact(c.logprobs.token_logprobs), c.finish_reason) for c in choices
+    ]
+    comps = rlkjax.generate(params, cfg, [prompt], sampling=sampling, eos_token_id=256)
+    doors["generate"] = [(c.tokens, c.logprobs, c.finish_reason) for c in comps]
+    engine = rlkjax.Engine(params, cfg, eos_token_id=256)
+    req = engine.submit(prompt, sampling)
+    engine.run_until_done()
+    doors["Engine.submit"] = [(c.tokens, c.logprobs, c.finish_reason) for c in req.results]
+    ended = [tokens for tokens, _, reason in doors["generate"] if reason == "stop"]
+    assert ended and all(t[-1] == 256 and 256 not in t[:-1] for t in ended), "seed 11 draws the eos"
+    for door, samples in doors.items():
+        for (tokens, lps, reason), (want, want_lps, want_reason) in zip(samples, doors["generate"]):
+            assert (tokens, reason) == (want, want_reason), door
+            assert_bits_equal(lps, want_lps, door)
 
 
 def test_chat_top_logprobs_and_streamed_alternatives(oai, tiny):

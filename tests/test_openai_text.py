@@ -2,42 +2,14 @@
 tokenizer and a byte-level BPE like Qwen's), stop strings found across token boundaries and cut out,
 streaming that never lets a partial stop string out, and chat templates rendered as Hugging Face does."""
 
-import json
-
 import pytest
 
 from rlkjax.chat import DEFAULT_TEMPLATE, ChatTemplate, ChatTemplateError, load_chat_template, message_text
 from rlkjax.engine import Engine, EngineConfig
 from rlkjax.tokenizer import ByteTokenizer, load_tokenizer
 from serve.text import SampleText, offsets, token_pieces
-from tests.conftest import assert_bits_equal
-
-TEXT = "héllo wörld, 1 € und 🙂 zwei\n\nnächste Zeile"
-
-
-def make_bpe_checkpoint(directory):
-    """A byte-level BPE (Qwen's tokenizer family) trained here on a few lines, saved with a tokenizer_config.json
-    that names its eos token and a chat template (a checkpoint's tokenizer files, as the server reads them)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|im_end|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator([TEXT, "hello world", "und zwei und drei"] * 5, trainer)
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "eos_token": "<|im_end|>",
-                "chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] | tojson }}\n{% endfor %}"
-                "{% if add_generation_prompt %}{{ eos_token }}{% endif %}",
-            }
-        )
-    )
-    return directory
+from tests.helpers import assert_bits_equal
+from tests.tokenizer_files import TEXT, make_bpe_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -137,17 +109,18 @@ def test_the_engine_hook_stops_one_sample_and_not_the_others(tiny):
     """Engine.submit(on_tokens=...), what stop strings and streams ride on: the hook sees every token once,
     in order, a round at a time; returning k stops that sample with the first k tokens of the round kept
     (finish_reason stop, its pages freed), and the request's other samples run to their length with the
-    tokens and logprob bits of a run without the hook."""
+    tokens and logprob bits of a run without the hook; the hook is told the engine's finish reason."""
     cfg, params = tiny
     config = EngineConfig(num_pages=64, max_batch=4, prefill_chunk=16, token_budget=64, max_context=128, decode_steps=4)
     plain = Engine(params, cfg, "strict", config)
     free = plain.submit([5, 6, 7], n=3, max_tokens=10, seed=3)
     plain.run_until_done()
-    rounds = {j: [] for j in range(3)}
+    rounds, reasons = {j: [] for j in range(3)}, {j: [] for j in range(3)}
 
-    def hook(j, tokens, logprobs, top):
+    def hook(j, tokens, logprobs, top, reason):
         assert len(tokens) == len(logprobs) and top is None  # no top_logprobs asked
         rounds[j].append(list(tokens))
+        reasons[j].append(reason)
         return 2 if j == 1 and sum(map(len, rounds[1])) >= 5 else None
 
     engine = Engine(params, cfg, "strict", config)
@@ -160,5 +133,6 @@ def test_the_engine_hook_stops_one_sample_and_not_the_others(tiny):
     for j in (0, 2):
         assert hooked.results[j].tokens == free.results[j].tokens == sum(rounds[j], [])
         assert hooked.results[j].finish_reason == "length"
+        assert reasons[j] == [None] * (len(rounds[j]) - 1) + ["length"], "the engine's reason, in the last round"
         assert_bits_equal(hooked.results[j].logprobs, free.results[j].logprobs, f"sample {j}")
     assert engine.metrics()["pages_used"] == 0

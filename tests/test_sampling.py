@@ -11,7 +11,7 @@ import rlkjax
 from pallas_kernels import logprob, truncation
 from rlkjax import numerics
 from rlkjax.engine import Engine, EngineConfig
-from tests.conftest import assert_bits_equal, bits
+from tests.helpers import assert_bits_equal, bits
 from tests.test_kernels import INTERPRET, float64_on_cpu, randn, rel_err
 
 BF16, F32 = jnp.bfloat16, jnp.float32

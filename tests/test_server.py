@@ -15,8 +15,8 @@ import pytest
 
 import rlkjax
 from rlkjax.client import RolloutError
-from tests.conftest import assert_bits_equal
-from tests.server_process import ADMIN, start_server
+from tests.helpers import assert_bits_equal
+from tests.server_process import ADMIN, metric, post_raw, start_server, wait_for_metric
 
 pytestmark = pytest.mark.slow  # every test here starts a real server process
 
@@ -27,29 +27,6 @@ def server():
     yield client
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=60)
-
-
-def metric(client, name: str) -> float:
-    return next(float(line.split()[-1]) for line in client.metrics().splitlines() if line.startswith(name + " "))
-
-
-def wait_for_metric(client, name: str, at_least: float, timeout: float = 300):
-    """Poll /metrics instead of sleeping a fixed time: a slow machine must not change what a test checks."""
-    deadline = time.time() + timeout
-    while metric(client, name) < at_least:
-        assert time.time() < deadline, f"{name} did not reach {at_least} within {timeout} s"
-        time.sleep(0.05)
-
-
-def post_raw(client, path, data: bytes, headers=None):
-    req = urllib.request.Request(
-        client.url + path, data=data, headers={"Content-Type": "application/json"} | (headers or {}), method="POST"
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 @pytest.mark.parametrize(
@@ -118,7 +95,7 @@ def test_openai_completions_and_metrics(server, tiny):
         "rlkjax_tokens_per_second",
         "rlkjax_queue_depth",
         "rlkjax_kv_pages_used",
-        "rlkjax_compilations",
+        "rlkjax_compiled_shapes",
         "rlkjax_policy_version",
     ):
         assert name in text
@@ -449,7 +426,7 @@ def test_warm_up_before_serving(tiny):
     try:
         # prefill of 1, 2 sequences (64 / 32 tokens); decode rounds (of 8 steps and of 1) and page copies of 1, 2
         shapes = 2 + 2 + 2 + 2
-        assert metric(client, "rlkjax_compilations") == shapes
+        assert metric(client, "rlkjax_compiled_shapes") == shapes
         assert f"warm-up: {shapes} shapes compiled" in open(proc.log).read()
         cfg, params = tiny
         for n, prompt in ((1, [5, 6, 7]), (2, list(range(1, 40)))):
@@ -457,7 +434,7 @@ def test_warm_up_before_serving(tiny):
             for sample in out:
                 scored = rlkjax.score(params, cfg, [prompt + sample["tokens"]], [len(prompt)])[0]
                 assert_bits_equal(np.asarray(sample["logprobs"], np.float32), scored, f"n={n}")
-        assert metric(client, "rlkjax_compilations") == shapes
+        assert metric(client, "rlkjax_compiled_shapes") == shapes
     finally:
         proc.terminate()
         proc.wait(timeout=120)

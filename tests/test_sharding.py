@@ -37,6 +37,19 @@ def test_sampler_replica_vs_fsdp_learner_on_any_mesh():
         assert f"learner on {devices} devices" in r.stdout
 
 
+def test_learner_step_has_the_samplers_bits_on_two_devices():
+    """The CPU twin of tests/test_gpu.py's two-GPU checks (the same body, tests/sharded_contract.py
+    learner_step_matches_sampler, at the tiny shape): train.grpo's learner step itself, not only the
+    scoring pass, returns the sampler's logprob bits on a 2-device mesh, for short rows and for rows
+    over 3 attention KV splits (the split merge in the learner's pass and in the sampler's decode)."""
+    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    cmd = [sys.executable, "-m", "tests.sharded_contract", "learner-step"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [line for line in r.stdout.splitlines() if line.startswith("learner step")]
+    assert len(lines) == 2 and "'kv_splits': 1" in lines[0] and "'kv_splits': 3" in lines[1], r.stdout
+
+
 @pytest.mark.parametrize(
     "learner, sampler",
     [
@@ -256,29 +269,24 @@ def test_learner_step_keeps_few_activations_per_layer():
 # (bench/learner_memory.py: nothing is allocated, no weights exist). Per program: every input's and
 # output's per-device element count next to its global one, and XLA's memory analysis.
 COMPILE_8B_PROBE = """
-import json, math
-import jax
-from bench.learner_memory import learner_programs, memory
+import json
+from bench.learner_memory import learner_programs, memory, shard_sizes
 from rlkjax.config import ModelConfig
 programs = learner_programs(ModelConfig.preset("qwen3-8b"), devices=8, rows=16, tokens=384)
 out = {}
 for name in ("learner step (value and grad)", "optimiser update"):
     lowered = programs[name]
     compiled = lowered.compile()
-    sizes = lambda infos, shardings: [
-        [math.prod(i.shape), math.prod(s.shard_shape(i.shape))]
-        for i, s in zip(jax.tree.leaves(infos), jax.tree.leaves(shardings))
-    ]
     out[name] = {
-        "inputs": sizes(lowered.args_info, compiled.input_shardings[0]),
-        "outputs": sizes(lowered.out_info, compiled.output_shardings),
+        "inputs": shard_sizes(lowered.args_info[0], compiled.input_shardings[0]),
+        "outputs": shard_sizes(lowered.out_info, compiled.output_shardings),
         "memory": memory(compiled, lowered),
     }
 print(json.dumps(out))
 """
 
 
-@pytest.mark.slow  # ~2 min on 2 cores, 2 GiB: the layer scan's body compiles once, whatever the depth
+@pytest.mark.slow  # 2.5 min on 2 idle cores (5.5 loaded), 1.3 GB: the layer scan compiles its body once
 def test_8b_learner_compiles_sharded_over_8_devices():
     """The Qwen3-8B learner step (all 36 layers; train.grpo's default micro-batch of 16 rows of 384
     tokens: 64 prompt + 256 new, padded as train.batch pads) and the AdamW update compile for 8
@@ -288,7 +296,7 @@ def test_8b_learner_compiles_sharded_over_8_devices():
     Interpret mode's compile on CPU; the shardings and buffer sizes are the program's, not a GPU
     measurement."""
     env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, "-c", COMPILE_8B_PROBE], env=env, capture_output=True, text=True, timeout=900)
+    r = subprocess.run([sys.executable, "-c", COMPILE_8B_PROBE], env=env, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stderr[-3000:]
     programs = json.loads(r.stdout.splitlines()[-1])
     shapes = jax.tree.leaves(jax.eval_shape(lambda: rlkjax.init_params(rlkjax.ModelConfig.preset("qwen3-8b"))))
@@ -304,7 +312,7 @@ def test_8b_learner_compiles_sharded_over_8_devices():
     }
     assert len(split["update's inputs"]) == len(split["update's outputs"]) + n == 4 * n  # grads, moments, master
     for what, sizes in split.items():
-        whole = [size for size, shard in sizes if shard * 8 != size]
+        whole = [size for size, shard, _ in sizes if shard * 8 != size]
         assert not whole, f"{what}: {len(whole)} tensors not split 8 ways (sizes {whole[:5]})"
     # The buffers XLA assigned agree: fp32 master + gradients (+ the batch and RoPE tables, < 64 MiB) for
     # the step; gradients, both moments and master for the update, each 4 bytes x p / 8.

@@ -9,7 +9,7 @@ import rlkjax
 from rlkjax.chat import load_chat_template
 from rlkjax.tiny_qwen3 import QWEN3_VOCAB_SIZE, write_tiny_qwen3
 from rlkjax.tokenizer import HFTokenizer, load_tokenizer
-from tests.conftest import assert_bits_equal
+from tests.helpers import assert_bits_equal
 
 IM_START, IM_END, NEWLINE, USER, ASSISTANT, SYSTEM = 151644, 151645, 198, 872, 77091, 8948
 

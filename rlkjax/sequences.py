@@ -1,0 +1,156 @@
+"""The engine's host-side records: a request (its SamplingParams, its samples' results), each
+sample's sequence (tokens, logprobs, KV pages), the page allocator they share, a decode round in
+flight, and the finished Completion."""
+
+import dataclasses
+import threading
+from collections import deque
+
+import numpy as np
+
+from rlkjax.sampling_params import SamplingParams
+from rlkjax.shapes import bucket
+from rlkjax.steps import RowSampling
+
+
+@dataclasses.dataclass
+class Completion:
+    tokens: list[int]
+    # float32, one per token: log p(token | prefix) at the sampling temperature (greedy: T = 1), over the
+    # full vocabulary even when top_k/top_p/min_p truncated the draw (the learner's value), or over the
+    # renormalised kept set when the request asked for truncated_logprobs
+    logprobs: np.ndarray
+    finish_reason: str = "length"  # "length" | "stop" | "cancelled"
+    policy_version: int = 0
+    # Asked for with top_logprobs=k: per token, the k most likely ids of the same distribution
+    # (descending; equal values: lowest id first) [T, k] int32, and their logprobs [T, k] float32.
+    top_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
+    # Asked for with prompt_logprobs (rlkjax.generate): the learner's logprobs of prompt[1:] [P - 1],
+    # and, with k alternatives, their top ids and logprobs [P - 1, k].
+    prompt_logprobs: np.ndarray | None = None
+    prompt_top_ids: np.ndarray | None = None
+    prompt_top_logprobs: np.ndarray | None = None
+
+
+class PageAllocator:
+    """Free list with reference counts; page 0 is the trash page and never handed out."""
+
+    def __init__(self, num_pages: int):
+        self.free = deque(range(1, num_pages))
+        self.refs = np.zeros(num_pages, np.int32)
+
+    def alloc(self, n: int) -> list[int] | None:
+        if n > len(self.free):
+            return None
+        pages = [self.free.popleft() for _ in range(n)]
+        self.refs[pages] = 1
+        return pages
+
+    def share(self, pages):
+        for p in pages:
+            self.refs[p] += 1
+
+    def release(self, pages):
+        for p in pages:
+            self.refs[p] -= 1
+            if self.refs[p] == 0:
+                self.free.append(p)
+
+    @property
+    def used(self) -> int:
+        return int((self.refs > 0).sum())
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    request: "Request"
+    index: int  # sample index within the request
+    seed: int
+    tokens: list[int]  # prompt + generated
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_ids: list = dataclasses.field(default_factory=list)  # [k] arrays, one per token (top_logprobs=k)
+    top_logprobs: list = dataclasses.field(default_factory=list)
+    pages: list[int] = dataclasses.field(default_factory=list)
+    cached: int = 0  # positions whose K/V are in the cache
+    admitted: int = -1  # admission order, for preemption
+    finished: bool = False  # its completion is recorded; a round still in flight skips it
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - len(self.request.prompt)
+
+    @property
+    def decoding(self) -> bool:
+        return self.cached == len(self.tokens) - 1
+
+    @property
+    def started(self) -> bool:
+        """Its pages or tokens came from the current weights: it must finish before a swap."""
+        return bool(self.pages) or self.generated > 0
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    id: int
+    prompt: list[int]
+    sampling: SamplingParams
+    stop_ids: tuple[int, ...]  # the ids that end a sample: sampling.stop_ids(the engine's eos)
+    group: object = None  # admission takes turns between groups (the server: one per HTTP request); None = its own
+    results: list = dataclasses.field(default_factory=list)  # Completion per sample index, None until done
+    pending_forks: int = 0  # samples waiting for the leader's prompt pages
+    cancelled: bool = False
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    callbacks: list = dataclasses.field(default_factory=list)  # called (engine thread) when done
+    # Called (engine thread) after each decode round with (sample index, new tokens, their logprobs, their
+    # alternatives (top ids, top logprobs: a [k] array each per token) if top_logprobs, else None, the
+    # engine's finish reason: "stop" | "length" | None while the sample goes on); returning an int k keeps
+    # the first k of them and stops that sample ("stop"), e.g. on a stop string (the server's streaming and
+    # stop strings). None: no hook.
+    on_tokens: object = None
+
+    def finish(self):
+        self.done.set()
+        for callback in self.callbacks:
+            callback()
+
+
+@dataclasses.dataclass
+class Round:
+    """A decode round dispatched to the device and not read yet."""
+
+    seqs: list[Sequence]  # row i's sequence
+    budget: list[int]  # tokens row i may sample (it samples all of them unless it stops)
+    out: tuple  # device arrays: tokens, logprobs (and alternatives)
+    carry: tuple  # device arrays: next_round's carry
+
+
+def round_rows(seqs: list[Sequence], ahead: dict, budget: dict, rows: int, vocab_size: int):
+    """A decode round's inputs for `seqs`, padded to `rows`: each row's last token and its position
+    [rows] and its sampling options (RowSampling). ahead[s]: tokens the round in flight may still add
+    to s; budget[s]: tokens this round may sample."""
+    stops = bucket(max(len(s.request.stop_ids) for s in seqs))
+    tokens, positions, remaining = np.zeros(rows, np.int32), np.full(rows, -1, np.int32), np.zeros(rows, np.int32)
+    seeds, steps, temps = np.zeros(rows, np.uint32), np.zeros(rows, np.int32), np.ones(rows, np.float32)
+    stop_ids, min_tokens = np.full((rows, stops), -1, np.int32), np.zeros(rows, np.int32)
+    for i, s in enumerate(seqs):
+        tokens[i], positions[i], remaining[i] = s.tokens[-1], len(s.tokens) - 1 + ahead[s], budget[s]
+        seeds[i], steps[i], temps[i] = s.seed, s.generated + ahead[s], s.request.sampling.temperature
+        stop_ids[i, : len(s.request.stop_ids)] = s.request.stop_ids
+        min_tokens[i] = s.request.sampling.min_tokens
+    # One variant for rounds with a truncating row; the other rows run it untruncated (top_k = vocab,
+    # top_p = 1, min_p = 0), which draws their default tokens and bits.
+    truncation = _truncation(seqs, rows, vocab_size) if any(s.request.sampling.truncates for s in seqs) else None
+    return tokens, positions, RowSampling(seeds, steps, temps, remaining, stop_ids, min_tokens, truncation)
+
+
+def _truncation(seqs: list[Sequence], rows: int, vocab_size: int) -> tuple:
+    """(top_k, top_p, min_p, renormalised) [rows] as the kernels take them (top_k 0 -> the vocabulary: off)."""
+    top_k = np.full(rows, vocab_size, np.int32)
+    top_p, min_p = np.ones(rows, np.float32), np.zeros(rows, np.float32)
+    renormalised = np.zeros(rows, bool)
+    for i, s in enumerate(seqs):
+        r = s.request.sampling
+        top_k[i] = min(r.top_k, vocab_size) or vocab_size
+        top_p[i], min_p[i], renormalised[i] = r.top_p, r.min_p, r.truncated_logprobs
+    return top_k, top_p, min_p, renormalised
