@@ -8,7 +8,7 @@ and count the tokens whose logprob bits differ (strict must be 0).
 - Each request: a prompt of 1..--max-prompt random tokens, n = 1 or 4, --min-new-tokens..--max-new-tokens new
   tokens (drawn per request), all sent at once. tokens_per_s = output tokens / wall time of the whole burst,
   after a warm-up burst of the same requests with an eighth of the new tokens (it compiles the shapes).
-- --kernel-ref: after the server stops, `decode_round` alone in one device call at batch --max-batch, context =
+- --kernel-ref: after the server stops, `decode_round` alone, one jitted call, at batch --max-batch, context =
   the mean prompt length, for the mean number of new tokens (bench.rollout's kernel-level loop): what the
   server's decoding could reach with no host, HTTP or prefill work; kernel_ratio = server / kernel-level.
 - --update-weights: while the server still runs, save other weights (seed 1) as an HF checkpoint, time

@@ -1,4 +1,4 @@
-"""Nothing silently wrong on the learner side (issue 13): flags checked as they are used, data files
+"""Nothing silently wrong on the learner side: flags checked as they are used, data files
 checked line by line when loaded, non-finite values stop train.grpo before anything is written from
 them, and checkpoints that prove themselves (real orbax files with real flipped or truncated bytes)
 resume bit-identically or not at all."""

@@ -216,7 +216,7 @@ def test_learner_step_memory_per_layer_scales_like_its_shard():
     """Each added layer costs a learner device its fp32 gradient shard (4 bytes x layer params / N)
     and a little more (activations), never a full copy of the layer: prevents the FSDP learner from
     gathering, or reduce-scattering the gradients of, the whole model at once (at Qwen3-8B on 2 GPUs
-    that held 45.9 GiB of full-model buffers and did not fit; issue 12)."""
+    that held 45.9 GiB of full-model buffers and did not fit)."""
     env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     r = subprocess.run([sys.executable, "-c", MEMORY_PROBE], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
