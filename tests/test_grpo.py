@@ -535,12 +535,11 @@ def check_completions_end_at_eos(groups, max_new_tokens):
     return early
 
 
-def test_eos_stop_ids():
+def test_model_eos():
     cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
-    assert rollout.eos_stop(ByteTokenizer(), cfg, ignore_eos=False) == (EOS,)
-    assert rollout.eos_stop(ByteTokenizer(), cfg, ignore_eos=True) == ()
+    assert rollout.model_eos(ByteTokenizer(), cfg) == EOS
     with pytest.raises(ValueError, match="eos id 256 is outside the model's vocabulary of 200"):
-        rollout.eos_stop(ByteTokenizer(), dataclasses.replace(cfg, vocab_size=200), ignore_eos=False)
+        rollout.model_eos(ByteTokenizer(), dataclasses.replace(cfg, vocab_size=200))
 
 
 def test_training_stops_at_eos(tmp_path, monkeypatch):
@@ -584,22 +583,23 @@ def test_training_stops_at_eos(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_local_and_remote_rollouts_give_the_same_completions(tmp_path):
     """The in-process engine and a `serve.rollout` server on loopback, same weights, prompts, seeds and
-    stop ids: the same tokens and logprob bits, eos-ended completions included (the server once sampled
-    past eos while the engine did not know it). With ignore_eos (no stop ids) both sample past eos to
-    max_new_tokens."""
+    sampling: the same tokens and logprob bits, eos-ended completions included (the server once sampled
+    past eos while the engine did not know it). With ignore_eos both sample past eos to max_new_tokens
+    (the server once added its eos to a request that asked to ignore it)."""
     model_dir = eos_model(tmp_path / "model")
     cfg, params = rlkjax.load_hf_checkpoint(model_dir)
     devices = fsdp.pick_devices("learner_devices", "0")
-    local = rollout.LocalRollout(params, cfg, "strict", fsdp.make_mesh(devices), devices, rows=8, max_length=32)
+    mesh = fsdp.make_mesh(devices)
+    local = rollout.LocalRollout(params, cfg, "strict", mesh, devices, rows=8, max_length=32, eos_token_id=EOS)
     proc, client = start_server("--model", model_dir, "--tokenizer", "bytes")
     try:
         remote = rollout.RemoteRollout(client.url, ADMIN)
         prompts, seeds = [list(b"ab"), list(b"xyz")], [11, 12]
-        for stops in ((EOS,), ()):
-            sampling = rlkjax.SamplingParams(n=4, max_tokens=8, stop_token_ids=stops)
+        for ignore_eos in (False, True):
+            sampling = rlkjax.SamplingParams(n=4, max_tokens=8, ignore_eos=ignore_eos)
             a = local.sample(prompts, seeds, sampling)
             b = remote.sample(prompts, seeds, sampling)
-            if stops:
+            if not ignore_eos:
                 assert check_completions_end_at_eos(a, 8) >= 2
             else:  # every completion runs to max_new_tokens, some through an eos
                 assert all(len(s["tokens"]) == 8 for g in a for s in g)

@@ -79,7 +79,7 @@ from train.guards import check_prompt_lengths, check_rewards
 from train.learner import Learner, build_learner, learn, verify
 from train.loggers import Loggers, sample_table
 from train.metrics import append_row, open_metrics, plot, throughput
-from train.rollout import LocalRollout, RemoteRollout, eos_stop
+from train.rollout import LocalRollout, RemoteRollout, model_eos
 from train.scoring import group_rewards
 
 log = logging.getLogger("train.grpo")
@@ -452,7 +452,7 @@ def train(config: GRPOConfig) -> dict:
         n=config.group_size,
         max_tokens=config.max_new_tokens,
         temperature=config.temperature,
-        stop_token_ids=eos_stop(tokenizer, cfg, config.ignore_eos),
+        ignore_eos=config.ignore_eos,
     )
     learner_devices = fsdp.pick_devices("--learner-devices", config.learner_devices)
     sampler_devices = fsdp.pick_devices("--sampler-devices", config.sampler_devices)
@@ -465,7 +465,9 @@ def train(config: GRPOConfig) -> dict:
     checkpoints = Checkpoints(out / "checkpoints", config.keep_checkpoints)
     data_sha256 = file_sha256(config.data)
     state, start = restore(config, checkpoints, state, data_rng, data_sha256)
-    rollout = make_rollout(config, cfg, state["master"], learner, sampler_devices, start, out)
+    rollout = make_rollout(
+        config, cfg, model_eos(tokenizer, cfg), state["master"], learner, sampler_devices, start, out
+    )
     run = Run(config, cfg, task, tokenizer, render, sampling, rollout, learner, checkpoints, out)
     metrics_path, resumed = out / "metrics.jsonl", start if config.resume else None
     if primary:
@@ -510,9 +512,9 @@ def train(config: GRPOConfig) -> dict:
     return {"master": state["master"], "history": history}
 
 
-def make_rollout(config: GRPOConfig, cfg, master, learner: Learner, sampler_devices, start: int, out: Path):
+def make_rollout(config: GRPOConfig, cfg, eos, master, learner: Learner, sampler_devices, start: int, out: Path):
     """The rollout backend, holding the (restored) policy: a server given it now, or in-process engines built
-    with it (it has had `start` updates, so their policy versions continue from there)."""
+    with it (it has had `start` updates, so their policy versions continue from there) that stop at `eos`."""
     policy = to_policy(master, cfg)
     if config.rollout_url:
         rollout = RemoteRollout(config.rollout_url, config.admin_key)
@@ -526,6 +528,7 @@ def make_rollout(config: GRPOConfig, cfg, master, learner: Learner, sampler_devi
             sampler_devices,
             rows=cdiv(config.prompts_per_step, len(sampler_devices)) * config.group_size,
             max_length=config.max_prompt_tokens + config.max_new_tokens,
+            eos_token_id=eos,
             first_version=start,
         )
     # The samplers hold their copies; the learner's bf16 shards (P / N x 2 B) need not outlive the push.

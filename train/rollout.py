@@ -19,18 +19,13 @@ from rlkjax.sampling_params import SamplingParams
 from train import fsdp
 
 
-def eos_stop(tokenizer, cfg, ignore_eos: bool) -> tuple[int, ...]:
-    """The stop ids of every completion: the tokenizer's eos (both rollouts send the same ones, so a local
-    and a remote rollout give the same completions), none with ignore_eos or a tokenizer without one."""
+def model_eos(tokenizer, cfg) -> int | None:
+    """The end-of-sequence id the engines stop at: the tokenizer's (None without one), inside the model's
+    vocabulary. Requests that ask for ignore_eos sample past it (the engine's one eos rule)."""
     eos = tokenizer.eos_token_id
-    if ignore_eos or eos is None:
-        return ()
-    if not 0 <= eos < cfg.vocab_size:
-        raise ValueError(
-            f"the tokenizer's eos id {eos} is outside the model's vocabulary of {cfg.vocab_size} "
-            "(ignore_eos samples past it)"
-        )
-    return (eos,)
+    if eos is not None and not 0 <= eos < cfg.vocab_size:
+        raise ValueError(f"the tokenizer's eos id {eos} is outside the model's vocabulary of {cfg.vocab_size}")
+    return eos
 
 
 class LocalRollout:
@@ -38,9 +33,12 @@ class LocalRollout:
     device i mod M. With several processes each runs its own devices' engines and the completions
     are exchanged, so every process returns the same groups."""
 
-    def __init__(self, policy, cfg, numerics, mesh, devices, *, rows: int, max_length: int, first_version: int = 0):
+    def __init__(
+        self, policy, cfg, numerics, mesh, devices, *, rows: int, max_length: int, eos_token_id, first_version: int = 0
+    ):
         """policy: on the learner's `mesh`; devices: the sampler devices; rows: the most sequences (prompts x
-        group) one engine runs in a step, each of up to max_length tokens (prompt + completion)."""
+        group) one engine runs in a step, each of up to max_length tokens (prompt + completion); eos_token_id:
+        `model_eos`, which ends every completion whose sampling does not ask for ignore_eos."""
         # Caches for exactly one step's sequences: nothing is preempted, nothing idles.
         sizing = EngineConfig.for_batch([max_length] * rows)
         self.mesh, self.devices = mesh, devices
@@ -50,7 +48,7 @@ class LocalRollout:
         for device in devices:
             if device.process_index == jax.process_index():
                 with jax.default_device(device):
-                    self.engines[device] = Engine(jax.device_put(local, device), cfg, numerics, sizing)
+                    self.engines[device] = Engine(jax.device_put(local, device), cfg, numerics, sizing, eos_token_id)
 
     def sample(self, prompts, seeds, sampling: SamplingParams):
         owners = [self.devices[i % len(self.devices)] for i in range(len(prompts))]
@@ -114,7 +112,7 @@ class RemoteRollout:
 
     def sample(self, prompts, seeds, sampling: SamplingParams):
         carried = dict(n=sampling.n, max_tokens=sampling.max_tokens, temperature=sampling.temperature)
-        carried["stop_token_ids"] = sampling.stop_token_ids
+        carried |= dict(stop_token_ids=sampling.stop_token_ids, ignore_eos=sampling.ignore_eos)
         if sampling != SamplingParams(**carried):
             raise ValueError(f"{sampling} has fields /generate does not carry (it takes {sorted(carried)})")
         return self.client.generate(
@@ -124,6 +122,7 @@ class RemoteRollout:
             temperature=sampling.temperature,
             seed=seeds,
             stop_token_ids=sampling.stop_token_ids,
+            ignore_eos=sampling.ignore_eos,  # the server's eos is its tokenizer's, the one the engines here stop at
         )
 
     def push(self, params, cfg, out_dir):
