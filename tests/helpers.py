@@ -1,9 +1,32 @@
-"""What several test files share: exact bit comparisons and the odd model shape every kernel pads.
+"""What several test files share: exact bit comparisons, the odd model shape every kernel pads, and the
+kernel tests' float64 truth and random inputs.
 (Fixtures and pytest's hooks live in conftest.py, which test files do not import.)"""
 
+import contextlib
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 import rlkjax
+
+INTERPRET = jax.default_backend() == "cpu"  # Pallas kernels run interpreted on the CPU, compiled on a GPU
+
+
+def rel_err(x, truth):
+    x, truth = np.asarray(x, np.float64), np.asarray(truth, np.float64)
+    return np.linalg.norm(x - truth) / np.linalg.norm(truth)
+
+
+@contextlib.contextmanager
+def float64_on_cpu():
+    """The float64 truth is computed on the host CPU (GPU BLAS has no float64->float32 GEMMs)."""
+    with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
+def randn(key, shape, dtype=jnp.float32, scale=1.0):
+    return (scale * jax.random.normal(jax.random.key(key), shape, jnp.float32)).astype(dtype)
 
 
 def bits(a) -> np.ndarray:

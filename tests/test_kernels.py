@@ -9,7 +9,6 @@ term) is an O(1) error and fails by orders of magnitude. The same rule applies t
 computed in fp32 against a float64 jax.grad of the reference.
 """
 
-import contextlib
 import dataclasses
 
 import jax
@@ -19,22 +18,9 @@ import pytest
 
 from pallas_kernels import attention, logprob, matmul, rmsnorm, swiglu
 from rlkjax import numerics
-from tests.helpers import assert_bits_equal
+from tests.helpers import INTERPRET, assert_bits_equal, float64_on_cpu, randn, rel_err
 
-INTERPRET = jax.default_backend() == "cpu"
 BF16, F32 = jnp.bfloat16, jnp.float32
-
-
-def rel_err(x, truth):
-    x, truth = np.asarray(x, np.float64), np.asarray(truth, np.float64)
-    return np.linalg.norm(x - truth) / np.linalg.norm(truth)
-
-
-@contextlib.contextmanager
-def float64_on_cpu():
-    """The float64 truth is computed on the host CPU (GPU BLAS has no float64->float32 GEMMs)."""
-    with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
-        yield
 
 
 def check_against_truth(kernel_fn, reference_fn, args, what, truth_fn=None):
@@ -86,10 +72,6 @@ def check_grads(kernel_fn, reference_fn, args, argnums, what):
     # Deterministic backward: the same call twice gives the same bits.
     for a, b in zip(gk, jax.grad(loss(kernel_fn), argnums)(*args)):
         assert_bits_equal(a, b, f"{what} backward run to run")
-
-
-def randn(key, shape, dtype=F32, scale=1.0):
-    return (scale * jax.random.normal(jax.random.key(key), shape, F32)).astype(dtype)
 
 
 @pytest.mark.parametrize("m,k,n", [(37, 96, 128), (130, 64, 64), (1, 256, 192), (21, 40, 37)])

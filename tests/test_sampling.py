@@ -11,8 +11,7 @@ import rlkjax
 from pallas_kernels import logprob, truncation
 from rlkjax import numerics
 from rlkjax.engine import Engine, EngineConfig
-from tests.helpers import assert_bits_equal, bits
-from tests.test_kernels import INTERPRET, float64_on_cpu, randn, rel_err
+from tests.helpers import INTERPRET, assert_bits_equal, bits, float64_on_cpu, randn, rel_err
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 CONFIG = numerics.LOGPROB
