@@ -155,4 +155,4 @@ def load_model(spec: str, seed: int = 0):
             return cfg, ckptr.restore(path.absolute() / "params", target)
     if path.is_dir():
         return load_hf_checkpoint(path)
-    raise ValueError(f"--model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a checkpoint directory")
+    raise ValueError(f"model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a checkpoint directory")

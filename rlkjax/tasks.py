@@ -90,13 +90,13 @@ class CustomReward:
     def __init__(self, base, spec: str):
         module, _, name = spec.partition(":")
         if not name:
-            raise ValueError(f"--reward {spec!r} must look like module:function")
+            raise ValueError(f"reward {spec!r} must look like module:function")
         try:
             self.base, self.fn = base, getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError) as e:
-            raise ValueError(f"--reward {spec!r}: {e}") from None
+            raise ValueError(f"reward {spec!r}: {e}") from None
         if not callable(self.fn):
-            raise ValueError(f"--reward {spec!r} is not a function")
+            raise ValueError(f"reward {spec!r} is not a function")
 
     def sample(self, rng, count):
         return self.base.sample(rng, count)
@@ -151,7 +151,7 @@ def make_task(
         task = ArithmeticTask()
     elif name == "gsm8k":
         if not data:
-            raise ValueError("--task gsm8k needs --data path/to/gsm8k.jsonl")
+            raise ValueError("task 'gsm8k' needs data: path/to/gsm8k.jsonl")
         task = GSM8KTask(data)
     elif name == "math":
         if not data:

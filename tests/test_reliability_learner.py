@@ -168,7 +168,7 @@ def test_nonfinite_user_reward_stops_the_run(tmp_path):
         ("tests.test_reliability_learner:SMALL", "not a function"),
         ("tests.test_reliability_learner:nope", "has no attribute 'nope'"),
     ):
-        with pytest.raises(ValueError, match=f"--reward '{spec}'.*{error}"):
+        with pytest.raises(ValueError, match=f"reward '{spec}'.*{error}"):
             make_task("lowercase", None, spec)
 
 
