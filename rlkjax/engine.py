@@ -233,6 +233,7 @@ class Engine:
                         self.cfg,
                         self.numerics,
                         steps,
+                        0,  # alternatives, passed as _dispatch_decode passes it: jit keys positional and default apart
                     )
                     self._note_shape("decode_round", (r, 1, 0, False, steps))
                 else:
