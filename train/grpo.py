@@ -267,6 +267,8 @@ class GRPOConfig:
             raise ValueError(f"--num-processes={self.num_processes} needs --coordinator HOST:PORT (process 0's)")
         if self.num_processes > 1 and self.rollout_url:
             raise ValueError("--rollout-url runs with one learner process (--num-processes=1)")
+        if self.data is None and self.task in ("gsm8k", "math"):
+            raise ValueError(f"--task {self.task} needs --data: a local file of problems")
         if self.data is not None and self.task not in ("gsm8k", "math"):
             raise ValueError(
                 f"--data {self.data!r} is read only by --task gsm8k and math (--task {self.task} would ignore it)"
