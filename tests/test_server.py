@@ -15,6 +15,7 @@ import pytest
 
 import rlkjax
 from rlkjax.client import RolloutError
+from rlkjax.tokenizer import ByteTokenizer
 from tests.helpers import assert_bits_equal
 from tests.server_process import ADMIN, metric, post_raw, start_server, wait_for_metric
 
@@ -102,8 +103,8 @@ def test_openai_completions_and_metrics(server, tiny):
 
 
 def test_200_concurrent_requests_and_a_weight_update_mid_load(tiny, tmp_path):
-    """Every request answered exactly once, every completion exact under the weights of the
-    version it reports; the update lands between steps."""
+    """Every request answered exactly once, at its length or ended by eos, every completion exact under
+    the weights of the version it reports; the update lands between steps."""
     cfg, params = tiny
     new_params = rlkjax.init_params(cfg, seed=1)
     rlkjax.save_hf_checkpoint(tmp_path / "v1", cfg, new_params)
@@ -142,7 +143,12 @@ def test_200_concurrent_requests_and_a_weight_update_mid_load(tiny, tmp_path):
             assert len(res) == 1 and len(res[0]) == job["n"]
             for sample in res[0]:
                 seen_versions.add(sample["policy_version"])
-                assert len(sample["tokens"]) == job["max_new_tokens"]
+                # a sampled eos (the byte tokenizer's 256) ends a completion early and is its last token
+                tokens, eos = sample["tokens"], ByteTokenizer.eos_token_id
+                assert eos not in tokens[:-1]
+                assert len(tokens) == job["max_new_tokens"] or (
+                    len(tokens) < job["max_new_tokens"] and tokens[-1] == eos
+                )
                 scored = rlkjax.score(
                     by_version[sample["policy_version"]],
                     cfg,
