@@ -254,13 +254,15 @@ def compiled_table(args) -> tuple[str, dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen3-8b")
-    parser.add_argument("--gpus", type=lambda s: [int(n) for n in s.split(",")], default=[2, 4, 8])
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--group", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--prompt-tokens", type=int, default=64)
-    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--model", default="qwen3-8b", help="model preset (shapes only)")
+    parser.add_argument(
+        "--gpus", type=lambda s: [int(n) for n in s.split(",")], default=[2, 4, 8], help="GPU counts (comma-separated)"
+    )
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per GRPO step (train.grpo --prompts-per-step)")
+    parser.add_argument("--group", type=int, default=8, help="completions per prompt (--group-size)")
+    parser.add_argument("--new-tokens", type=int, default=256, help="tokens sampled per completion (--max-new-tokens)")
+    parser.add_argument("--prompt-tokens", type=int, default=64, help="longest prompt (--max-prompt-tokens)")
+    parser.add_argument("--micro-batch", type=int, default=4, help="sequences per learner micro-batch (--micro-batch)")
     parser.add_argument("--compiled", action="store_true", help="add XLA's compiled analysis (minutes on CPU)")
     parser.add_argument("--metrics", action="append", default=[], help="a train.grpo metrics.jsonl (repeatable)")
     parser.add_argument(

@@ -23,12 +23,13 @@ from bench.server_e2e import make_jobs
 from rlkjax import flops
 
 REPO = Path(__file__).resolve().parents[1]
-# Every `python -m bench.X` (bench.memory_plan's flags are documented by its owner's tests).
+# Every `python -m bench.X`.
 ENTRY_POINTS = (
     "_report",
     "e2e_summary",
     "grpo_compare",
     "learner_memory",
+    "memory_plan",
     "mismatch",
     "profile",
     "rollout",
