@@ -52,6 +52,21 @@ def gumbel_noise(row_key, cols):
     return -log(-log(u))
 
 
+NO_TOKEN = 2**31 - 1  # above every vocabulary id: what a min over a tile's ids returns where none matches
+
+
+def gumbel_max_tile(values, logits, cols, key, greedy):
+    """One vocabulary tile's Gumbel-max pick, shared by the sampler kernels (logprob, truncation):
+    score = values + gumbel_noise (greedy rows: values alone), the tile's best score [R], the id that
+    has it [R] (ties: the lowest id, so with a strict > across tiles the whole vocabulary's lowest id
+    wins), and that id's entry of `logits` [R]. values, logits [R, C]; cols [1, C]; key, greedy [R]."""
+    score = jnp.where(greedy[:, None], values, values + gumbel_noise(key[:, None], cols))
+    tile_best = jnp.max(score, axis=1)
+    tile_tok = jnp.min(jnp.where(score == tile_best[:, None], cols, NO_TOKEN), axis=1)
+    tile_logit = jnp.max(jnp.where(cols == tile_tok[:, None], logits, -jnp.inf), axis=1)
+    return tile_best, tile_tok, tile_logit
+
+
 def row_key(seeds, steps):
     """Per-row sampling key from (request seed, token index): [R] uint32."""
     return hash_u32(hash_u32(seeds.astype(jnp.uint32)) ^ (steps.astype(jnp.uint32) * jnp.uint32(0x85EBCA6B)))

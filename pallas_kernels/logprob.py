@@ -35,8 +35,6 @@ from jax.experimental import pallas as pl
 from pallas_kernels import _math, matmul
 from pallas_kernels._common import F32, acc_dtype, check_block, compiler_params, dot_nt, pad_dim
 
-_NO_TOKEN = 2**31 - 1
-
 
 @dataclasses.dataclass(frozen=True)
 class LogprobConfig:
@@ -112,10 +110,7 @@ def _split_kernel(
         tgt_logit = jnp.maximum(tgt_logit, jnp.max(jnp.where(cols == tgt[:, None], logits, -jnp.inf), axis=1))
         # Gumbel-max sample (greedy rows: plain argmax); ties go to the lowest id (strict > across
         # tiles, min id within one).
-        score = jnp.where(greedy[:, None], logits, logits + _math.gumbel_noise(key[:, None], cols))
-        tile_best = jnp.max(score, axis=1)
-        tile_tok = jnp.min(jnp.where(score == tile_best[:, None], cols, _NO_TOKEN), axis=1)
-        tile_logit = jnp.max(jnp.where(cols == tile_tok[:, None], logits, -jnp.inf), axis=1)
+        tile_best, tile_tok, tile_logit = _math.gumbel_max_tile(logits, logits, cols, key, greedy)
         better = tile_best > best_score
         return (
             m_new,

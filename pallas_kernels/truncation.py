@@ -29,8 +29,6 @@ from jax.experimental import pallas as pl
 from pallas_kernels import _math, logprob
 from pallas_kernels._common import F32, compiler_params, pad_dim
 
-_NO_TOKEN = 2**31 - 1
-
 
 def _top_p_kernel(sorted_ref, thr_k_ref, top_p_ref, count_ref, *, block_vocab, num_tiles):
     """How many of a row's logits (sorted descending) top_k and top_p keep."""
@@ -90,11 +88,8 @@ def _sample_kernel(
         m_new = jnp.maximum(m, jnp.max(zk, axis=1))
         shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         s = s * _math.exp(m - shift) + jnp.sum(_math.exp(zk - shift[:, None]), axis=1)
-        # Gumbel-max as in logprob._split_kernel: ties to the lowest id.
-        score = jnp.where(greedy[:, None], zk, zk + _math.gumbel_noise(key[:, None], cols))
-        tile_best = jnp.max(score, axis=1)
-        tile_tok = jnp.min(jnp.where(score == tile_best[:, None], cols, _NO_TOKEN), axis=1)
-        tile_logit = jnp.max(jnp.where(cols == tile_tok[:, None], z, -jnp.inf), axis=1)
+        # Gumbel-max over the kept ids, as logprob's sampler draws: ties to the lowest id.
+        tile_best, tile_tok, tile_logit = _math.gumbel_max_tile(zk, z, cols, key, greedy)
         better = tile_best > best_score
         return (
             m_new,
