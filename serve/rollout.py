@@ -20,9 +20,7 @@ doubles written by Python's shortest round-trip repr, so float32(json value) has
 """
 
 import asyncio
-import collections
 import dataclasses
-import hmac
 import logging
 import math
 import os
@@ -48,6 +46,7 @@ from rlkjax.sampling_params import SamplingParams
 from rlkjax.sequences import Request
 from rlkjax.tokenizer import load_tokenizer
 from serve import openai_api
+from serve.auth import AdminAuth
 from serve.http import (
     BadRequest,
     RequestTimeout,
@@ -128,9 +127,6 @@ def _non_finite(params) -> list[str]:
     return [path for path, ok in zip(paths, flags, strict=True) if not ok]
 
 
-AUTH_WINDOW_S, AUTH_MAX_FAILURES = 60.0, 5  # failed admin-key attempts allowed per client address per window
-
-
 def _admin_key(config: ServerConfig) -> str | None:
     if config.admin_key_file:
         lines = Path(config.admin_key_file).read_text().splitlines()
@@ -143,8 +139,8 @@ def _admin_key(config: ServerConfig) -> str | None:
 class Server:
     def __init__(self, config: ServerConfig):
         self.config = config
-        self.admin_key = _admin_key(config)
-        self.auth_failures: dict[str, collections.deque] = collections.defaultdict(collections.deque)
+        admin_key = _admin_key(config)
+        self.admin = AdminAuth(admin_key) if admin_key else None
         self.cfg, params = load_model(config.model, seed=config.seed)
         bad = _non_finite(params)
         if bad:
@@ -310,23 +306,13 @@ class Server:
         return self.tokenizer.encode(text)
 
     async def update_weights(self, request: web.Request):
-        if not self.admin_key:
+        if self.admin is None:
             return _error(
                 403, "weight updates are disabled: start the server with --admin-key-file or RLKJAX_ADMIN_KEY"
             )
-        peer, now = request.remote or "?", time.monotonic()
-        failures = self.auth_failures[peer]
-        while failures and now - failures[0] > AUTH_WINDOW_S:
-            failures.popleft()
-        if len(failures) >= AUTH_MAX_FAILURES:
-            return _error(429, f"too many failed admin-key attempts from {peer}; retry in {AUTH_WINDOW_S:.0f} s")
-        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.admin_key.encode()):
-            failures.append(now)
-            log.warning(
-                "rejected admin key from %s (%d failures in the last %.0f s)", peer, len(failures), AUTH_WINDOW_S
-            )
-            return _error(401, "missing or wrong admin key (Authorization: Bearer <key>)")
+        refused = self.admin.check(request)
+        if refused is not None:
+            return refused
         body = _fields(await _json(request, self.config.read_timeout), {"path"}, {"path"})
         if not isinstance(body["path"], str):
             raise BadRequest("path must be a string")
