@@ -47,6 +47,7 @@ from rlkjax.sequences import Request
 from rlkjax.tokenizer import load_tokenizer
 from serve import openai_api
 from serve.auth import AdminAuth
+from serve.connections import LimitedRunner
 from serve.http import (
     BadRequest,
     RequestTimeout,
@@ -94,6 +95,12 @@ class ServerConfig:
     """Seconds a client has to send its whole request body (a slow client gets 408)."""
     max_body_bytes: int = 4 * 2**20
     """Larger request bodies get 413."""
+    header_timeout: float = 15.0
+    """Seconds a connection has to send a complete request head, from opening or from the end of its previous
+    response; then it is closed (a client trickling its headers, an idle keep-alive connection)."""
+    max_connections: int = 512
+    """Most open connections; past it a new connection gets 503 and is closed. Each open connection needs a file
+    descriptor: keep this under the process's limit (`ulimit -n`)."""
     warmup: bool = True
     """Compile every batch shape of default requests before accepting any (prefill and decode rounds of 1, 2, 4,
     ... --max-batch sequences, page copies for n > 1): a few seconds per shape, so no request waits behind a
@@ -104,13 +111,14 @@ class ServerConfig:
     the rest (their clients get 503) and exit 0. A second signal ends the wait at once."""
 
     def __post_init__(self):
-        for name in ("port", "max_prompts", "max_sequences", "max_body_bytes"):
+        for name in ("port", "max_prompts", "max_sequences", "max_body_bytes", "max_connections"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be positive")
         if not (math.isfinite(self.shutdown_timeout) and self.shutdown_timeout >= 0):
             raise ValueError(f"--shutdown-timeout={self.shutdown_timeout} must be a finite number >= 0")
-        if not (math.isfinite(self.read_timeout) and self.read_timeout > 0):
-            raise ValueError(f"--read-timeout={self.read_timeout} must be a finite number > 0")
+        for name in ("read_timeout", "header_timeout"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be a finite number > 0")
 
 
 @jax.jit
@@ -449,7 +457,13 @@ class Server:
 async def serve(server: Server) -> None:
     config = server.config
     # handler_cancellation: a client that disconnects cancels its handler, which cancels its sequences.
-    runner = web.AppRunner(server.app(), handler_cancellation=True, handle_signals=False)
+    runner = LimitedRunner(
+        server.app(),
+        max_connections=config.max_connections,
+        header_timeout=config.header_timeout,
+        handler_cancellation=True,
+        handle_signals=False,
+    )
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
     loop = asyncio.get_running_loop()

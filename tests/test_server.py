@@ -410,6 +410,41 @@ def test_a_slow_client_gets_a_read_timeout(server):
     assert time.time() - start < 20
 
 
+def test_slow_and_numerous_clients_header_timeout_and_connection_cap():
+    """--header-timeout 2: a client trickling its headers a byte at a time is closed after about 2 s
+    (500 such clients used to hold their connections 60 s and more). --max-connections 4: with four
+    connections open (their heads unsent), a fifth reads a 503 naming the flag; once they are closed
+    by the same timeout, requests are served again."""
+    proc, client = start_server("--header-timeout", "2", "--max-connections", "4")
+    port = int(client.url.rsplit(":", 1)[1])
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
+            start, closed = time.monotonic(), False
+            for byte in b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 200:
+                try:
+                    sock.sendall(bytes([byte]))
+                    closed = sock.recv(1) == b""
+                except TimeoutError:
+                    continue
+                except OSError:
+                    closed = True
+                if closed:
+                    break
+            assert closed and 1.5 < time.monotonic() - start < 10, time.monotonic() - start
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(4)]
+        try:
+            got, payload = post_raw(client, "/generate", json.dumps({"prompt": [1, 2]}).encode())
+            assert got == 503 and "--max-connections" in payload["error"]["message"], payload
+            assert all(sock.recv(1) == b"" for sock in idle)  # closed by the server at the header timeout
+        finally:
+            for sock in idle:
+                sock.close()
+        assert client.health()["status"] == "ok"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+
+
 def test_health_and_metrics_answer_while_the_engine_compiles():
     """/health and /metrics are polled while a fresh server compiles and runs its first request:
     every answer comes within 0.5 s (they used to take the engine's lock on the event loop and wait
