@@ -235,8 +235,9 @@ def test_a_disconnected_client_frees_its_pages(server):
 def test_update_weights_refuses_what_would_change_the_served_model_silently(server, tiny, tmp_path):
     """Each refused with a 4xx naming the reason, the old weights kept (policy version unchanged):
     a preset name (used to build a random model), float32 weights (used to be served in float32,
-    breaking sampler == learner), a NaN, an extra tensor, corrupt safetensors and config.json
-    (used to be a bare 500)."""
+    breaking sampler == learner), a NaN, an index entry outside the checkpoint directory and a
+    float32 tensor under a bfloat16 config.json (both used to be loaded and served), an extra
+    tensor, corrupt safetensors and config.json (used to be a bare 500)."""
     from safetensors.numpy import load_file, save_file
 
     cfg, params = tiny
@@ -259,6 +260,18 @@ def test_update_weights_refuses_what_would_change_the_served_model_silently(serv
         t["model.norm.weight"][3] = np.nan
         save_file(t, path / "model.safetensors")
 
+    def escape(path):  # an index whose entry names a file outside the checkpoint directory
+        (path / "model.safetensors.index.json").write_text(
+            json.dumps({"weight_map": {"model.norm.weight": "../f32/model.safetensors"}})
+        )
+
+    def norm_f32(path):  # config.json says bfloat16; one tensor is stored in float32
+        from safetensors.flax import load_file as load_jax
+        from safetensors.flax import save_file as save_jax
+
+        t = load_jax(path / "model.safetensors")
+        save_jax(t | {"model.norm.weight": t["model.norm.weight"].astype("float32")}, path / "model.safetensors")
+
     def add_tensor(path):
         save_file(
             load_file(path / "model.safetensors") | {"model.layers.0.mlp.gate_proj.bias": np.zeros(4, np.float32)},
@@ -269,6 +282,8 @@ def test_update_weights_refuses_what_would_change_the_served_model_silently(serv
         "qwen3-tiny": "not a checkpoint directory",
         checkpoint("f32", dtype="float32"): "dtype float32 is not the served dtype bfloat16",
         checkpoint("nan", add_nan): "non-finite values in ['norm']",
+        checkpoint("escape", escape): "entry '../f32/model.safetensors' resolves to",
+        checkpoint("norm_f32", norm_f32): "model.norm.weight is stored as float32",
         checkpoint("extra", add_tensor): "gate_proj.bias",
         checkpoint("bad_safetensors", lambda p: (p / "model.safetensors").write_bytes(b"\x00" * 100)): "cannot load",
         checkpoint("bad_config", lambda p: (p / "config.json").write_text('{"vocab_size": ')): "cannot load",
