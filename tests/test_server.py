@@ -60,7 +60,7 @@ def server():
 def test_bad_input_gets_a_clear_4xx_and_the_server_keeps_serving(server, body, status, match):
     got, payload = post_raw(server, "/generate", body)
     assert got == status and match in payload["error"]["message"], payload
-    assert server.generate([[1, 2, 3]], max_new_tokens=2)[0][0]["finish_reason"] == "length"
+    assert server.generate([[1, 2, 3]], max_new_tokens=2, seed=0, ignore_eos=True)[0][0]["finish_reason"] == "length"
 
 
 def test_update_weights_needs_the_admin_key(server, tmp_path):
@@ -407,7 +407,7 @@ def test_every_bad_body_is_a_4xx(server, data, headers, match):
     path = "/v1/completions" if b'"\\ud800' in data else "/generate"
     got, payload = post_raw(server, path, data, headers)
     assert 400 <= got < 500 and match in payload["error"]["message"], (got, payload)
-    assert server.generate([[1, 2, 3]], max_new_tokens=2)[0][0]["finish_reason"] == "length"
+    assert server.generate([[1, 2, 3]], max_new_tokens=2, seed=0, ignore_eos=True)[0][0]["finish_reason"] == "length"
 
 
 def test_a_slow_client_gets_a_read_timeout(server):
