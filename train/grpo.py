@@ -49,7 +49,6 @@ Deviations from the GRPO paper (Shao et al., 2024), each on purpose:
     (--tis-cap, as in verl/OpenRLHF) can reweight tokens by min(p_learner_old / p_sampler, cap).
 """
 
-import logging
 import os
 import time
 from pathlib import Path
@@ -71,17 +70,15 @@ from rlkjax.tasks import make_task
 from rlkjax.tokenizer import load_tokenizer
 from train import fsdp
 from train.batch import Batch, LossStats, pack
-from train.checkpoints import Checkpoints, config_changes, file_sha256, run_config
+from train.checkpoints import Checkpoints, file_sha256, restore_run, run_config, save_run
 from train.config import GRPOConfig
 from train.evaluate import due, evaluate, load_eval_set
 from train.guards import check_prompt_lengths, check_rewards
 from train.learner import Learner, build_learner, learn, verify
 from train.loggers import Loggers, sample_table
-from train.metrics import append_row, open_metrics, plot, throughput
+from train.metrics import plot, throughput
 from train.rollout import LocalRollout, RemoteRollout, model_eos
 from train.scoring import group_rewards
-
-log = logging.getLogger("train.grpo")
 
 
 # ----- the algorithm: advantages and the learner's loss -----
@@ -150,6 +147,8 @@ class Run(NamedTuple):
     learner: Learner
     checkpoints: Checkpoints
     out: Path
+    eval_set: list  # --eval-data's examples, or []
+    data_sha256: str | None  # of the --data file, saved with each checkpoint and checked on --resume
 
 
 def rollout_batch(step: int, run: Run, data_rng) -> tuple[list, list, Batch, dict, list]:
@@ -237,8 +236,49 @@ def grpo_step(step: int, run: Run, state: dict, data_rng) -> tuple[dict, dict, l
 
 def train(config: GRPOConfig) -> dict:
     """Run `config` to its last step -> {"master": the final fp32 weights, "history": the metrics rows}."""
+    run, state, start, data_rng = start_run(config)
+    primary = jax.process_index() == 0  # writes metrics.jsonl, samples.jsonl, plot.png and final_hf/
+    resumed = start if config.resume else None
+    loggers = (
+        Loggers(config.logger, run.out, run_config(config), config.wandb_project, resumed, config.table_every)
+        if primary
+        else None
+    )
+    history = []
+    try:
+        if run.eval_set and start == 0:  # the starting point of the eval curves: the initial policy, as row 0
+            history.append({"step": 0, "policy_version": 0} | evaluate(0, run, run.eval_set))
+            if loggers is not None:
+                loggers.log(0, history[-1])
+        steps = range(start + 1, config.steps + 1)  # numbered from 1, continuing after a restored checkpoint
+        bar = tqdm(steps, initial=start, total=config.steps, disable=not config.progress, desc="grpo")
+        for step in bar:
+            state, row, samples = grpo_step(step, run, state, data_rng)
+            if due(step, config):  # the policy after this step's update, which the rollout now holds
+                row |= evaluate(step, run, run.eval_set)
+            history.append(row)
+            if loggers is not None:
+                loggers.log(step, row, samples)
+            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", mismatch=row.get("tokens_bits_differ", "-"))
+            if config.checkpoint_every and (step % config.checkpoint_every == 0 or step == config.steps):
+                save_run(run.checkpoints, step, state, data_rng, config, run.data_sha256)
+    finally:
+        # A save in flight completes, so the last good checkpoint is on disk whatever stopped the run.
+        run.checkpoints.close()
+        if loggers is not None:
+            loggers.close()
+    final = fsdp.to_host(to_policy(state["master"], run.cfg))  # every process takes part in the gather
+    if primary:
+        rlkjax.save_hf_checkpoint(run.out / "final_hf", run.cfg, final)
+        plot(run.out)
+    return {"master": state["master"], "history": history}
+
+
+def start_run(config: GRPOConfig) -> tuple[Run, dict, int, np.random.Generator]:
+    """Everything before the first step -> (the Run; the state: master weights, optimiser state and KL reference,
+    fresh or restored by --resume; the steps already done; the data RNG after them). Every check that needs the
+    model, the tokenizer or the data files runs here, before any step."""
     fsdp.join_processes(config.coordinator, config.num_processes, config.process_id)  # or from the environment
-    primary = jax.process_index() == 0  # writes metrics.jsonl, plot.png and final_hf/
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg, params = load_model(config.model, seed=config.seed)
@@ -271,52 +311,12 @@ def train(config: GRPOConfig) -> dict:
     del master, opt_state
     checkpoints = Checkpoints(out / "checkpoints", config.keep_checkpoints)
     data_sha256 = file_sha256(config.data)
-    state, start = restore(config, checkpoints, state, data_rng, data_sha256)
+    state, start = restore_run(config, checkpoints, state, data_rng, data_sha256)
     rollout = make_rollout(
         config, cfg, model_eos(tokenizer, cfg), state["master"], learner, sampler_devices, start, out
     )
-    run = Run(config, cfg, task, tokenizer, render, sampling, rollout, learner, checkpoints, out)
-    metrics_path, resumed = out / "metrics.jsonl", start if config.resume else None
-    if primary:
-        open_metrics(metrics_path, resumed)
-    history = []
-    loggers = Loggers(config.logger, out, run_config(config), config.wandb_project, resumed) if primary else None
-    if eval_set and start == 0:  # the starting point of the eval curves: the initial policy, as row 0
-        history.append({"step": 0, "policy_version": 0} | evaluate(0, run, eval_set))
-        if primary:
-            append_row(metrics_path, history[-1])
-            loggers.log(0, history[-1])
-    bar = tqdm(range(start, config.steps), initial=start, total=config.steps, disable=not config.progress, desc="grpo")
-    try:
-        for step in bar:
-            state, row, samples = grpo_step(step + 1, run, state, data_rng)
-            if due(step + 1, config):  # the policy after this step's update, which the rollout now holds
-                row |= evaluate(step + 1, run, eval_set)
-            history.append(row)
-            if primary:
-                append_row(metrics_path, row)
-                loggers.log(step + 1, row)
-                if config.table_every and (step + 1) % config.table_every == 0:
-                    loggers.table(step + 1, samples)
-            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", mismatch=row.get("tokens_bits_differ", "-"))
-            # Checkpoints (with checksums, the config and the data state; see train/checkpoints.py).
-            if config.checkpoint_every and ((step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps):
-                meta = {
-                    "data_rng": data_rng.bit_generator.state,
-                    "config": run_config(config),
-                    "data_sha256": data_sha256,
-                }
-                checkpoints.save(step + 1, checkpoint_state(state), meta)
-    finally:
-        # A save in flight completes, so the last good checkpoint is on disk whatever stopped the run.
-        checkpoints.close()
-        if loggers is not None:
-            loggers.close()
-    final = fsdp.to_host(to_policy(state["master"], cfg))  # every process takes part in the gather
-    if primary:
-        rlkjax.save_hf_checkpoint(out / "final_hf", cfg, final)
-        plot(out)
-    return {"master": state["master"], "history": history}
+    run = Run(config, cfg, task, tokenizer, render, sampling, rollout, learner, checkpoints, out, eval_set, data_sha256)
+    return run, state, start, data_rng
 
 
 def make_rollout(config: GRPOConfig, cfg, eos, master, learner: Learner, sampler_devices, start: int, out: Path):
@@ -340,52 +340,6 @@ def make_rollout(config: GRPOConfig, cfg, eos, master, learner: Learner, sampler
         )
     # The samplers hold their copies; the learner's bf16 shards (P / N x 2 B) need not outlive the push.
     return rollout
-
-
-# ----- resuming -----
-def checkpoint_state(state: dict) -> dict:
-    """The arrays a checkpoint holds: master weights, optimiser state, and the KL reference if any."""
-    return {"master": state["master"], "opt_state": state["opt_state"]} | (
-        {"ref": state["ref"]} if state["ref"] is not None else {}
-    )
-
-
-def restore(config: GRPOConfig, checkpoints: Checkpoints, state: dict, data_rng, data_sha256) -> tuple[dict, int]:
-    """With --resume, the newest checkpoint that verifies -> (its state, its step), the data RNG restored in
-    place; without, (state, 0), refusing an --out that holds an earlier run's checkpoints."""
-    if not config.resume:
-        if checkpoints.steps():
-            raise ValueError(
-                f"{checkpoints.directory} already holds checkpoints {checkpoints.steps()} of an earlier run: "
-                "--resume continues it; another --out starts afresh"
-            )
-        return state, 0
-    saved, meta = checkpoints.restore_newest(
-        checkpoint_state(state), lambda meta: check_resume(meta, config, data_sha256)
-    )
-    data_rng.bit_generator.state = meta["data_rng"]
-    log.info("resumed from checkpoint %d in %s", meta["step"], checkpoints.directory)
-    return {"master": saved["master"], "opt_state": saved["opt_state"], "ref": saved.get("ref")}, meta["step"]
-
-
-def check_resume(meta: dict, config: GRPOConfig, data_sha256: str | None) -> None:
-    """Refuse to continue a checkpoint with flags (or a --data file) that change the trajectory."""
-    changes = config_changes(meta["config"], config)
-    if meta.get("data_sha256") != data_sha256:
-        changes.append(f"--data file contents: sha256 {meta.get('data_sha256')} -> {data_sha256}")
-    if changes and not config.resume_allow_changes:
-        raise ValueError(
-            f"--resume: {len(changes)} setting(s) differ from the checkpoint's and would change the run's "
-            f"trajectory: {'; '.join(changes)} (--resume-allow-changes continues anyway)"
-        )
-    for change in changes:
-        log.warning("--resume-allow-changes: %s", change)
-    if meta["config"].get("steps") != config.steps:
-        log.warning(
-            "--steps %s -> %s: the learning-rate schedule now decays over the new horizon",
-            meta["config"].get("steps"),
-            config.steps,
-        )
 
 
 def claim_device_memory(fraction: str = "0.95") -> None:
