@@ -43,7 +43,7 @@ from prometheus_client.core import GaugeMetricFamily
 from rlkjax.chat import load_chat_template
 from rlkjax.checkpoint import load_model
 from rlkjax.engine import Engine, EngineConfig
-from rlkjax.requests import check_int, check_seed, sample_seed
+from rlkjax.requests import check_int, check_seed, sample_seed, shown
 from rlkjax.sampling_params import SamplingParams
 from rlkjax.sequences import Request
 from rlkjax.tokenizer import load_tokenizer
@@ -321,7 +321,8 @@ class Server:
         if len(failures) >= AUTH_MAX_FAILURES:
             return _error(429, f"too many failed admin-key attempts from {peer}; retry in {AUTH_WINDOW_S:.0f} s")
         scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.admin_key.encode()):
+        presented = key.strip().encode("utf-8", "surrogateescape")  # the header's bytes, even when not UTF-8
+        if scheme.lower() != "bearer" or not hmac.compare_digest(presented, self.admin_key.encode()):
             failures.append(now)
             log.warning(
                 "rejected admin key from %s (%d failures in the last %.0f s)", peer, len(failures), AUTH_WINDOW_S
@@ -342,15 +343,19 @@ class Server:
         checkpoint that does not load (corrupt safetensors or config.json, extra or missing
         tensors), other shapes, another dtype (float32 weights served in bfloat16's place would
         break sampler == learner), and non-finite values."""
-        if not Path(path).is_dir():
+        try:
+            is_dir = Path(path).is_dir()
+        except OSError as e:  # a name longer than the file system allows, say: the client's path, not a 500
+            raise BadRequest(f"path {shown(path)}: {e.strerror}") from None
+        if not is_dir:
             raise BadRequest(
-                f"path {path!r} is not a checkpoint directory (HF: config.json + *.safetensors, or orbax: "
+                f"path {shown(path)} is not a checkpoint directory (HF: config.json + *.safetensors, or orbax: "
                 "config.json + params/)"
             )
         try:
             cfg, params = load_model(path)
         except Exception as e:  # whatever a damaged upload raises is the caller's input problem, not a 500
-            raise BadRequest(f"cannot load {path!r}: {type(e).__name__}: {e}") from None
+            raise BadRequest(f"cannot load {shown(path)}: {type(e).__name__}: {e}") from None
         if cfg.replace_dtype(self.cfg.dtype) != self.cfg:
             raise BadRequest(f"checkpoint shapes {cfg} do not match the served model {self.cfg}")
         if cfg.dtype != self.cfg.dtype or any(
