@@ -41,7 +41,7 @@ from prometheus_client.core import GaugeMetricFamily
 from rlkjax.chat import load_chat_template
 from rlkjax.checkpoint import load_model
 from rlkjax.engine import Engine, EngineConfig
-from rlkjax.requests import check_int, check_seed, sample_seed
+from rlkjax.requests import check_int, check_seed, sample_seed, shown
 from rlkjax.sampling_params import SamplingParams
 from rlkjax.sequences import Request
 from rlkjax.tokenizer import load_tokenizer
@@ -336,15 +336,19 @@ class Server:
         checkpoint that does not load (corrupt safetensors or config.json, extra or missing
         tensors), other shapes, another dtype (float32 weights served in bfloat16's place would
         break sampler == learner), and non-finite values."""
-        if not Path(path).is_dir():
+        try:
+            is_dir = Path(path).is_dir()
+        except OSError as e:  # a name longer than the file system allows, say: the client's path, not a 500
+            raise BadRequest(f"path {shown(path)}: {e.strerror}") from None
+        if not is_dir:
             raise BadRequest(
-                f"path {path!r} is not a checkpoint directory (HF: config.json + *.safetensors, or orbax: "
+                f"path {shown(path)} is not a checkpoint directory (HF: config.json + *.safetensors, or orbax: "
                 "config.json + params/)"
             )
         try:
             cfg, params = load_model(path)
         except Exception as e:  # whatever a damaged upload raises is the caller's input problem, not a 500
-            raise BadRequest(f"cannot load {path!r}: {type(e).__name__}: {e}") from None
+            raise BadRequest(f"cannot load {shown(path)}: {type(e).__name__}: {e}") from None
         if cfg.replace_dtype(self.cfg.dtype) != self.cfg:
             raise BadRequest(f"checkpoint shapes {cfg} do not match the served model {self.cfg}")
         if cfg.dtype != self.cfg.dtype or any(
