@@ -10,7 +10,9 @@ and the server keeps serving; a request without a seed gets a fresh one, reporte
   POST /update_weights   {"path": checkpoint dir}; needs `Authorization: Bearer <admin key>`;
                          swapped between engine steps once in-flight sequences finish
   GET  /v1/models       the served model (OpenAI list shape)
-  GET  /health, GET /metrics (Prometheus text format)
+  GET  /health           200 {"status": "ok"} once ready; while the warm-up compiles, 503 {"status": "starting",
+                         "progress": "k/N shapes compiled"} (generation routes: 503 with Retry-After)
+  GET  /metrics          Prometheus text format
 Optional fields may be absent or null (= the default).
 
 HTTP stack: aiohttp. One mature, asyncio-native package gives the server with request-size limits
