@@ -29,7 +29,7 @@ import numpy as np
 import optax
 import tyro
 
-from rlkjax import model
+from rlkjax import compilation_cache, model
 from rlkjax.chat import prompt_format
 from rlkjax.checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from rlkjax.data import load_examples
@@ -78,6 +78,8 @@ class SFTConfig:
     """Seeds the order of the examples."""
     log_every: int = 10
     """Steps between rows of sft_metrics.jsonl (and the last step)."""
+    compilation_cache: str = compilation_cache.default_dir()
+    """JAX's persistent compilation cache (a directory), so a second run loads its programs; 'off' compiles all."""
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "log_every"):
@@ -91,6 +93,7 @@ class SFTConfig:
                 raise ValueError(f"--{name.replace('_', '-')}={value!r} must be finite and > {low}")
         if not (np.isfinite(np.float32(self.weight_decay)) and self.weight_decay >= 0):
             raise ValueError(f"--weight-decay={self.weight_decay!r} must be finite and >= 0")
+        compilation_cache.check(self.compilation_cache)
 
 
 def completion_text(answer: str) -> str:
@@ -214,4 +217,6 @@ def train(config: SFTConfig) -> list[dict]:
 
 
 if __name__ == "__main__":
-    train(tyro.cli(SFTConfig, description=__doc__))
+    config = tyro.cli(SFTConfig, description=__doc__)
+    compilation_cache.enable(config.compilation_cache)  # before the first compilation
+    train(config)
