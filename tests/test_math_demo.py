@@ -1,5 +1,6 @@
 """The math demo on CPU: the tiny real-vocabulary Qwen3 with its chat template, generated word problems with
-\\boxed{} answers, math-verify rewards, eos honoured, evaluation and the TensorBoard logger, for two steps."""
+\\boxed{} answers, math-verify rewards, eos honoured, evaluation and the TensorBoard logger; the supervised
+warm-up (train.sft) that gives GRPO a policy with some right answers; and the README's demo end to end."""
 
 import dataclasses
 import json
@@ -90,8 +91,9 @@ def test_sft_logprobs_are_the_learners_logprobs_of_the_completion(tiny):
 
 
 def test_sft_step_lowers_the_completion_loss(tiny):
-    """A few AdamW steps on one batch must fit its completions: the loss falls well below a random model's
-    (about log 512 = 6.2 nats over the tiny preset's vocabulary)."""
+    """A few AdamW steps on one batch must fit its completions: from a random model's loss (about log 512 =
+    6.2 nats over the tiny preset's vocabulary) by more than half the drop measured on a CPU (6.22 -> 1.82 in
+    8 steps)."""
     cfg, params = tiny
     config = sft.SFTConfig(model="", data="", steps=8, learning_rate=1e-2, warmup_steps=0)
     optimizer, update = sft.make_update(config, cfg)
@@ -103,7 +105,7 @@ def test_sft_step_lowers_the_completion_loss(tiny):
         master, opt_state, loss, grad_norm = update(master, opt_state, batch)
         losses.append(float(loss))
         assert np.isfinite(float(grad_norm))
-    assert losses[0] > 6.0 and losses[-1] < 3.0, losses
+    assert losses[0] > 6.0 and losses[-1] < 4.0, losses
 
 
 def test_sft_flags_are_documented_and_checked(capsys, monkeypatch):
@@ -116,3 +118,53 @@ def test_sft_flags_are_documented_and_checked(capsys, monkeypatch):
     for bad, message in (({"steps": 0}, "--steps=0 must be positive"), ({"learning_rate": float("nan")}, "finite")):
         with pytest.raises(ValueError, match=message):
             sft.SFTConfig(model="m", data="d", **bad)
+
+
+# ----- the README's CPU demo: warm-up, then GRPO; reward and evaluation rise -----
+# train.grpo's flags in the README's demo command (besides --model, --data, --eval-data and --out).
+DEMO_GRPO = dict(
+    task="math",
+    eval_every=5,
+    enable_thinking=False,
+    prompts_per_step=8,
+    group_size=8,
+    max_new_tokens=10,
+    max_prompt_tokens=64,
+    steps=20,
+    checkpoint_every=0,
+)
+# How much the run must rise: the mean reward of the last 5 steps over the first 5, and the held-out pass
+# rates after the last step over those before the first. Any rise, until a full recorded run on an unloaded
+# machine gives a measured rise to take half of.
+REWARD_RISE = 0.0
+EVAL_RISE = {"eval_pass@1": 0.0, "eval_pass@1_greedy": 0.0}
+
+
+@pytest.mark.slow  # the README's CPU math demo in full: tens of minutes on a shared CPU
+def test_math_demo_reward_and_eval_rise(tmp_path):
+    """The README's commands (same seeds and flags): 150 warm-up steps leave a policy that answers \\boxed{N}
+    then <|im_end|> and is sometimes right; 20 strict GRPO steps then raise the reward and the held-out pass
+    rates, with 0 sampler/learner bits differing. Before GRPO the held-out set reads greedy pass@1 3%,
+    sampled 8%, pass@8 44% (bench/results/2026-12-02_cpu_math_demo.jsonl): right answers are sampled but
+    rarely preferred, which the group advantages reward."""
+    tiny = write_tiny_qwen3(tmp_path / "tiny")
+    train, held_out = write(tmp_path / "data")
+    warm = sft.SFTConfig(
+        model=str(tiny),
+        data=str(train),
+        out=str(tmp_path / "sft"),
+        enable_thinking=False,
+        steps=150,
+        learning_rate=1e-2,
+    )
+    sft.train(warm)
+    config = grpo.GRPOConfig(**DEMO_GRPO, model=warm.out, data=str(train), eval_data=str(held_out))
+    config = dataclasses.replace(config, out=str(tmp_path / "grpo"), progress=False)
+    rows = grpo.train(config)["history"]
+    steps, evals = [r for r in rows if "reward_mean" in r], [r for r in rows if "eval_pass@1" in r]
+    assert all(r["tokens_bits_differ"] == 0 and r["reward_failures"] == 0 for r in steps)
+    assert evals[0]["eval_pass@8"] > 0.22  # the warm-up's policy: half the recorded 0.44
+    first, last = (np.mean([r["reward_mean"] for r in part]) for part in (steps[:5], steps[-5:]))
+    assert last - first > REWARD_RISE, (first, last)
+    for name, rise in EVAL_RISE.items():
+        assert evals[-1][name] - evals[0][name] > rise, (name, [r[name] for r in evals])
