@@ -28,6 +28,10 @@ class ShuttingDown(Exception):
     """The server is draining for shutdown: 503."""
 
 
+class EngineFailed(Exception):
+    """The engine failed the request (a step raised; logged where it happened): 500 with the reason."""
+
+
 def _fields(body: dict, allowed: set[str], required: set[str]) -> dict:
     unknown = sorted(set(body) - allowed)
     if unknown:
@@ -116,6 +120,8 @@ async def _errors(request, handler):
         return _error(503, str(e))
     except (ReadTimeout, RequestTimeout) as e:
         return _error(408, str(e))
+    except EngineFailed as e:
+        return _error(500, str(e))
     except web.HTTPRequestEntityTooLarge:
         return _error(413, f"request body over the limit of {request.client_max_size} bytes")
     except web.HTTPException as e:
