@@ -201,6 +201,15 @@ class Engine:
         so no request later waits behind a compilation. Variants that options select (top_logprobs,
         top_k / top_p / min_p, more than one stop id) still compile on first use. `report(name,
         shape, seconds)` is called after each. Returns the number of shapes run."""
+        shapes = self.warm_up_shapes()
+        for name, rows in shapes:
+            seconds = self.warm_up_shape(name, rows)
+            if report:
+                report(name, rows, seconds)
+        return len(shapes)
+
+    def warm_up_shapes(self) -> list[tuple[str, int]]:
+        """What `warm_up` compiles, in order: (step function, rows) pairs."""
         c = self.config
         rows = [1 << i for i in range(bucket(c.max_batch).bit_length())]
         prefill_rows = bucket(min(c.max_batch, cdiv(c.token_budget, c.prefill_chunk)))
@@ -208,47 +217,50 @@ class Engine:
         todo += [("decode_round", r) for r in rows] + [("copy_pages", r) for r in rows]
         # both round lengths (see _dispatch_decode): with one decode step per round they are the same
         todo += [("decode_round_1", r) for r in rows] if c.decode_steps > 1 else []
+        return todo
+
+    def warm_up_shape(self, name: str, r: int) -> float:
+        """Compile and run one of `warm_up_shapes()` on padding; returns the seconds it took. One at a
+        time, so a caller (the server) can report progress and stop between shapes."""
+        c = self.config
         with self.lock:
+            start = time.perf_counter()
             self._ensure_cache()
-            for name, r in todo:
-                start = time.perf_counter()
-                table = np.zeros((r, self.pages_per_seq), np.int32)
-                if name == "prefill":
-                    tokens, positions = (
-                        np.zeros((r, c.prefill_chunk), np.int32),
-                        np.full((r, c.prefill_chunk), -1, np.int32),
-                    )
-                    self.cache = prefill_chunk(
-                        self.params, tokens, positions, self.cache, table, self.rope, self.cfg, self.numerics
-                    )
-                    self._note_shape(name, r)
-                elif name.startswith("decode_round"):
-                    steps = 1 if name == "decode_round_1" else c.decode_steps
-                    idle = np.full(r, -1, np.int32)  # no row continues a round; every position is padding
-                    zeros = np.zeros(r, np.int32)
-                    _, _, self.cache, _ = next_round(
-                        self.params,
-                        self._no_carry,
-                        idle,
-                        zeros,
-                        idle,
-                        self.cache,
-                        table,
-                        RowSampling.idle(r),
-                        self.rope,
-                        self.cfg,
-                        self.numerics,
-                        steps,
-                        0,  # alternatives, passed as _dispatch_decode passes it: jit keys positional and default apart
-                    )
-                    self._note_shape("decode_round", (r, 1, 0, False, steps))
-                else:
-                    self.cache = copy_pages(self.cache, np.zeros(r, np.int32), np.zeros(r, np.int32))
-                    self._note_shape(name, r)
-                jax.block_until_ready(self.cache)
-                if report:
-                    report(name, r, time.perf_counter() - start)
-        return len(todo)
+            table = np.zeros((r, self.pages_per_seq), np.int32)
+            if name == "prefill":
+                tokens, positions = (
+                    np.zeros((r, c.prefill_chunk), np.int32),
+                    np.full((r, c.prefill_chunk), -1, np.int32),
+                )
+                self.cache = prefill_chunk(
+                    self.params, tokens, positions, self.cache, table, self.rope, self.cfg, self.numerics
+                )
+                self._note_shape(name, r)
+            elif name.startswith("decode_round"):
+                steps = 1 if name == "decode_round_1" else c.decode_steps
+                idle = np.full(r, -1, np.int32)  # no row continues a round; every position is padding
+                zeros = np.zeros(r, np.int32)
+                _, _, self.cache, _ = next_round(
+                    self.params,
+                    self._no_carry,
+                    idle,
+                    zeros,
+                    idle,
+                    self.cache,
+                    table,
+                    RowSampling.idle(r),
+                    self.rope,
+                    self.cfg,
+                    self.numerics,
+                    steps,
+                    0,  # alternatives, passed as _dispatch_decode passes it: jit keys positional and default apart
+                )
+                self._note_shape("decode_round", (r, 1, 0, False, steps))
+            else:
+                self.cache = copy_pages(self.cache, np.zeros(r, np.int32), np.zeros(r, np.int32))
+                self._note_shape(name, r)
+            jax.block_until_ready(self.cache)
+            return time.perf_counter() - start
 
     def release_cache(self) -> None:
         """Free the KV cache's device memory while no request is in flight, for a learner that shares
