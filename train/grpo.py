@@ -63,7 +63,7 @@ import tyro
 from tqdm import tqdm
 
 import rlkjax
-from rlkjax import model
+from rlkjax import compilation_cache, model
 from rlkjax.chat import PromptFormat, prompt_format
 from rlkjax.checkpoint import load_model
 from rlkjax.requests import check_seed, check_temperature
@@ -212,6 +212,9 @@ class GRPOConfig:
     table (0 = never)."""
     wandb_project: str = "rlkjax"
     """--logger wandb: the W&B project."""
+    compilation_cache: str = compilation_cache.default_dir()
+    """JAX's persistent compilation cache: a directory (created if missing), or 'off'. A later run loads the
+    programs an earlier one compiled (the same executables, so the same bits) instead of compiling them."""
 
     def __post_init__(self):
         positive = (
@@ -277,6 +280,7 @@ class GRPOConfig:
             raise ValueError(f"--eval-data {self.eval_data!r} is for --task gsm8k and math (a file of problems)")
         if not (math.isfinite(self.reward_timeout) and self.reward_timeout > 0):
             raise ValueError(f"--reward-timeout={self.reward_timeout!r} must be a positive number of seconds")
+        compilation_cache.check(self.compilation_cache)
 
 
 # ----- the algorithm: advantages and the learner's loss -----
@@ -593,4 +597,6 @@ def claim_device_memory(fraction: str = "0.95") -> None:
 
 if __name__ == "__main__":
     claim_device_memory()
-    train(tyro.cli(GRPOConfig, description=__doc__))
+    config = tyro.cli(GRPOConfig, description=__doc__)
+    compilation_cache.enable(config.compilation_cache)  # here, not in train(): a caller's process keeps its own
+    train(config)
