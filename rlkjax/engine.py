@@ -16,7 +16,11 @@ table [B, pages_per_seq]; B is a power of two up to max_batch.
 
 The device functions are rlkjax.steps', the request and sequence records rlkjax.sequences'.
 The public surface for a server or a learner: `submit`, `cancel`, `update_weights`, `step`,
-`run_until_done`, and the read-only `busy`, `weights_pending`, `policy_version` and `metrics()`.
+`run_until_done`, `abort`, and the read-only `busy`, `weights_pending`, `policy_version` and `metrics()`.
+
+Every submitted request ends exactly once, counted in one of three outcomes: finished (every sample
+stopped or reached its length), cancelled (`cancel`: a client gone, a timeout, a shutdown), failed
+(`abort` after a step raised). At rest, requests == finished + cancelled + failed.
 """
 
 import dataclasses
@@ -120,8 +124,10 @@ class Engine:
             "prefill_tokens": 0,
             "decode_tokens": 0,
             "preemptions": 0,
-            "requests": 0,
+            "requests": 0,  # submitted; each ends once, in one of the next three
             "finished": 0,
+            "cancelled": 0,
+            "failed": 0,
             # Seconds inside step(), and of those, blocked reading a decode round (the device still
             # busy). step_s - wait_s is host work the device may sit idle through.
             "step_s": 0.0,
@@ -591,11 +597,21 @@ class Engine:
             req, seq.tokens[len(req.prompt) :], seq.logprobs, seq.top_ids, seq.top_logprobs, reason
         )
         if all(r is not None for r in req.results) and not req.pending_forks:
-            req.finish()
-            self.requests.pop(req.id, None)
-            self.stats["finished"] += 1
-            return True
+            return self._end(req, "cancelled" if req.cancelled else "finished")
         return False
+
+    def _end(self, req: Request, outcome: str) -> bool:
+        """The one place a request ends: samples that never started get an empty "cancelled"
+        completion, the outcome is counted, the waiters are told. False if it had ended already."""
+        if req.done.is_set():
+            return False
+        for j, r in enumerate(req.results):
+            if r is None:
+                req.results[j] = self._completion(req, [], [], [], [], "cancelled")
+        self.requests.pop(req.id, None)
+        self.stats[outcome] += 1
+        req.finish()
+        return True
 
     def _completion(self, req, tokens, logprobs, top_ids, top_logprobs, reason) -> Completion:
         comp = Completion(tokens, np.asarray(logprobs, np.float32), reason, self.policy_version)
@@ -613,15 +629,30 @@ class Engine:
             seq.request.pending_forks = 0
             if self._finish(seq, "cancelled"):
                 finished.append(seq.request)
+        # A request whose forks never started ends here (its leader's _finish could not end it).
         for req in [r for r in self.requests.values() if r.cancelled]:
-            for j, r in enumerate(req.results):  # forks that never started
-                if r is None:
-                    req.results[j] = self._completion(req, [], [], [], [], "cancelled")
-            if not req.done.is_set():
-                req.finish()
-                self.requests.pop(req.id, None)
+            if self._end(req, "cancelled"):
                 finished.append(req)
         return finished
+
+    def abort(self, error: str) -> list[Request]:
+        """After a step raised: end every admitted request as failed (`error` is what its waiters
+        are told), free every page and forget the round in flight, so the engine serves the next
+        request from a clean state. Requests queued since that step stay queued. Returns the failed."""
+        with self.lock:
+            failed = []
+            for req in list(self.requests.values()):
+                req.error, req.pending_forks = error, 0
+                if self._end(req, "failed"):
+                    failed.append(req)
+            self.waiting.clear()
+            self.running.clear()
+            self.pages = PageAllocator(self.config.num_pages)
+            self._in_flight, self._round_read_at = None, None
+            if self.cache is not None and any(x.is_deleted() for x in self.cache):  # donated to the failed call
+                self._released = [(x.shape, x.dtype, x.sharding) for x in self.cache]
+                self.cache = None
+            return failed
 
     def metrics(self) -> dict:
         """Counters, read without the step lock (a scrape never waits for a step; values may be a step old)."""

@@ -9,6 +9,8 @@ import logging
 
 from aiohttp import web
 
+from rlkjax.requests import shown
+
 log = logging.getLogger("serve.rollout")
 
 
@@ -40,7 +42,7 @@ class Starting(Exception):
 def _fields(body: dict, allowed: set[str], required: set[str]) -> dict:
     unknown = sorted(set(body) - allowed)
     if unknown:
-        raise BadRequest(f"unknown field(s) {unknown}; allowed: {sorted(allowed)}")
+        raise BadRequest(f"unknown field(s) {shown(unknown)}; allowed: {sorted(allowed)}")
     missing = sorted(required - set(body))
     if missing:
         raise BadRequest(f"missing field(s) {missing}")
@@ -78,7 +80,7 @@ async def _json(request: web.Request, read_timeout: float) -> dict:
     try:
         codecs.lookup(charset)
     except LookupError:
-        raise BadRequest(f"unknown charset {charset!r}; send UTF-8") from None
+        raise BadRequest(f"unknown charset {shown(charset)}; send UTF-8") from None
     try:
         text = raw.decode(charset)
     except UnicodeDecodeError as e:

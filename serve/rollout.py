@@ -22,9 +22,7 @@ doubles written by Python's shortest round-trip repr, so float32(json value) has
 """
 
 import asyncio
-import collections
 import dataclasses
-import hmac
 import logging
 import math
 import os
@@ -46,11 +44,13 @@ from rlkjax import compilation_cache
 from rlkjax.chat import load_chat_template
 from rlkjax.checkpoint import load_model
 from rlkjax.engine import Engine, EngineConfig
-from rlkjax.requests import check_int, check_seed, sample_seed
+from rlkjax.requests import check_int, check_seed, sample_seed, shown
 from rlkjax.sampling_params import SamplingParams
 from rlkjax.sequences import Request
 from rlkjax.tokenizer import load_tokenizer
 from serve import openai_api
+from serve.auth import AdminAuth
+from serve.connections import LimitedRunner
 from serve.http import (
     BadRequest,
     RequestTimeout,
@@ -99,6 +99,12 @@ class ServerConfig:
     """Seconds a client has to send its whole request body (a slow client gets 408)."""
     max_body_bytes: int = 4 * 2**20
     """Larger request bodies get 413."""
+    header_timeout: float = 15.0
+    """Seconds a connection has to send a complete request head, from opening or from the end of its previous
+    response; then it is closed (a client trickling its headers, an idle keep-alive connection)."""
+    max_connections: int = 512
+    """Most open connections; past it a new connection gets 503 and is closed. Each open connection needs a file
+    descriptor: keep this under the process's limit (`ulimit -n`)."""
     warmup: bool = True
     """Compile every batch shape of default requests before accepting any (prefill and decode rounds of 1, 2, 4,
     ... --max-batch sequences, page copies for n > 1): a few seconds per shape (far less from a warm
@@ -115,13 +121,14 @@ class ServerConfig:
     the rest (their clients get 503) and exit 0. A second signal ends the wait at once."""
 
     def __post_init__(self):
-        for name in ("port", "max_prompts", "max_sequences", "max_body_bytes"):
+        for name in ("port", "max_prompts", "max_sequences", "max_body_bytes", "max_connections"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be positive")
         if not (math.isfinite(self.shutdown_timeout) and self.shutdown_timeout >= 0):
             raise ValueError(f"--shutdown-timeout={self.shutdown_timeout} must be a finite number >= 0")
-        if not (math.isfinite(self.read_timeout) and self.read_timeout > 0):
-            raise ValueError(f"--read-timeout={self.read_timeout} must be a finite number > 0")
+        for name in ("read_timeout", "header_timeout"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be a finite number > 0")
         compilation_cache.check(self.compilation_cache)
 
 
@@ -139,9 +146,6 @@ def _non_finite(params) -> list[str]:
     return [path for path, ok in zip(paths, flags, strict=True) if not ok]
 
 
-AUTH_WINDOW_S, AUTH_MAX_FAILURES = 60.0, 5  # failed admin-key attempts allowed per client address per window
-
-
 def _admin_key(config: ServerConfig) -> str | None:
     if config.admin_key_file:
         lines = Path(config.admin_key_file).read_text().splitlines()
@@ -154,8 +158,8 @@ def _admin_key(config: ServerConfig) -> str | None:
 class Server:
     def __init__(self, config: ServerConfig):
         self.config = config
-        self.admin_key = _admin_key(config)
-        self.auth_failures: dict[str, collections.deque] = collections.defaultdict(collections.deque)
+        admin_key = _admin_key(config)
+        self.admin = AdminAuth(admin_key) if admin_key else None
         self.cfg, params = load_model(config.model, seed=config.seed)
         bad = _non_finite(params)
         if bad:
@@ -349,23 +353,13 @@ class Server:
         return self.tokenizer.encode(text)
 
     async def update_weights(self, request: web.Request):
-        if not self.admin_key:
+        if self.admin is None:
             return _error(
                 403, "weight updates are disabled: start the server with --admin-key-file or RLKJAX_ADMIN_KEY"
             )
-        peer, now = request.remote or "?", time.monotonic()
-        failures = self.auth_failures[peer]
-        while failures and now - failures[0] > AUTH_WINDOW_S:
-            failures.popleft()
-        if len(failures) >= AUTH_MAX_FAILURES:
-            return _error(429, f"too many failed admin-key attempts from {peer}; retry in {AUTH_WINDOW_S:.0f} s")
-        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.admin_key.encode()):
-            failures.append(now)
-            log.warning(
-                "rejected admin key from %s (%d failures in the last %.0f s)", peer, len(failures), AUTH_WINDOW_S
-            )
-            return _error(401, "missing or wrong admin key (Authorization: Bearer <key>)")
+        refused = self.admin.check(request)
+        if refused is not None:
+            return refused
         body = _fields(await _json(request, self.config.read_timeout), {"path"}, {"path"})
         if not isinstance(body["path"], str):
             raise BadRequest("path must be a string")
@@ -381,15 +375,19 @@ class Server:
         checkpoint that does not load (corrupt safetensors or config.json, extra or missing
         tensors), other shapes, another dtype (float32 weights served in bfloat16's place would
         break sampler == learner), and non-finite values."""
-        if not Path(path).is_dir():
+        try:
+            is_dir = Path(path).is_dir()
+        except OSError as e:  # a name longer than the file system allows, say: the client's path, not a 500
+            raise BadRequest(f"path {shown(path)}: {e.strerror}") from None
+        if not is_dir:
             raise BadRequest(
-                f"path {path!r} is not a checkpoint directory (HF: config.json + *.safetensors, or orbax: "
+                f"path {shown(path)} is not a checkpoint directory (HF: config.json + *.safetensors, or orbax: "
                 "config.json + params/)"
             )
         try:
             cfg, params = load_model(path)
         except Exception as e:  # whatever a damaged upload raises is the caller's input problem, not a 500
-            raise BadRequest(f"cannot load {path!r}: {type(e).__name__}: {e}") from None
+            raise BadRequest(f"cannot load {shown(path)}: {type(e).__name__}: {e}") from None
         if cfg.replace_dtype(self.cfg.dtype) != self.cfg:
             raise BadRequest(f"checkpoint shapes {cfg} do not match the served model {self.cfg}")
         if cfg.dtype != self.cfg.dtype or any(
@@ -517,7 +515,13 @@ class Server:
 async def serve(server: Server) -> None:
     config = server.config
     # handler_cancellation: a client that disconnects cancels its handler, which cancels its sequences.
-    runner = web.AppRunner(server.app(), handler_cancellation=True, handle_signals=False)
+    runner = LimitedRunner(
+        server.app(),
+        max_connections=config.max_connections,
+        header_timeout=config.header_timeout,
+        handler_cancellation=True,
+        handle_signals=False,
+    )
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
     loop = asyncio.get_running_loop()
