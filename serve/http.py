@@ -30,6 +30,15 @@ class ShuttingDown(Exception):
     """The server is draining for shutdown: 503."""
 
 
+class Starting(Exception):
+    """The server is still compiling its warm-up shapes: 503 with Retry-After (seconds), so a client
+    or load balancer tries again later or elsewhere instead of holding a connection open for minutes."""
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 def _fields(body: dict, allowed: set[str], required: set[str]) -> dict:
     unknown = sorted(set(body) - allowed)
     if unknown:
@@ -116,6 +125,10 @@ async def _errors(request, handler):
         return _error(400, str(e))
     except ShuttingDown as e:
         return _error(503, str(e))
+    except Starting as e:
+        response = _error(503, str(e))
+        response.headers["Retry-After"] = str(e.retry_after)
+        return response
     except (ReadTimeout, RequestTimeout) as e:
         return _error(408, str(e))
     except web.HTTPRequestEntityTooLarge:
