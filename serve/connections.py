@@ -42,8 +42,6 @@ class _Refuse(asyncio.Protocol):
         self.timer = None
 
     def connection_made(self, transport):
-        peer = transport.get_extra_info("peername")
-        log.warning("refused a connection from %s: --max-connections reached", peer[0] if peer else "?")
         transport.write(self.response)
         if transport.can_write_eof():
             transport.write_eof()
@@ -65,11 +63,14 @@ class _LimitedServer(web.Server):
     def __init__(self, *args, max_connections: int, **kwargs):
         super().__init__(*args, **kwargs)
         self.max_connections = max_connections
-        self.open = 0
+        self.open, self.refused = 0, 0
         self.refusal = _refusal(max_connections)
 
     def __call__(self):
         if self.open >= self.max_connections:
+            self.refused += 1
+            if self.refused & (self.refused - 1) == 0:  # at powers of two: a flood cannot fill the log
+                log.warning("refused a connection: %d open (--max-connections); %d refused", self.open, self.refused)
             return _Refuse(self.refusal)
         handler = super().__call__()
         self.open += 1

@@ -5,6 +5,7 @@ connection gets a 503 it can read, while a freed slot is usable again."""
 
 import asyncio
 import json
+import logging
 import time
 
 from aiohttp import web
@@ -111,9 +112,10 @@ def test_connections_past_the_cap_get_a_503_and_a_freed_slot_serves_again():
     asyncio.run(main())
 
 
-def test_a_burst_of_connections_is_capped_exactly():
+def test_a_burst_of_connections_is_capped_exactly(caplog):
     """40 clients connect at once against a cap of 10: exactly 10 are served (each handler waits
-    until all have connected, so none frees its slot early) and 30 read a 503."""
+    until all have connected, so none frees its slot early) and 30 read a 503. The log counts the
+    refusals at powers of two (1, 2, 4, 8, 16), not one line each."""
 
     async def main():
         gate = asyncio.Event()
@@ -133,4 +135,7 @@ def test_a_burst_of_connections_is_capped_exactly():
         finally:
             await runner.cleanup()
 
-    asyncio.run(main())
+    with caplog.at_level(logging.WARNING, logger="serve.rollout"):
+        asyncio.run(main())
+    refusals = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused a connection")]
+    assert [int(line.rsplit("; ", 1)[1].split()[0]) for line in refusals] == [1, 2, 4, 8, 16], refusals
