@@ -16,6 +16,16 @@ def tiny():
     return cfg, rlkjax.init_params(cfg, seed=0)
 
 
+def pytest_xdist_auto_num_workers(config):
+    """Workers for `-n auto` (pyproject's addopts): one per core for a run of the whole suite on the
+    CPU, where each test compiles for seconds and cores are what it waits for. None for a run of named
+    files or tests (starting workers would cost more than they save) or on a GPU (workers would each
+    claim the one device's memory): those run in this process."""
+    if config.args_source != pytest.Config.ArgsSource.TESTPATHS or jax.default_backend() != "cpu":
+        return 0
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def pytest_configure(config):
     """One persistent compilation cache for the whole run, unless the caller chose one: many tests trace
     the same programs afresh (every `grpo.train` builds its learner step anew, and jit's caches are
