@@ -16,7 +16,11 @@ table [B, pages_per_seq]; B is a power of two up to max_batch.
 
 The device functions are rlkjax.steps', the request and sequence records rlkjax.sequences'.
 The public surface for a server or a learner: `submit`, `cancel`, `update_weights`, `step`,
-`run_until_done`, and the read-only `busy`, `weights_pending`, `policy_version` and `metrics()`.
+`run_until_done`, `abort`, and the read-only `busy`, `weights_pending`, `policy_version` and `metrics()`.
+
+Every submitted request ends exactly once, counted in one of three outcomes: finished (every sample
+stopped or reached its length), cancelled (`cancel`: a client gone, a timeout, a shutdown), failed
+(`abort` after a step raised). At rest, requests == finished + cancelled + failed.
 """
 
 import dataclasses
@@ -120,8 +124,10 @@ class Engine:
             "prefill_tokens": 0,
             "decode_tokens": 0,
             "preemptions": 0,
-            "requests": 0,
+            "requests": 0,  # submitted; each ends once, in one of the next three
             "finished": 0,
+            "cancelled": 0,
+            "failed": 0,
             # Seconds inside step(), and of those, blocked reading a decode round (the device still
             # busy). step_s - wait_s is host work the device may sit idle through.
             "step_s": 0.0,
@@ -195,6 +201,15 @@ class Engine:
         so no request later waits behind a compilation. Variants that options select (top_logprobs,
         top_k / top_p / min_p, more than one stop id) still compile on first use. `report(name,
         shape, seconds)` is called after each. Returns the number of shapes run."""
+        shapes = self.warm_up_shapes()
+        for name, rows in shapes:
+            seconds = self.warm_up_shape(name, rows)
+            if report:
+                report(name, rows, seconds)
+        return len(shapes)
+
+    def warm_up_shapes(self) -> list[tuple[str, int]]:
+        """What `warm_up` compiles, in order: (step function, rows) pairs."""
         c = self.config
         rows = [1 << i for i in range(bucket(c.max_batch).bit_length())]
         prefill_rows = bucket(min(c.max_batch, cdiv(c.token_budget, c.prefill_chunk)))
@@ -202,47 +217,50 @@ class Engine:
         todo += [("decode_round", r) for r in rows] + [("copy_pages", r) for r in rows]
         # both round lengths (see _dispatch_decode): with one decode step per round they are the same
         todo += [("decode_round_1", r) for r in rows] if c.decode_steps > 1 else []
+        return todo
+
+    def warm_up_shape(self, name: str, r: int) -> float:
+        """Compile and run one of `warm_up_shapes()` on padding; returns the seconds it took. One at a
+        time, so a caller (the server) can report progress and stop between shapes."""
+        c = self.config
         with self.lock:
+            start = time.perf_counter()
             self._ensure_cache()
-            for name, r in todo:
-                start = time.perf_counter()
-                table = np.zeros((r, self.pages_per_seq), np.int32)
-                if name == "prefill":
-                    tokens, positions = (
-                        np.zeros((r, c.prefill_chunk), np.int32),
-                        np.full((r, c.prefill_chunk), -1, np.int32),
-                    )
-                    self.cache = prefill_chunk(
-                        self.params, tokens, positions, self.cache, table, self.rope, self.cfg, self.numerics
-                    )
-                    self._note_shape(name, r)
-                elif name.startswith("decode_round"):
-                    steps = 1 if name == "decode_round_1" else c.decode_steps
-                    idle = np.full(r, -1, np.int32)  # no row continues a round; every position is padding
-                    zeros = np.zeros(r, np.int32)
-                    _, _, self.cache, _ = next_round(
-                        self.params,
-                        self._no_carry,
-                        idle,
-                        zeros,
-                        idle,
-                        self.cache,
-                        table,
-                        RowSampling.idle(r),
-                        self.rope,
-                        self.cfg,
-                        self.numerics,
-                        steps,
-                        0,  # alternatives, passed as _dispatch_decode passes it: jit keys positional and default apart
-                    )
-                    self._note_shape("decode_round", (r, 1, 0, False, steps))
-                else:
-                    self.cache = copy_pages(self.cache, np.zeros(r, np.int32), np.zeros(r, np.int32))
-                    self._note_shape(name, r)
-                jax.block_until_ready(self.cache)
-                if report:
-                    report(name, r, time.perf_counter() - start)
-        return len(todo)
+            table = np.zeros((r, self.pages_per_seq), np.int32)
+            if name == "prefill":
+                tokens, positions = (
+                    np.zeros((r, c.prefill_chunk), np.int32),
+                    np.full((r, c.prefill_chunk), -1, np.int32),
+                )
+                self.cache = prefill_chunk(
+                    self.params, tokens, positions, self.cache, table, self.rope, self.cfg, self.numerics
+                )
+                self._note_shape(name, r)
+            elif name.startswith("decode_round"):
+                steps = 1 if name == "decode_round_1" else c.decode_steps
+                idle = np.full(r, -1, np.int32)  # no row continues a round; every position is padding
+                zeros = np.zeros(r, np.int32)
+                _, _, self.cache, _ = next_round(
+                    self.params,
+                    self._no_carry,
+                    idle,
+                    zeros,
+                    idle,
+                    self.cache,
+                    table,
+                    RowSampling.idle(r),
+                    self.rope,
+                    self.cfg,
+                    self.numerics,
+                    steps,
+                    0,  # alternatives, passed as _dispatch_decode passes it: jit keys positional and default apart
+                )
+                self._note_shape("decode_round", (r, 1, 0, False, steps))
+            else:
+                self.cache = copy_pages(self.cache, np.zeros(r, np.int32), np.zeros(r, np.int32))
+                self._note_shape(name, r)
+            jax.block_until_ready(self.cache)
+            return time.perf_counter() - start
 
     def release_cache(self) -> None:
         """Free the KV cache's device memory while no request is in flight, for a learner that shares
@@ -579,11 +597,21 @@ class Engine:
             req, seq.tokens[len(req.prompt) :], seq.logprobs, seq.top_ids, seq.top_logprobs, reason
         )
         if all(r is not None for r in req.results) and not req.pending_forks:
-            req.finish()
-            self.requests.pop(req.id, None)
-            self.stats["finished"] += 1
-            return True
+            return self._end(req, "cancelled" if req.cancelled else "finished")
         return False
+
+    def _end(self, req: Request, outcome: str) -> bool:
+        """The one place a request ends: samples that never started get an empty "cancelled"
+        completion, the outcome is counted, the waiters are told. False if it had ended already."""
+        if req.done.is_set():
+            return False
+        for j, r in enumerate(req.results):
+            if r is None:
+                req.results[j] = self._completion(req, [], [], [], [], "cancelled")
+        self.requests.pop(req.id, None)
+        self.stats[outcome] += 1
+        req.finish()
+        return True
 
     def _completion(self, req, tokens, logprobs, top_ids, top_logprobs, reason) -> Completion:
         comp = Completion(tokens, np.asarray(logprobs, np.float32), reason, self.policy_version)
@@ -601,15 +629,30 @@ class Engine:
             seq.request.pending_forks = 0
             if self._finish(seq, "cancelled"):
                 finished.append(seq.request)
+        # A request whose forks never started ends here (its leader's _finish could not end it).
         for req in [r for r in self.requests.values() if r.cancelled]:
-            for j, r in enumerate(req.results):  # forks that never started
-                if r is None:
-                    req.results[j] = self._completion(req, [], [], [], [], "cancelled")
-            if not req.done.is_set():
-                req.finish()
-                self.requests.pop(req.id, None)
+            if self._end(req, "cancelled"):
                 finished.append(req)
         return finished
+
+    def abort(self, error: str) -> list[Request]:
+        """After a step raised: end every admitted request as failed (`error` is what its waiters
+        are told), free every page and forget the round in flight, so the engine serves the next
+        request from a clean state. Requests queued since that step stay queued. Returns the failed."""
+        with self.lock:
+            failed = []
+            for req in list(self.requests.values()):
+                req.error, req.pending_forks = error, 0
+                if self._end(req, "failed"):
+                    failed.append(req)
+            self.waiting.clear()
+            self.running.clear()
+            self.pages = PageAllocator(self.config.num_pages)
+            self._in_flight, self._round_read_at = None, None
+            if self.cache is not None and any(x.is_deleted() for x in self.cache):  # donated to the failed call
+                self._released = [(x.shape, x.dtype, x.sharding) for x in self.cache]
+                self.cache = None
+            return failed
 
     def metrics(self) -> dict:
         """Counters, read without the step lock (a scrape never waits for a step; values may be a step old)."""

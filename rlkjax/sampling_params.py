@@ -17,6 +17,7 @@ from rlkjax.requests import (
     check_int,
     check_seed,
     check_temperature,
+    shown,
 )
 
 
@@ -56,7 +57,7 @@ class SamplingParams:
     def __post_init__(self):
         ids = self.stop_token_ids
         if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple, set, frozenset, np.ndarray)):
-            raise ValueError(f"stop_token_ids must be a list of token ids, got {ids!r}")
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {shown(ids)}")
         fields = dict(
             n=check_int("n", self.n, 1),
             max_tokens=check_int("max_tokens", self.max_tokens, 1),

@@ -100,6 +100,7 @@ class Request:
     results: list = dataclasses.field(default_factory=list)  # Completion per sample index, None until done
     pending_forks: int = 0  # samples waiting for the leader's prompt pages
     cancelled: bool = False
+    error: str | None = None  # why the engine failed it (Engine.abort); None otherwise
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     callbacks: list = dataclasses.field(default_factory=list)  # called (engine thread) when done
     # Called (engine thread) after each decode round with (sample index, new tokens, their logprobs, their

@@ -397,6 +397,9 @@ async def chat_completions(server, request: web.Request):
     kwargs = _opt(body, "chat_template_kwargs", {})
     if not isinstance(kwargs, dict):
         raise BadRequest("chat_template_kwargs must be an object")
+    taken = sorted(set(kwargs) & {"messages", "add_generation_prompt"})
+    if taken:  # the request's own fields set these
+        raise BadRequest(f"chat_template_kwargs cannot set {taken}: they are the request's messages and fields")
     try:
         text = server.chat_template.render(rendered, bool_field(body, "add_generation_prompt", True), **kwargs)
     except ChatTemplateError as e:
