@@ -30,6 +30,10 @@ class ShuttingDown(Exception):
     """The server is draining for shutdown: 503."""
 
 
+class EngineFailed(Exception):
+    """The engine failed the request (a step raised; logged where it happened): 500 with the reason."""
+
+
 class Starting(Exception):
     """The server is still compiling its warm-up shapes: 503 with Retry-After (seconds), so a client
     or load balancer tries again later or elsewhere instead of holding a connection open for minutes."""
@@ -131,6 +135,8 @@ async def _errors(request, handler):
         return response
     except (ReadTimeout, RequestTimeout) as e:
         return _error(408, str(e))
+    except EngineFailed as e:
+        return _error(500, str(e))
     except web.HTTPRequestEntityTooLarge:
         return _error(413, f"request body over the limit of {request.client_max_size} bytes")
     except web.HTTPException as e:

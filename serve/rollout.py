@@ -11,13 +11,15 @@ and the server keeps serving; a request without a seed gets a fresh one, reporte
                          swapped between engine steps once in-flight sequences finish
   GET  /v1/models       the served model (OpenAI list shape)
   GET  /health           200 {"status": "ok"} once ready; while the warm-up compiles, 503 {"status": "starting",
-                         "progress": "k/N shapes compiled"} (generation routes: 503 with Retry-After)
+                         "progress": "k/N shapes compiled"} (generation routes: 503 with Retry-After); once a
+                         shutdown began, 503 {"status": "draining"}
   GET  /metrics          Prometheus text format
 Optional fields may be absent or null (= the default).
 
-HTTP stack: aiohttp. One mature, asyncio-native package gives the server with request-size limits
-and graceful shutdown on SIGTERM (stop accepting, let in-flight handlers finish); the engine runs in
-one background thread and resolves each request's future through the event loop. Logprobs are JSON
+HTTP stack: aiohttp. One mature, asyncio-native package gives the server with request-size limits; the
+engine runs in one background thread and resolves each request's future through the event loop. Every
+request ends once (finished, cancelled or failed: /metrics counts each), and a shutdown drains for at
+most --shutdown-timeout plus a short grace, whatever the clients or the engine do (Server.on_signal). Logprobs are JSON
 doubles written by Python's shortest round-trip repr, so float32(json value) has the sampler's bits.
 """
 
@@ -53,6 +55,7 @@ from serve.auth import AdminAuth
 from serve.connections import LimitedRunner
 from serve.http import (
     BadRequest,
+    EngineFailed,
     RequestTimeout,
     ShuttingDown,
     Starting,
@@ -117,8 +120,9 @@ class ServerConfig:
     the programs an earlier one compiled (the same executables, so the same bits) and warms up in a fraction of
     the time. Delete the directory to reclaim its space."""
     shutdown_timeout: float = 300.0
-    """On SIGTERM/SIGINT: stop accepting work, finish what is in flight for up to this many seconds, then cancel
-    the rest (their clients get 503) and exit 0. A second signal ends the wait at once."""
+    """On SIGTERM/SIGINT: /health turns 503 "draining" and new work gets 503; what is in flight finishes for up
+    to this many seconds, then the rest is cancelled (its clients get 503, a stream its error event and [DONE])
+    and the process exits 0. A second signal cancels at once and exits within a second."""
 
     def __post_init__(self):
         for name in ("port", "max_prompts", "max_sequences", "max_body_bytes", "max_connections"):
@@ -144,6 +148,11 @@ def _non_finite(params) -> list[str]:
     flags = jax.device_get(_all_finite(params))
     paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)]
     return [path for path, ok in zip(paths, flags, strict=True) if not ok]
+
+
+# Once a shutdown cancelled what was left (deadline or second signal), how long its handlers get to answer
+# before the process exits regardless: cancelled requests end at the engine's next step.
+SHUTDOWN_GRACE_S, SECOND_SIGNAL_GRACE_S = 5.0, 0.5
 
 
 def _admin_key(config: ServerConfig) -> str | None:
@@ -180,7 +189,9 @@ class Server:
         self.wake = threading.Condition()
         self.stopping = False  # the engine thread exits once idle
         self.draining, self.deadline_passed, self.deadline = False, False, math.inf
-        self.in_flight: set[Request] = set()  # engine requests of open handlers, cancelled at the shutdown deadline
+        self.grace = SHUTDOWN_GRACE_S  # after the deadline's cancellations, for the handlers to answer
+        self.in_flight: set[Request] = set()  # submitted and not ended (pruned as they end): cancelled at the deadline
+        self.handlers = 0  # route handlers running (a stream until its last event): the drain waits for them
         self.started = time.time()
         self.registry = CollectorRegistry()
         self.registry.register(self)
@@ -216,9 +227,13 @@ class Server:
             with self.wake:
                 while not (self.engine.busy or self.engine.weights_pending or self.stopping):
                     self.wake.wait()
-                if self.stopping and not self.engine.busy:
+                if self.stopping and not (self.engine.busy or self.engine.weights_pending):
                     return
-            self.engine.step()
+            try:
+                self.engine.step()
+            except Exception as e:  # a bug or a device error: fail what it held, keep serving the next requests
+                log.exception("engine step failed; failing the requests it held")
+                self.engine.abort(f"the engine failed while serving this request: {type(e).__name__}: {e}")
 
     def _kick(self):
         with self.wake:
@@ -253,6 +268,11 @@ class Server:
         self._kick()
         return requests
 
+    def pending(self) -> set[Request]:
+        """Submitted requests that have not ended (whatever ended them; their handlers may be gone)."""
+        self.in_flight = {r for r in self.in_flight if not r.done.is_set()}
+        return self.in_flight
+
     def cancel(self, requests):
         """Cancel requests (a client gone, a timeout): their pages are freed at the next engine step."""
         self.in_flight.difference_update(requests)
@@ -284,9 +304,17 @@ class Server:
             self.cancel(requests)
             raise
         self.in_flight.difference_update(requests)
+        self.check_ended(requests)
+        return requests
+
+    def check_ended(self, requests) -> None:
+        """After the engine ended `requests`: raise the error their client gets, if it failed them or a
+        shutdown cancelled them."""
+        for r in requests:
+            if r.error is not None:
+                raise EngineFailed(r.error)
         if self.deadline_passed and any(r.cancelled for r in requests):
             raise ShuttingDown("the server shut down before this request finished (--shutdown-timeout)")
-        return requests
 
     @staticmethod
     def seeds(body, prompts: int, n: int) -> tuple[list, int | list]:
@@ -366,7 +394,10 @@ class Server:
         params = await asyncio.to_thread(self._load_update, body["path"])
         swapped = self.engine.update_weights(params)
         self._kick()
-        await asyncio.to_thread(swapped.wait)
+        while not swapped.is_set():  # polled, not a blocked thread: a shutdown must not wait on it
+            if self.deadline_passed:
+                raise ShuttingDown("the server shut down before the new weights went live")
+            await asyncio.sleep(0.02)
         return _json_response({"policy_version": self.engine.policy_version})
 
     def _load_update(self, path: str):
@@ -429,6 +460,10 @@ class Server:
         return max(1, math.ceil((time.monotonic() - self.warm_up_started) / done * (total - done)))
 
     async def health(self, request):
+        """ok (200); starting (503, with progress) until warmed up; draining (503) once a shutdown began, so a
+        load balancer stops sending."""
+        if self.draining:
+            return _json_response({"status": "draining", "policy_version": self.engine.policy_version}, status=503)
         if not self.ready.is_set():
             body = {"status": "starting", "progress": self.progress(), "policy_version": self.engine.policy_version}
             return _json_response(body, status=503)
@@ -442,8 +477,22 @@ class Server:
         m = self.engine.metrics()
         uptime = max(time.time() - self.started, 1e-9)
         for name, value, doc in [
-            ("rlkjax_requests_total", m["requests"], "requests submitted"),
-            ("rlkjax_requests_finished_total", m["finished"], "requests finished"),
+            (
+                "rlkjax_requests_total",
+                m["requests"],
+                "requests submitted to the engine (= finished + cancelled + failed at rest)",
+            ),
+            (
+                "rlkjax_requests_finished_total",
+                m["finished"],
+                "requests whose every sample stopped or reached its length",
+            ),
+            (
+                "rlkjax_requests_cancelled_total",
+                m["cancelled"],
+                "requests cancelled: client gone, timeout, refused, shutdown",
+            ),
+            ("rlkjax_requests_failed_total", m["failed"], "requests failed by an engine error"),
             ("rlkjax_generated_tokens_total", m["decode_tokens"], "tokens sampled"),
             ("rlkjax_prefill_tokens_total", m["prefill_tokens"], "prompt tokens prefilled"),
             ("rlkjax_tokens_per_second", m["decode_tokens"] / uptime, "sampled tokens per second since start"),
@@ -463,7 +512,7 @@ class Server:
             yield GaugeMetricFamily(name, doc, value=value)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[_errors])
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._track, _errors])
         app.add_routes(
             [
                 web.post("/generate", self.generate),
@@ -479,6 +528,15 @@ class Server:
         app.on_cleanup.append(self._shutdown)
         return app
 
+    @web.middleware
+    async def _track(self, request, handler):
+        """Count running handlers, so a shutdown waits for their answers (and only for a bounded time)."""
+        self.handlers += 1
+        try:
+            return await handler(request)
+        finally:
+            self.handlers -= 1
+
     async def _startup(self, app):
         self.thread.start()
 
@@ -486,41 +544,53 @@ class Server:
         with self.wake:
             self.stopping = True
             self.wake.notify()
-        await asyncio.to_thread(self.thread.join)
+        # bounded: a step stuck on the device must not keep the process alive (the thread is a daemon)
+        await asyncio.to_thread(self.thread.join, self.grace)
 
     def on_signal(self):
-        """First signal: drain (new work gets 503) until idle or --shutdown-timeout. Another: stop waiting."""
+        """First signal: drain (/health 503, new work 503) until idle or --shutdown-timeout. Another: cancel what
+        is left now and give its handlers a moment to answer."""
         if self.draining:
-            log.info("second signal: cancelling what is still in flight now")
-            self.deadline = 0.0
+            log.info("second signal: cancelling what is still in flight and exiting")
+            self.deadline, self.grace = min(self.deadline, time.monotonic()), SECOND_SIGNAL_GRACE_S
             return
         log.info("signal: draining for up to %.0f s", self.config.shutdown_timeout)
         self.draining, self.deadline = True, time.monotonic() + self.config.shutdown_timeout
 
     async def wait_until_drained(self):
-        """Return once a signal came and every request has been answered (finished, or cancelled at
-        the deadline: its handler answers 503)."""
-        while not (self.draining and not self.in_flight):
+        """Return once a signal came and every request has ended and been answered; at the deadline, cancel
+        what is left (its handlers answer 503) and return once answered, or `grace` seconds later regardless:
+        a request whose handler is gone, or a handler that cannot finish, never holds the process."""
+        cut_at = None
+        while not self.draining or self.pending() or self.handlers:
             if self.failure is not None:
                 raise SystemExit(f"warm-up failed: {type(self.failure).__name__}: {self.failure}")
-            if self.draining and time.monotonic() >= self.deadline and not self.deadline_passed:
-                self.deadline_passed = True
-                for r in list(self.in_flight):
-                    self.engine.cancel(r)
-                self._kick()
+            now = time.monotonic()
+            if self.draining and now >= self.deadline:
+                if cut_at is None:
+                    cut_at, self.deadline_passed = now, True
+                    for r in list(self.pending()):
+                        self.engine.cancel(r)
+                    self._kick()
+                if now >= cut_at + self.grace:
+                    log.warning(
+                        "exiting with %d requests and %d handlers unfinished", len(self.pending()), self.handlers
+                    )
+                    return
             await asyncio.sleep(0.05)
-        await asyncio.sleep(0.2)  # let the last handlers write their responses
 
 
 async def serve(server: Server) -> None:
     config = server.config
     # handler_cancellation: a client that disconnects cancels its handler, which cancels its sequences.
+    # shutdown_timeout: the drain has waited for the handlers already; what is left is not worth a longer wait
     runner = LimitedRunner(
         server.app(),
         max_connections=config.max_connections,
         header_timeout=config.header_timeout,
         handler_cancellation=True,
         handle_signals=False,
+        shutdown_timeout=SECOND_SIGNAL_GRACE_S,
     )
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()

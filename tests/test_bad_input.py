@@ -65,6 +65,7 @@ def test_generate_rejects(tiny, kwargs, match):
         (dict(top_logprobs=-1), "top_logprobs"),
         (dict(prompt_logprobs=21), "prompt_logprobs"),
         (dict(top_k=-1), "top_k"),
+        (dict(top_k=10**400), "top_k"),  # the kernels take int32
         (dict(top_p=0.0), "top_p"),
         (dict(min_p=1.5), "min_p"),
         (dict(temperature=-(10**400)), "temperature"),  # JSON integers of any size: never an OverflowError

@@ -370,10 +370,12 @@ def test_shutdown_with_a_deadline(how):
         late = post_raw(client, "/generate", body)
         if how == "second-signal":
             proc.send_signal(signal.SIGTERM)
+            signalled = time.time()  # from now on the process must not wait for the engine
         answers = [f.result() for f in futures]
     assert late[0] == 503 and "shutting down" in late[1]["error"]["message"]
     assert proc.wait(timeout=120) == 0
-    assert time.time() - signalled < 60, "the deadline was not kept"
+    limit = 60 if how == "deadline" else 10
+    assert time.time() - signalled < limit, "the deadline was not kept"
     for code, payload in answers:  # finished in time, or cancelled with a clear 503
         assert (code == 200 and len(payload["results"][0][0]["tokens"]) == 240) or (
             code == 503 and "--shutdown-timeout" in payload["error"]["message"]

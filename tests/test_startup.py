@@ -1,10 +1,14 @@
 """Server start-up: it listens at once and says how far its warm-up is (503 "starting" with progress,
 generation routes 503 with Retry-After) until it is ready; the persistent compilation cache makes a
-restart ready sooner and serves the same bits; the cache flag is checked like every other."""
+restart ready sooner and serves the same bits. The cache's flag, its default place and 'off', for the
+server and for train.grpo."""
 
 import json
+import os
 import re
 import signal
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -100,3 +104,28 @@ def test_compilation_cache_flag(monkeypatch, tmp_path):
     for bad in ("", str(tmp_path / "file")):
         with pytest.raises(ValueError, match="--compilation-cache"):
             ServerConfig(compilation_cache=bad)
+
+
+COMPILE_ONE = (
+    "import jax, sys; from rlkjax import compilation_cache as c; c.enable(sys.argv[1]); jax.jit(jax.numpy.sin)(1.0)"
+)
+
+
+def test_enable_writes_the_cache_and_off_writes_nothing(tmp_path):
+    """In a fresh process (JAX reads the setting at its first compilation): a directory gets the compiled
+    program; 'off' writes nowhere, even where JAX_COMPILATION_CACHE_DIR points."""
+    env = os.environ | {"JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "env")}
+    subprocess.run([sys.executable, "-c", COMPILE_ONE, str(tmp_path / "on")], env=env, check=True, timeout=300)
+    assert any(p.is_file() for p in (tmp_path / "on").rglob("*"))
+    subprocess.run([sys.executable, "-c", COMPILE_ONE, "off"], env=env, check=True, timeout=300)
+    assert not (tmp_path / "env").exists()
+
+
+@pytest.mark.slow
+def test_train_grpo_uses_the_cache_under_xdg_cache_home(tmp_path):
+    """`python -m train.grpo` with no cache flag compiles into $XDG_CACHE_HOME/rlkjax/jax."""
+    flags = ["--steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "2"]
+    flags += ["--checkpoint-every", "0", "--no-progress", "--out", str(tmp_path / "run")]
+    env = os.environ | {"XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    subprocess.run([sys.executable, "-m", "train.grpo", *flags], env=env, check=True, timeout=900)
+    assert sum(p.is_file() for p in (tmp_path / "xdg" / "rlkjax" / "jax").rglob("*")) > 10

@@ -61,6 +61,7 @@ RESUMABLE_CHANGES = frozenset(
         "coordinator",  # how many processes compute a step does not change its bits (tests/test_multiprocess.py)
         "num_processes",
         "process_id",
+        "compilation_cache",  # a cache hit loads the executable the compiler made: same bits (tests/test_startup.py)
     }
 )
 SECRETS = frozenset({"admin_key"})  # never written to disk

@@ -10,6 +10,7 @@ from typing import Literal
 
 import numpy as np
 
+from rlkjax import compilation_cache
 from rlkjax.requests import check_seed, check_temperature
 from train import fsdp
 
@@ -141,6 +142,9 @@ class GRPOConfig:
     table (0 = never)."""
     wandb_project: str = "rlkjax"
     """--logger wandb: the W&B project."""
+    compilation_cache: str = compilation_cache.default_dir()
+    """JAX's persistent compilation cache: a directory (created if missing), or 'off'. A later run loads the
+    programs an earlier one compiled (the same executables, so the same bits) instead of compiling them."""
 
     def __post_init__(self):
         positive = (
@@ -206,3 +210,4 @@ class GRPOConfig:
             raise ValueError(f"--eval-data {self.eval_data!r} is for --task gsm8k and math (a file of problems)")
         if not (math.isfinite(self.reward_timeout) and self.reward_timeout > 0):
             raise ValueError(f"--reward-timeout={self.reward_timeout!r} must be a positive number of seconds")
+        compilation_cache.check(self.compilation_cache)

@@ -61,7 +61,7 @@ import tyro
 from tqdm import tqdm
 
 import rlkjax
-from rlkjax import model
+from rlkjax import compilation_cache, model
 from rlkjax.chat import PromptFormat, prompt_format
 from rlkjax.checkpoint import load_model
 from rlkjax.sampling_params import SamplingParams
@@ -352,4 +352,6 @@ def claim_device_memory(fraction: str = "0.95") -> None:
 
 if __name__ == "__main__":
     claim_device_memory()
-    train(tyro.cli(GRPOConfig, description=__doc__))
+    config = tyro.cli(GRPOConfig, description=__doc__)
+    compilation_cache.enable(config.compilation_cache)  # here, not in train(): a caller's process keeps its own
+    train(config)
