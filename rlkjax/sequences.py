@@ -89,6 +89,16 @@ class Sequence:
         """Its pages or tokens came from the current weights: it must finish before a swap."""
         return bool(self.pages) or self.generated > 0
 
+    def completion(self, reason: str, policy_version: int) -> "Completion":
+        comp = Completion(
+            self.tokens[len(self.request.prompt) :], np.asarray(self.logprobs, np.float32), reason, policy_version
+        )
+        k = self.request.sampling.top_logprobs
+        if k:  # [T, k]; T = 0 for a sample cancelled before it started
+            comp.top_ids = np.asarray(self.top_ids, np.int32).reshape(-1, k)
+            comp.top_logprobs = np.asarray(self.top_logprobs, np.float32).reshape(-1, k)
+        return comp
+
 
 @dataclasses.dataclass(eq=False)
 class Request:
@@ -96,7 +106,7 @@ class Request:
     prompt: list[int]
     sampling: SamplingParams
     stop_ids: tuple[int, ...]  # the ids that end a sample: sampling.stop_ids(the engine's eos)
-    group: object = None  # admission takes turns between groups (the server: one per HTTP request); None = its own
+    group: object = None  # admission shares slots fairly between groups (the server: one per HTTP request)
     results: list = dataclasses.field(default_factory=list)  # Completion per sample index, None until done
     pending_forks: int = 0  # samples waiting for the leader's prompt pages
     cancelled: bool = False

@@ -10,6 +10,7 @@ import pytest
 import rlkjax
 from rlkjax.engine import Engine, EngineConfig
 from rlkjax.requests import sample_seed
+from rlkjax.scheduler import Scheduler
 from tests.helpers import assert_bits_equal
 
 CONFIG = EngineConfig(num_pages=96, max_batch=8, prefill_chunk=16, token_budget=32, max_context=256)
@@ -98,7 +99,7 @@ def test_random_schedules_keep_the_contract(tiny, config):
                 submitted.append((engine.submit(**kw), kw))
         engine.step()
     if tight:
-        assert engine.stats["preemptions"] > 0, "the tight config must force preemption"
+        assert engine.metrics()["preemptions"] > 0, "the tight config must force preemption"
     assert engine.pages.used == 0, "every page is returned"
     for req, kw in submitted:
         assert req.done.is_set()
@@ -291,8 +292,8 @@ def test_forked_samples_respect_max_batch(tiny):
     widest, parked = 0, False
     while engine.busy:
         engine.step()
-        widest = max(widest, len(engine.running))
-        parked = parked or any(s.pages for s in engine.waiting)
+        widest = max(widest, len(engine.scheduler.running))
+        parked = parked or any(s.pages for s in engine.scheduler.waiting)
     assert widest <= 4 and parked, (widest, parked)
     for r in (other, req):
         for comp in r.results:
@@ -328,7 +329,7 @@ def test_rounds_continue_on_the_device_exactly(tiny, monkeypatch):
     results = {}
     for chained in (True, False):
         if not chained:  # the engine's own fallback when pages are short: read the round first
-            monkeypatch.setattr(Engine, "_pages_ahead", lambda self, seqs, previous: False)
+            monkeypatch.setattr(Scheduler, "pages_ahead", lambda self, previous: False)
         engine = Engine(params, cfg, config=dataclasses.replace(CONFIG, decode_steps=3))
         reqs = [engine.submit(**(kw | {"on_tokens": stop_after_six()} if i == 1 else kw)) for i, kw in enumerate(work)]
         engine.run_until_done()
@@ -376,7 +377,7 @@ def test_decode_rounds_equal_single_steps(tiny):
         while not reqs[0].done.is_set():
             engine.step()
         assert reqs[0].results[0].finish_reason == "stop" and len(reqs[0].results[0].tokens) <= 3
-        assert engine.pages.used == len({p for s in engine.running for p in s.pages}), (
+        assert engine.pages.used == len({p for s in engine.scheduler.running for p in s.pages}), (
             "the stopped request's pages are free"
         )
         engine.run_until_done()
@@ -408,7 +409,7 @@ def test_weight_swap_waits_for_parked_and_preempted_sequences(tiny, case):
             engine.submit([1, 2, 3], max_tokens=12, seed=0),
             engine.submit(list(range(30, 50)), n=3, max_tokens=4, seed=5),
         ]
-        while not any(s.pages for s in engine.waiting):
+        while not any(s.pages for s in engine.scheduler.waiting):
             engine.step()
     else:
         engine = Engine(
@@ -419,7 +420,7 @@ def test_weight_swap_waits_for_parked_and_preempted_sequences(tiny, case):
             ),
         )
         reqs = [engine.submit(list(range(1, 30)), max_tokens=40, seed=j) for j in range(2)]
-        while not any(s.generated for s in engine.waiting):
+        while not any(s.generated for s in engine.scheduler.waiting):
             engine.step()
     engine.update_weights(new_params)
     engine.run_until_done()
