@@ -68,6 +68,10 @@ class ChatTemplate:
             )
         except jinja2.exceptions.TemplateError as e:
             raise ChatTemplateError(f"the chat template refused the messages: {e}") from None
+        except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as e:
+            # Python's own errors on what the client sent (`{% for t in tools %}` over a number, a
+            # string plus a list): the template is fixed, so the input is what is wrong
+            raise ChatTemplateError(f"the chat template cannot render the request: {type(e).__name__}: {e}") from None
 
 
 def _tokenizer_config(tokenizer) -> dict:

@@ -7,6 +7,7 @@ a save/load round trip is bit-exact.
 import json
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 from safetensors import safe_open
 from safetensors.flax import save_file
@@ -47,34 +48,57 @@ def _expected_shape(cfg, path):
     return (cfg.hidden_size,) if path[0] == "norm" else (cfg.vocab_size, cfg.hidden_size)
 
 
+def _inside(directory: Path, name: str, what: str) -> Path:
+    """directory / name, refused with a ValueError naming `what` unless it resolves (after symlinks)
+    inside the directory: a checkpoint is one directory, and an index entry like `../other/x` or an
+    absolute path used to load and serve a file from anywhere. One exception, the Hugging Face hub
+    cache, whose snapshot directories hold symlinks into the same model's `blobs/`."""
+    root, target = directory.resolve(), (directory / name).resolve()
+    hub_blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else None
+    if target.is_relative_to(root) or (hub_blobs is not None and target.is_relative_to(hub_blobs)):
+        return target
+    raise ValueError(f"{what} {name!r} resolves to {target}, outside the checkpoint directory {root}")
+
+
+def _shard_names(directory: Path) -> list[str]:
+    """The safetensors files of a checkpoint: its index's weight_map values, or every *.safetensors."""
+    if not (directory / INDEX).is_file():
+        return sorted(p.name for p in directory.glob("*.safetensors"))
+    weight_map = json.loads(_inside(directory, INDEX, "file").read_text()).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{directory / INDEX} has no weight_map object")
+    for tensor, fname in weight_map.items():
+        if not isinstance(fname, str):
+            raise ValueError(f"{INDEX} entry {tensor!r} names {fname!r}, not a file name")
+    return sorted(set(weight_map.values()))
+
+
 def load_hf_checkpoint(directory, dtype: str | None = None):
-    """Read config.json and the safetensors weights -> (ModelConfig, params)."""
+    """Read config.json and the safetensors weights -> (ModelConfig, params). Every file must resolve
+    inside `directory`, and every tensor must be stored in the config's dtype (its torch_dtype), so
+    nothing is rounded on the way in; `dtype` overrides the config's and casts deliberately."""
     directory = Path(directory)
     if not (directory / "config.json").is_file():
         raise ValueError(f"{directory} has no config.json; not an HF checkpoint directory")
-    cfg = ModelConfig.from_hf_config(directory / "config.json", dtype=dtype)
-    if (directory / INDEX).is_file():
-        files = sorted(set(json.loads((directory / INDEX).read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in directory.glob("*.safetensors"))
+    cfg = ModelConfig.from_hf_config(_inside(directory, "config.json", "file"), dtype=dtype)
+    files = _shard_names(directory)
     if not files:
         raise ValueError(f"{directory} holds no *.safetensors files")
     wanted = hf_names(cfg)
     params, layers, unexpected, tied_head = {}, {name: [None] * cfg.num_layers for name in _LAYER_PREFIX}, [], None
     for fname in files:
-        with safe_open(directory / fname, framework="flax") as f:
+        with safe_open(_inside(directory, fname, f"{INDEX} entry"), framework="flax") as f:
             for name in f.keys():
                 path = wanted.pop(name, None)
                 if path is None:
                     if name == "lm_head.weight" and cfg.tie_embeddings:
-                        tied_head = jnp.asarray(f.get_tensor(name), cfg.dtype)  # HF may save the tied copy too
+                        tied_head = _stored_as(f, name, fname, cfg.dtype, dtype)  # HF may save the tied copy too
                     else:
                         unexpected.append(f"{name} ({fname})")
                     continue
-                array = f.get_tensor(name)
+                array = _stored_as(f, name, fname, cfg.dtype, dtype)
                 if array.shape != _expected_shape(cfg, path):
                     raise ValueError(f"{name} has shape {array.shape}, config says {_expected_shape(cfg, path)}")
-                array = jnp.asarray(array, cfg.dtype)
                 if path[0] == "layers":
                     layers[path[2]][path[1]] = array
                 else:
@@ -95,8 +119,30 @@ def load_hf_checkpoint(directory, dtype: str | None = None):
     return cfg, params
 
 
+def _stored_as(f, name: str, fname: str, want: str, override: str | None):
+    """Tensor `name` in `want`: stored so, or cast because the caller asked for `override`. A float32
+    tensor in a checkpoint whose config says bfloat16 used to be rounded silently."""
+    array = f.get_tensor(name)
+    if array.dtype != jnp.dtype(want) and override is None:
+        raise ValueError(
+            f"{name} is stored as {array.dtype} in {fname}, the model's dtype (config.json's torch_dtype) is {want}: "
+            f"save it in {want} "
+            "(or load with dtype= to cast it deliberately)"
+        )
+    return jnp.asarray(array, want)
+
+
+def _check_dtypes(cfg: ModelConfig, params) -> None:
+    """Refuse to write params in another dtype than cfg's: the checkpoint's config.json would say one
+    dtype and its tensors hold another, which loading refuses."""
+    for key, leaf in jax.tree_util.tree_leaves_with_path(params):
+        if leaf.dtype != jnp.dtype(cfg.dtype):
+            raise ValueError(f"params{jax.tree_util.keystr(key)} is {leaf.dtype}, the config's dtype is {cfg.dtype}")
+
+
 def save_hf_checkpoint(directory, cfg: ModelConfig, params, max_shard_bytes: int = 5 * 2**30) -> None:
     """Write config.json and safetensors shards (with an index when there is more than one)."""
+    _check_dtypes(cfg, params)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {}
@@ -127,6 +173,7 @@ def save_orbax_params(directory, cfg: ModelConfig, params) -> None:
     """Params as an orbax checkpoint (`params/`) plus the model's config.json."""
     import orbax.checkpoint as ocp
 
+    _check_dtypes(cfg, params)
     directory = Path(directory).absolute()
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(cfg.to_hf_config(), indent=2))
@@ -144,7 +191,6 @@ def load_model(spec: str, seed: int = 0):
         return cfg, init_params(cfg, seed=seed)
     path = Path(spec)
     if (path / "params").is_dir() and (path / "config.json").is_file():
-        import jax
         import orbax.checkpoint as ocp
 
         cfg = ModelConfig.from_hf_config(path / "config.json")
@@ -152,6 +198,13 @@ def load_model(spec: str, seed: int = 0):
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), jax.eval_shape(lambda: init_params(cfg))
         )
         with ocp.StandardCheckpointer() as ckptr:
+            stored = ckptr.metadata(path.absolute() / "params").item_metadata
+            for key, leaf in jax.tree_util.tree_leaves_with_path(stored):
+                if jnp.dtype(leaf.dtype) != jnp.dtype(cfg.dtype):  # orbax would cast it to the target's dtype
+                    raise ValueError(
+                        f"{jax.tree_util.keystr(key)} is stored as {leaf.dtype} in {path / 'params'}, the model's "
+                        f"dtype (config.json's torch_dtype) is {cfg.dtype}: save it in {cfg.dtype}"
+                    )
             return cfg, ckptr.restore(path.absolute() / "params", target)
     if path.is_dir():
         return load_hf_checkpoint(path)

@@ -4,9 +4,11 @@ client = RolloutClient("http://127.0.0.1:8000", admin_key="...")
 results = client.generate([[1, 2, 3]], n=4, max_new_tokens=64, temperature=1.0, seed=0)
 results[0][j]["tokens"], np.float32(results[0][j]["logprobs"])   # sample j of prompt 0
 client.update_weights("/path/to/checkpoint")                     # -> new policy version
+client.wait_until_ready()                                        # through the server's start-up
 """
 
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -72,6 +74,18 @@ class RolloutClient:
 
     def health(self) -> dict:
         return self._call("GET", "/health")
+
+    def wait_until_ready(self, timeout: float = 3600.0, poll_s: float = 1.0) -> dict:
+        """/health's answer once the server is ready, waiting while it is not listening yet or answers
+        503 (starting: compiling its warm-up shapes). Raises the last error after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.health()
+            except (OSError, RolloutError) as e:
+                if (isinstance(e, RolloutError) and e.status != 503) or time.monotonic() > deadline:
+                    raise
+            time.sleep(poll_s)
 
     def metrics(self) -> str:
         return self._call("GET", "/metrics").decode()

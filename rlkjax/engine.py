@@ -19,7 +19,11 @@ The device functions are rlkjax.steps', the request and sequence records rlkjax.
 scheduling policy (admission in fair turns, pages, preemption, forks, each call's rows)
 rlkjax.scheduler's.
 The public surface for a server or a learner: `submit`, `cancel`, `update_weights`, `step`,
-`run_until_done`, and the read-only `busy`, `weights_pending`, `policy_version` and `metrics()`.
+`run_until_done`, `abort`, and the read-only `busy`, `weights_pending`, `policy_version` and `metrics()`.
+
+Every submitted request ends exactly once, counted in one of three outcomes: finished (every sample
+stopped or reached its length), cancelled (`cancel`: a client gone, a timeout, a shutdown), failed
+(`abort` after a step raised). At rest, requests == finished + cancelled + failed.
 """
 
 import dataclasses
@@ -36,7 +40,7 @@ from rlkjax.config import ModelConfig
 from rlkjax.model import init_kv_cache, rope_tables
 from rlkjax.numerics import PAGE_SIZE, Numerics, ops
 from rlkjax.requests import MAX_TOP_LOGPROBS, check_int, check_tokens, sample_seed
-from rlkjax.sampling_params import SamplingParams, at_stop
+from rlkjax.sampling_params import SamplingParams
 from rlkjax.scheduler import EngineConfig, Scheduler
 from rlkjax.sequences import Request, Round, Sequence, round_rows
 from rlkjax.shapes import bucket, cdiv
@@ -67,7 +71,6 @@ class Engine:
         self.rope = rope_tables(cfg)
         self._alternatives = min(MAX_TOP_LOGPROBS, cfg.vocab_size)
         self.scheduler = Scheduler(config)
-        self.pages = self.scheduler.pages  # the page allocator, for callers that count pages in use
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
         self._pending_params, self._swap_events = None, []
@@ -79,8 +82,10 @@ class Engine:
             "steps": 0,
             "prefill_tokens": 0,
             "decode_tokens": 0,
-            "requests": 0,
+            "requests": 0,  # submitted; each ends once, in one of the next three
             "finished": 0,
+            "cancelled": 0,
+            "failed": 0,
             # Seconds inside step(), and of those, blocked reading a decode round (the device still
             # busy). step_s - wait_s is host work the device may sit idle through.
             "step_s": 0.0,
@@ -154,6 +159,15 @@ class Engine:
         so no request later waits behind a compilation. Variants that options select (top_logprobs,
         top_k / top_p / min_p, more than one stop id) still compile on first use. `report(name,
         shape, seconds)` is called after each. Returns the number of shapes run."""
+        shapes = self.warm_up_shapes()
+        for name, rows in shapes:
+            seconds = self.warm_up_shape(name, rows)
+            if report:
+                report(name, rows, seconds)
+        return len(shapes)
+
+    def warm_up_shapes(self) -> list[tuple[str, int]]:
+        """What `warm_up` compiles, in order: (step function, rows) pairs."""
         c = self.config
         rows = [1 << i for i in range(bucket(c.max_batch).bit_length())]
         prefill_rows = bucket(min(c.max_batch, cdiv(c.token_budget, c.prefill_chunk)))
@@ -161,47 +175,36 @@ class Engine:
         todo += [("decode_round", r) for r in rows] + [("copy_pages", r) for r in rows]
         # both round lengths (see _dispatch_decode): with one decode step per round they are the same
         todo += [("decode_round_1", r) for r in rows] if c.decode_steps > 1 else []
+        return todo
+
+    def warm_up_shape(self, name: str, r: int) -> float:
+        """Compile and run one of `warm_up_shapes()` on padding; returns the seconds it took. One at a
+        time, so a caller (the server) can report progress and stop between shapes."""
+        c = self.config
         with self.lock:
+            start = time.perf_counter()
             self._ensure_cache()
-            for name, r in todo:
-                start = time.perf_counter()
-                table = np.zeros((r, self.pages_per_seq), np.int32)
-                if name == "prefill":
-                    tokens, positions = (
-                        np.zeros((r, c.prefill_chunk), np.int32),
-                        np.full((r, c.prefill_chunk), -1, np.int32),
-                    )
-                    self.cache = prefill_chunk(
-                        self.params, tokens, positions, self.cache, table, self.rope, self.cfg, self.numerics
-                    )
-                    self._note_shape(name, r)
-                elif name.startswith("decode_round"):
-                    steps = 1 if name == "decode_round_1" else c.decode_steps
-                    idle = np.full(r, -1, np.int32)  # no row continues a round; every position is padding
-                    zeros = np.zeros(r, np.int32)
-                    _, _, self.cache, _ = next_round(
-                        self.params,
-                        self._no_carry,
-                        idle,
-                        zeros,
-                        idle,
-                        self.cache,
-                        table,
-                        RowSampling.idle(r),
-                        self.rope,
-                        self.cfg,
-                        self.numerics,
-                        steps,
-                        0,  # alternatives, passed as _dispatch_decode passes it: jit keys positional and default apart
-                    )
-                    self._note_shape("decode_round", (r, 1, 0, False, steps))
-                else:
-                    self.cache = copy_pages(self.cache, np.zeros(r, np.int32), np.zeros(r, np.int32))
-                    self._note_shape(name, r)
-                jax.block_until_ready(self.cache)
-                if report:
-                    report(name, r, time.perf_counter() - start)
-        return len(todo)
+            table = np.zeros((r, self.pages_per_seq), np.int32)
+            if name == "prefill":
+                tokens, positions = (
+                    np.zeros((r, c.prefill_chunk), np.int32),
+                    np.full((r, c.prefill_chunk), -1, np.int32),
+                )
+                self.cache = prefill_chunk(
+                    self.params, tokens, positions, self.cache, table, self.rope, self.cfg, self.numerics
+                )
+                self._note_shape(name, r)
+            elif name.startswith("decode_round"):
+                steps = 1 if name == "decode_round_1" else c.decode_steps
+                idle = np.full(r, -1, np.int32)  # no row continues a round; every position is padding
+                zeros = np.zeros(r, np.int32)
+                self._next_round(self._no_carry, idle, zeros, idle, table, RowSampling.idle(r), steps, 0)
+                self._note_shape("decode_round", (r, 1, 0, False, steps))
+            else:
+                self.cache = copy_pages(self.cache, np.zeros(r, np.int32), np.zeros(r, np.int32))
+                self._note_shape(name, r)
+            jax.block_until_ready(self.cache)
+            return time.perf_counter() - start
 
     def release_cache(self) -> None:
         """Free the KV cache's device memory while no request is in flight, for a learner that shares
@@ -223,6 +226,11 @@ class Engine:
     def busy(self) -> bool:
         """Requests are queued, sequences waiting or running, or a decode round not read yet."""
         return bool(self._inbox or self.scheduler.busy or self._in_flight)
+
+    @property
+    def pages(self):
+        """The KV page allocator (the scheduler's), for callers that count the pages in use."""
+        return self.scheduler.pages
 
     @property
     def weights_pending(self) -> bool:
@@ -295,17 +303,9 @@ class Engine:
             tokens[i, :todo] = s.tokens[s.cached : s.cached + todo]
             positions[i, :todo] = np.arange(s.cached, s.cached + todo)
         self._note_shape("prefill", rows)
+        table, cfg = self._page_table(batch, rows), self.cfg
         start = time.perf_counter()
-        self.cache = prefill_chunk(
-            self.params,
-            tokens,
-            positions,
-            self.cache,
-            self._page_table(batch, rows),
-            self.rope,
-            self.cfg,
-            self.numerics,
-        )
+        self.cache = prefill_chunk(self.params, tokens, positions, self.cache, table, self.rope, cfg, self.numerics)
         self.stats["dispatch_s"] += time.perf_counter() - start
         for i, s in enumerate(batch):
             todo = int((positions[i] >= 0).sum())
@@ -321,6 +321,26 @@ class Engine:
             dst_a = np.array(dst + [0] * (k - len(dst)), np.int32)
             self._note_shape("copy_pages", k)
             self.cache = copy_pages(self.cache, src_a, dst_a)
+
+    def _next_round(self, carry, src, tokens, positions, table, sampling, length, alternatives):
+        """The one call of steps.next_round (warm-up and rounds alike: jit keys positional and keyword
+        arguments apart, so both pass the same way); returns its outputs but the cache, kept here."""
+        out_tok, out_lp, self.cache, carry, *top = next_round(
+            self.params,
+            carry,
+            src,
+            tokens,
+            positions,
+            self.cache,
+            table,
+            sampling,
+            self.rope,
+            self.cfg,
+            self.numerics,
+            length,
+            alternatives,
+        )
+        return out_tok, out_lp, carry, *top
 
     def _dispatch_decode(self, previous: Round | None) -> Round | None:
         """Start one decode round (up to `decode_steps` tokens per sequence) on the device over the
@@ -345,20 +365,10 @@ class Engine:
         start = time.perf_counter()
         if self._round_read_at is not None and previous is None:
             self.stats["gap_s"] += start - self._round_read_at
-        out_tok, out_lp, self.cache, carry, *top = next_round(
-            self.params,
-            previous.carry if previous else self._no_carry,
-            src,
-            tokens,
-            positions,
-            self.cache,
-            self._page_table(seqs, rows),
-            sampling,
-            self.rope,
-            self.cfg,
-            self.numerics,
-            length,
-            alternatives,
+        carry = previous.carry if previous else self._no_carry
+        table = self._page_table(seqs, rows)
+        out_tok, out_lp, carry, *top = self._next_round(
+            carry, src, tokens, positions, table, sampling, length, alternatives
         )
         self.stats["dispatch_s"] += time.perf_counter() - start
         self._round_read_at = None
@@ -377,45 +387,14 @@ class Engine:
         for i, s in enumerate(round_.seqs):
             if s.finished:
                 continue
-            k = s.request.sampling.top_logprobs
-            for j, (tok, lp) in enumerate(zip(out_tok[i], out_lp[i])):
-                if tok < 0:
-                    break
-                s.tokens.append(int(tok))
-                s.logprobs.append(lp)
-                if k:
-                    s.top_ids.append(top_ids[i, j, :k])
-                    s.top_logprobs.append(top_lp[i, j, :k])
-                s.cached += 1
-                self.stats["decode_tokens"] += 1
-            req = s.request
-            stopped = at_stop(
-                np.int64(s.tokens[-1]), s.generated, np.asarray(req.stop_ids, np.int64), req.sampling.min_tokens
-            )
-            reason = "stop" if stopped else ("length" if s.generated >= req.sampling.max_tokens else None)
-            if req.on_tokens is not None and self._hook_stops(s, int((out_tok[i] >= 0).sum()), reason):
+            new = s.extend(out_tok[i], out_lp[i], *((top_ids[i], top_lp[i]) if top else ()))
+            self.stats["decode_tokens"] += new
+            reason = s.stop_reason()
+            if s.request.on_tokens is not None and s.hook_stops(new, reason):
                 reason = "stop"
             if reason and self._finish(s, reason):  # its pages, those the round did not fill included, are freed now
                 finished.append(s.request)
         return finished
-
-    def _hook_stops(self, seq: Sequence, new: int, reason: str | None) -> bool:
-        """Show the request's hook the round's `new` tokens (and, when it asked for top_logprobs, their
-        alternatives: (top ids, top logprobs), one [k] array each per token; else None) and the engine's
-        finish reason (None: the sample goes on); if it keeps only k of them, drop the rest (their K/V
-        is never read: the sequence ends here) and report that the sequence stopped."""
-        tokens, logprobs = seq.tokens[len(seq.tokens) - new :], seq.logprobs[len(seq.logprobs) - new :]
-        top = (seq.top_ids[len(seq.top_ids) - new :], seq.top_logprobs[len(seq.top_logprobs) - new :])
-        keep = seq.request.on_tokens(
-            seq.index, tokens, logprobs, top if seq.request.sampling.top_logprobs else None, reason
-        )
-        if keep is None:
-            return False
-        drop = new - check_int("on_tokens' keep", keep, 0, new)
-        del seq.tokens[len(seq.tokens) - drop :], seq.logprobs[len(seq.logprobs) - drop :]
-        if seq.request.sampling.top_logprobs:  # the alternatives stay one per kept token
-            del seq.top_ids[len(seq.top_ids) - drop :], seq.top_logprobs[len(seq.top_logprobs) - drop :]
-        return True
 
     def _finish(self, seq: Sequence, reason: str) -> bool:
         """Record a sample's completion and free its slot and pages; True when that finished its request."""
@@ -424,11 +403,21 @@ class Engine:
         req = seq.request
         req.results[seq.index] = seq.completion(reason, self.policy_version)
         if all(r is not None for r in req.results) and not req.pending_forks:
-            req.finish()
-            self.requests.pop(req.id, None)
-            self.stats["finished"] += 1
-            return True
+            return self._end(req, "cancelled" if req.cancelled else "finished")
         return False
+
+    def _end(self, req: Request, outcome: str) -> bool:
+        """The one place a request ends: samples that never started get an empty "cancelled"
+        completion, the outcome is counted, the waiters are told. False if it had ended already."""
+        if req.done.is_set():
+            return False
+        for j, r in enumerate(req.results):
+            if r is None:
+                req.results[j] = Sequence(req, j, 0, list(req.prompt)).completion("cancelled", self.policy_version)
+        self.requests.pop(req.id, None)
+        self.stats[outcome] += 1
+        req.finish()
+        return True
 
     def _reap_cancelled(self) -> list[Request]:
         finished = []
@@ -437,15 +426,28 @@ class Engine:
             seq.request.pending_forks = 0
             if self._finish(seq, "cancelled"):
                 finished.append(seq.request)
+        # A request whose forks never started ends here (its leader's _finish could not end it).
         for req in [r for r in self.requests.values() if r.cancelled]:
-            for j, r in enumerate(req.results):  # forks that never started
-                if r is None:
-                    req.results[j] = Sequence(req, j, 0, list(req.prompt)).completion("cancelled", self.policy_version)
-            if not req.done.is_set():
-                req.finish()
-                self.requests.pop(req.id, None)
+            if self._end(req, "cancelled"):
                 finished.append(req)
         return finished
+
+    def abort(self, error: str) -> list[Request]:
+        """After a step raised: end every admitted request as failed (`error` is what its waiters
+        are told), free every page and forget the round in flight, so the engine serves the next
+        request from a clean state. Requests queued since that step stay queued. Returns the failed."""
+        with self.lock:
+            failed = []
+            for req in list(self.requests.values()):
+                req.error, req.pending_forks = error, 0
+                if self._end(req, "failed"):
+                    failed.append(req)
+            self.scheduler.clear()
+            self._in_flight, self._round_read_at = None, None
+            if self.cache is not None and any(x.is_deleted() for x in self.cache):  # donated to the failed call
+                self._released = [(x.shape, x.dtype, x.sharding) for x in self.cache]
+                self.cache = None
+            return failed
 
     def metrics(self) -> dict:
         """Counters, read without the step lock (a scrape never waits for a step; values may be a step old)."""

@@ -17,7 +17,10 @@ from rlkjax.requests import (
     check_int,
     check_seed,
     check_temperature,
+    shown,
 )
+
+TOP_K_LIMIT = 2**31 - 1  # the kernels take top_k as int32; any k >= the vocabulary is "off"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +59,7 @@ class SamplingParams:
     def __post_init__(self):
         ids = self.stop_token_ids
         if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple, set, frozenset, np.ndarray)):
-            raise ValueError(f"stop_token_ids must be a list of token ids, got {ids!r}")
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {shown(ids)}")
         fields = dict(
             n=check_int("n", self.n, 1),
             max_tokens=check_int("max_tokens", self.max_tokens, 1),
@@ -65,7 +68,7 @@ class SamplingParams:
             stop_token_ids=tuple(sorted({check_int("stop_token_ids[]", t, 0) for t in ids})),
             ignore_eos=check_bool("ignore_eos", self.ignore_eos),
             top_logprobs=check_int("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS),
-            top_k=check_int("top_k", self.top_k, 0),
+            top_k=check_int("top_k", self.top_k, 0, TOP_K_LIMIT),
             top_p=check_fraction("top_p", self.top_p, 0.0, 1.0, lo_open=True),
             min_p=check_fraction("min_p", self.min_p, 0.0, 1.0),
             truncated_logprobs=check_bool("truncated_logprobs", self.truncated_logprobs),
@@ -98,13 +101,13 @@ class SamplingParams:
         the field."""
         for t in self.stop_token_ids:
             if t >= vocab_size:
-                raise ValueError(f"stop_token_ids has token id {t} outside [0, {vocab_size})")
+                raise ValueError(f"stop_token_ids has token id {shown(t)} outside [0, {vocab_size})")
         for name in ("top_logprobs", "prompt_logprobs"):
             if (getattr(self, name) or 0) > vocab_size:
-                raise ValueError(f"{name} must be an integer in [0, {vocab_size}], got {getattr(self, name)}")
+                raise ValueError(f"{name} must be an integer in [0, {vocab_size}], got {shown(getattr(self, name))}")
         if prompt_len + self.max_tokens > context:
             raise ValueError(
-                f"prompt ({prompt_len}) + max_tokens ({self.max_tokens}) exceeds the context of {context} tokens"
+                f"prompt ({prompt_len}) + max_tokens ({shown(self.max_tokens)}) exceeds the context of {context} tokens"
             )
 
 

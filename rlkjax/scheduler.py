@@ -143,6 +143,12 @@ class Scheduler:
             self.waiting.appendleft(seq)
         self.preemptions += 1
 
+    def clear(self):
+        """Forget every sequence and free every page (after a failed step: the engine ended their requests)."""
+        self.waiting.clear()
+        self.running.clear()
+        self.pages = PageAllocator(self.config.num_pages)
+
     def drop(self, seq: Sequence):
         """A finished or cancelled sequence leaves: its slot and pages are free (a round still in
         flight may write those pages: their next users' work is queued after it)."""

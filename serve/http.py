@@ -9,6 +9,8 @@ import logging
 
 from aiohttp import web
 
+from rlkjax.requests import shown
+
 log = logging.getLogger("serve.rollout")
 
 
@@ -28,10 +30,23 @@ class ShuttingDown(Exception):
     """The server is draining for shutdown: 503."""
 
 
+class EngineFailed(Exception):
+    """The engine failed the request (a step raised; logged where it happened): 500 with the reason."""
+
+
+class Starting(Exception):
+    """The server is still compiling its warm-up shapes: 503 with Retry-After (seconds), so a client
+    or load balancer tries again later or elsewhere instead of holding a connection open for minutes."""
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 def _fields(body: dict, allowed: set[str], required: set[str]) -> dict:
     unknown = sorted(set(body) - allowed)
     if unknown:
-        raise BadRequest(f"unknown field(s) {unknown}; allowed: {sorted(allowed)}")
+        raise BadRequest(f"unknown field(s) {shown(unknown)}; allowed: {sorted(allowed)}")
     missing = sorted(required - set(body))
     if missing:
         raise BadRequest(f"missing field(s) {missing}")
@@ -69,7 +84,7 @@ async def _json(request: web.Request, read_timeout: float) -> dict:
     try:
         codecs.lookup(charset)
     except LookupError:
-        raise BadRequest(f"unknown charset {charset!r}; send UTF-8") from None
+        raise BadRequest(f"unknown charset {shown(charset)}; send UTF-8") from None
     try:
         text = raw.decode(charset)
     except UnicodeDecodeError as e:
@@ -114,8 +129,14 @@ async def _errors(request, handler):
         return _error(400, str(e))
     except ShuttingDown as e:
         return _error(503, str(e))
+    except Starting as e:
+        response = _error(503, str(e))
+        response.headers["Retry-After"] = str(e.retry_after)
+        return response
     except (ReadTimeout, RequestTimeout) as e:
         return _error(408, str(e))
+    except EngineFailed as e:
+        return _error(500, str(e))
     except web.HTTPRequestEntityTooLarge:
         return _error(413, f"request body over the limit of {request.client_max_size} bytes")
     except web.HTTPException as e:

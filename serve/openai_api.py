@@ -28,7 +28,17 @@ from aiohttp import web
 
 import rlkjax
 from rlkjax.chat import ChatTemplateError, message_text
-from serve.http import BadRequest, RequestTimeout, ShuttingDown, _fields, _json, _json_response, _opt, _prompts
+from serve.http import (
+    BadRequest,
+    EngineFailed,
+    RequestTimeout,
+    ShuttingDown,
+    _fields,
+    _json,
+    _json_response,
+    _opt,
+    _prompts,
+)
 from serve.openai_params import CHAT_FIELDS, COMPLETION_FIELDS, Sampling, bool_field, sampling
 from serve.text import SampleText, offsets, token_pieces
 
@@ -290,7 +300,9 @@ class Job:
     async def stream(self, request: web.Request) -> web.StreamResponse:
         """Server-sent events: a chunk per engine round with every sample's new text, each sample's last chunk
         with its finish_reason in the round it ends, the usage chunk if asked, then [DONE]. A client that goes
-        away cancels the sequences and frees their pages; so does the request's timeout (an error event)."""
+        away cancels the sequences and frees their pages. An error after the stream began (the request's
+        timeout, a shutdown's deadline, an engine failure) cancels what is left and sends an error event in
+        OpenAI's shape, then [DONE], as vLLM does, so clients that read until [DONE] end too."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         done, offset = set(), [0] * len(self.texts)
         deadline = None if self.s.timeout is None else time.monotonic() + self.s.timeout
@@ -315,12 +327,14 @@ class Job:
             if self.s.include_usage:
                 await response.write(self._chunk([], self._usage()))
             await response.write(b"data: [DONE]\n\n")
-        except (RequestTimeout, ShuttingDown) as e:
+        except (RequestTimeout, ShuttingDown, EngineFailed) as e:
             self.server.cancel(self.requests)
-            # a shutdown is not a timeout: the 503 error type, as a plain response gets it
+            # a shutdown or an engine failure is not a timeout: the server_error type, as their 503 and 500 have
             kind = "timeout" if isinstance(e, RequestTimeout) else "server_error"
             error = {"error": {"message": str(e), "type": kind, "param": None, "code": None}}
-            await response.write(b"data: " + json.dumps(error).encode() + b"\n\n")
+            await response.write(b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n")
+        except ConnectionResetError:  # the client left while we wrote: nothing to answer, nothing to log
+            pass
         finally:  # whatever ended the stream (the client gone: a cancelled handler, a reset), nothing stays in flight
             if any(not r.done.is_set() for r in self.requests):
                 self.server.cancel(self.requests)
@@ -352,8 +366,7 @@ class Job:
     async def _stream_tails(self, response, i: int, offset):
         """Prompt i's request is done: the samples whose last chunk is not out yet (cancelled ones) get it."""
         r = self.requests[i]
-        if self.server.deadline_passed and r.cancelled:
-            raise ShuttingDown("the server shut down before this request finished (--shutdown-timeout)")
+        self.server.check_ended([r])
         for j in range(len(r.results)):
             k = i * self.n + j
             if self.closed[k]:
@@ -397,6 +410,9 @@ async def chat_completions(server, request: web.Request):
     kwargs = _opt(body, "chat_template_kwargs", {})
     if not isinstance(kwargs, dict):
         raise BadRequest("chat_template_kwargs must be an object")
+    taken = sorted(set(kwargs) & {"messages", "add_generation_prompt"})
+    if taken:  # the request's own fields set these
+        raise BadRequest(f"chat_template_kwargs cannot set {taken}: they are the request's messages and fields")
     try:
         text = server.chat_template.render(rendered, bool_field(body, "add_generation_prompt", True), **kwargs)
     except ChatTemplateError as e:

@@ -5,7 +5,7 @@ Field names are OpenAI's and vLLM's; a bad value is a BadRequest naming the fiel
 import dataclasses
 import math
 
-from rlkjax.requests import MAX_TOP_LOGPROBS, check_int
+from rlkjax.requests import MAX_TOP_LOGPROBS, as_float, check_int, shown
 from rlkjax.sampling_params import SamplingParams
 from serve.http import BadRequest, _opt
 
@@ -60,7 +60,7 @@ class Sampling:
 def bool_field(body, name, default=False) -> bool:
     value = _opt(body, name, default)
     if not isinstance(value, bool):
-        raise BadRequest(f"{name} must be true or false, got {value!r}")
+        raise BadRequest(f"{name} must be true or false, got {shown(value)}")
     return value
 
 
@@ -83,6 +83,16 @@ def _int_list(body, name) -> list[int]:
     return value
 
 
+def _timeout(value) -> float | None:
+    """Seconds, as a finite float: asyncio adds it to the clock, and an integer too large for a
+    float (10**400) would raise OverflowError there, after the request was submitted."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < as_float(value) < math.inf:
+        raise BadRequest(f"timeout must be a finite number of seconds > 0, got {shown(value)}")
+    return float(value)
+
+
 def sampling(server, body: dict, *, chat: bool, prompt_len: int) -> Sampling:
     """The request's sampling fields, checked; the engine checks the rest (n, ids, lengths) with its own messages."""
     most = min(MAX_TOP_LOGPROBS, server.cfg.vocab_size)
@@ -90,7 +100,7 @@ def sampling(server, body: dict, *, chat: bool, prompt_len: int) -> Sampling:
         logprobs = bool_field(body, "logprobs")
         top = _opt(body, "top_logprobs", 0)
         if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= most:
-            raise BadRequest(f"top_logprobs must be null or an integer in [0, {most}], got {top!r}")
+            raise BadRequest(f"top_logprobs must be null or an integer in [0, {most}], got {shown(top)}")
         if top and not logprobs:
             raise BadRequest("top_logprobs needs logprobs: true")
         default_max = max(server.engine.max_context - prompt_len, 1)  # OpenAI's chat default: up to the context
@@ -100,12 +110,12 @@ def sampling(server, body: dict, *, chat: bool, prompt_len: int) -> Sampling:
         lp = body.get("logprobs")
         if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= most):
             raise BadRequest(
-                f"logprobs must be null or an integer in [0, {most}] (top alternatives per token), got {lp!r}"
+                f"logprobs must be null or an integer in [0, {most}] (top alternatives per token), got {shown(lp)}"
             )
         top = lp or 0
         logprobs, max_tokens, echo = lp is not None, _opt(body, "max_tokens", 16), bool_field(body, "echo")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
-        raise BadRequest(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
+        raise BadRequest(f"max_tokens must be an integer >= 0, got {shown(max_tokens)}")
     if max_tokens == 0 and not echo:
         raise BadRequest("max_tokens 0 asks for no tokens: it is only allowed with echo (the prompt's logprobs)")
     stream = bool_field(body, "stream")
@@ -114,11 +124,7 @@ def sampling(server, body: dict, *, chat: bool, prompt_len: int) -> Sampling:
         raise BadRequest('stream_options must be {"include_usage": true|false}')
     if options and not stream:
         raise BadRequest("stream_options is only allowed with stream: true")
-    timeout = _opt(body, "timeout", None)
-    if timeout is not None and (
-        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf
-    ):
-        raise BadRequest(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    timeout = _timeout(_opt(body, "timeout", None))
     top_k = _opt(body, "top_k", 0)
     top_k = 0 if top_k == -1 and not isinstance(top_k, bool) else top_k  # vLLM's "off" is -1 (ours: 0)
     try:

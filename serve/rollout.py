@@ -10,7 +10,9 @@ and the server keeps serving; a request without a seed gets a fresh one, reporte
   POST /update_weights   {"path": checkpoint dir}; needs `Authorization: Bearer <admin key>`;
                          swapped between engine steps once in-flight sequences finish
   GET  /v1/models       the served model (OpenAI list shape)
-  GET  /health, GET /metrics (Prometheus text format)
+  GET  /health           200 {"status": "ok"} once ready; while the warm-up compiles, 503 {"status": "starting",
+                         "progress": "k/N shapes compiled"} (generation routes: 503 with Retry-After)
+  GET  /metrics          Prometheus text format
 Optional fields may be absent or null (= the default).
 
 HTTP stack: aiohttp. One mature, asyncio-native package gives the server with request-size limits
@@ -20,9 +22,7 @@ doubles written by Python's shortest round-trip repr, so float32(json value) has
 """
 
 import asyncio
-import collections
 import dataclasses
-import hmac
 import logging
 import math
 import os
@@ -40,18 +40,23 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from rlkjax import compilation_cache
 from rlkjax.chat import load_chat_template
 from rlkjax.checkpoint import load_model
 from rlkjax.engine import Engine, EngineConfig
-from rlkjax.requests import check_int, check_seed, sample_seed
+from rlkjax.requests import check_int, check_seed, sample_seed, shown
 from rlkjax.sampling_params import SamplingParams
 from rlkjax.sequences import Request
 from rlkjax.tokenizer import load_tokenizer
 from serve import openai_api
+from serve.auth import AdminAuth
+from serve.connections import LimitedRunner
 from serve.http import (
     BadRequest,
+    EngineFailed,
     RequestTimeout,
     ShuttingDown,
+    Starting,
     _error,
     _errors,
     _fields,
@@ -95,23 +100,38 @@ class ServerConfig:
     """Seconds a client has to send its whole request body (a slow client gets 408)."""
     max_body_bytes: int = 4 * 2**20
     """Larger request bodies get 413."""
+    header_timeout: float = 15.0
+    """Seconds a connection has to send a complete request head, from opening or from the end of its previous
+    response; then it is closed (a client trickling its headers, an idle keep-alive connection)."""
+    max_connections: int = 512
+    """Most open connections; past it a new connection gets 503 and is closed. Each open connection needs a file
+    descriptor: keep this under the process's limit (`ulimit -n`)."""
     warmup: bool = True
     """Compile every batch shape of default requests before accepting any (prefill and decode rounds of 1, 2, 4,
-    ... --max-batch sequences, page copies for n > 1): a few seconds per shape, so no request waits behind a
-    compilation mid-serving. Options such as top_logprobs, top_k/top_p/min_p or several stop ids still compile
-    on first use. --no-warmup starts at once."""
+    ... --max-batch sequences, page copies for n > 1): a few seconds per shape (far less from a warm
+    --compilation-cache), so no request waits behind a compilation mid-serving. The server listens meanwhile:
+    /health answers 503 "starting" with the progress, generation routes 503 with Retry-After. Options such as
+    top_logprobs, top_k/top_p/min_p or several stop ids still compile on first use. --no-warmup is ready at
+    once."""
+    compilation_cache: str = compilation_cache.default_dir()
+    """JAX's persistent compilation cache: a directory (created if missing), or 'off'. A restarted server loads
+    the programs an earlier one compiled (the same executables, so the same bits) and warms up in a fraction of
+    the time. Delete the directory to reclaim its space."""
     shutdown_timeout: float = 300.0
-    """On SIGTERM/SIGINT: stop accepting work, finish what is in flight for up to this many seconds, then cancel
-    the rest (their clients get 503) and exit 0. A second signal ends the wait at once."""
+    """On SIGTERM/SIGINT: /health turns 503 "draining" and new work gets 503; what is in flight finishes for up
+    to this many seconds, then the rest is cancelled (its clients get 503, a stream its error event and [DONE])
+    and the process exits 0. A second signal cancels at once and exits within a second."""
 
     def __post_init__(self):
-        for name in ("port", "max_prompts", "max_sequences", "max_body_bytes"):
+        for name in ("port", "max_prompts", "max_sequences", "max_body_bytes", "max_connections"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be positive")
         if not (math.isfinite(self.shutdown_timeout) and self.shutdown_timeout >= 0):
             raise ValueError(f"--shutdown-timeout={self.shutdown_timeout} must be a finite number >= 0")
-        if not (math.isfinite(self.read_timeout) and self.read_timeout > 0):
-            raise ValueError(f"--read-timeout={self.read_timeout} must be a finite number > 0")
+        for name in ("read_timeout", "header_timeout"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be a finite number > 0")
+        compilation_cache.check(self.compilation_cache)
 
 
 @jax.jit
@@ -128,7 +148,9 @@ def _non_finite(params) -> list[str]:
     return [path for path, ok in zip(paths, flags, strict=True) if not ok]
 
 
-AUTH_WINDOW_S, AUTH_MAX_FAILURES = 60.0, 5  # failed admin-key attempts allowed per client address per window
+# Once a shutdown cancelled what was left (deadline or second signal), how long its handlers get to answer
+# before the process exits regardless: cancelled requests end at the engine's next step.
+SHUTDOWN_GRACE_S, SECOND_SIGNAL_GRACE_S = 5.0, 0.5
 
 
 def _admin_key(config: ServerConfig) -> str | None:
@@ -143,8 +165,8 @@ def _admin_key(config: ServerConfig) -> str | None:
 class Server:
     def __init__(self, config: ServerConfig):
         self.config = config
-        self.admin_key = _admin_key(config)
-        self.auth_failures: dict[str, collections.deque] = collections.defaultdict(collections.deque)
+        admin_key = _admin_key(config)
+        self.admin = AdminAuth(admin_key) if admin_key else None
         self.cfg, params = load_model(config.model, seed=config.seed)
         bad = _non_finite(params)
         if bad:
@@ -156,28 +178,60 @@ class Server:
         eos = self.tokenizer.eos_token_id  # the one eos policy (SamplingParams.stop_ids) applies on every route
         eos = eos if eos is not None and eos < self.cfg.vocab_size else None
         self.engine = Engine(params, self.cfg, config.numerics, config.engine, eos_token_id=eos)
-        if config.warmup:
-            start = time.monotonic()
-            count = self.engine.warm_up(lambda name, rows, s: log.info("warm-up: %s, %d rows, %.1f s", name, rows, s))
-            log.info("warm-up: %d shapes compiled in %.0f s", count, time.monotonic() - start)
+        # The engine thread compiles these first, while the server already answers (/health: "starting").
+        self.warm_up_todo = self.engine.warm_up_shapes() if config.warmup else []
+        self.warmed_up = 0  # shapes of warm_up_todo compiled so far
+        self.warm_up_started = time.monotonic()
+        self.ready = threading.Event()  # set once the warm-up is done: requests are admitted from then on
+        self.failure: BaseException | None = None  # the warm-up failed: the server exits with it
         self.wake = threading.Condition()
         self.stopping = False  # the engine thread exits once idle
         self.draining, self.deadline_passed, self.deadline = False, False, math.inf
-        self.in_flight: set[Request] = set()  # engine requests of open handlers, cancelled at the shutdown deadline
+        self.grace = SHUTDOWN_GRACE_S  # after the deadline's cancellations, for the handlers to answer
+        self.in_flight: set[Request] = set()  # submitted and not ended (pruned as they end): cancelled at the deadline
+        self.handlers = 0  # route handlers running (a stream until its last event): the drain waits for them
         self.started = time.time()
         self.registry = CollectorRegistry()
         self.registry.register(self)
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
     # ----- engine thread -----
+    def _warm_up(self) -> bool:
+        """Compile the default shapes one at a time, logging each; False if stopped or failed first."""
+        start, total = time.monotonic(), len(self.warm_up_todo)
+        self.warm_up_started = start
+        with compilation_cache.CompileTimes() as times:
+            for name, rows in self.warm_up_todo:
+                if self.stopping:
+                    return False
+                try:
+                    seconds = self.engine.warm_up_shape(name, rows)
+                except Exception as e:  # e.g. the KV cache does not fit: nothing will ever be served
+                    log.exception("warm-up failed at %s, %d rows", name, rows)
+                    self.failure = e
+                    return False
+                self.warmed_up += 1
+                log.info("warm-up %d/%d: %s, %d rows, %.1f s", self.warmed_up, total, name, rows, seconds)
+        if total:
+            log.info("warm-up: %d shapes compiled in %.1f s (%s)", total, time.monotonic() - start, times)
+        log.info("ready")
+        self.ready.set()
+        return True
+
     def _loop(self):
+        if not self._warm_up():
+            return
         while True:
             with self.wake:
                 while not (self.engine.busy or self.engine.weights_pending or self.stopping):
                     self.wake.wait()
-                if self.stopping and not self.engine.busy:
+                if self.stopping and not (self.engine.busy or self.engine.weights_pending):
                     return
-            self.engine.step()
+            try:
+                self.engine.step()
+            except Exception as e:  # a bug or a device error: fail what it held, keep serving the next requests
+                log.exception("engine step failed; failing the requests it held")
+                self.engine.abort(f"the engine failed while serving this request: {type(e).__name__}: {e}")
 
     def _kick(self):
         with self.wake:
@@ -188,6 +242,8 @@ class Server:
         nothing). hooks: one engine `on_tokens` hook per prompt, or None."""
         if self.draining:
             raise ShuttingDown("the server is shutting down; retry on another replica")
+        if not self.ready.is_set():
+            raise Starting(f"the server is starting ({self.progress()}); retry shortly", self.retry_after())
         try:
             check_int("n", sampling.n, 1, self.engine.config.max_batch)
         except ValueError as e:
@@ -209,6 +265,11 @@ class Server:
         self.in_flight.update(requests)
         self._kick()
         return requests
+
+    def pending(self) -> set[Request]:
+        """Submitted requests that have not ended (whatever ended them; their handlers may be gone)."""
+        self.in_flight = {r for r in self.in_flight if not r.done.is_set()}
+        return self.in_flight
 
     def cancel(self, requests):
         """Cancel requests (a client gone, a timeout): their pages are freed at the next engine step."""
@@ -241,9 +302,17 @@ class Server:
             self.cancel(requests)
             raise
         self.in_flight.difference_update(requests)
+        self.check_ended(requests)
+        return requests
+
+    def check_ended(self, requests) -> None:
+        """After the engine ended `requests`: raise the error their client gets, if it failed them or a
+        shutdown cancelled them."""
+        for r in requests:
+            if r.error is not None:
+                raise EngineFailed(r.error)
         if self.deadline_passed and any(r.cancelled for r in requests):
             raise ShuttingDown("the server shut down before this request finished (--shutdown-timeout)")
-        return requests
 
     @staticmethod
     def seeds(body, prompts: int, n: int) -> tuple[list, int | list]:
@@ -310,30 +379,23 @@ class Server:
         return self.tokenizer.encode(text)
 
     async def update_weights(self, request: web.Request):
-        if not self.admin_key:
+        if self.admin is None:
             return _error(
                 403, "weight updates are disabled: start the server with --admin-key-file or RLKJAX_ADMIN_KEY"
             )
-        peer, now = request.remote or "?", time.monotonic()
-        failures = self.auth_failures[peer]
-        while failures and now - failures[0] > AUTH_WINDOW_S:
-            failures.popleft()
-        if len(failures) >= AUTH_MAX_FAILURES:
-            return _error(429, f"too many failed admin-key attempts from {peer}; retry in {AUTH_WINDOW_S:.0f} s")
-        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.admin_key.encode()):
-            failures.append(now)
-            log.warning(
-                "rejected admin key from %s (%d failures in the last %.0f s)", peer, len(failures), AUTH_WINDOW_S
-            )
-            return _error(401, "missing or wrong admin key (Authorization: Bearer <key>)")
+        refused = self.admin.check(request)
+        if refused is not None:
+            return refused
         body = _fields(await _json(request, self.config.read_timeout), {"path"}, {"path"})
         if not isinstance(body["path"], str):
             raise BadRequest("path must be a string")
         params = await asyncio.to_thread(self._load_update, body["path"])
         swapped = self.engine.update_weights(params)
         self._kick()
-        await asyncio.to_thread(swapped.wait)
+        while not swapped.is_set():  # polled, not a blocked thread: a shutdown must not wait on it
+            if self.deadline_passed:
+                raise ShuttingDown("the server shut down before the new weights went live")
+            await asyncio.sleep(0.02)
         return _json_response({"policy_version": self.engine.policy_version})
 
     def _load_update(self, path: str):
@@ -342,15 +404,19 @@ class Server:
         checkpoint that does not load (corrupt safetensors or config.json, extra or missing
         tensors), other shapes, another dtype (float32 weights served in bfloat16's place would
         break sampler == learner), and non-finite values."""
-        if not Path(path).is_dir():
+        try:
+            is_dir = Path(path).is_dir()
+        except OSError as e:  # a name longer than the file system allows, say: the client's path, not a 500
+            raise BadRequest(f"path {shown(path)}: {e.strerror}") from None
+        if not is_dir:
             raise BadRequest(
-                f"path {path!r} is not a checkpoint directory (HF: config.json + *.safetensors, or orbax: "
+                f"path {shown(path)} is not a checkpoint directory (HF: config.json + *.safetensors, or orbax: "
                 "config.json + params/)"
             )
         try:
             cfg, params = load_model(path)
         except Exception as e:  # whatever a damaged upload raises is the caller's input problem, not a 500
-            raise BadRequest(f"cannot load {path!r}: {type(e).__name__}: {e}") from None
+            raise BadRequest(f"cannot load {shown(path)}: {type(e).__name__}: {e}") from None
         if cfg.replace_dtype(self.cfg.dtype) != self.cfg:
             raise BadRequest(f"checkpoint shapes {cfg} do not match the served model {self.cfg}")
         if cfg.dtype != self.cfg.dtype or any(
@@ -381,7 +447,24 @@ class Server:
             }
         )
 
+    def progress(self) -> str:
+        return f"{self.warmed_up}/{len(self.warm_up_todo)} shapes compiled"
+
+    def retry_after(self) -> int:
+        """Seconds until the warm-up is likely done, from its pace so far (at least 1)."""
+        done, total = self.warmed_up, len(self.warm_up_todo)
+        if not done:
+            return 5
+        return max(1, math.ceil((time.monotonic() - self.warm_up_started) / done * (total - done)))
+
     async def health(self, request):
+        """ok (200); starting (503, with progress) until warmed up; draining (503) once a shutdown began, so a
+        load balancer stops sending."""
+        if self.draining:
+            return _json_response({"status": "draining", "policy_version": self.engine.policy_version}, status=503)
+        if not self.ready.is_set():
+            body = {"status": "starting", "progress": self.progress(), "policy_version": self.engine.policy_version}
+            return _json_response(body, status=503)
         return _json_response({"status": "ok", "policy_version": self.engine.policy_version})
 
     async def metrics(self, request):
@@ -392,8 +475,22 @@ class Server:
         m = self.engine.metrics()
         uptime = max(time.time() - self.started, 1e-9)
         for name, value, doc in [
-            ("rlkjax_requests_total", m["requests"], "requests submitted"),
-            ("rlkjax_requests_finished_total", m["finished"], "requests finished"),
+            (
+                "rlkjax_requests_total",
+                m["requests"],
+                "requests submitted to the engine (= finished + cancelled + failed at rest)",
+            ),
+            (
+                "rlkjax_requests_finished_total",
+                m["finished"],
+                "requests whose every sample stopped or reached its length",
+            ),
+            (
+                "rlkjax_requests_cancelled_total",
+                m["cancelled"],
+                "requests cancelled: client gone, timeout, refused, shutdown",
+            ),
+            ("rlkjax_requests_failed_total", m["failed"], "requests failed by an engine error"),
             ("rlkjax_generated_tokens_total", m["decode_tokens"], "tokens sampled"),
             ("rlkjax_prefill_tokens_total", m["prefill_tokens"], "prompt tokens prefilled"),
             ("rlkjax_tokens_per_second", m["decode_tokens"] / uptime, "sampled tokens per second since start"),
@@ -413,7 +510,7 @@ class Server:
             yield GaugeMetricFamily(name, doc, value=value)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[_errors])
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._track, _errors])
         app.add_routes(
             [
                 web.post("/generate", self.generate),
@@ -429,6 +526,15 @@ class Server:
         app.on_cleanup.append(self._shutdown)
         return app
 
+    @web.middleware
+    async def _track(self, request, handler):
+        """Count running handlers, so a shutdown waits for their answers (and only for a bounded time)."""
+        self.handlers += 1
+        try:
+            return await handler(request)
+        finally:
+            self.handlers -= 1
+
     async def _startup(self, app):
         self.thread.start()
 
@@ -436,40 +542,67 @@ class Server:
         with self.wake:
             self.stopping = True
             self.wake.notify()
-        await asyncio.to_thread(self.thread.join)
+        # bounded: a step stuck on the device must not keep the process alive (the thread is a daemon)
+        await asyncio.to_thread(self.thread.join, self.grace)
 
     def on_signal(self):
-        """First signal: drain (new work gets 503) until idle or --shutdown-timeout. Another: stop waiting."""
+        """First signal: drain (/health 503, new work 503) until idle or --shutdown-timeout. Another: cancel what
+        is left now and give its handlers a moment to answer."""
         if self.draining:
-            log.info("second signal: cancelling what is still in flight now")
-            self.deadline = 0.0
+            log.info("second signal: cancelling what is still in flight and exiting")
+            self.deadline, self.grace = min(self.deadline, time.monotonic()), SECOND_SIGNAL_GRACE_S
             return
         log.info("signal: draining for up to %.0f s", self.config.shutdown_timeout)
         self.draining, self.deadline = True, time.monotonic() + self.config.shutdown_timeout
 
     async def wait_until_drained(self):
-        """Return once a signal came and every request has been answered (finished, or cancelled at
-        the deadline: its handler answers 503)."""
-        while not (self.draining and not self.in_flight):
-            if self.draining and time.monotonic() >= self.deadline and not self.deadline_passed:
-                self.deadline_passed = True
-                for r in list(self.in_flight):
-                    self.engine.cancel(r)
-                self._kick()
+        """Return once a signal came and every request has ended and been answered; at the deadline, cancel
+        what is left (its handlers answer 503) and return once answered, or `grace` seconds later regardless:
+        a request whose handler is gone, or a handler that cannot finish, never holds the process."""
+        cut_at = None
+        while not self.draining or self.pending() or self.handlers:
+            if self.failure is not None:
+                raise SystemExit(f"warm-up failed: {type(self.failure).__name__}: {self.failure}")
+            now = time.monotonic()
+            if self.draining and now >= self.deadline:
+                if cut_at is None:
+                    cut_at, self.deadline_passed = now, True
+                    for r in list(self.pending()):
+                        self.engine.cancel(r)
+                    self._kick()
+                if now >= cut_at + self.grace:
+                    log.warning(
+                        "exiting with %d requests and %d handlers unfinished", len(self.pending()), self.handlers
+                    )
+                    return
             await asyncio.sleep(0.05)
-        await asyncio.sleep(0.2)  # let the last handlers write their responses
 
 
 async def serve(server: Server) -> None:
     config = server.config
     # handler_cancellation: a client that disconnects cancels its handler, which cancels its sequences.
-    runner = web.AppRunner(server.app(), handler_cancellation=True, handle_signals=False)
+    # shutdown_timeout: the drain has waited for the handlers already; what is left is not worth a longer wait
+    runner = LimitedRunner(
+        server.app(),
+        max_connections=config.max_connections,
+        header_timeout=config.header_timeout,
+        handler_cancellation=True,
+        handle_signals=False,
+        shutdown_timeout=SECOND_SIGNAL_GRACE_S,
+    )
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.on_signal)
-    log.info("serving %s (%s numerics) on http://%s:%d", config.model, config.numerics, config.host, config.port)
+    log.info(
+        "listening on http://%s:%d for %s (%s numerics)%s",
+        config.host,
+        config.port,
+        config.model,
+        config.numerics,
+        f"; ready once {len(server.warm_up_todo)} shapes are compiled" if server.warm_up_todo else "",
+    )
     try:
         await server.wait_until_drained()
     finally:
@@ -478,6 +611,7 @@ async def serve(server: Server) -> None:
 
 def main(config: ServerConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    compilation_cache.enable(config.compilation_cache)  # before the first compilation (loading checks weights)
     asyncio.run(serve(Server(config)))
 
 

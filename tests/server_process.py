@@ -11,7 +11,9 @@ import time
 import urllib.error
 import urllib.request
 
-from rlkjax.client import RolloutClient
+import jax
+
+from rlkjax.client import RolloutClient, RolloutError
 
 ADMIN = "test-admin-key"
 
@@ -22,9 +24,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start_server(*flags):
-    """The server in a subprocess; its log goes to a file (proc.log), not a pipe nobody reads, whose
-    full buffer would block the server mid-test once it has logged 64 KiB of access lines."""
+def launch(*flags):
+    """The server in a subprocess, not waited for; its log goes to a file (proc.log), not a pipe nobody
+    reads, whose full buffer would block the server mid-test once it has logged 64 KiB of access lines.
+    It shares this test run's compilation cache (conftest.py) unless flags name another."""
     port = free_port()
     log = tempfile.NamedTemporaryFile("w+", prefix="rlkjax-server-", suffix=".log", delete=False)
     proc = subprocess.Popen(
@@ -45,6 +48,8 @@ def start_server(*flags):
             "--max-context",
             "256",
             "--no-warmup",  # test_warm_up_before_serving turns it on
+            "--compilation-cache",
+            jax.config.jax_compilation_cache_dir or "off",
             *flags,
         ],
         env=os.environ | {"RLKJAX_ADMIN_KEY": ADMIN},
@@ -53,12 +58,19 @@ def start_server(*flags):
         text=True,
     )
     proc.log = log.name
-    client = RolloutClient(f"http://127.0.0.1:{port}", admin_key=ADMIN, timeout=600)
-    for _ in range(600):
+    return proc, RolloutClient(f"http://127.0.0.1:{port}", admin_key=ADMIN, timeout=600)
+
+
+def start_server(*flags):
+    """`launch`, then wait until /health says ready (through its 503s while it warms up)."""
+    proc, client = launch(*flags)
+    for _ in range(3000):
         try:
             client.health()
             return proc, client
-        except OSError:
+        except (OSError, RolloutError) as e:  # not listening yet, or 503 while it warms up
+            if isinstance(e, RolloutError) and e.status != 503:
+                raise
             if proc.poll() is not None:
                 raise RuntimeError(open(proc.log).read()) from None
             time.sleep(0.2)

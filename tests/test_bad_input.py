@@ -24,6 +24,9 @@ import rlkjax
         (dict(temperature=float("nan")), "temperature"),
         (dict(temperature=float("inf")), "temperature"),
         (dict(temperature=1e-46), "temperature"),  # > 0 in float64, 0 in float32: would give NaN logprobs
+        (dict(temperature=10**400), "temperature"),  # too large for a float: OverflowError, not ValueError
+        (dict(prompts=[[1, 10**400]]), "outside"),  # too large for int64
+        (dict(prompts=[[1, [2]]]), "nested"),
         (dict(temperature=[1.0, 1.0]), "2 entries"),
         (dict(max_new_tokens=0), "max_new_tokens"),
         (dict(max_new_tokens=2.5), "max_new_tokens"),
@@ -62,8 +65,15 @@ def test_generate_rejects(tiny, kwargs, match):
         (dict(top_logprobs=-1), "top_logprobs"),
         (dict(prompt_logprobs=21), "prompt_logprobs"),
         (dict(top_k=-1), "top_k"),
+        (dict(top_k=10**400), "top_k"),  # the kernels take int32
         (dict(top_p=0.0), "top_p"),
         (dict(min_p=1.5), "min_p"),
+        (dict(temperature=-(10**400)), "temperature"),  # JSON integers of any size: never an OverflowError
+        (dict(top_p=10**400), "top_p"),
+        (dict(min_p=-(10**400)), "min_p"),
+        (dict(seed=10**400), "seed"),
+        (dict(top_logprobs=10**400), "top_logprobs"),
+        (dict(prompt_logprobs=-(10**400)), "prompt_logprobs"),
         (dict(truncated_logprobs=True, top_logprobs=2), "truncated_logprobs"),
     ],
 )
@@ -71,6 +81,14 @@ def test_sampling_params_rejects(fields, match):
     """Checked once, where the value is built, with the field's own name."""
     with pytest.raises(ValueError, match=match):
         rlkjax.SamplingParams(**fields)
+
+
+def test_messages_quote_a_huge_value_short():
+    """An error quotes the bad value cut short, not a 100,000-character string or 400 digits back."""
+    for value in ("x" * 100_000, 10**400, [[1] * 1000] * 1000):
+        with pytest.raises(ValueError, match="temperature") as e:
+            rlkjax.SamplingParams(temperature=value)
+        assert len(str(e.value)) < 200, str(e.value)
 
 
 def test_sampling_params_checks_the_model():

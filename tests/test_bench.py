@@ -36,6 +36,7 @@ ENTRY_POINTS = (
     "server_e2e",
     "server_latency",
     "speed",
+    "startup",
     "two_gpu",
 )
 
@@ -272,6 +273,22 @@ def test_server_latency_streams_at_each_concurrency(tmp_path):
     assert [level["concurrency"] for level in report["levels"]] == [1, 2]
     for level in report["levels"]:
         assert 0 < level["output_tokens"] <= 4 * level["concurrency"] and level["ttft"]["p50_ms"] > 0, level
+
+
+@pytest.mark.slow
+def test_startup_times_a_cold_and_a_warm_start_with_the_same_bits(tmp_path):
+    """bench.startup's plumbing (without the warm-up, which tests/test_startup.py covers): two starts on
+    one fresh cache, the first cold, the second warm, the same request's bits on both."""
+    out = tmp_path / "startup.json"
+    flags = "--server-flags=--no-warmup --max-batch 2 --num-pages 64 --max-context 64"
+    run_module("startup", flags, "--port", str(free_port()), "--notes", "smoke", "--out", str(out))
+    report = json.loads(out.read_text())
+    assert_provenance(report, "python -m bench.startup --server-flags")
+    cold, warm = report["results"]
+    assert (cold["cache"], warm["cache"], report["notes"]) == ("cold", "warm", "smoke"), report
+    assert cold["cache_files_before"] == 0 < cold["cache_files_after"] == warm["cache_files_before"]
+    assert report["same_bits_every_start"] and cold["logprob_bits"] == warm["logprob_bits"]
+    assert len(cold["tokens"]) == 2 and all(0 < r["listening_s"] <= r["ready_s"] for r in (cold, warm)), report
 
 
 def test_server_e2e_requests_mix_lengths_and_samples():

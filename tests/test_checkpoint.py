@@ -1,6 +1,9 @@
 """HF checkpoints: parity with the real `transformers` Qwen3 (fixtures from tests/make_hf_fixtures.py)
 and bit-exact save/load round trips, single-file and sharded."""
 
+import json
+import re
+import shutil
 from pathlib import Path
 
 import jax
@@ -159,3 +162,80 @@ def test_presets_have_the_real_qwen3_shapes():
     assert p("qwen3-4b").intermediate_size == 9728 and p("qwen3-1.7b").intermediate_size == 6144
     with pytest.raises(ValueError, match="unknown preset"):
         p("qwen3-70b")
+
+
+def _sharded(directory):
+    """A tiny bfloat16 checkpoint in several shards with an index; returns (cfg, its index as a dict)."""
+    cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
+    rlkjax.save_hf_checkpoint(directory, cfg, rlkjax.init_params(cfg), max_shard_bytes=40_000)
+    return cfg, json.loads((directory / rlkjax.checkpoint.INDEX).read_text())
+
+
+def test_a_checkpoint_is_one_directory(tmp_path):
+    """Every file a checkpoint names resolves inside its directory after symlinks, or loading fails
+    naming the entry: an index entry `../other/...` or an absolute path (both used to be loaded and
+    served), a shard or config.json that is a symlink out of the directory. A symlink inside the
+    directory, and the Hugging Face hub cache's snapshot -> blobs links, still load."""
+    ckpt, other = tmp_path / "ckpt", tmp_path / "other"
+    _, index = _sharded(ckpt)
+    shutil.copytree(ckpt, other)
+    victim = next(iter(index["weight_map"]))
+    shard = index["weight_map"][victim]
+
+    def with_entry(fname):
+        (ckpt / rlkjax.checkpoint.INDEX).write_text(json.dumps({"weight_map": index["weight_map"] | {victim: fname}}))
+
+    for fname in (f"../other/{shard}", str(other / shard)):
+        with_entry(fname)
+        with pytest.raises(ValueError, match=rf"index.json entry '{re.escape(fname)}' resolves to .*outside"):
+            rlkjax.load_hf_checkpoint(ckpt)
+    with_entry(7)
+    with pytest.raises(ValueError, match=f"entry '{re.escape(victim)}' names 7, not a file name"):
+        rlkjax.load_hf_checkpoint(ckpt)
+    with_entry(shard)
+    for name in (shard, "config.json"):
+        (ckpt / name).unlink()
+        (ckpt / name).symlink_to(other / name)
+        with pytest.raises(ValueError, match=rf"'{re.escape(name)}' resolves to {re.escape(str(other))}.*outside"):
+            rlkjax.load_hf_checkpoint(ckpt)
+        (ckpt / name).unlink()
+        shutil.copy(other / name, ckpt / name)
+    (ckpt / "inner").mkdir()
+    (ckpt / shard).rename(ckpt / "inner" / shard)
+    (ckpt / shard).symlink_to(Path("inner") / shard)
+    rlkjax.load_hf_checkpoint(ckpt)
+
+    repo = tmp_path / "models--org--tiny"  # huggingface_hub's cache layout
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    for i, f in enumerate(sorted(other.iterdir())):
+        shutil.copy(f, repo / "blobs" / f"blob{i}")
+        (repo / "snapshots" / "abc123" / f.name).symlink_to(Path("../../blobs") / f"blob{i}")
+    rlkjax.load_hf_checkpoint(repo / "snapshots" / "abc123")
+
+
+def test_tensors_must_be_stored_in_the_configs_dtype(tmp_path):
+    """A float32 tensor in a checkpoint whose config.json says bfloat16 used to be rounded to bfloat16
+    silently; now loading fails naming it (HF and orbax checkpoints), unless dtype= asks for the cast.
+    Saving refuses params in another dtype than their config's, so we never write such a checkpoint.
+    The float32 fixtures and float32 save/load round trips load as before (test_hf_parity, above)."""
+    from safetensors.flax import load_file, save_file
+
+    cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
+    params = rlkjax.init_params(cfg)
+    rlkjax.save_hf_checkpoint(tmp_path / "hf", cfg, params)
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].astype(jnp.float32)
+    save_file(tensors, tmp_path / "hf" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model\.norm\.weight is stored as float32 in model\.safetensors.* bfloat16"):
+        rlkjax.load_hf_checkpoint(tmp_path / "hf")
+    cast_cfg, cast = rlkjax.load_hf_checkpoint(tmp_path / "hf", dtype="bfloat16")
+    assert cast_cfg == cfg and cast["norm"].dtype == jnp.bfloat16
+
+    with pytest.raises(ValueError, match=r"params\['norm'\] is float32, the config's dtype is bfloat16"):
+        rlkjax.save_hf_checkpoint(tmp_path / "refused", cfg, {**params, "norm": params["norm"].astype(jnp.float32)})
+    f32 = jax.tree.map(lambda w: w.astype(jnp.float32), params)
+    rlkjax.checkpoint.save_orbax_params(tmp_path / "orbax", cfg.replace_dtype("float32"), f32)
+    (tmp_path / "orbax" / "config.json").write_text(json.dumps(cfg.to_hf_config()))  # says bfloat16
+    with pytest.raises(ValueError, match=r"\['embed_tokens'\] is stored as float32 in .*params.* bfloat16"):
+        rlkjax.checkpoint.load_model(str(tmp_path / "orbax"))

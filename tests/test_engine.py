@@ -184,6 +184,41 @@ def test_stop_tokens_and_cancellation(tiny):
     assert engine.pages.used == 0 and not engine.busy
 
 
+def test_every_request_ends_once_and_is_counted(tiny):
+    """requests == finished + cancelled + failed once idle, pages back to 0, whatever ended a request:
+    a cancel before its forks started (such a request used to end uncounted: the server's /metrics
+    showed it "submitted, never finished" forever), a cancel mid-decode, a cancel after it finished,
+    and a step that raised (a hook returning a bad count), which `abort` ends as failed. The engine
+    then serves a request with the same bits as before the failure."""
+    cfg, params = tiny
+    engine = Engine(params, cfg, config=CONFIG)
+    before = engine.submit([7, 8, 9], max_tokens=6, seed=3)
+    engine.run_until_done()
+    forks_pending = engine.submit([1, 2, 3], n=3, max_tokens=8, seed=1)  # leader + 2 forks not started
+    mid = engine.submit([4, 5], n=2, max_tokens=200, seed=2)
+    engine.cancel(forks_pending)
+    for _ in range(3):
+        engine.step()
+    engine.cancel(mid)
+    engine.cancel(before)  # ended already: nothing changes
+    engine.run_until_done()
+    bad = engine.submit([6], max_tokens=50, seed=4, on_tokens=lambda *args: -1)
+    bystander = engine.submit([5, 6], max_tokens=50, seed=5)
+    with pytest.raises(ValueError, match="keep"):
+        engine.run_until_done()
+    assert engine.abort("engine error: test") == [bad, bystander]
+    m = engine.metrics()
+    assert (m["requests"], m["finished"], m["cancelled"], m["failed"]) == (5, 1, 2, 2)
+    assert all(r.done.is_set() for r in (forks_pending, mid, bad, bystander)) and bad.error == "engine error: test"
+    assert [c.finish_reason for c in forks_pending.results] == ["cancelled"] * 3
+    assert engine.pages.used == 0 and not engine.busy
+    again = engine.submit([7, 8, 9], max_tokens=6, seed=3)
+    engine.run_until_done()
+    assert again.results[0].tokens == before.results[0].tokens
+    assert_bits_equal(again.results[0].logprobs, before.results[0].logprobs, "after abort")
+    assert engine.metrics()["finished"] == 2
+
+
 def test_no_recompiles_after_warmup(tiny):
     """A long mixed workload compiles each step function once per batch bucket, then never again."""
     cfg, params = tiny

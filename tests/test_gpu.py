@@ -89,3 +89,77 @@ def test_learner_step_has_the_samplers_bits_on_two_gpus(two_gpus, prompts):
     result = learner_step_matches_sampler(cfg, params, devices, prompts, max_new_tokens=16)
     assert result["kv_splits"] == (1 if prompts == SHORT_PROMPTS else 3), result
     print(result)
+
+
+# The user's path with Qwen3's real tokenizer and chat template: chat-formatted word problems, text in
+# several scripts, code and emoji, sampled with `<|im_end|>` as eos.
+CHATS = [
+    "Tom has 17 apples and buys 25 more. How many apples does he have? Put the answer in \\boxed{}.",
+    "Écris un haïku sur la mer, puis traduis-le : 海の俳句を書いてください。",
+    "def square(x):\n    return x ** 2  # what does square(-3) return? 🙂",
+]
+
+
+@pytest.fixture(scope="module")
+def qwen3_tokenizer():
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    from rlkjax.qwen_tokenizer import qwen3_tokenizer_dir
+    from rlkjax.tokenizer import HFTokenizer
+
+    return HFTokenizer(qwen3_tokenizer_dir())
+
+
+def test_qwen3_8b_chat_prompts_sample_and_score_with_equal_bits(qwen3_tokenizer):
+    """Qwen3-8B shapes: prompts rendered by the chat template (thinking off), 4 samples each, stopped at
+    the checkpoint's eos; the learner's pass over every completion has the sampler's bits."""
+    from rlkjax.chat import prompt_format
+
+    cfg = rlkjax.ModelConfig.preset("qwen3-8b")
+    params = rlkjax.init_params(cfg, seed=0)
+    render = prompt_format("auto", qwen3_tokenizer, enable_thinking=False)
+    prompts = [qwen3_tokenizer.encode(render(text)) for text in CHATS]
+    assert all(p[:3] == qwen3_tokenizer.encode("<|im_start|>user\n") for p in prompts)
+    eos = qwen3_tokenizer.eos_token_id
+    assert eos == 151645  # <|im_end|>
+    sampling = rlkjax.SamplingParams(n=4, max_tokens=48, temperature=1.0, seed=7)
+    comps = rlkjax.generate(params, cfg, prompts, sampling=sampling, eos_token_id=eos)
+    prompt_of = [p for p in prompts for _ in range(4)]
+    for c in comps:
+        assert len(c.tokens) == 48 or c.tokens[-1] == eos
+    seqs = [p + c.tokens for p, c in zip(prompt_of, comps)]
+    scored = rlkjax.score(params, cfg, seqs, [len(p) for p in prompt_of], temperature=1.0)
+    for i, (c, s) in enumerate(zip(comps, scored)):
+        helpers.assert_bits_equal(s, c.logprobs, f"completion {i}: score vs generate")
+    print(f"qwen3-8b, chat template: {sum(len(c.tokens) for c in comps)} tokens, 0 differing bits")
+
+
+def test_qwen3_0_6b_grpo_with_chat_template_and_math_verify(qwen3_tokenizer, tmp_path):
+    """Qwen3-0.6B shapes saved as an HF checkpoint beside Qwen3's tokenizer: train.grpo renders the word
+    problems with the chat template, scores with math-verify, evaluates, and every step's learner
+    logprobs have the sampler's bits."""
+    from rlkjax.tiny_qwen3 import write_tiny_qwen3
+    from train import grpo
+    from train.word_problems import write
+
+    model_dir = write_tiny_qwen3(tmp_path / "qwen3-0.6b", cfg=rlkjax.ModelConfig.preset("qwen3-0.6b"))
+    train, held_out = write(tmp_path / "data", train=64, eval=8)
+    config = grpo.GRPOConfig(
+        model=str(model_dir),
+        task="math",
+        data=str(train),
+        eval_data=str(held_out),
+        eval_every=2,
+        enable_thinking=False,
+        prompts_per_step=8,
+        group_size=4,
+        max_new_tokens=64,
+        max_prompt_tokens=256,
+        steps=3,
+        checkpoint_every=0,
+        progress=False,
+        out=str(tmp_path / "run"),
+    )
+    rows = [r for r in grpo.train(config)["history"] if "tokens_compared" in r]
+    assert len(rows) == 3 and all(r["tokens_bits_differ"] == 0 and r["reward_failures"] == 0 for r in rows)
+    print(f"qwen3-0.6b GRPO, chat template + math-verify: {sum(r['tokens_compared'] for r in rows)} tokens, 0 differ")

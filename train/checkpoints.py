@@ -61,6 +61,7 @@ RESUMABLE_CHANGES = frozenset(
         "coordinator",  # how many processes compute a step does not change its bits (tests/test_multiprocess.py)
         "num_processes",
         "process_id",
+        "compilation_cache",  # a cache hit loads the executable the compiler made: same bits (tests/test_startup.py)
     }
 )
 SECRETS = frozenset({"admin_key"})  # never written to disk
@@ -219,3 +220,55 @@ class Checkpoints:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+# ----- a run's checkpoints: what train.grpo saves each --checkpoint-every steps and --resume restores -----
+def checkpoint_state(state: dict) -> dict:
+    """The arrays a checkpoint holds: master weights, optimiser state, and the KL reference if any."""
+    return {"master": state["master"], "opt_state": state["opt_state"]} | (
+        {"ref": state["ref"]} if state["ref"] is not None else {}
+    )
+
+
+def save_run(checkpoints: Checkpoints, step: int, state: dict, data_rng, config, data_sha256: str | None) -> None:
+    """Checkpoint `step`: the state's arrays, with the data RNG, the run's config and the --data file's sha256."""
+    meta = {"data_rng": data_rng.bit_generator.state, "config": run_config(config), "data_sha256": data_sha256}
+    checkpoints.save(step, checkpoint_state(state), meta)
+
+
+def restore_run(config, checkpoints: Checkpoints, state: dict, data_rng, data_sha256: str | None) -> tuple[dict, int]:
+    """With --resume, the newest checkpoint that verifies -> (its state, its step), the data RNG restored in
+    place; without, (state, 0), refusing an --out that holds an earlier run's checkpoints."""
+    if not config.resume:
+        if checkpoints.steps():
+            raise ValueError(
+                f"{checkpoints.directory} already holds checkpoints {checkpoints.steps()} of an earlier run: "
+                "--resume continues it; another --out starts afresh"
+            )
+        return state, 0
+    saved, meta = checkpoints.restore_newest(
+        checkpoint_state(state), lambda meta: check_resume(meta, config, data_sha256)
+    )
+    data_rng.bit_generator.state = meta["data_rng"]
+    log.info("resumed from checkpoint %d in %s", meta["step"], checkpoints.directory)
+    return {"master": saved["master"], "opt_state": saved["opt_state"], "ref": saved.get("ref")}, meta["step"]
+
+
+def check_resume(meta: dict, config, data_sha256: str | None) -> None:
+    """Refuse to continue a checkpoint with flags (or a --data file) that change the trajectory."""
+    changes = config_changes(meta["config"], config)
+    if meta.get("data_sha256") != data_sha256:
+        changes.append(f"--data file contents: sha256 {meta.get('data_sha256')} -> {data_sha256}")
+    if changes and not config.resume_allow_changes:
+        raise ValueError(
+            f"--resume: {len(changes)} setting(s) differ from the checkpoint's and would change the run's "
+            f"trajectory: {'; '.join(changes)} (--resume-allow-changes continues anyway)"
+        )
+    for change in changes:
+        log.warning("--resume-allow-changes: %s", change)
+    if meta["config"].get("steps") != config.steps:
+        log.warning(
+            "--steps %s -> %s: the learning-rate schedule now decays over the new horizon",
+            meta["config"].get("steps"),
+            config.steps,
+        )

@@ -27,7 +27,7 @@ from train.guards import (
 )
 
 if TYPE_CHECKING:
-    from train.grpo import GRPOConfig
+    from train.config import GRPOConfig
 
 
 class Learner(NamedTuple):

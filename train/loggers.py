@@ -1,7 +1,7 @@
-"""Where train.grpo's rows go besides metrics.jsonl (always written): TensorBoard or Weights & Biases
-(--logger), both optional extras (`pip install -e ".[tensorboard]"` / `".[wandb]"`), imported only when chosen.
-Every --table-every steps the step's sampled prompts, completions and rewards go to samples.jsonl (one line a
-sample) and to the logger's table: a TensorBoard text table, a W&B Table.
+"""Where train.grpo's rows go: metrics.jsonl (always; cut back to the restored step on resume), and TensorBoard
+or Weights & Biases (--logger), both optional extras (`pip install -e ".[tensorboard]"` / `".[wandb]"`), imported
+only when chosen. Every --table-every steps the step's sampled prompts, completions and rewards go to samples.jsonl
+(one line a sample) and to the logger's table: a TensorBoard text table, a W&B Table.
 
 TensorBoard: event files in OUT/tensorboard, written with the tensorboard package's own protos and event
 writer (no TensorFlow or PyTorch). W&B: a run in OUT/wandb; WANDB_MODE=offline (as in the tests) keeps it on
@@ -13,7 +13,7 @@ import math
 import time
 from pathlib import Path
 
-from train.metrics import open_metrics
+from train.metrics import append_row, open_metrics
 
 COLUMNS = ("prompt", "completion", "reward")
 
@@ -39,17 +39,32 @@ def sample_table(step: int, examples, texts, rewards) -> list[dict]:
 
 
 class Loggers:
-    """metrics rows and sample tables to the chosen logger; samples.jsonl for the tables either way."""
+    """A run's metrics rows to OUT/metrics.jsonl and the chosen logger; every `table_every` steps (0: never) its
+    samples to OUT/samples.jsonl and the logger's table."""
 
-    def __init__(self, kind: str, out: Path, config: dict, project: str = "rlkjax", resumed_step: int | None = None):
-        self.samples_path = out / "samples.jsonl"
-        open_metrics(self.samples_path, resumed_step)  # as metrics.jsonl: fresh, or cut back to the restored step
+    def __init__(
+        self,
+        kind: str,
+        out: Path,
+        config: dict,
+        project: str = "rlkjax",
+        resumed_step: int | None = None,
+        table_every: int = 0,
+    ):
+        self.metrics_path, self.samples_path = out / "metrics.jsonl", out / "samples.jsonl"
+        for path in (self.metrics_path, self.samples_path):
+            open_metrics(path, resumed_step)  # fresh, or cut back to the restored step
+        self.table_every = table_every
         self.backend = {"jsonl": None, "tensorboard": TensorBoard, "wandb": WandB}[kind]
         self.backend = self.backend(out, config, project) if self.backend else None
 
-    def log(self, step: int, row: dict) -> None:
+    def log(self, step: int, row: dict, samples: list[dict] | None = None) -> None:
+        """Step `step`'s metrics row, and its samples' table when the step is due one."""
+        append_row(self.metrics_path, row)
         if self.backend is not None:
             self.backend.log(step, scalars(row))
+        if samples is not None and self.table_every and step % self.table_every == 0:
+            self.table(step, samples)
 
     def table(self, step: int, samples: list[dict]) -> None:
         with self.samples_path.open("a") as f:

@@ -109,6 +109,7 @@ class RemoteRollout:
 
     def __init__(self, url, admin_key):
         self.client = RolloutClient(url, admin_key=admin_key or os.environ.get("RLKJAX_ADMIN_KEY"))
+        self.client.wait_until_ready()  # a server started beside the trainer may still be warming up
 
     def sample(self, prompts, seeds, sampling: SamplingParams):
         carried = dict(n=sampling.n, max_tokens=sampling.max_tokens, temperature=sampling.temperature)

@@ -1,0 +1,213 @@
+"""`python -m train.grpo`'s configuration: one frozen dataclass whose field docstrings are the `--help` text (tyro
+builds the flags from it), checked once when built (__post_init__), each error naming the flag and its bad value.
+Checks that need the model, the tokenizer or the data (context length, prompt lengths, device indices) happen at
+the start of train.grpo's run.
+"""
+
+import dataclasses
+import math
+from typing import Literal
+
+import numpy as np
+
+from rlkjax import compilation_cache
+from rlkjax.requests import check_seed, check_temperature
+from train import fsdp
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    model: str = "qwen3-tiny"
+    """A preset (random weights from --seed), an HF checkpoint dir, or an orbax dir."""
+    tokenizer: str | None = None
+    """'bytes' or a directory with tokenizer.json. Default: bytes for a preset, the checkpoint's tokenizer.json
+    otherwise."""
+    task: Literal["lowercase", "arithmetic", "gsm8k", "math"] = "lowercase"
+    """Prompts and reward: lowercase (default demo), arithmetic (a+b=), gsm8k (needs --data), math (needs --data;
+    answers checked by math-verify: LaTeX, \\boxed{}, fractions, plain numbers)."""
+    data: str | None = None
+    """The task's local data file: GSM8K-format JSONL for --task gsm8k; a .jsonl, .parquet or .csv file of problems
+    for --task math."""
+    prompt_field: str = "prompt"
+    """--task math: the data file's field (column) holding each problem."""
+    answer_field: str = "answer"
+    """--task math: the data file's field (column) holding each reference answer."""
+    reward_timeout: float = 5.0
+    """--task math: seconds one answer check may take; past it the check is stopped and the completion scores 0
+    (counted in the metrics row's reward_failures and reward_timeouts, and logged with the example)."""
+    chat_template: str = "auto"
+    """How a task's prompt becomes the text sampled after: auto (a user message rendered with the checkpoint's chat
+    template, as /v1/chat/completions renders it; plain text for a preset or a checkpoint without a template), none
+    (plain text), or a Jinja template FILE. Prompt lengths are checked after rendering."""
+    system_prompt: str | None = None
+    """A system message before each prompt (needs a chat template)."""
+    enable_thinking: bool = True
+    """Qwen3's thinking switch: --no-enable-thinking renders an empty <think></think> block after the
+    generation prompt, so the model answers directly (templates without the switch ignore it)."""
+    eval_data: str | None = None
+    """A held-out file in --data's format and fields (--task gsm8k or math): evaluated before training and every
+    --eval-every steps through the same rollout: greedy and sampled pass@1, pass@k for k <= --group-size."""
+    eval_every: int = 10
+    """Steps between evaluations of --eval-data (and one after the last step)."""
+    reward: str | None = None
+    """Optional user reward `module:function(prompt_text, completion_text) -> float`, replacing the task's."""
+    steps: int = 80
+    """GRPO steps (sample, then update)."""
+    prompts_per_step: int = 8
+    """P: prompts sampled per step."""
+    group_size: int = 8
+    """G: completions per prompt; advantages are normalised within each group."""
+    max_new_tokens: int = 8
+    """Most tokens sampled per completion (a completion ends earlier at the tokenizer's eos)."""
+    ignore_eos: bool = False
+    """Sample every completion to --max-new-tokens, past the tokenizer's eos. By default a sampled eos ends the
+    completion: the eos is its last token, trained on like the others, and nothing after it is sampled."""
+    max_prompt_tokens: int = 128
+    """Longest prompt accepted (sizes the in-process engine's KV cache)."""
+    temperature: float = 1.0
+    """Sampling temperature, at least 0.0001 (smaller ones underflow float32 in the kernels);
+    the learner scores at the same temperature."""
+    learning_rate: float = 3e-3
+    """Peak AdamW learning rate."""
+    warmup_steps: int = 3
+    """Linear warmup optimiser steps, then cosine decay to 10% of the peak."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Global gradient-norm clip."""
+    clip_eps: float = 0.2
+    """PPO clip range: the ratio is clipped to [1 - eps, 1 + eps]."""
+    beta: float = 0.0
+    """Weight of the k3 KL to the frozen initial policy (0 = no reference model)."""
+    scale_advantages: bool = True
+    """Divide advantages by the group std (GRPO); --no-scale-advantages gives Dr. GRPO."""
+    updates_per_batch: int = 1
+    """Optimiser steps on each sampled batch (PPO epochs)."""
+    micro_batch: int = 16
+    """Sequences per gradient micro-batch (gradients are accumulated; the result does not depend on it)."""
+    remat: bool = False
+    """Recompute each layer's norms, projections and MLP in the learner's backward instead of keeping them for
+    every layer: at Qwen3-4B, 4 x 1024 tokens, 100 instead of 428 MiB per layer, for about a quarter more
+    matmul work per learner step. Same bits either way. For a step that does not fit (or a larger
+    --micro-batch)."""
+    numerics: Literal["strict", "fast"] = "strict"
+    """strict: sampler and learner logprobs agree bit for bit. fast: plain XLA, for comparison."""
+    tis_cap: float = 0.0
+    """Truncated importance sampling cap for --numerics fast (0 = off)."""
+    verify_logprobs: bool = True
+    """Recompute logp_old with the learner every step and report the sampler/learner mismatch (one extra
+    forward pass per step; --no-verify-logprobs skips it once you trust the setup)."""
+    on_mismatch: Literal["error", "warn"] = "error"
+    """Strict numerics broken (bits differ, or the first update's ratio is not exactly 1): stop with an
+    error, or warn (log it and keep training, for investigation)."""
+    learner_devices: str = "0"
+    """Devices of the FSDP learner mesh (parameters, gradients and optimiser state sharded over them), as indices
+    into jax.devices() (every process's devices, process 0's first): 0 / 0,1 / 0-7 / all."""
+    sampler_devices: str = "0"
+    """Devices of the in-process sampler engines (same syntax), one engine per device with a full copy of the
+    weights; prompt i goes to the (i mod M)-th. They may be the learner's devices, overlap them, or not."""
+    coordinator: str | None = None
+    """HOST:PORT of process 0, to run as one of --num-processes processes (jax.distributed): every process runs
+    the same command with its own --process-id, and the devices above count over all of them. CPU runs use gloo.
+    Without it: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID if set, else SLURM's srun or
+    Open MPI's mpirun when they start several tasks (train/fsdp.py distributed_args)."""
+    num_processes: int = 1
+    """Processes of the run (one per host, or per GPU); more than 1 needs --coordinator."""
+    process_id: int = 0
+    """This process's index, 0 to --num-processes - 1; process 0 writes metrics.jsonl, plot.png and final_hf/."""
+    rollout_url: str | None = None
+    """Use a running `serve.rollout` server instead of the in-process engine (weights pushed each step)."""
+    admin_key: str | None = None
+    """Admin key of that server (or RLKJAX_ADMIN_KEY)."""
+    seed: int = 0
+    """Seeds the initial weights of a preset, the prompts and the sampling."""
+    out: str = "runs/grpo"
+    """Output directory: metrics.jsonl, plot.png, checkpoints/, final_hf/."""
+    checkpoint_every: int = 10
+    """Save an orbax checkpoint every this many steps (and at the end); 0 = none (benchmarks)."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept."""
+    resume: bool = False
+    """Continue from the newest checkpoint in --out that verifies (older ones are fallen back to, with a warning)."""
+    resume_allow_changes: bool = False
+    """With --resume: continue even if flags that alter the trajectory differ from the checkpoint's (they are
+    logged)."""
+    progress: bool = True
+    """Show a progress bar."""
+    logger: Literal["jsonl", "tensorboard", "wandb"] = "jsonl"
+    """Where the metrics rows go besides OUT/metrics.jsonl (always written): TensorBoard event files in OUT/tensorboard
+    or a Weights & Biases run in OUT/wandb (optional extras: pip install -e ".[tensorboard]" / ".[wandb]")."""
+    table_every: int = 10
+    """Every this many steps, the step's prompts, completions and rewards go to OUT/samples.jsonl and the logger's
+    table (0 = never)."""
+    wandb_project: str = "rlkjax"
+    """--logger wandb: the W&B project."""
+    compilation_cache: str = compilation_cache.default_dir()
+    """JAX's persistent compilation cache: a directory (created if missing), or 'off'. A later run loads the
+    programs an earlier one compiled (the same executables, so the same bits) instead of compiling them."""
+
+    def __post_init__(self):
+        positive = (
+            "steps",
+            "prompts_per_step",
+            "group_size",
+            "max_new_tokens",
+            "max_prompt_tokens",
+            "updates_per_batch",
+            "micro_batch",
+            "num_processes",
+            "keep_checkpoints",
+            "eval_every",
+        )
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be positive")
+        if self.group_size < 2:
+            raise ValueError(f"--group-size={self.group_size} must be >= 2 (advantages compare samples of one prompt)")
+        if self.table_every < 0:
+            raise ValueError(f"--table-every={self.table_every} must be >= 0 (0: no sample tables)")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"--checkpoint-every={self.checkpoint_every} must be >= 0 (0: no checkpoints)")
+        if self.warmup_steps < 0:
+            raise ValueError(f"--warmup-steps={self.warmup_steps} must be >= 0")
+        check_seed("--seed", self.seed)
+        check_temperature("--temperature", self.temperature)  # as the float32 the kernels divide by
+        # Float flags must be finite as the float32 they are used as: NaN passes every comparison, and
+        # 1e39 is a finite Python float but inf in float32.
+        bounds = {
+            "learning_rate": "> 0",
+            "max_grad_norm": "> 0",
+            "clip_eps": "> 0",
+            "weight_decay": ">= 0",
+            "beta": ">= 0",
+            "tis_cap": ">= 0",
+        }
+        for name, bound in bounds.items():
+            value = getattr(self, name)
+            with np.errstate(over="ignore"):
+                finite = bool(np.isfinite(np.float32(value)))
+            if not finite or (value <= 0 if bound == "> 0" else value < 0):
+                raise ValueError(f"--{name.replace('_', '-')}={value!r} must be finite (as a float32) and {bound}")
+        if not self.clip_eps < 1:
+            raise ValueError(f"--clip-eps={self.clip_eps!r} must be in (0, 1)")
+        if self.tis_cap and self.numerics == "strict":
+            raise ValueError("--tis-cap is for --numerics fast: in strict mode the ratio needs no correction")
+        fsdp.parse_devices("--learner-devices", self.learner_devices)  # the syntax now; the indices at start
+        fsdp.parse_devices("--sampler-devices", self.sampler_devices)
+        if not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"--process-id={self.process_id} must be in [0, --num-processes={self.num_processes})")
+        if self.num_processes > 1 and not self.coordinator:
+            raise ValueError(f"--num-processes={self.num_processes} needs --coordinator HOST:PORT (process 0's)")
+        if self.num_processes > 1 and self.rollout_url:
+            raise ValueError("--rollout-url runs with one learner process (--num-processes=1)")
+        if self.data is None and self.task in ("gsm8k", "math"):
+            raise ValueError(f"--task {self.task} needs --data: a local file of problems")
+        if self.data is not None and self.task not in ("gsm8k", "math"):
+            raise ValueError(
+                f"--data {self.data!r} is read only by --task gsm8k and math (--task {self.task} would ignore it)"
+            )
+        if self.eval_data is not None and self.task not in ("gsm8k", "math"):
+            raise ValueError(f"--eval-data {self.eval_data!r} is for --task gsm8k and math (a file of problems)")
+        if not (math.isfinite(self.reward_timeout) and self.reward_timeout > 0):
+            raise ValueError(f"--reward-timeout={self.reward_timeout!r} must be a positive number of seconds")
+        compilation_cache.check(self.compilation_cache)
