@@ -5,10 +5,17 @@ their leader, and which rows go into each prefill call and decode round. It deci
 a sequence's bits depend only on its own prompt, seed and positions, whatever row, batch, chunk or
 turn it gets. The engine's settings (EngineConfig: cache pages, batch slots, prefill chunk and
 budget, round length) are this policy's knobs, so they live here too.
+
+Fair turns. Batch slots go to the group (one HTTP request's prompts, or one request) that holds the
+fewest of them, earliest arrival first on a tie; within a group, started sequences (preempted, or
+forks parked holding their prompt's pages) go first, then the rest in arrival order. So a request
+of one sequence that arrives while a 256-sequence request fills the batch takes the next slot that
+frees, rather than the slot after the other request's last sequence; and when pages run out, the
+victim is the newest sequence of the group that holds the most slots, not the newcomer.
 """
 
 import dataclasses
-from collections import deque
+from collections import Counter, deque
 
 from rlkjax.numerics import PAGE_SIZE
 from rlkjax.requests import sample_seed
@@ -84,35 +91,32 @@ class Scheduler:
 
     # ----- admission -----
     def admit(self, fresh: bool = True):
-        """Admit waiting sequences in order while batch slots and pages last. A forked sample that
-        found no free slot waits holding its pages (cached = its prompt) and needs no new ones.
-        While a weight swap waits (fresh=False) only sequences already started are admitted, so
-        they finish on the weights they began with and the swap can happen."""
-        for seq in self._admission_order():
-            if len(self.running) >= self.config.max_batch:
-                return
-            if not (fresh or seq.started):
-                continue
+        """Fill free batch slots in fair turns (module docstring) while pages last. Once a sequence
+        finds no pages, only those holding theirs already (parked forks) are still admitted: a
+        later, smaller sequence must not take the pages the first one waits for. While a weight swap
+        waits (fresh=False) only started sequences are admitted, so they finish on the weights they
+        began with and the swap can happen."""
+        held = Counter(s.request.group for s in self.running)
+        queues: dict = {}
+        for s in sorted(self.waiting, key=lambda s: not s.started):  # stable: arrival order otherwise
+            if fresh or s.started:
+                queues.setdefault(s.request.group, deque()).append(s)
+        arrival = {g: min(s.request.id for s in q) for g, q in queues.items()}
+        out_of_pages = False
+        while queues and len(self.running) < self.config.max_batch:
+            group = min(queues, key=lambda g: (held[g], arrival[g]))
+            seq = queues[group].popleft()
+            if not queues[group]:
+                del queues[group]
             need = cdiv(len(seq.tokens), PAGE_SIZE) - len(seq.pages)
-            pages = self.pages.alloc(need) if need > 0 else []
+            pages = [] if need <= 0 else None if out_of_pages else self.pages.alloc(need)
             if pages is None:
-                return
+                out_of_pages = True
+                continue
             self.waiting.remove(seq)
             seq.pages += pages
+            held[group] += 1
             self._run(seq)
-
-    def _admission_order(self) -> list[Sequence]:
-        """Started sequences (preempted, parked forks) first, then the groups take turns: the first
-        waiting sequence of every group in arrival order, then the second of each, ... so a request
-        of 256 sequences does not hold back a request of one that came after it."""
-        started = [s for s in self.waiting if s.started]
-        turn: dict = {}
-        fresh = []
-        for s in self.waiting:
-            if not s.started:
-                turn[s.request.group] = turn.get(s.request.group, -1) + 1
-                fresh.append((turn[s.request.group], s))
-        return started + [s for _, s in sorted(fresh, key=lambda pair: pair[0])]  # stable: arrival order within a turn
 
     # ----- pages -----
     def grow(self, seq: Sequence, positions_needed: int):
@@ -125,11 +129,15 @@ class Scheduler:
             seq.pages += page
 
     def _victim(self, keep: Sequence) -> Sequence:
-        """Who gives up its pages: a waiting fork holding pages first, else the newest running one."""
+        """Who gives up its pages: a waiting fork holding pages first, else the newest running
+        sequence of the group holding the most slots (not a newcomer that just got its turn)."""
         holding = [s for s in self.waiting if s.pages]
         if holding:
             return holding[-1]
-        victim = max((s for s in self.running if s is not keep), key=lambda s: s.admitted, default=None)
+        held = Counter(s.request.group for s in self.running)
+        victim = max(
+            (s for s in self.running if s is not keep), key=lambda s: (held[s.request.group], s.admitted), default=None
+        )
         if victim is None:
             raise RuntimeError("KV cache too small for a single sequence")
         return victim
@@ -164,7 +172,7 @@ class Scheduler:
         """Start the other samples from the leader's cached prompt: full pages shared, the partial
         page holding the prompt's tail copied for each sample before anyone writes to it. Returns
         the page copies (sources, destinations) for the engine to run now. A sample with no free
-        slot waits holding its pages (admitted later, needing no new pages); one with
+        slot waits holding its pages (admitted in its group's turn, needing no new pages); one with
         no free pages waits to recompute its prompt from scratch."""
         req = leader.request
         full = leader.cached // PAGE_SIZE

@@ -481,3 +481,40 @@ def test_admission_takes_turns_between_groups(tiny):
     engine.run_until_done()
     for r in big + [small]:
         check_exact(params, cfg, r, r.results[0], 1.0)
+
+
+def test_a_small_request_takes_the_next_free_slot(tiny):
+    """Fair turns, counted in engine steps: a group of 4 prompts x n=4 samples x 16 tokens fills
+    all 4 batch slots (its forks wait, holding their prompt's pages) when a 2-token request
+    arrives. The small one is admitted in the step after the first slot frees and finishes one
+    decode round later (plus the round in flight), long before the group. Before, the group's
+    parked forks went first, as sequences already started: the small request waited for 12 of
+    the group's 16 sequences. Its tokens and bits are those it draws alone."""
+    cfg, params = tiny
+    engine = Engine(params, cfg, config=dataclasses.replace(CONFIG, max_batch=4, decode_steps=4))
+    big = [engine.submit([9, i + 1, 4, 4, 4], n=4, max_tokens=16, seed=i, group="big") for i in range(4)]
+    while not any(s.pages for s in engine.scheduler.waiting):  # the forks wait for slots
+        engine.step()
+    small = engine.submit([7, 7, 7], max_tokens=2, seed=99)
+    freed = admitted = done = None
+    while engine.busy:
+        before = sum(c is not None for r in big for c in r.results)
+        engine.step()
+        step = engine.stats["steps"]
+        if freed is None and sum(c is not None for r in big for c in r.results) > before:
+            freed = step  # a big sequence finished at the end of this step: its slot is free
+        if admitted is None and any(s.request is small for s in engine.scheduler.running):
+            admitted = step
+        if done is None and small.done.is_set():
+            done = step
+    assert freed is not None and admitted == freed + 1, (freed, admitted)
+    # prefill in the admitting step, then its one round is dispatched and read a step later
+    assert done <= admitted + 2, (admitted, done)
+    last_big = engine.stats["steps"]
+    assert done < last_big / 2, (done, last_big)
+    alone = rlkjax.generate(params, cfg, [small.prompt], max_new_tokens=2, seeds=99)[0]
+    assert alone.tokens == small.results[0].tokens
+    assert_bits_equal(alone.logprobs, small.results[0].logprobs, "small request, fair turn vs alone")
+    for r in big[:1] + [small]:
+        for comp in r.results:
+            check_exact(params, cfg, r, comp, 1.0)
