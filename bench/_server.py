@@ -10,7 +10,8 @@ import urllib.request
 
 @contextlib.contextmanager
 def running_server(server_args: list[str], port: int, memory_fraction: str = "0.45"):
-    """Yields the server's URL once /health answers; terminates the server on exit. The server gets
+    """Yields the server's URL once /health answers 200 (its warm-up done: a 503 "starting" is an HTTPError,
+    an OSError, so the loop waits on); terminates the server on exit. The server gets
     `memory_fraction` of the GPU so the benchmark process can score on the same device."""
     env = os.environ | {"XLA_PYTHON_CLIENT_MEM_FRACTION": memory_fraction}
     proc = subprocess.Popen([sys.executable, "-m", "serve.rollout", *server_args, "--port", str(port)], env=env)

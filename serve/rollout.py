@@ -11,13 +11,15 @@ and the server keeps serving; a request without a seed gets a fresh one, reporte
                          swapped between engine steps once in-flight sequences finish
   GET  /v1/models       the served model (OpenAI list shape)
   GET  /health           200 {"status": "ok"} once ready; while the warm-up compiles, 503 {"status": "starting",
-                         "progress": "k/N shapes compiled"} (generation routes: 503 with Retry-After)
+                         "progress": "k/N shapes compiled"} (generation routes: 503 with Retry-After); once a
+                         shutdown began, 503 {"status": "draining"}
   GET  /metrics          Prometheus text format
 Optional fields may be absent or null (= the default).
 
-HTTP stack: aiohttp. One mature, asyncio-native package gives the server with request-size limits
-and graceful shutdown on SIGTERM (stop accepting, let in-flight handlers finish); the engine runs in
-one background thread and resolves each request's future through the event loop. Logprobs are JSON
+HTTP stack: aiohttp. One mature, asyncio-native package gives the server with request-size limits; the
+engine runs in one background thread and resolves each request's future through the event loop. Every
+request ends once (finished, cancelled or failed: /metrics counts each), and a shutdown drains for at
+most --shutdown-timeout plus a short grace, whatever the clients or the engine do (Server.on_signal). Logprobs are JSON
 doubles written by Python's shortest round-trip repr, so float32(json value) has the sampler's bits.
 """
 
