@@ -5,7 +5,8 @@ call over up to `token_budget` prompt tokens (chunks of `prefill_chunk` per sequ
 decode call over every sequence whose prefix is cached, sampling its next token. Requests join and
 leave between steps. The n samples of a request share its prompt's KV pages: one leader prefills,
 the others fork from it, sharing every full page and copying the partial last one (copy-on-write).
-When pages run out, the newest sequence is preempted (its pages freed) and recomputed later.
+When pages run out, a sequence is preempted (its pages freed) and recomputed later. Who gets a
+batch slot, a page or a row, and who is preempted, is rlkjax.scheduler's policy (fair turns).
 
 Every call goes through the one model function, so in strict mode a completion's logprobs equal
 `rlkjax.score` of the finished sequence bit for bit, however it was scheduled, shared or
@@ -14,7 +15,9 @@ preempted, and a request's tokens depend only on its prompt, seed and temperatur
 Shapes (compiled once per bucket): prefill tokens [B, prefill_chunk], decode tokens [B, 1], page
 table [B, pages_per_seq]; B is a power of two up to max_batch.
 
-The device functions are rlkjax.steps', the request and sequence records rlkjax.sequences'.
+The device functions are rlkjax.steps', the request and sequence records rlkjax.sequences', the
+scheduling policy (admission in fair turns, pages, preemption, forks, each call's rows)
+rlkjax.scheduler's.
 The public surface for a server or a learner: `submit`, `cancel`, `update_weights`, `step`,
 `run_until_done`, `abort`, and the read-only `busy`, `weights_pending`, `policy_version` and `metrics()`.
 
@@ -37,54 +40,11 @@ from rlkjax.config import ModelConfig
 from rlkjax.model import init_kv_cache, rope_tables
 from rlkjax.numerics import PAGE_SIZE, Numerics, ops
 from rlkjax.requests import MAX_TOP_LOGPROBS, check_int, check_tokens, sample_seed
-from rlkjax.sampling_params import SamplingParams, at_stop
-from rlkjax.sequences import Completion, PageAllocator, Request, Round, Sequence, round_rows
+from rlkjax.sampling_params import SamplingParams
+from rlkjax.scheduler import EngineConfig, Scheduler
+from rlkjax.sequences import Request, Round, Sequence, round_rows
 from rlkjax.shapes import bucket, cdiv
 from rlkjax.steps import RowSampling, copy_pages, next_round, prefill_chunk
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    num_pages: int = 2048
-    """KV cache size in pages of 16 tokens (page 0 reserved)."""
-    max_batch: int = 64
-    """Most sequences in flight (and in one decode step); also the largest n per request."""
-    prefill_chunk: int = 128
-    """Prompt tokens per sequence per prefill call."""
-    token_budget: int = 4096
-    """Prompt tokens prefilled per engine step (across sequences). Larger admits new requests faster
-    (time to first token) and keeps the batch fuller; each step's prefill delays the running rows'
-    next tokens. Qwen3-0.6B on an H200, 256 concurrent requests: 4096 against 1024 took p99 time to
-    first token from 1.57 to 0.72 s and tokens/s from 15.5k to 21.4k."""
-    max_context: int | None = None
-    """Longest prompt + max_new_tokens accepted (default: the model's max_position)."""
-    decode_steps: int = 8
-    """Decode steps per host round trip (a loop on the device; sequences join and leave between rounds)."""
-
-    def __post_init__(self):
-        for name in ("num_pages", "max_batch", "prefill_chunk", "token_budget", "decode_steps"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be positive")
-        if self.num_pages < 2:
-            raise ValueError(f"num_pages={self.num_pages} must be >= 2 (page 0 is reserved)")
-        if self.token_budget < self.prefill_chunk:
-            raise ValueError(f"token_budget={self.token_budget} must be >= prefill_chunk={self.prefill_chunk}")
-        if self.max_context is not None and self.max_context <= 0:
-            raise ValueError(f"max_context={self.max_context} must be positive")
-
-    @staticmethod
-    def for_batch(lengths, prefill_chunk: int = 64) -> "EngineConfig":
-        """An engine that runs a fixed batch of sequences at once, nothing preempted, nothing idle:
-        `lengths` holds each sequence's prompt + new tokens (what `generate` and the learner's
-        rollout size their engines with)."""
-        rows = bucket(len(lengths))
-        return EngineConfig(
-            num_pages=1 + sum(cdiv(n, PAGE_SIZE) for n in lengths),
-            max_batch=rows,
-            prefill_chunk=prefill_chunk,
-            token_budget=prefill_chunk * rows,
-            max_context=max(lengths),
-        )
 
 
 class Engine:
@@ -93,11 +53,13 @@ class Engine:
         params,
         cfg: ModelConfig,
         numerics: Numerics = "strict",
-        config: EngineConfig = EngineConfig(),
+        config: EngineConfig | None = None,
         eos_token_id: int | None = None,
     ):
-        """eos_token_id: the model's end-of-sequence id, a stop id of every request that does not
-        ask for ignore_eos (None: no implicit stop)."""
+        """config: the scheduling settings (None: EngineConfig's defaults). eos_token_id: the model's
+        end-of-sequence id, a stop id of every request that does not ask for ignore_eos (None: no
+        implicit stop)."""
+        config = config or EngineConfig()
         ops(numerics)  # validates the mode before any work
         if eos_token_id is not None:
             check_int("eos_token_id", eos_token_id, 0, cfg.vocab_size - 1)
@@ -108,12 +70,9 @@ class Engine:
         self.cache = init_kv_cache(cfg, config.num_pages)
         self.rope = rope_tables(cfg)
         self._alternatives = min(MAX_TOP_LOGPROBS, cfg.vocab_size)
-        self.pages = PageAllocator(config.num_pages)
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.scheduler = Scheduler(config)
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
-        self._admissions = itertools.count()
         self._pending_params, self._swap_events = None, []
         self.lock = threading.RLock()  # held by step(); submit, cancel, update_weights and metrics never wait on it
         self._inbox: deque = deque()  # submitted (request, sequences), moved to `waiting` at the next step
@@ -123,7 +82,6 @@ class Engine:
             "steps": 0,
             "prefill_tokens": 0,
             "decode_tokens": 0,
-            "preemptions": 0,
             "requests": 0,  # submitted; each ends once, in one of the next three
             "finished": 0,
             "cancelled": 0,
@@ -156,7 +114,7 @@ class Engine:
         `fields` replace some of them (`submit(p, n=4, seed=1)`). A sample stops at max_tokens, or at
         a stop id (stop_token_ids, and the engine's eos_token_id unless ignore_eos) once it has
         min_tokens tokens. Requests with the same `group` (e.g. the prompts of one HTTP request)
-        share one turn in admission. `on_tokens`: see Request.on_tokens."""
+        count as one in admission's fair turns. `on_tokens`: see Request.on_tokens."""
         sampling = sampling or SamplingParams()
         if fields:
             sampling = dataclasses.replace(sampling, **fields)
@@ -240,21 +198,7 @@ class Engine:
                 steps = 1 if name == "decode_round_1" else c.decode_steps
                 idle = np.full(r, -1, np.int32)  # no row continues a round; every position is padding
                 zeros = np.zeros(r, np.int32)
-                _, _, self.cache, _ = next_round(
-                    self.params,
-                    self._no_carry,
-                    idle,
-                    zeros,
-                    idle,
-                    self.cache,
-                    table,
-                    RowSampling.idle(r),
-                    self.rope,
-                    self.cfg,
-                    self.numerics,
-                    steps,
-                    0,  # alternatives, passed as _dispatch_decode passes it: jit keys positional and default apart
-                )
+                self._next_round(self._no_carry, idle, zeros, idle, table, RowSampling.idle(r), steps, 0)
                 self._note_shape("decode_round", (r, 1, 0, False, steps))
             else:
                 self.cache = copy_pages(self.cache, np.zeros(r, np.int32), np.zeros(r, np.int32))
@@ -281,7 +225,12 @@ class Engine:
     @property
     def busy(self) -> bool:
         """Requests are queued, sequences waiting or running, or a decode round not read yet."""
-        return bool(self._inbox or self.waiting or self.running or self._in_flight)
+        return bool(self._inbox or self.scheduler.busy or self._in_flight)
+
+    @property
+    def pages(self):
+        """The KV page allocator (the scheduler's), for callers that count the pages in use."""
+        return self.scheduler.pages
 
     @property
     def weights_pending(self) -> bool:
@@ -297,10 +246,10 @@ class Engine:
             while self._inbox:
                 req, seqs = self._inbox.popleft()
                 self.requests[req.id] = req
-                self.waiting.extend(seqs)
+                self.scheduler.waiting.extend(seqs)
             finished = self._reap_cancelled()
             # preempted or parked sequences too, and a round not read yet (its rows may have finished)
-            in_flight = self.running or any(seq.started for seq in self.waiting) or self._in_flight
+            in_flight = self.scheduler.started or self._in_flight
             with self._mailbox:
                 if self._pending_params is not None and not in_flight:
                     self.params, self._pending_params = self._pending_params, None
@@ -308,20 +257,19 @@ class Engine:
                     for event in self._swap_events:
                         event.set()
                     self._swap_events = []
-            self._admit(fresh=self._pending_params is None)
+            self.scheduler.admit(fresh=self._pending_params is None)
             # Dispatch this step's decode round before reading the one in flight: its rows continue
             # on the device, and the host reads the last round, plans and dispatches the prefill
             # while the device decodes (JAX runs them asynchronously, in order).
             previous, self._in_flight = self._in_flight, None
-            decoding = [s for s in self.running if s.decoding]
-            if previous and decoding and not self._pages_ahead(decoding, previous):
+            if previous and not self.scheduler.pages_ahead(previous):
                 # Growing the sequences would preempt one: read the round first (nothing in flight then).
                 finished += self._collect_decode(previous)
-                previous, decoding = None, [s for s in self.running if s.decoding]
-            self._in_flight = self._dispatch_decode(decoding, previous) if decoding else None
+                previous = None
+            self._in_flight = self._dispatch_decode(previous)
             if self._in_flight is None:
                 self._round_read_at = None  # no round follows: not a gap between rounds
-            prefilling = [s for s in self.running if not s.decoding]
+            prefilling = self.scheduler.prefill_rows()
             if prefilling:
                 self._prefill(prefilling)
             if previous:
@@ -334,66 +282,6 @@ class Engine:
         while self.busy or self.weights_pending:
             self.step()
 
-    def _admit(self, fresh: bool = True):
-        """Admit waiting sequences in order while batch slots and pages last. A forked sample that
-        found no free slot waits holding its pages (cached = its prompt) and needs no new ones.
-        While a weight swap waits (fresh=False) only sequences already started are admitted, so
-        they finish on the weights they began with and the swap can happen."""
-        for seq in self._admission_order():
-            if len(self.running) >= self.config.max_batch:
-                return
-            if not (fresh or seq.started):
-                continue
-            need = cdiv(len(seq.tokens), PAGE_SIZE) - len(seq.pages)
-            pages = self.pages.alloc(need) if need > 0 else []
-            if pages is None:
-                return
-            self.waiting.remove(seq)
-            seq.pages, seq.admitted = seq.pages + pages, next(self._admissions)
-            self.running.append(seq)
-
-    def _admission_order(self) -> list[Sequence]:
-        """Started sequences (preempted, parked forks) first, then the groups take turns: the first
-        waiting sequence of every group in arrival order, then the second of each, ... so a request
-        of 256 sequences does not hold back a request of one that came after it."""
-        started = [s for s in self.waiting if s.started]
-        turn: dict = {}
-        fresh = []
-        for s in self.waiting:
-            if not s.started:
-                turn[s.request.group] = turn.get(s.request.group, -1) + 1
-                fresh.append((turn[s.request.group], s))
-        return started + [s for _, s in sorted(fresh, key=lambda pair: pair[0])]  # stable: arrival order within a turn
-
-    def _grow(self, seq: Sequence, positions_needed: int) -> bool:
-        """Make sure seq owns pages for positions [0, positions_needed); preempt others if needed."""
-        while len(seq.pages) * PAGE_SIZE < positions_needed:
-            page = self.pages.alloc(1)
-            if page is None:
-                self._preempt(self._victim(seq))
-                continue
-            seq.pages += page
-        return True
-
-    def _victim(self, keep: Sequence) -> Sequence:
-        """Who gives up its pages: a waiting fork holding pages first, else the newest running one."""
-        holding = [s for s in self.waiting if s.pages]
-        if holding:
-            return holding[-1]
-        victim = max((s for s in self.running if s is not keep), key=lambda s: s.admitted, default=None)
-        if victim is None:
-            raise RuntimeError("KV cache too small for a single sequence")
-        return victim
-
-    def _preempt(self, seq: Sequence):
-        """Free a sequence's pages; it is recomputed from its tokens when readmitted (same bits)."""
-        self.pages.release(seq.pages)
-        seq.pages, seq.cached = [], 0
-        if seq in self.running:
-            self.running.remove(seq)
-            self.waiting.appendleft(seq)
-        self.stats["preemptions"] += 1
-
     def _page_table(self, seqs, rows):
         table = np.zeros((rows, self.pages_per_seq), np.int32)
         for i, s in enumerate(seqs):
@@ -403,13 +291,10 @@ class Engine:
     def _note_shape(self, name, rows):
         self.shapes_seen.add((name, rows))
 
-    def _prefill(self, seqs):
-        chunk, budget = self.config.prefill_chunk, self.config.token_budget
-        batch = []
-        for s in sorted(seqs, key=lambda s: s.admitted):
-            if len(batch) * chunk >= budget:
-                break
-            batch.append(s)
+    def _prefill(self, batch):
+        """One prefill call: the next chunk of each sequence's prompt (all but its last token, which
+        the first decode step feeds); a leader whose prompt is then cached forks its samples."""
+        chunk = self.config.prefill_chunk
         rows = bucket(len(batch))
         tokens = np.zeros((rows, chunk), np.int32)
         positions = np.full((rows, chunk), -1, np.int32)
@@ -418,51 +303,18 @@ class Engine:
             tokens[i, :todo] = s.tokens[s.cached : s.cached + todo]
             positions[i, :todo] = np.arange(s.cached, s.cached + todo)
         self._note_shape("prefill", rows)
+        table, cfg = self._page_table(batch, rows), self.cfg
         start = time.perf_counter()
-        self.cache = prefill_chunk(
-            self.params,
-            tokens,
-            positions,
-            self.cache,
-            self._page_table(batch, rows),
-            self.rope,
-            self.cfg,
-            self.numerics,
-        )
+        self.cache = prefill_chunk(self.params, tokens, positions, self.cache, table, self.rope, cfg, self.numerics)
         self.stats["dispatch_s"] += time.perf_counter() - start
         for i, s in enumerate(batch):
             todo = int((positions[i] >= 0).sum())
             s.cached += todo
             self.stats["prefill_tokens"] += todo
             if s.decoding and s.request.pending_forks and s.index == 0:
-                self._fork(s)
+                self._copy_pages(*self.scheduler.fork(s))
 
-    def _fork(self, leader: Sequence):
-        """Start the other samples from the leader's cached prompt: full pages shared, the partial
-        page holding the prompt's tail copied for each sample before anyone writes to it."""
-        req = leader.request
-        full = leader.cached // PAGE_SIZE
-        shared, tail = leader.pages[:full], leader.pages[full:]
-        src, dst, parked = [], [], []
-        for j in range(1, req.sampling.n):
-            own = self.pages.alloc(len(tail))
-            if own is None:  # no room to fork now: recompute this sample from scratch later
-                self.waiting.append(Sequence(req, j, sample_seed(req.sampling.seed, j), list(req.prompt)))
-                continue
-            self.pages.share(shared)
-            if leader.cached % PAGE_SIZE:
-                src.append(tail[0])
-                dst.append(own[0])
-            child = Sequence(
-                req, j, sample_seed(req.sampling.seed, j), list(req.prompt), pages=shared + own, cached=leader.cached
-            )
-            if len(self.running) < self.config.max_batch:
-                child.admitted = next(self._admissions)
-                self.running.append(child)
-            else:  # no batch slot: wait at the front, holding its pages (admitted without new ones)
-                parked.append(child)
-        self.waiting.extendleft(reversed(parked))
-        req.pending_forks = 0
+    def _copy_pages(self, src, dst):
         if src:
             k = bucket(len(src))  # pad with trash-page self copies so the shape is bucketed
             src_a = np.array(src + [0] * (k - len(src)), np.int32)
@@ -470,34 +322,32 @@ class Engine:
             self._note_shape("copy_pages", k)
             self.cache = copy_pages(self.cache, src_a, dst_a)
 
-    def _ahead(self, seqs, previous: Round | None) -> tuple[dict, dict]:
-        """Per sequence: the tokens the round in flight may still add (it samples its whole budget
-        unless it stops), and the budget of the next round after those."""
-        in_flight = dict(zip(previous.seqs, previous.budget)) if previous else {}
-        ahead = {s: in_flight.get(s, 0) for s in seqs}
-        budget = {
-            s: min(self.config.decode_steps, s.request.sampling.max_tokens - s.generated - ahead[s]) for s in seqs
-        }
-        return ahead, budget
+    def _next_round(self, carry, src, tokens, positions, table, sampling, length, alternatives):
+        """The one call of steps.next_round (warm-up and rounds alike: jit keys positional and keyword
+        arguments apart, so both pass the same way); returns its outputs but the cache, kept here."""
+        out_tok, out_lp, self.cache, carry, *top = next_round(
+            self.params,
+            carry,
+            src,
+            tokens,
+            positions,
+            self.cache,
+            table,
+            sampling,
+            self.rope,
+            self.cfg,
+            self.numerics,
+            length,
+            alternatives,
+        )
+        return out_tok, out_lp, carry, *top
 
-    def _pages_ahead(self, seqs, previous: Round) -> bool:
-        """Whether the free pages cover the next round after the one in flight, without preempting."""
-        ahead, budget = self._ahead(seqs, previous)
-        need = sum(max(0, cdiv(len(s.tokens) - 1 + ahead[s] + budget[s], PAGE_SIZE) - len(s.pages)) for s in seqs)
-        return need <= len(self.pages.free)
-
-    def _dispatch_decode(self, seqs, previous: Round | None) -> Round | None:
-        """Start one decode round (up to `decode_steps` tokens per sequence) on the device; rows in
-        `previous` (dispatched, not read) continue where it ends."""
-        ahead, budget = self._ahead(seqs, previous)
-        seqs = [s for s in seqs if budget[s] > 0]  # the others end in the round in flight
-        for s in seqs:  # the round writes positions len(tokens) - 1 + ahead ... len(tokens) - 2 + ahead + budget
-            if s in self.running:  # growing an earlier one may have preempted it (only with nothing in flight)
-                self._grow(s, len(s.tokens) - 1 + ahead[s] + budget[s])
-        seqs = [s for s in seqs if s in self.running]
+    def _dispatch_decode(self, previous: Round | None) -> Round | None:
+        """Start one decode round (up to `decode_steps` tokens per sequence) on the device over the
+        rows the scheduler picks; rows in `previous` (dispatched, not read) continue where it ends."""
+        seqs, ahead, budget = self.scheduler.round_rows(previous)
         if not seqs:
             return None
-        assert len(seqs) <= self.config.max_batch, "admission and forks keep the batch within max_batch"
         rows = bucket(len(seqs))
         tokens, positions, sampling = round_rows(seqs, ahead, budget, rows, self.cfg.vocab_size)
         row_of = {s: j for j, s in enumerate(previous.seqs)} if previous else {}
@@ -515,20 +365,10 @@ class Engine:
         start = time.perf_counter()
         if self._round_read_at is not None and previous is None:
             self.stats["gap_s"] += start - self._round_read_at
-        out_tok, out_lp, self.cache, carry, *top = next_round(
-            self.params,
-            previous.carry if previous else self._no_carry,
-            src,
-            tokens,
-            positions,
-            self.cache,
-            self._page_table(seqs, rows),
-            sampling,
-            self.rope,
-            self.cfg,
-            self.numerics,
-            length,
-            alternatives,
+        carry = previous.carry if previous else self._no_carry
+        table = self._page_table(seqs, rows)
+        out_tok, out_lp, carry, *top = self._next_round(
+            carry, src, tokens, positions, table, sampling, length, alternatives
         )
         self.stats["dispatch_s"] += time.perf_counter() - start
         self._round_read_at = None
@@ -547,55 +387,21 @@ class Engine:
         for i, s in enumerate(round_.seqs):
             if s.finished:
                 continue
-            k = s.request.sampling.top_logprobs
-            for j, (tok, lp) in enumerate(zip(out_tok[i], out_lp[i])):
-                if tok < 0:
-                    break
-                s.tokens.append(int(tok))
-                s.logprobs.append(lp)
-                if k:
-                    s.top_ids.append(top_ids[i, j, :k])
-                    s.top_logprobs.append(top_lp[i, j, :k])
-                s.cached += 1
-                self.stats["decode_tokens"] += 1
-            req = s.request
-            stopped = at_stop(
-                np.int64(s.tokens[-1]), s.generated, np.asarray(req.stop_ids, np.int64), req.sampling.min_tokens
-            )
-            reason = "stop" if stopped else ("length" if s.generated >= req.sampling.max_tokens else None)
-            if req.on_tokens is not None and self._hook_stops(s, int((out_tok[i] >= 0).sum()), reason):
+            new = s.extend(out_tok[i], out_lp[i], *((top_ids[i], top_lp[i]) if top else ()))
+            self.stats["decode_tokens"] += new
+            reason = s.stop_reason()
+            if s.request.on_tokens is not None and s.hook_stops(new, reason):
                 reason = "stop"
             if reason and self._finish(s, reason):  # its pages, those the round did not fill included, are freed now
                 finished.append(s.request)
         return finished
 
-    def _hook_stops(self, seq: Sequence, new: int, reason: str | None) -> bool:
-        """Show the request's hook the round's `new` tokens (and, when it asked for top_logprobs, their
-        alternatives: (top ids, top logprobs), one [k] array each per token; else None) and the engine's
-        finish reason (None: the sample goes on); if it keeps only k of them, drop the rest (their K/V
-        is never read: the sequence ends here) and report that the sequence stopped."""
-        tokens, logprobs = seq.tokens[len(seq.tokens) - new :], seq.logprobs[len(seq.logprobs) - new :]
-        top = (seq.top_ids[len(seq.top_ids) - new :], seq.top_logprobs[len(seq.top_logprobs) - new :])
-        keep = seq.request.on_tokens(
-            seq.index, tokens, logprobs, top if seq.request.sampling.top_logprobs else None, reason
-        )
-        if keep is None:
-            return False
-        drop = new - check_int("on_tokens' keep", keep, 0, new)
-        del seq.tokens[len(seq.tokens) - drop :], seq.logprobs[len(seq.logprobs) - drop :]
-        if seq.request.sampling.top_logprobs:  # the alternatives stay one per kept token
-            del seq.top_ids[len(seq.top_ids) - drop :], seq.top_logprobs[len(seq.top_logprobs) - drop :]
-        return True
-
     def _finish(self, seq: Sequence, reason: str) -> bool:
-        self.pages.release(seq.pages)  # a round in flight may still write them: later users come after it
-        seq.pages, seq.finished = [], True
-        if seq in self.running:
-            self.running.remove(seq)
+        """Record a sample's completion and free its slot and pages; True when that finished its request."""
+        self.scheduler.drop(seq)
+        seq.finished = True
         req = seq.request
-        req.results[seq.index] = self._completion(
-            req, seq.tokens[len(req.prompt) :], seq.logprobs, seq.top_ids, seq.top_logprobs, reason
-        )
+        req.results[seq.index] = seq.completion(reason, self.policy_version)
         if all(r is not None for r in req.results) and not req.pending_forks:
             return self._end(req, "cancelled" if req.cancelled else "finished")
         return False
@@ -607,25 +413,16 @@ class Engine:
             return False
         for j, r in enumerate(req.results):
             if r is None:
-                req.results[j] = self._completion(req, [], [], [], [], "cancelled")
+                req.results[j] = Sequence(req, j, 0, list(req.prompt)).completion("cancelled", self.policy_version)
         self.requests.pop(req.id, None)
         self.stats[outcome] += 1
         req.finish()
         return True
 
-    def _completion(self, req, tokens, logprobs, top_ids, top_logprobs, reason) -> Completion:
-        comp = Completion(tokens, np.asarray(logprobs, np.float32), reason, self.policy_version)
-        if req.sampling.top_logprobs:  # [T, k]; T = 0 for a sample cancelled before it started
-            k = req.sampling.top_logprobs
-            comp.top_ids = np.asarray(top_ids, np.int32).reshape(-1, k)
-            comp.top_logprobs = np.asarray(top_logprobs, np.float32).reshape(-1, k)
-        return comp
-
     def _reap_cancelled(self) -> list[Request]:
         finished = []
-        for seq in [s for s in list(self.running) + list(self.waiting) if s.request.cancelled]:
-            if seq in self.waiting:
-                self.waiting.remove(seq)
+        scheduled = self.scheduler.running + list(self.scheduler.waiting)
+        for seq in [s for s in scheduled if s.request.cancelled]:
             seq.request.pending_forks = 0
             if self._finish(seq, "cancelled"):
                 finished.append(seq.request)
@@ -645,9 +442,7 @@ class Engine:
                 req.error, req.pending_forks = error, 0
                 if self._end(req, "failed"):
                     failed.append(req)
-            self.waiting.clear()
-            self.running.clear()
-            self.pages = PageAllocator(self.config.num_pages)
+            self.scheduler.clear()
             self._in_flight, self._round_read_at = None, None
             if self.cache is not None and any(x.is_deleted() for x in self.cache):  # donated to the failed call
                 self._released = [(x.shape, x.dtype, x.sharding) for x in self.cache]
@@ -657,8 +452,9 @@ class Engine:
     def metrics(self) -> dict:
         """Counters, read without the step lock (a scrape never waits for a step; values may be a step old)."""
         return dict(self.stats) | {
-            "queue_depth": len(self._inbox) + len(self.waiting),
-            "running": len(self.running),
+            "queue_depth": len(self._inbox) + len(self.scheduler.waiting),
+            "running": len(self.scheduler.running),
+            "preemptions": self.scheduler.preemptions,
             "pages_used": self.pages.used,
             "pages_total": self.config.num_pages - 1,
             "compiled_shapes": len(self.shapes_seen),

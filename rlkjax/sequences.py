@@ -8,7 +8,8 @@ from collections import deque
 
 import numpy as np
 
-from rlkjax.sampling_params import SamplingParams
+from rlkjax.requests import check_int
+from rlkjax.sampling_params import SamplingParams, at_stop
 from rlkjax.shapes import bucket
 from rlkjax.steps import RowSampling
 
@@ -89,6 +90,54 @@ class Sequence:
         """Its pages or tokens came from the current weights: it must finish before a swap."""
         return bool(self.pages) or self.generated > 0
 
+    def extend(self, tokens, logprobs, top_ids=None, top_logprobs=None) -> int:
+        """Append a decode round's row (tokens [S], -1 after the row stopped; logprobs [S]; with
+        top_logprobs=k the alternatives [S, K]); returns how many tokens it added."""
+        k = self.request.sampling.top_logprobs
+        new = int((tokens >= 0).sum())
+        self.tokens += [int(t) for t in tokens[:new]]
+        self.logprobs += list(logprobs[:new])
+        if k:
+            self.top_ids += [top_ids[j, :k] for j in range(new)]
+            self.top_logprobs += [top_logprobs[j, :k] for j in range(new)]
+        self.cached += new
+        return new
+
+    def stop_reason(self) -> str | None:
+        """Why it ends now: "stop" (a stop id, once min_tokens are in), "length" (max_tokens), or None."""
+        sampling = self.request.sampling
+        stop_ids = np.asarray(self.request.stop_ids, np.int64)
+        if at_stop(np.int64(self.tokens[-1]), self.generated, stop_ids, sampling.min_tokens):
+            return "stop"
+        return "length" if self.generated >= sampling.max_tokens else None
+
+    def hook_stops(self, new: int, reason: str | None) -> bool:
+        """Show the request's hook the round's `new` tokens (and, when it asked for top_logprobs, their
+        alternatives: (top ids, top logprobs), one [k] array each per token; else None) and the engine's
+        finish reason (None: the sample goes on); if it keeps only k of them, drop the rest (their K/V
+        is never read: the sequence ends here) and report that the sequence stopped."""
+        tokens, logprobs = self.tokens[len(self.tokens) - new :], self.logprobs[len(self.logprobs) - new :]
+        top = (self.top_ids[len(self.top_ids) - new :], self.top_logprobs[len(self.top_logprobs) - new :])
+        asked = self.request.sampling.top_logprobs
+        keep = self.request.on_tokens(self.index, tokens, logprobs, top if asked else None, reason)
+        if keep is None:
+            return False
+        drop = new - check_int("on_tokens' keep", keep, 0, new)
+        del self.tokens[len(self.tokens) - drop :], self.logprobs[len(self.logprobs) - drop :]
+        if asked:  # the alternatives stay one per kept token
+            del self.top_ids[len(self.top_ids) - drop :], self.top_logprobs[len(self.top_logprobs) - drop :]
+        return True
+
+    def completion(self, reason: str, policy_version: int) -> "Completion":
+        comp = Completion(
+            self.tokens[len(self.request.prompt) :], np.asarray(self.logprobs, np.float32), reason, policy_version
+        )
+        k = self.request.sampling.top_logprobs
+        if k:  # [T, k]; T = 0 for a sample cancelled before it started
+            comp.top_ids = np.asarray(self.top_ids, np.int32).reshape(-1, k)
+            comp.top_logprobs = np.asarray(self.top_logprobs, np.float32).reshape(-1, k)
+        return comp
+
 
 @dataclasses.dataclass(eq=False)
 class Request:
@@ -96,7 +145,7 @@ class Request:
     prompt: list[int]
     sampling: SamplingParams
     stop_ids: tuple[int, ...]  # the ids that end a sample: sampling.stop_ids(the engine's eos)
-    group: object = None  # admission takes turns between groups (the server: one per HTTP request); None = its own
+    group: object = None  # admission shares slots fairly between groups (the server: one per HTTP request)
     results: list = dataclasses.field(default_factory=list)  # Completion per sample index, None until done
     pending_forks: int = 0  # samples waiting for the leader's prompt pages
     cancelled: bool = False

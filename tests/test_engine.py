@@ -10,6 +10,7 @@ import pytest
 import rlkjax
 from rlkjax.engine import Engine, EngineConfig
 from rlkjax.requests import sample_seed
+from rlkjax.scheduler import Scheduler
 from tests.helpers import assert_bits_equal
 
 CONFIG = EngineConfig(num_pages=96, max_batch=8, prefill_chunk=16, token_budget=32, max_context=256)
@@ -98,7 +99,7 @@ def test_random_schedules_keep_the_contract(tiny, config):
                 submitted.append((engine.submit(**kw), kw))
         engine.step()
     if tight:
-        assert engine.stats["preemptions"] > 0, "the tight config must force preemption"
+        assert engine.metrics()["preemptions"] > 0, "the tight config must force preemption"
     assert engine.pages.used == 0, "every page is returned"
     for req, kw in submitted:
         assert req.done.is_set()
@@ -326,8 +327,8 @@ def test_forked_samples_respect_max_batch(tiny):
     widest, parked = 0, False
     while engine.busy:
         engine.step()
-        widest = max(widest, len(engine.running))
-        parked = parked or any(s.pages for s in engine.waiting)
+        widest = max(widest, len(engine.scheduler.running))
+        parked = parked or any(s.pages for s in engine.scheduler.waiting)
     assert widest <= 4 and parked, (widest, parked)
     for r in (other, req):
         for comp in r.results:
@@ -363,7 +364,7 @@ def test_rounds_continue_on_the_device_exactly(tiny, monkeypatch):
     results = {}
     for chained in (True, False):
         if not chained:  # the engine's own fallback when pages are short: read the round first
-            monkeypatch.setattr(Engine, "_pages_ahead", lambda self, seqs, previous: False)
+            monkeypatch.setattr(Scheduler, "pages_ahead", lambda self, previous: False)
         engine = Engine(params, cfg, config=dataclasses.replace(CONFIG, decode_steps=3))
         reqs = [engine.submit(**(kw | {"on_tokens": stop_after_six()} if i == 1 else kw)) for i, kw in enumerate(work)]
         engine.run_until_done()
@@ -411,7 +412,7 @@ def test_decode_rounds_equal_single_steps(tiny):
         while not reqs[0].done.is_set():
             engine.step()
         assert reqs[0].results[0].finish_reason == "stop" and len(reqs[0].results[0].tokens) <= 3
-        assert engine.pages.used == len({p for s in engine.running for p in s.pages}), (
+        assert engine.pages.used == len({p for s in engine.scheduler.running for p in s.pages}), (
             "the stopped request's pages are free"
         )
         engine.run_until_done()
@@ -443,7 +444,7 @@ def test_weight_swap_waits_for_parked_and_preempted_sequences(tiny, case):
             engine.submit([1, 2, 3], max_tokens=12, seed=0),
             engine.submit(list(range(30, 50)), n=3, max_tokens=4, seed=5),
         ]
-        while not any(s.pages for s in engine.waiting):
+        while not any(s.pages for s in engine.scheduler.waiting):
             engine.step()
     else:
         engine = Engine(
@@ -454,7 +455,7 @@ def test_weight_swap_waits_for_parked_and_preempted_sequences(tiny, case):
             ),
         )
         reqs = [engine.submit(list(range(1, 30)), max_tokens=40, seed=j) for j in range(2)]
-        while not any(s.generated for s in engine.waiting):
+        while not any(s.generated for s in engine.scheduler.waiting):
             engine.step()
     engine.update_weights(new_params)
     engine.run_until_done()
@@ -480,3 +481,40 @@ def test_admission_takes_turns_between_groups(tiny):
     engine.run_until_done()
     for r in big + [small]:
         check_exact(params, cfg, r, r.results[0], 1.0)
+
+
+def test_a_small_request_takes_the_next_free_slot(tiny):
+    """Fair turns, counted in engine steps: a group of 4 prompts x n=4 samples x 16 tokens fills
+    all 4 batch slots (its forks wait, holding their prompt's pages) when a 2-token request
+    arrives. The small one is admitted in the step after the first slot frees and finishes one
+    decode round later (plus the round in flight), long before the group. Before, the group's
+    parked forks went first, as sequences already started: the small request waited for 12 of
+    the group's 16 sequences. Its tokens and bits are those it draws alone."""
+    cfg, params = tiny
+    engine = Engine(params, cfg, config=dataclasses.replace(CONFIG, max_batch=4, decode_steps=4))
+    big = [engine.submit([9, i + 1, 4, 4, 4], n=4, max_tokens=16, seed=i, group="big") for i in range(4)]
+    while not any(s.pages for s in engine.scheduler.waiting):  # the forks wait for slots
+        engine.step()
+    small = engine.submit([7, 7, 7], max_tokens=2, seed=99)
+    freed = admitted = done = None
+    while engine.busy:
+        before = sum(c is not None for r in big for c in r.results)
+        engine.step()
+        step = engine.stats["steps"]
+        if freed is None and sum(c is not None for r in big for c in r.results) > before:
+            freed = step  # a big sequence finished at the end of this step: its slot is free
+        if admitted is None and any(s.request is small for s in engine.scheduler.running):
+            admitted = step
+        if done is None and small.done.is_set():
+            done = step
+    assert freed is not None and admitted == freed + 1, (freed, admitted)
+    # prefill in the admitting step, then its one round is dispatched and read a step later
+    assert done <= admitted + 2, (admitted, done)
+    last_big = engine.stats["steps"]
+    assert done < last_big / 2, (done, last_big)
+    alone = rlkjax.generate(params, cfg, [small.prompt], max_new_tokens=2, seeds=99)[0]
+    assert alone.tokens == small.results[0].tokens
+    assert_bits_equal(alone.logprobs, small.results[0].logprobs, "small request, fair turn vs alone")
+    for r in big[:1] + [small]:
+        for comp in r.results:
+            check_exact(params, cfg, r, comp, 1.0)
