@@ -3,8 +3,10 @@
 Random weights of a few layers 64 wide, saved with `save_hf_checkpoint` beside Qwen3's tokenizer.json
 and tokenizer_config.json (chat template, eos `<|im_end|>`), so every path a real Qwen3 checkpoint takes
 (tokenizer loading, chat rendering, eos, the full-vocabulary log-softmax) runs in seconds on a laptop.
+`python -m rlkjax.tiny_qwen3 DIR` writes one.
 """
 
+import argparse
 import shutil
 from pathlib import Path
 
@@ -29,3 +31,11 @@ def write_tiny_qwen3(directory, seed: int = 0, cfg: ModelConfig = TINY_QWEN3, ca
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(tokenizer / name, directory / name)
     return directory
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("directory", help="where to write the checkpoint (created if missing)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the random weights")
+    args = parser.parse_args()
+    print(write_tiny_qwen3(args.directory, args.seed))

@@ -7,7 +7,7 @@ import pytest
 
 import rlkjax  # noqa: F401  (sets the strict XLA flags before any test starts a backend)
 
-_COMPILATION_CACHE = pytest.StashKey[tempfile.TemporaryDirectory]()
+_RUN_CACHE = pytest.StashKey[tempfile.TemporaryDirectory]()
 
 
 @pytest.fixture(scope="session")
@@ -16,21 +16,42 @@ def tiny():
     return cfg, rlkjax.init_params(cfg, seed=0)
 
 
+def pytest_xdist_auto_num_workers(config):
+    """Workers for `-n auto` (pyproject's addopts): one per core for a run of the whole suite on the
+    CPU, where each test compiles for seconds and cores are what it waits for. None for a run of named
+    files or tests (starting workers would cost more than they save) or on a GPU (workers would each
+    claim the one device's memory): those run in this process."""
+    if config.args_source != pytest.Config.ArgsSource.TESTPATHS or jax.default_backend() != "cpu":
+        return 0
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def pytest_configure(config):
-    """One persistent compilation cache for the run, unless the caller chose one: many tests trace the
-    same programs afresh (every `grpo.train` builds its learner step anew, and the caches are dropped
-    after each module, below), and a cache hit loads the compiled program instead of compiling it again.
-    Set here, before collection, because JAX reads the setting at its first compilation."""
+    """One persistent compilation cache for the whole run, unless the caller chose one: many tests trace
+    the same programs afresh (every `grpo.train` builds its learner step anew, and jit's caches are
+    dropped after each module, below), and a cache hit loads the compiled program instead of compiling
+    it again. Set in the environment, before collection, so that everything the run starts shares it:
+    pytest-xdist's workers, and the servers, trainers and probes that tests run in subprocesses (a
+    trainer compiles the programs the in-process tests compiled already). XDG_CACHE_HOME points into
+    it too, so an entry point that keeps its cache under the user's cache directory uses the run's
+    directory instead of the user's. A worker finds the variables set and leaves them alone."""
     if jax.config.jax_compilation_cache_dir is None:
-        cache = config.stash[_COMPILATION_CACHE] = tempfile.TemporaryDirectory(prefix="rlkjax-jax-cache-")
-        jax.config.update("jax_compilation_cache_dir", cache.name)
+        run = config.stash[_RUN_CACHE] = tempfile.TemporaryDirectory(prefix="rlkjax-test-cache-")
+        jax_dir = os.path.join(run.name, "rlkjax", "jax")
+        os.makedirs(jax_dir)
+        os.environ.update(
+            XDG_CACHE_HOME=run.name,
+            JAX_COMPILATION_CACHE_DIR=jax_dir,
+            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        )
+        jax.config.update("jax_compilation_cache_dir", jax_dir)  # this process read the variables at import
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def pytest_unconfigure(config):
-    cache = config.stash.get(_COMPILATION_CACHE, None)
-    if cache is not None:
-        cache.cleanup()
+    run = config.stash.get(_RUN_CACHE, None)
+    if run is not None:
+        run.cleanup()
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -24,8 +24,10 @@ BF16, F32 = jnp.bfloat16, jnp.float32
 
 
 def check_against_truth(kernel_fn, reference_fn, args, what, truth_fn=None):
-    """kernel(args) vs reference(args), both vs truth_fn (default: the reference) in float64."""
-    out_k, out_r = kernel_fn(*args), reference_fn(*args)
+    """kernel(args) vs reference(args), both vs truth_fn (default: the reference) in float64. Each
+    side runs as one jitted program: op by op, every primitive of the reference and of the kernel's
+    wrapper compiled as a program of its own, dozens per shape."""
+    out_k, out_r = jax.jit(kernel_fn)(*args), jax.jit(reference_fn)(*args)
     with float64_on_cpu():
         args64 = [
             jnp.asarray(np.asarray(a, np.float64))
@@ -33,7 +35,7 @@ def check_against_truth(kernel_fn, reference_fn, args, what, truth_fn=None):
             else jnp.asarray(np.asarray(a))
             for a in args
         ]
-        truth = (truth_fn or reference_fn)(*args64)
+        truth = jax.jit(truth_fn or reference_fn)(*args64)
     for k, r, t in zip(jax.tree.leaves(out_k), jax.tree.leaves(out_r), jax.tree.leaves(truth)):
         ek, er = rel_err(k, t), rel_err(r, t)
         assert np.isfinite(ek) and ek <= 2 * er + 1e-7, f"{what}: kernel error {ek:.3g} vs reference error {er:.3g}"
@@ -52,8 +54,9 @@ def check_grads(kernel_fn, reference_fn, args, argnums, what):
 
     out = reference_fn(*args)
     cot = jax.random.normal(jax.random.key(7), out.shape, F32)
-    gk = jax.grad(loss(kernel_fn), argnums)(*args)
-    gr = jax.grad(loss(reference_fn), argnums)(*args)
+    grad_k = jax.jit(jax.grad(loss(kernel_fn), argnums))
+    gk = grad_k(*args)
+    gr = jax.jit(jax.grad(loss(reference_fn), argnums))(*args)
     with float64_on_cpu():
         args64 = [
             jnp.asarray(np.asarray(a, np.float64))
@@ -62,7 +65,7 @@ def check_grads(kernel_fn, reference_fn, args, argnums, what):
             for a in args
         ]
         cot = jnp.asarray(np.asarray(cot, np.float64))
-        gt = jax.grad(loss(reference_fn), argnums)(*args64)
+        gt = jax.jit(jax.grad(loss(reference_fn), argnums))(*args64)
         gt = [np.asarray(g) for g in gt]
     for i, (k, r, t) in enumerate(zip(gk, gr, gt)):
         ek, er = rel_err(k, t), rel_err(r, t)
@@ -70,7 +73,7 @@ def check_grads(kernel_fn, reference_fn, args, argnums, what):
             f"{what} grad {i}: kernel error {ek:.3g} vs reference error {er:.3g}"
         )
     # Deterministic backward: the same call twice gives the same bits.
-    for a, b in zip(gk, jax.grad(loss(kernel_fn), argnums)(*args)):
+    for a, b in zip(gk, grad_k(*args)):
         assert_bits_equal(a, b, f"{what} backward run to run")
 
 

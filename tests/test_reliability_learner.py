@@ -3,7 +3,9 @@ checked line by line when loaded, non-finite values stop train.grpo before anyth
 them, and checkpoints that prove themselves (real orbax files with real flipped or truncated bytes)
 resume bit-identically or not at all."""
 
+import ast
 import dataclasses
+import inspect
 import json
 import logging
 import shutil
@@ -62,6 +64,26 @@ def test_help_names_the_smallest_temperature(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         tyro.cli(grpo.GRPOConfig, args=["--help"])
     assert f"at least {MIN_TEMPERATURE}" in capsys.readouterr().out
+
+
+def test_help_documents_every_flag(capsys, monkeypatch):
+    """Every GRPOConfig field is a flag in --help, shown with the docstring under it (tyro reads it from the
+    source): a field moved, added or renamed without its docstring would show up undocumented."""
+    tree = ast.parse(inspect.getsource(grpo.GRPOConfig))
+    body = tree.body[0].body
+    docs = {
+        field.target.id: " ".join(doc.value.value.split())
+        for field, doc in zip(body, body[1:])
+        if isinstance(field, ast.AnnAssign) and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+    }
+    assert set(docs) == {f.name for f in dataclasses.fields(grpo.GRPOConfig)}
+    monkeypatch.setenv("COLUMNS", "400")
+    with pytest.raises(SystemExit):
+        tyro.cli(grpo.GRPOConfig, args=["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name, doc in docs.items():
+        assert f"--{name.replace('_', '-')}" in text, name
+        assert " ".join(doc.split()[:4]) in text, (name, doc)
 
 
 # ----- 8. data files -----

@@ -1,0 +1,222 @@
+"""`python -m train.sft`: a supervised warm-up before GRPO, as real pipelines run SFT and then RL.
+
+Trains a Hugging Face checkpoint on worked answers to a problems file (the fields --task math reads): each
+example is the prompt, rendered with the checkpoint's chat template exactly as train.grpo renders it, then the
+completion `\\boxed{ANSWER}` and the checkpoint's eos (`<|im_end|>` for Qwen3). The loss is the mean negative
+log-likelihood of the completion's tokens (eos included, so the model learns to stop); the prompt is not
+trained on. Writes OUT/ as an HF checkpoint (the weights in the model's dtype, beside the input's tokenizer
+files), so `python -m train.grpo --model OUT` starts from it, plus OUT/sft_metrics.jsonl.
+
+A random model learns the answer format in a few dozen steps and the answers themselves much later: stopping
+early (--steps) leaves a policy that answers in the right form and is sometimes right, the room GRPO needs.
+
+--numerics fast (the default) trains through plain XLA: the warm-up is not on the sampler/learner logprob
+contract (GRPO's first rollout starts from whatever weights it writes), and on a CPU it is several times
+faster than the strict kernels in interpret mode. --numerics strict runs the same kernels as the learner.
+"""
+
+import dataclasses
+import functools
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import tyro
+
+from rlkjax import compilation_cache, model
+from rlkjax.chat import prompt_format
+from rlkjax.checkpoint import load_hf_checkpoint, save_hf_checkpoint
+from rlkjax.data import load_examples
+from rlkjax.numerics import PAGE_SIZE
+from rlkjax.shapes import cdiv, fresh_page_table, pad_sequences
+from rlkjax.tokenizer import load_tokenizer
+from train.batch import padded_length
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "generation_config.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+    model: str
+    """The HF checkpoint directory to start from (config.json, safetensors, tokenizer.json)."""
+    data: str
+    """A local .jsonl, .parquet or .csv file of problems and their answers (as train.grpo --task math reads)."""
+    out: str = "runs/sft"
+    """Output directory: the trained HF checkpoint (with the tokenizer files) and sft_metrics.jsonl."""
+    prompt_field: str = "prompt"
+    """The data file's field (column) holding each problem."""
+    answer_field: str = "answer"
+    """The data file's field (column) holding each answer; the completion trained on is \\boxed{ANSWER} + eos."""
+    chat_template: str = "auto"
+    """auto (the checkpoint's chat template), none (plain text) or a Jinja template FILE: use the choice
+    train.grpo will use, so the warm-up sees the prompts GRPO samples after."""
+    system_prompt: str | None = None
+    """A system message before each prompt (needs a chat template)."""
+    enable_thinking: bool = True
+    """Qwen3's thinking switch, as train.grpo's: --no-enable-thinking trains answers after an empty think block."""
+    steps: int = 200
+    """Optimiser steps."""
+    batch_size: int = 16
+    """Examples per step, drawn at random (with replacement) from --data."""
+    learning_rate: float = 3e-3
+    """Peak AdamW learning rate."""
+    warmup_steps: int = 10
+    """Linear warmup steps, then cosine decay to 10% of the peak."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Global gradient-norm clip."""
+    numerics: Literal["fast", "strict"] = "fast"
+    """fast: plain XLA (the warm-up is not on the logprob contract). strict: the learner's Pallas kernels."""
+    seed: int = 0
+    """Seeds the order of the examples."""
+    log_every: int = 10
+    """Steps between rows of sft_metrics.jsonl (and the last step)."""
+    compilation_cache: str = compilation_cache.default_dir()
+    """JAX's persistent compilation cache (a directory), so a second run loads its programs; 'off' compiles all."""
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "log_every"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be positive")
+        if self.warmup_steps < 0:
+            raise ValueError(f"--warmup-steps={self.warmup_steps} must be >= 0")
+        for name, low in (("learning_rate", 0.0), ("max_grad_norm", 0.0)):
+            value = getattr(self, name)
+            if not (np.isfinite(np.float32(value)) and value > low):
+                raise ValueError(f"--{name.replace('_', '-')}={value!r} must be finite and > {low}")
+        if not (np.isfinite(np.float32(self.weight_decay)) and self.weight_decay >= 0):
+            raise ValueError(f"--weight-decay={self.weight_decay!r} must be finite and >= 0")
+        compilation_cache.check(self.compilation_cache)
+
+
+def completion_text(answer: str) -> str:
+    """What the warm-up teaches the model to answer (before the eos token)."""
+    return f"\\boxed{{{answer}}}"
+
+
+def encode(examples, tokenizer, render, eos: int) -> list[tuple[list[int], list[int]]]:
+    """Each example -> (rendered prompt ids, completion ids ending with eos)."""
+    return [(tokenizer.encode(render(e.prompt)), tokenizer.encode(completion_text(e.answer)) + [eos]) for e in examples]
+
+
+def make_batch(pairs) -> dict[str, np.ndarray]:
+    """(prompt, completion) id lists -> the padded sequences and, per completion token, the column of the
+    hidden state that predicts it: tokens, positions [B, T]; columns, targets, mask [B, C]."""
+    sequences = [p + c for p, c in pairs]
+    rows, width = len(pairs), max(len(c) for _, c in pairs)
+    tokens, positions = pad_sequences(sequences, rows, padded_length(max(map(len, sequences))))
+    columns, targets, mask = (np.zeros((rows, width), dtype) for dtype in (np.int32, np.int32, np.float32))
+    for i, (prompt, completion) in enumerate(pairs):
+        n = len(completion)
+        columns[i, :n] = np.arange(len(prompt) - 1, len(prompt) - 1 + n)
+        targets[i, :n] = completion
+        mask[i, :n] = 1
+    return {"tokens": tokens, "positions": positions, "columns": columns, "targets": targets, "mask": mask}
+
+
+def completion_logprobs(policy, batch: dict, rope, cfg, numerics) -> jax.Array:
+    """log p(completion token | everything before it) [B, C]: the learner's pass over whole sequences, with the
+    log-softmax over the vocabulary taken only at completion positions (a few per row, not all T)."""
+    b, t = batch["tokens"].shape
+    pages_per_row = cdiv(t, PAGE_SIZE)
+    cache = model.init_kv_cache(cfg, 1 + b * pages_per_row)
+    hidden, _ = model.forward(
+        policy,
+        batch["tokens"],
+        batch["positions"],
+        cache,
+        fresh_page_table(b, pages_per_row),
+        rope,
+        cfg,
+        numerics,
+        weights_in_place=False,
+    )
+    rows = hidden[jnp.arange(b)[:, None], batch["columns"]].reshape(-1, cfg.hidden_size)  # [B * C, D] gather
+    temps = jnp.ones(rows.shape[0], jnp.float32)
+    logp = model.token_logprobs(policy, rows, batch["targets"].reshape(-1), temps, numerics)
+    return logp.reshape(batch["targets"].shape)
+
+
+def sft_loss(master, batch: dict, rope, cfg, numerics) -> jax.Array:
+    """Mean negative log-likelihood per completion token, through the policy (the master weights' cfg.dtype
+    cast, as train.grpo's learner scores)."""
+    policy = jax.tree.map(lambda w: w.astype(cfg.dtype), master)
+    logp = completion_logprobs(policy, batch, rope, cfg, numerics)
+    return -jnp.sum(logp * batch["mask"]) / jnp.sum(batch["mask"])
+
+
+def make_update(config: SFTConfig, cfg):
+    """-> (the AdamW optimiser, a jitted step (master, opt_state, batch) -> (master, opt_state, loss, grad norm))."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0,
+        config.learning_rate,
+        config.warmup_steps,
+        max(config.steps, config.warmup_steps + 1),
+        end_value=0.1 * config.learning_rate,
+    )
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(config.max_grad_norm), optax.adamw(schedule, weight_decay=config.weight_decay)
+    )
+    rope = model.rope_tables(cfg)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def update(master, opt_state, batch):
+        loss, grads = jax.value_and_grad(sft_loss)(master, batch, rope, cfg, config.numerics)
+        updates, opt_state = optimizer.update(grads, opt_state, master)
+        return optax.apply_updates(master, updates), opt_state, loss, optax.tree.norm(grads)
+
+    return optimizer, update
+
+
+def train(config: SFTConfig) -> list[dict]:
+    """Run the warm-up and write OUT/ -> the metrics rows."""
+    cfg, params = load_hf_checkpoint(config.model)
+    tokenizer = load_tokenizer(config.model)
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"{config.model}: tokenizer_config.json names no eos token; the completions end with it")
+    render = prompt_format(config.chat_template, tokenizer, config.system_prompt, config.enable_thinking)
+    examples = load_examples(config.data, config.prompt_field, config.answer_field)
+    pairs = encode(examples, tokenizer, render, tokenizer.eos_token_id)
+    longest = max(len(p) + len(c) for p, c in pairs)
+    if longest > cfg.max_position:
+        raise ValueError(f"{config.data}: an example is {longest} tokens, past the model's {cfg.max_position}")
+    optimizer, update = make_update(config, cfg)
+    master = jax.tree.map(lambda w: jnp.asarray(w, jnp.float32), params)
+    opt_state = optimizer.init(master)
+    rng = np.random.default_rng(config.seed)
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows, start = [], time.perf_counter()
+    with (out / "sft_metrics.jsonl").open("w") as metrics:
+        for step in range(1, config.steps + 1):
+            batch = make_batch([pairs[i] for i in rng.integers(0, len(pairs), config.batch_size)])
+            master, opt_state, loss, grad_norm = update(master, opt_state, batch)
+            if step % config.log_every == 0 or step == config.steps:
+                loss = float(loss)
+                if not np.isfinite(loss):
+                    raise FloatingPointError(f"step {step}: the loss is {loss}")
+                seconds = time.perf_counter() - start
+                row = {"step": step, "loss": loss, "grad_norm": float(grad_norm), "seconds": seconds}
+                rows.append(row)
+                metrics.write(json.dumps(row) + "\n")
+                metrics.flush()
+                print(json.dumps(row), flush=True)
+    policy = jax.tree.map(lambda w: np.asarray(w.astype(cfg.dtype)), master)
+    save_hf_checkpoint(out, cfg, policy)
+    for name in TOKENIZER_FILES:
+        if (Path(config.model) / name).is_file():
+            shutil.copyfile(Path(config.model) / name, out / name)
+    return rows
+
+
+if __name__ == "__main__":
+    config = tyro.cli(SFTConfig, description=__doc__)
+    compilation_cache.enable(config.compilation_cache)  # before the first compilation
+    train(config)
