@@ -23,43 +23,39 @@ most --shutdown-timeout plus a short grace, whatever the clients or the engine d
 doubles written by Python's shortest round-trip repr, so float32(json value) has the sampler's bits.
 """
 
+# This file is the Server: request bookkeeping, the engine thread, the drain and the routes. Its flags live in
+# serve/config.py, listening and signals in serve/lifecycle.py, /update_weights in serve/weights.py, /metrics in
+# serve/metrics.py, the OpenAI routes in serve/openai_api.py.
+
 import asyncio
 import dataclasses
 import logging
 import math
-import os
 import secrets
-import signal
 import threading
 import time
-from pathlib import Path
-from typing import Annotated, Literal
 
-import jax
-import jax.numpy as jnp
 import tyro
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
 
 from rlkjax import compilation_cache
 from rlkjax.chat import load_chat_template
 from rlkjax.checkpoint import load_model
-from rlkjax.engine import Engine, EngineConfig
-from rlkjax.requests import check_int, check_seed, sample_seed, shown
+from rlkjax.engine import Engine
+from rlkjax.requests import check_int, check_seed, sample_seed
 from rlkjax.sampling_params import SamplingParams
 from rlkjax.sequences import Request
 from rlkjax.tokenizer import load_tokenizer
-from serve import openai_api
+from serve import openai_api, weights
 from serve.auth import AdminAuth
-from serve.connections import LimitedRunner
+from serve.config import ServerConfig, admin_key
 from serve.http import (
     BadRequest,
     EngineFailed,
     RequestTimeout,
     ShuttingDown,
     Starting,
-    _error,
     _errors,
     _fields,
     _json,
@@ -67,110 +63,19 @@ from serve.http import (
     _opt,
     _prompts,
 )
+from serve.lifecycle import SECOND_SIGNAL_GRACE_S, SHUTDOWN_GRACE_S, serve
+from serve.metrics import EngineMetrics
 
 log = logging.getLogger("serve.rollout")
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerConfig:
-    model: str = "qwen3-tiny"
-    """A preset (random weights from --seed), an HF checkpoint dir, or an orbax dir (config.json + params/)."""
-    tokenizer: str | None = None
-    """'bytes' (the tiny model's byte tokenizer) or a directory with tokenizer.json. Default: the byte tokenizer for
-    a preset, the checkpoint's own tokenizer.json otherwise (a checkpoint without one is an error)."""
-    host: str = "127.0.0.1"
-    """Interface to bind. The default serves this machine only; 0.0.0.0 exposes it to the network."""
-    port: int = 8000
-    """TCP port."""
-    admin_key: str | None = None
-    """Key for POST /update_weights. Prefer --admin-key-file or RLKJAX_ADMIN_KEY: a flag is visible in `ps`. With
-    none of the three, weight updates are refused."""
-    admin_key_file: str | None = None
-    """File holding the admin key (its first line)."""
-    seed: int = 0
-    """Seed of the random weights when --model is a preset."""
-    numerics: Literal["strict", "fast"] = "strict"
-    """strict: our Pallas kernels, logprobs equal the learner's bit for bit. fast: plain XLA."""
-    engine: Annotated[EngineConfig, tyro.conf.OmitArgPrefixes] = EngineConfig(max_context=4096)
-    """The rollout engine: KV cache, batch and prefill sizes."""
-    max_prompts: int = 256
-    """Most prompts in one request."""
-    max_sequences: int = 256
-    """Most sequences (prompts x n) in one request; requests also take turns in admission, so a big one cannot
-    hold back a small one that came after it."""
-    read_timeout: float = 30.0
-    """Seconds a client has to send its whole request body (a slow client gets 408)."""
-    max_body_bytes: int = 4 * 2**20
-    """Larger request bodies get 413."""
-    header_timeout: float = 15.0
-    """Seconds a connection has to send a complete request head, from opening or from the end of its previous
-    response; then it is closed (a client trickling its headers, an idle keep-alive connection)."""
-    max_connections: int = 512
-    """Most open connections; past it a new connection gets 503 and is closed. Each open connection needs a file
-    descriptor: keep this under the process's limit (`ulimit -n`)."""
-    warmup: bool = True
-    """Compile every batch shape of default requests before accepting any (prefill and decode rounds of 1, 2, 4,
-    ... --max-batch sequences, page copies for n > 1): a few seconds per shape (far less from a warm
-    --compilation-cache), so no request waits behind a compilation mid-serving. The server listens meanwhile:
-    /health answers 503 "starting" with the progress, generation routes 503 with Retry-After. Options such as
-    top_logprobs, top_k/top_p/min_p or several stop ids still compile on first use. --no-warmup is ready at
-    once."""
-    compilation_cache: str = compilation_cache.default_dir()
-    """JAX's persistent compilation cache: a directory (created if missing), or 'off'. A restarted server loads
-    the programs an earlier one compiled (the same executables, so the same bits) and warms up in a fraction of
-    the time. Delete the directory to reclaim its space."""
-    shutdown_timeout: float = 300.0
-    """On SIGTERM/SIGINT: /health turns 503 "draining" and new work gets 503; what is in flight finishes for up
-    to this many seconds, then the rest is cancelled (its clients get 503, a stream its error event and [DONE])
-    and the process exits 0. A second signal cancels at once and exits within a second."""
-
-    def __post_init__(self):
-        for name in ("port", "max_prompts", "max_sequences", "max_body_bytes", "max_connections"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be positive")
-        if not (math.isfinite(self.shutdown_timeout) and self.shutdown_timeout >= 0):
-            raise ValueError(f"--shutdown-timeout={self.shutdown_timeout} must be a finite number >= 0")
-        for name in ("read_timeout", "header_timeout"):
-            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
-                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be a finite number > 0")
-        compilation_cache.check(self.compilation_cache)
-
-
-@jax.jit
-def _all_finite(params):
-    """One flag per leaf. One program for the whole tree, compiled at start-up (the served weights
-    are checked there) and reused by every /update_weights: not an eager reduction per array."""
-    return [jnp.isfinite(leaf).all() for leaf in jax.tree.leaves(params)]
-
-
-def _non_finite(params) -> list[str]:
-    """Paths of the parameters holding NaN or Inf."""
-    flags = jax.device_get(_all_finite(params))
-    paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)]
-    return [path for path, ok in zip(paths, flags, strict=True) if not ok]
-
-
-# Once a shutdown cancelled what was left (deadline or second signal), how long its handlers get to answer
-# before the process exits regardless: cancelled requests end at the engine's next step.
-SHUTDOWN_GRACE_S, SECOND_SIGNAL_GRACE_S = 5.0, 0.5
-
-
-def _admin_key(config: ServerConfig) -> str | None:
-    if config.admin_key_file:
-        lines = Path(config.admin_key_file).read_text().splitlines()
-        if not lines or not lines[0].strip():
-            raise ValueError(f"--admin-key-file {config.admin_key_file} is empty")
-        return lines[0].strip()
-    return config.admin_key or os.environ.get("RLKJAX_ADMIN_KEY") or None
 
 
 class Server:
     def __init__(self, config: ServerConfig):
         self.config = config
-        admin_key = _admin_key(config)
-        self.admin = AdminAuth(admin_key) if admin_key else None
+        key = admin_key(config)
+        self.admin = AdminAuth(key) if key else None
         self.cfg, params = load_model(config.model, seed=config.seed)
-        bad = _non_finite(params)
+        bad = weights.non_finite(params)
         if bad:
             raise ValueError(
                 f"--model {config.model}: non-finite values in {', '.join(bad[:10])}; refusing to serve them"
@@ -194,7 +99,7 @@ class Server:
         self.handlers = 0  # route handlers running (a stream until its last event): the drain waits for them
         self.started = time.time()
         self.registry = CollectorRegistry()
-        self.registry.register(self)
+        self.registry.register(EngineMetrics(self.engine, self.started))
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
     # ----- engine thread -----
@@ -235,7 +140,7 @@ class Server:
                 log.exception("engine step failed; failing the requests it held")
                 self.engine.abort(f"the engine failed while serving this request: {type(e).__name__}: {e}")
 
-    def _kick(self):
+    def kick(self):
         with self.wake:
             self.wake.notify()
 
@@ -265,7 +170,7 @@ class Server:
             self.cancel(requests)
             raise BadRequest(str(e)) from None
         self.in_flight.update(requests)
-        self._kick()
+        self.kick()
         return requests
 
     def pending(self) -> set[Request]:
@@ -278,7 +183,7 @@ class Server:
         self.in_flight.difference_update(requests)
         for r in requests:
             self.engine.cancel(r)
-        self._kick()
+        self.kick()
 
     def when_done(self, request: Request, callback) -> None:
         """Call `callback()` on the event loop once the engine finished `request` (at once if it has)."""
@@ -367,6 +272,9 @@ class Server:
             }
         )
 
+    async def update_weights(self, request: web.Request):
+        return await weights.update_weights(self, request)
+
     async def completions(self, request: web.Request):
         return await openai_api.completions(self, request)
 
@@ -379,58 +287,6 @@ class Server:
         except UnicodeEncodeError as e:  # JSON can carry lone surrogates ("\ud800"), which are not text
             raise BadRequest(f"prompt is not valid Unicode: {e.reason} at character {e.start}") from None
         return self.tokenizer.encode(text)
-
-    async def update_weights(self, request: web.Request):
-        if self.admin is None:
-            return _error(
-                403, "weight updates are disabled: start the server with --admin-key-file or RLKJAX_ADMIN_KEY"
-            )
-        refused = self.admin.check(request)
-        if refused is not None:
-            return refused
-        body = _fields(await _json(request, self.config.read_timeout), {"path"}, {"path"})
-        if not isinstance(body["path"], str):
-            raise BadRequest("path must be a string")
-        params = await asyncio.to_thread(self._load_update, body["path"])
-        swapped = self.engine.update_weights(params)
-        self._kick()
-        while not swapped.is_set():  # polled, not a blocked thread: a shutdown must not wait on it
-            if self.deadline_passed:
-                raise ShuttingDown("the server shut down before the new weights went live")
-            await asyncio.sleep(0.02)
-        return _json_response({"policy_version": self.engine.policy_version})
-
-    def _load_update(self, path: str):
-        """New weights for the served model, or BadRequest naming why not; the old weights stay.
-        Refused: anything but a checkpoint directory (a preset name would build a random model), a
-        checkpoint that does not load (corrupt safetensors or config.json, extra or missing
-        tensors), other shapes, another dtype (float32 weights served in bfloat16's place would
-        break sampler == learner), and non-finite values."""
-        try:
-            is_dir = Path(path).is_dir()
-        except OSError as e:  # a name longer than the file system allows, say: the client's path, not a 500
-            raise BadRequest(f"path {shown(path)}: {e.strerror}") from None
-        if not is_dir:
-            raise BadRequest(
-                f"path {shown(path)} is not a checkpoint directory (HF: config.json + *.safetensors, or orbax: "
-                "config.json + params/)"
-            )
-        try:
-            cfg, params = load_model(path)
-        except Exception as e:  # whatever a damaged upload raises is the caller's input problem, not a 500
-            raise BadRequest(f"cannot load {shown(path)}: {type(e).__name__}: {e}") from None
-        if cfg.replace_dtype(self.cfg.dtype) != self.cfg:
-            raise BadRequest(f"checkpoint shapes {cfg} do not match the served model {self.cfg}")
-        if cfg.dtype != self.cfg.dtype or any(
-            leaf.dtype != jnp.dtype(self.cfg.dtype) for leaf in jax.tree.leaves(params)
-        ):
-            raise BadRequest(
-                f"checkpoint dtype {cfg.dtype} is not the served dtype {self.cfg.dtype}: cast it when saving"
-            )
-        bad = _non_finite(params)
-        if bad:
-            raise BadRequest(f"checkpoint has non-finite values in {', '.join(bad[:10])}")
-        return params
 
     async def models(self, request):
         """GET /v1/models: the one served model, in OpenAI's list shape."""
@@ -471,45 +327,6 @@ class Server:
 
     async def metrics(self, request):
         return web.Response(body=generate_latest(self.registry), content_type="text/plain", charset="utf-8")
-
-    def collect(self):
-        """Prometheus collector: read the engine's counters at scrape time."""
-        m = self.engine.metrics()
-        uptime = max(time.time() - self.started, 1e-9)
-        for name, value, doc in [
-            (
-                "rlkjax_requests_total",
-                m["requests"],
-                "requests submitted to the engine (= finished + cancelled + failed at rest)",
-            ),
-            (
-                "rlkjax_requests_finished_total",
-                m["finished"],
-                "requests whose every sample stopped or reached its length",
-            ),
-            (
-                "rlkjax_requests_cancelled_total",
-                m["cancelled"],
-                "requests cancelled: client gone, timeout, refused, shutdown",
-            ),
-            ("rlkjax_requests_failed_total", m["failed"], "requests failed by an engine error"),
-            ("rlkjax_generated_tokens_total", m["decode_tokens"], "tokens sampled"),
-            ("rlkjax_prefill_tokens_total", m["prefill_tokens"], "prompt tokens prefilled"),
-            ("rlkjax_tokens_per_second", m["decode_tokens"] / uptime, "sampled tokens per second since start"),
-            ("rlkjax_queue_depth", m["queue_depth"], "sequences waiting for admission"),
-            ("rlkjax_running_sequences", m["running"], "sequences in flight"),
-            ("rlkjax_kv_pages_used", m["pages_used"], "KV pages in use"),
-            ("rlkjax_kv_pages_total", m["pages_total"], "KV pages available"),
-            ("rlkjax_preemptions_total", m["preemptions"], "sequences preempted for pages"),
-            ("rlkjax_compiled_shapes", m["compiled_shapes"], "step-function shapes compiled (one compilation each)"),
-            ("rlkjax_policy_version", m["policy_version"], "weights version"),
-            ("rlkjax_engine_steps_total", m["steps"], "scheduling steps (one decode round and/or prefill chunk each)"),
-            ("rlkjax_engine_step_seconds_total", m["step_s"], "seconds the engine spent in scheduling steps"),
-            ("rlkjax_engine_wait_seconds_total", m["wait_s"], "of those, blocked on a decode round"),
-            ("rlkjax_engine_gap_seconds_total", m["gap_s"], "from reading a decode round to dispatching the next"),
-            ("rlkjax_engine_dispatch_seconds_total", m["dispatch_s"], "inside the jitted calls' dispatch"),
-        ]:
-            yield GaugeMetricFamily(name, doc, value=value)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._track, _errors])
@@ -571,44 +388,13 @@ class Server:
                     cut_at, self.deadline_passed = now, True
                     for r in list(self.pending()):
                         self.engine.cancel(r)
-                    self._kick()
+                    self.kick()
                 if now >= cut_at + self.grace:
                     log.warning(
                         "exiting with %d requests and %d handlers unfinished", len(self.pending()), self.handlers
                     )
                     return
             await asyncio.sleep(0.05)
-
-
-async def serve(server: Server) -> None:
-    config = server.config
-    # handler_cancellation: a client that disconnects cancels its handler, which cancels its sequences.
-    # shutdown_timeout: the drain has waited for the handlers already; what is left is not worth a longer wait
-    runner = LimitedRunner(
-        server.app(),
-        max_connections=config.max_connections,
-        header_timeout=config.header_timeout,
-        handler_cancellation=True,
-        handle_signals=False,
-        shutdown_timeout=SECOND_SIGNAL_GRACE_S,
-    )
-    await runner.setup()
-    await web.TCPSite(runner, config.host, config.port).start()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, server.on_signal)
-    log.info(
-        "listening on http://%s:%d for %s (%s numerics)%s",
-        config.host,
-        config.port,
-        config.model,
-        config.numerics,
-        f"; ready once {len(server.warm_up_todo)} shapes are compiled" if server.warm_up_todo else "",
-    )
-    try:
-        await server.wait_until_drained()
-    finally:
-        await runner.cleanup()
 
 
 def main(config: ServerConfig) -> None:

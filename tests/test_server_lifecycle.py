@@ -17,7 +17,9 @@ from aiohttp.test_utils import TestServer
 
 import rlkjax
 from rlkjax.engine import EngineConfig
-from serve.rollout import SHUTDOWN_GRACE_S, Server, ServerConfig
+from serve.config import ServerConfig
+from serve.lifecycle import SHUTDOWN_GRACE_S
+from serve.rollout import Server
 from tests import fault_load
 from tests.server_process import ADMIN, post_raw, start_server, wait_for_metric
 
@@ -134,7 +136,7 @@ def test_an_engine_failure_ends_requests_with_an_error_and_streams_with_done(tin
                 while server.engine.metrics()["running"] < 2:
                     await asyncio.sleep(0.01)
                 server.engine.submit([1], max_tokens=200, on_tokens=lambda *args: -1)
-                server._kick()
+                server.kick()
                 rest = await stream.content.read()
             async with await plain as answer:
                 failed = answer.status, await answer.json()

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from rlkjax import compilation_cache
-from serve.rollout import ServerConfig
+from serve.config import ServerConfig
 from tests.helpers import assert_bits_equal
 from tests.server_process import launch
 

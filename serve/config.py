@@ -1,0 +1,89 @@
+"""The server's flags (`python -m serve.rollout --help`), each checked once when the config is built, and
+the admin key they point to."""
+
+import dataclasses
+import math
+import os
+from pathlib import Path
+from typing import Annotated, Literal
+
+import tyro
+
+from rlkjax import compilation_cache
+from rlkjax.engine import EngineConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    model: str = "qwen3-tiny"
+    """A preset (random weights from --seed), an HF checkpoint dir, or an orbax dir (config.json + params/)."""
+    tokenizer: str | None = None
+    """'bytes' (the tiny model's byte tokenizer) or a directory with tokenizer.json. Default: the byte tokenizer for
+    a preset, the checkpoint's own tokenizer.json otherwise (a checkpoint without one is an error)."""
+    host: str = "127.0.0.1"
+    """Interface to bind. The default serves this machine only; 0.0.0.0 exposes it to the network."""
+    port: int = 8000
+    """TCP port."""
+    admin_key: str | None = None
+    """Key for POST /update_weights. Prefer --admin-key-file or RLKJAX_ADMIN_KEY: a flag is visible in `ps`. With
+    none of the three, weight updates are refused."""
+    admin_key_file: str | None = None
+    """File holding the admin key (its first line)."""
+    seed: int = 0
+    """Seed of the random weights when --model is a preset."""
+    numerics: Literal["strict", "fast"] = "strict"
+    """strict: our Pallas kernels, logprobs equal the learner's bit for bit. fast: plain XLA."""
+    engine: Annotated[EngineConfig, tyro.conf.OmitArgPrefixes] = EngineConfig(max_context=4096)
+    """The rollout engine: KV cache, batch and prefill sizes."""
+    max_prompts: int = 256
+    """Most prompts in one request."""
+    max_sequences: int = 256
+    """Most sequences (prompts x n) in one request; requests also take turns in admission, so a big one cannot
+    hold back a small one that came after it."""
+    read_timeout: float = 30.0
+    """Seconds a client has to send its whole request body (a slow client gets 408)."""
+    max_body_bytes: int = 4 * 2**20
+    """Larger request bodies get 413."""
+    header_timeout: float = 15.0
+    """Seconds a connection has to send a complete request head, from opening or from the end of its previous
+    response; then it is closed (a client trickling its headers, an idle keep-alive connection)."""
+    max_connections: int = 512
+    """Most open connections; past it a new connection gets 503 and is closed. Each open connection needs a file
+    descriptor: keep this under the process's limit (`ulimit -n`)."""
+    warmup: bool = True
+    """Compile every batch shape of default requests before accepting any (prefill and decode rounds of 1, 2, 4,
+    ... --max-batch sequences, page copies for n > 1): a few seconds per shape (far less from a warm
+    --compilation-cache), so no request waits behind a compilation mid-serving. The server listens meanwhile:
+    /health answers 503 "starting" with the progress, generation routes 503 with Retry-After. Options such as
+    top_logprobs, top_k/top_p/min_p or several stop ids still compile on first use. --no-warmup is ready at
+    once."""
+    compilation_cache: str = compilation_cache.default_dir()
+    """JAX's persistent compilation cache: a directory (created if missing), or 'off'. A restarted server loads
+    the programs an earlier one compiled (the same executables, so the same bits) and warms up in a fraction of
+    the time. Delete the directory to reclaim its space."""
+    shutdown_timeout: float = 300.0
+    """On SIGTERM/SIGINT: /health turns 503 "draining" and new work gets 503; what is in flight finishes for up
+    to this many seconds, then the rest is cancelled (its clients get 503, a stream its error event and [DONE])
+    and the process exits 0. A second signal cancels at once and exits within a second."""
+
+    def __post_init__(self):
+        for name in ("port", "max_prompts", "max_sequences", "max_body_bytes", "max_connections"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be positive")
+        if not (math.isfinite(self.shutdown_timeout) and self.shutdown_timeout >= 0):
+            raise ValueError(f"--shutdown-timeout={self.shutdown_timeout} must be a finite number >= 0")
+        for name in ("read_timeout", "header_timeout"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be a finite number > 0")
+        compilation_cache.check(self.compilation_cache)
+
+
+def admin_key(config: ServerConfig) -> str | None:
+    """The key for POST /update_weights: --admin-key-file, else --admin-key, else RLKJAX_ADMIN_KEY; None: updates
+    are refused."""
+    if config.admin_key_file:
+        lines = Path(config.admin_key_file).read_text().splitlines()
+        if not lines or not lines[0].strip():
+            raise ValueError(f"--admin-key-file {config.admin_key_file} is empty")
+        return lines[0].strip()
+    return config.admin_key or os.environ.get("RLKJAX_ADMIN_KEY") or None

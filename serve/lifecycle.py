@@ -1,0 +1,48 @@
+"""Running a Server: listen, turn SIGTERM/SIGINT into its drain, and close the listener once it has drained
+(the drain itself, Server.on_signal and Server.wait_until_drained, reads the server's request bookkeeping)."""
+
+import asyncio
+import logging
+import signal
+
+from aiohttp import web
+
+from serve.connections import LimitedRunner
+
+log = logging.getLogger("serve.rollout")
+
+# Once a shutdown cancelled what was left (deadline or second signal), how long its handlers get to answer
+# before the process exits regardless: cancelled requests end at the engine's next step.
+SHUTDOWN_GRACE_S, SECOND_SIGNAL_GRACE_S = 5.0, 0.5
+
+
+async def serve(server) -> None:
+    """Serve `server` (a serve.rollout.Server) on its host and port until a signal drained it."""
+    config = server.config
+    # handler_cancellation: a client that disconnects cancels its handler, which cancels its sequences.
+    # shutdown_timeout: the drain has waited for the handlers already; what is left is not worth a longer wait
+    runner = LimitedRunner(
+        server.app(),
+        max_connections=config.max_connections,
+        header_timeout=config.header_timeout,
+        handler_cancellation=True,
+        handle_signals=False,
+        shutdown_timeout=SECOND_SIGNAL_GRACE_S,
+    )
+    await runner.setup()
+    await web.TCPSite(runner, config.host, config.port).start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, server.on_signal)
+    log.info(
+        "listening on http://%s:%d for %s (%s numerics)%s",
+        config.host,
+        config.port,
+        config.model,
+        config.numerics,
+        f"; ready once {len(server.warm_up_todo)} shapes are compiled" if server.warm_up_todo else "",
+    )
+    try:
+        await server.wait_until_drained()
+    finally:
+        await runner.cleanup()

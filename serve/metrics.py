@@ -1,0 +1,54 @@
+"""GET /metrics: the engine's counters read at scrape time, as Prometheus gauges."""
+
+import time
+
+from prometheus_client.core import GaugeMetricFamily
+
+from rlkjax.engine import Engine
+
+
+class EngineMetrics:
+    """Prometheus collector (register it with a CollectorRegistry): one gauge per engine counter."""
+
+    def __init__(self, engine: Engine, started: float):
+        self.engine = engine
+        self.started = started  # time.time() at start-up, for the tokens-per-second rate
+
+    def collect(self):
+        """Prometheus collector: read the engine's counters at scrape time."""
+        m = self.engine.metrics()
+        uptime = max(time.time() - self.started, 1e-9)
+        for name, value, doc in [
+            (
+                "rlkjax_requests_total",
+                m["requests"],
+                "requests submitted to the engine (= finished + cancelled + failed at rest)",
+            ),
+            (
+                "rlkjax_requests_finished_total",
+                m["finished"],
+                "requests whose every sample stopped or reached its length",
+            ),
+            (
+                "rlkjax_requests_cancelled_total",
+                m["cancelled"],
+                "requests cancelled: client gone, timeout, refused, shutdown",
+            ),
+            ("rlkjax_requests_failed_total", m["failed"], "requests failed by an engine error"),
+            ("rlkjax_generated_tokens_total", m["decode_tokens"], "tokens sampled"),
+            ("rlkjax_prefill_tokens_total", m["prefill_tokens"], "prompt tokens prefilled"),
+            ("rlkjax_tokens_per_second", m["decode_tokens"] / uptime, "sampled tokens per second since start"),
+            ("rlkjax_queue_depth", m["queue_depth"], "sequences waiting for admission"),
+            ("rlkjax_running_sequences", m["running"], "sequences in flight"),
+            ("rlkjax_kv_pages_used", m["pages_used"], "KV pages in use"),
+            ("rlkjax_kv_pages_total", m["pages_total"], "KV pages available"),
+            ("rlkjax_preemptions_total", m["preemptions"], "sequences preempted for pages"),
+            ("rlkjax_compiled_shapes", m["compiled_shapes"], "step-function shapes compiled (one compilation each)"),
+            ("rlkjax_policy_version", m["policy_version"], "weights version"),
+            ("rlkjax_engine_steps_total", m["steps"], "scheduling steps (one decode round and/or prefill chunk each)"),
+            ("rlkjax_engine_step_seconds_total", m["step_s"], "seconds the engine spent in scheduling steps"),
+            ("rlkjax_engine_wait_seconds_total", m["wait_s"], "of those, blocked on a decode round"),
+            ("rlkjax_engine_gap_seconds_total", m["gap_s"], "from reading a decode round to dispatching the next"),
+            ("rlkjax_engine_dispatch_seconds_total", m["dispatch_s"], "inside the jitted calls' dispatch"),
+        ]:
+            yield GaugeMetricFamily(name, doc, value=value)
