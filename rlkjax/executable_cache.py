@@ -94,10 +94,31 @@ def _abstract(x):
     """What the program depends on of one argument leaf (not its values). A NumPy array and an uncommitted
     jax.Array both go to the default device: one executable serves both, as one jit compilation does."""
     if isinstance(x, jax.Array):
-        return (x.shape, x.dtype, x.weak_type, x.sharding if x.committed else None)
+        return (x.shape, x.dtype, x.weak_type, _Placement(x.sharding) if x.committed else None)
     if isinstance(x, np.ndarray | np.generic):
         return (np.shape(x), x.dtype, False, None)
     return (type(x),)  # a Python scalar: a weakly typed argument
+
+
+class _Placement:
+    """A sharding in a key: compared as the sharding, written with the ids of its devices in order (a
+    mesh's repr names its axes, not which device sits where)."""
+
+    def __init__(self, sharding):
+        self.sharding = sharding
+
+    def __eq__(self, other):
+        return isinstance(other, _Placement) and self.sharding == other.sharding
+
+    def __hash__(self):
+        return hash(self.sharding)
+
+    def __repr__(self):
+        mesh = getattr(self.sharding, "mesh", None)
+        devices = (
+            [d.id for d in mesh.devices.flat] if mesh is not None else sorted(d.id for d in self.sharding.device_set)
+        )
+        return f"{self.sharding!r} on devices {devices}"
 
 
 class CachedFunction:
