@@ -53,7 +53,7 @@ def contract():
         score = fsdp.sharded_logprobs(grpo.policy_logprobs, mesh, specs, cfg=cfg, numerics="strict")
         mb = pad_rows(batch, devices)
         logp = np.asarray(
-            score(fsdp.put(master, mesh, specs), mb.tokens, mb.positions, mb.temps, model.rope_tables(cfg))
+            score(fsdp.put(master, mesh, specs), mb.tokens, mb.positions, mb.temps, model.rope_tables(cfg), mb.columns)
         )
         assert_bits_equal(logp[: len(samples)][sel], batch.logp_old[sel], f"learner on {devices} devices vs sampler")
         print(f"learner on {devices} devices: {int(sel.sum())} logprobs, 0 differing bits", flush=True)
