@@ -116,7 +116,7 @@ def swap_weights(client, cfg, numerics):
     }
 
 
-def main():
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-tiny", help="preset served (random weights, seed 0)")
     ap.add_argument("--numerics", default="strict", choices=["strict", "fast"], help="server numerics")
@@ -141,17 +141,16 @@ def main():
     )
     ap.add_argument("--port", type=int, default=8765, help="loopback port")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
-    args = ap.parse_args()
-    os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = "0.45"  # this process scores on the server's GPU
-    os.environ["RLKJAX_ADMIN_KEY"] = ADMIN_KEY  # inherited by the server
-    import rlkjax
-    from bench._report import new_report, save_report
+    return ap.parse_args(argv)
+
+
+def serve_and_fire(args, cfg, jobs):
+    """Start the server, warm it up, time the burst (and the weight swap), stop it. Returns the
+    report's timing part and each job's samples."""
+    from bench._report import new_report
     from bench._server import running_server
     from rlkjax.client import RolloutClient
-    from rlkjax.mismatch import mismatch_stats
 
-    cfg = rlkjax.ModelConfig.preset(args.model)
-    jobs = make_jobs(args, cfg.vocab_size)
     server_args = [
         "--model", args.model, "--numerics", args.numerics, "--max-batch", str(args.max_batch),
         "--num-pages", str(args.num_pages), "--max-context", str(args.max_prompt + args.max_new_tokens),
@@ -174,17 +173,11 @@ def main():
             swap = swap_weights(client, cfg, args.numerics)
             print(json.dumps(swap), flush=True)
         print("stopping the server", flush=True)
-    seqs, plens, sampled = [], [], []
-    for job, samples in zip(jobs, results):
-        for s in samples:
-            seqs.append(job["prompt"] + s["tokens"])
-            plens.append(len(job["prompt"]))
-            sampled.append(s["logprobs"])
-    output_tokens = sum(len(x) for x in sampled)
+    output_tokens = sum(len(s["tokens"]) for samples in results for s in samples)
     report = new_report("bench.server_e2e") | {
         "requests": args.requests,
         "server_args": server_args,
-        "completions": len(seqs),
+        "completions": sum(len(samples) for samples in results),
         "output_tokens": output_tokens,
         "warmup_s": warmup_s,
         "wall_s": wall,
@@ -195,8 +188,25 @@ def main():
     }
     if swap:
         report["update_weights"] = swap
+    return report, results
+
+
+def main():
+    args = parse_args()
+    os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = "0.45"  # this process scores on the server's GPU
+    os.environ["RLKJAX_ADMIN_KEY"] = ADMIN_KEY  # inherited by the server
+    import rlkjax
+    from bench._report import save_report
+    from rlkjax.mismatch import mismatch_stats
+
+    cfg = rlkjax.ModelConfig.preset(args.model)
+    jobs = make_jobs(args, cfg.vocab_size)
+    report, results = serve_and_fire(args, cfg, jobs)
     save_report(report, args.out)  # saved at each stage, so a run cut short keeps what it measured
-    print(f"server stopped; {output_tokens / wall:.0f} output tokens/s; scoring every completion", flush=True)
+    print(f"server stopped; {report['tokens_per_s']:.0f} output tokens/s; scoring every completion", flush=True)
+    seqs = [job["prompt"] + s["tokens"] for job, samples in zip(jobs, results) for s in samples]
+    plens = [len(job["prompt"]) for job, samples in zip(jobs, results) for _ in samples]
+    sampled = [s["logprobs"] for samples in results for s in samples]
     params = rlkjax.init_params(cfg, seed=0)
     scored = []
     for i in range(0, len(seqs), 32):
@@ -208,7 +218,7 @@ def main():
         from bench.rollout import kernel_rate
 
         context = round(float(np.mean(plens)))
-        new_tokens = round(output_tokens / len(seqs))
+        new_tokens = round(report["output_tokens"] / len(seqs))
         rate = kernel_rate(params, cfg, args.numerics, args.max_batch, context, new_tokens, repeats=2)
         report |= {
             "kernel_ref": {"batch": args.max_batch, "context": context, "new_tokens": new_tokens, "tok_s": rate},

@@ -10,6 +10,7 @@ KV cache: (k_pages, v_pages), each [L, Hkv, num_pages, page_size, Dh].
 """
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -178,6 +179,78 @@ def unstack(w):
 MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+class _Pass(NamedTuple):
+    """What every layer of one `forward` call shares: the kernels, the weights, the shapes and the
+    weights' source (see `forward`)."""
+
+    op: object  # rlkjax.numerics.Ops
+    params: dict
+    cfg: ModelConfig
+    b: int
+    t: int
+    rows: int  # activation rows: b * t padded to the kernels' row tile
+    weights_in_place: bool
+    layer_weights: object  # None or (name, shard) -> weight
+    remat: bool
+    unroll: int  # the scan's layer unroll (the sampler's NumericsOptions.layer_unroll; 1 for the learner)
+
+
+def layer_step(p: _Pass, carry, xs, shared):
+    """One decoder layer: (x, k_pages, v_pages) -> the same after the layer. xs: (this layer's weights
+    from the scan, or {} when read in place; its index). shared: the per-call tables, passed as
+    arguments rather than closed over so the learner's jitted layer takes them as inputs."""
+    x, k_pages, v_pages = carry
+    layer, index = xs
+    cos_q, sin_q, cos_k, sin_k, plan, stacks = shared
+    op, cfg, n, rows = p.op, p.cfg, p.b * p.t, p.rows
+    hq, hkv, dh, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+
+    def mm(a, name, r=None):
+        if p.weights_in_place:
+            return op.matmul_layer(a, p.params["layers"][name], index, r)
+        if p.layer_weights is None:
+            return op.matmul_in_place(a, layer[name], stacks[name], index, r)
+        return jax.checkpoint(lambda a, w, r: op.matmul(a, p.layer_weights(name, w), r))(a, layer[name], r)
+
+    def norm(a, name, cos=None, sin=None):
+        if p.weights_in_place:
+            return op.rmsnorm_layer(a, p.params["layers"][name], index, cos, sin, eps)
+        return op.rmsnorm(a, layer[name], cos, sin, eps)
+
+    if p.layer_weights is not None:  # the norms' weights: small, gathered once per layer
+        layer = {name: w if name in MATRICES else p.layer_weights(name, w) for name, w in layer.items()}
+
+    def mms(a, *names):  # several projections of one input: one launch when reading in place
+        if p.weights_in_place:
+            return op.matmul_layer_fused(a, tuple(p.params["layers"][n] for n in names), index)
+        return tuple(mm(a, n) for n in names)
+
+    def qkv(x):
+        h = norm(x, "input_layernorm")
+        q, k, v = mms(h, "q_proj", "k_proj", "v_proj")
+        return norm(q.reshape(-1, dh), "q_norm", cos_q, sin_q), norm(k.reshape(-1, dh), "k_norm", cos_k, sin_k), v
+
+    def out(attn, x):
+        x = mm(pad_dim(attn.reshape(n, hq * dh), 0, rows), "o_proj", x)
+        h = norm(x, "post_attention_layernorm")
+        return mm(op.swiglu(*mms(h, "gate_proj", "up_proj")), "down_proj", x)
+
+    if p.remat:
+        qkv, out = jax.checkpoint(qkv), jax.checkpoint(out)
+    q, k, v = qkv(x)
+    b, t = p.b, p.t
+    attn, k_pages, v_pages = op.attention(
+        q[: n * hq].reshape(b, t, hq, dh),
+        k[: n * hkv].reshape(b, t, hkv, dh),
+        v[:n].reshape(b, t, hkv, dh),
+        k_pages,
+        v_pages,
+        index,
+        plan,
+    )
+    return (out(attn, x), k_pages, v_pages), None
+
+
 def forward(
     params,
     tokens,
@@ -208,93 +281,51 @@ def forward(
     attention's q, k, v and output (Qwen3-4B, 4 x 1024 tokens: 100 instead of 428 MiB per layer)
     for about a quarter more matmul work. Same kernels on the same inputs: the same bits.
     numerics: "strict", "fast" or a NumericsOptions (its layer_unroll sets the sampler's layer loop)."""
+    if (layer_weights is not None or remat) and weights_in_place:
+        raise ValueError("layer_weights and remat need weights_in_place=False (the learner's pass)")
     op = ops(numerics)
     b, t = tokens.shape
     n = b * t
     rows = padded_rows(n, numerics)  # activations carry `rows` rows; the padding rows are sliced off for attention
-    hq, hkv, dh, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+    hq, hkv = cfg.num_heads, cfg.num_kv_heads
     x = pad_dim(embed(params["embed_tokens"], tokens.reshape(-1)), 0, rows)  # [rows, D] gather
     at = pad_dim(jnp.maximum(positions, 0).reshape(-1), 0, rows)
     cos, sin = rope[0][at], rope[1][at]  # [rows, Dh/2] gathers
     cos_q, sin_q = jnp.repeat(cos, hq, axis=0), jnp.repeat(sin, hq, axis=0)
     cos_k, sin_k = jnp.repeat(cos, hkv, axis=0), jnp.repeat(sin, hkv, axis=0)
     plan = op.attention_plan(page_table, positions, hq // hkv)  # once, not per layer (XLA would not hoist it)
-
-    def layer_step(carry, xs, shared):
-        x, k_pages, v_pages = carry
-        layer, index = xs
-        cos_q, sin_q, cos_k, sin_k, plan, stacks = shared  # arguments, not closed over: see the unrolled loop
-
-        def mm(a, name, r=None):
-            if weights_in_place:
-                return op.matmul_layer(a, params["layers"][name], index, r)
-            if layer_weights is None:
-                return op.matmul_in_place(a, layer[name], stacks[name], index, r)
-            return jax.checkpoint(lambda a, w, r: op.matmul(a, layer_weights(name, w), r))(a, layer[name], r)
-
-        def norm(a, name, cos=None, sin=None):
-            if weights_in_place:
-                return op.rmsnorm_layer(a, params["layers"][name], index, cos, sin, eps)
-            return op.rmsnorm(a, layer[name], cos, sin, eps)
-
-        if layer_weights is not None:  # the norms' weights: small, gathered once per layer
-            layer = {name: w if name in MATRICES else layer_weights(name, w) for name, w in layer.items()}
-
-        def mms(a, *names):  # several projections of one input: one launch when reading in place
-            if weights_in_place:
-                return op.matmul_layer_fused(a, tuple(params["layers"][n] for n in names), index)
-            return tuple(mm(a, n) for n in names)
-
-        def qkv(x):
-            h = norm(x, "input_layernorm")
-            q, k, v = mms(h, "q_proj", "k_proj", "v_proj")
-            return norm(q.reshape(-1, dh), "q_norm", cos_q, sin_q), norm(k.reshape(-1, dh), "k_norm", cos_k, sin_k), v
-
-        def out(attn, x):
-            x = mm(pad_dim(attn.reshape(n, hq * dh), 0, rows), "o_proj", x)
-            h = norm(x, "post_attention_layernorm")
-            return mm(op.swiglu(*mms(h, "gate_proj", "up_proj")), "down_proj", x)
-
-        if remat:
-            qkv, out = jax.checkpoint(qkv), jax.checkpoint(out)
-        q, k, v = qkv(x)
-        attn, k_pages, v_pages = op.attention(
-            q[: n * hq].reshape(b, t, hq, dh),
-            k[: n * hkv].reshape(b, t, hkv, dh),
-            v[:n].reshape(b, t, hkv, dh),
-            k_pages,
-            v_pages,
-            index,
-            plan,
-        )
-        return (out(attn, x), k_pages, v_pages), None
-
-    if (layer_weights is not None or remat) and weights_in_place:
-        raise ValueError("layer_weights and remat need weights_in_place=False (the learner's pass)")
     shared = (cos_q, sin_q, cos_k, sin_k, plan)
-    if weights_in_place or layer_weights is not None:
-        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        scanned = {} if weights_in_place else params["layers"]
-        unroll = options(numerics).layer_unroll if weights_in_place else 1
-        step = lambda carry, xs: layer_step(carry, xs, (*shared, None))  # noqa: E731
-        (x, k_pages, v_pages), _ = jax.lax.scan(step, (x, *kv_cache), (scanned, layer_ids), unroll=unroll)
-    else:
-        # The learner's pass on whole weights: layers unrolled, matrices read in place from their
-        # stacks (no per-layer copy), each layer's activations kept where its kernels wrote them (a
-        # scan stacks them for the backward and slices them back out: ~1,500 copies, 34 ms of a
-        # 619 ms Qwen3-4B x 2 x 4096 step on the H200). Each matrix's gradient comes back through
-        # its slice (`unstack`), stacked once. Same kernels, same inputs: the same bits. The layer
-        # is one jitted function of its inputs, called once per layer: JAX lowers it (and its
-        # derivatives) once, where lowering each layer's Pallas calls again took 15 s at Qwen3-8B.
-        stacks = {name: jax.lax.stop_gradient(params["layers"][name]) for name in MATRICES}
-        pieces = {name: unstack(w) for name, w in params["layers"].items()}
-        step = jax.jit(layer_step)
-        carry = (x, *kv_cache)
-        for i in range(cfg.num_layers):
-            carry, _ = step(carry, ({name: p[i] for name, p in pieces.items()}, jnp.int32(i)), (*shared, stacks))
-        x, k_pages, v_pages = carry
-    x = op.rmsnorm(x, params["norm"], None, None, eps)
-    return x[:n].reshape(b, t, -1), (k_pages, v_pages)
+    unroll = options(numerics).layer_unroll if weights_in_place else 1
+    p = _Pass(op, params, cfg, b, t, rows, weights_in_place, layer_weights, remat, unroll)
+    x, kv_cache = _layers(p, x, kv_cache, shared)
+    x = op.rmsnorm(x, params["norm"], None, None, cfg.rms_norm_eps)
+    return x[:n].reshape(b, t, -1), kv_cache
+
+
+def _layers(p: _Pass, x, kv_cache, shared):
+    """Run every layer over x [rows, D]: a scan for the sampler (weights read in place) and the FSDP
+    learner (its gathers inside the scan), an unrolled loop for the learner on whole weights."""
+    if p.weights_in_place or p.layer_weights is not None:
+        layer_ids = jnp.arange(p.cfg.num_layers, dtype=jnp.int32)
+        scanned = {} if p.weights_in_place else p.params["layers"]
+        step = lambda carry, xs: layer_step(p, carry, xs, (*shared, None))  # noqa: E731
+        (x, k_pages, v_pages), _ = jax.lax.scan(step, (x, *kv_cache), (scanned, layer_ids), unroll=p.unroll)
+        return x, (k_pages, v_pages)
+    # The learner's pass on whole weights: layers unrolled, matrices read in place from their
+    # stacks (no per-layer copy), each layer's activations kept where its kernels wrote them (a
+    # scan stacks them for the backward and slices them back out: ~1,500 copies, 34 ms of a
+    # 619 ms Qwen3-4B x 2 x 4096 step on the H200). Each matrix's gradient comes back through
+    # its slice (`unstack`), stacked once. Same kernels, same inputs: the same bits. The layer
+    # is one jitted function of its inputs, called once per layer: JAX lowers it (and its
+    # derivatives) once, where lowering each layer's Pallas calls again took 15 s at Qwen3-8B.
+    stacks = {name: jax.lax.stop_gradient(p.params["layers"][name]) for name in MATRICES}
+    pieces = {name: unstack(w) for name, w in p.params["layers"].items()}
+    step = jax.jit(functools.partial(layer_step, p))
+    carry = (x, *kv_cache)
+    for i in range(p.cfg.num_layers):
+        carry, _ = step(carry, ({name: w[i] for name, w in pieces.items()}, jnp.int32(i)), (*shared, stacks))
+    x, k_pages, v_pages = carry
+    return x, (k_pages, v_pages)
 
 
 def token_logprobs(params, hidden, targets, temperature, numerics: Numerics):
