@@ -104,7 +104,9 @@ def test_openai_completions_and_metrics(server, tiny):
 
 def test_200_concurrent_requests_and_a_weight_update_mid_load(tiny, tmp_path):
     """Every request answered exactly once, at its length or ended by eos, every completion exact under
-    the weights of the version it reports; the update lands between steps."""
+    the weights of the version it reports; the update lands between steps. Then SIGTERM drains what is
+    in flight (drain_on_sigterm; on this server rather than one of its own, whose first requests would
+    compile the same programs again)."""
     cfg, params = tiny
     new_params = rlkjax.init_params(cfg, seed=1)
     rlkjax.save_hf_checkpoint(tmp_path / "v1", cfg, new_params)
@@ -159,22 +161,23 @@ def test_200_concurrent_requests_and_a_weight_update_mid_load(tiny, tmp_path):
                 assert_bits_equal(sample["logprobs"], scored, f"seed {job['seed']}")
         assert seen_versions == {0, 1}, seen_versions
         assert client.generate([[1, 2]], max_new_tokens=1)[0][0]["policy_version"] == 1
+        drain_on_sigterm(proc, client)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
 
 
-def test_sigterm_drains_in_flight_requests(tiny):
+def drain_on_sigterm(proc, client):
     """SIGTERM once the server holds all 8 requests (polled from /metrics, so a slow machine cannot
     send the signal before a request has arrived): every one completes, then the process exits 0."""
-    proc, client = start_server()
+    before = metric(client, "rlkjax_requests_total")
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(client.generate, [[i + 1, 2, 3]], max_new_tokens=200, seed=i) for i in range(8)]
-        wait_for_metric(client, "rlkjax_requests_total", 8)
+        wait_for_metric(client, "rlkjax_requests_total", before + 8)
         finished_at_signal = metric(client, "rlkjax_requests_finished_total")
         proc.send_signal(signal.SIGTERM)
         results = [f.result() for f in futures]
-    assert finished_at_signal < 8, "every request finished before SIGTERM: nothing was drained"
+    assert finished_at_signal < before + 8, "every request finished before SIGTERM: nothing was drained"
     assert all(len(r[0][0]["tokens"]) == 200 for r in results)
     assert proc.wait(timeout=120) == 0
     with pytest.raises((OSError, RolloutError)):
