@@ -160,16 +160,37 @@ class CachedFunction:
         leaves, tree = jax.tree_util.tree_flatten(dynamic)
         return dynamic, (_directory, static, tree, tuple(_abstract(x) for x in leaves))
 
-    def _load_or_compile(self, key, args):
+    def load(self, *args) -> bool:
+        """Read this call's executable from disk into memory if it is stored there; never compiles.
+        Loads of different calls run at once from several threads (deserialising runs outside
+        Python's lock), which a warm start uses (`Engine.load_warm_up`). Returns whether it is in
+        memory now."""
+        if _directory is None:
+            return False
+        _, key = self._split(args)
+        if key in self.loaded:
+            return True
+        compiled = _read(*self._entry(key))
+        if compiled is None:
+            return False
+        with self.lock:
+            self.loaded.setdefault(key, compiled)
+        return True
+
+    def _entry(self, key) -> tuple[Path, str]:
+        """Where the executable of `key` is stored, and the key's full text (kept in the file)."""
         global _fingerprint
+        directory, static, tree, leaves = key
+        if _fingerprint is None:
+            _fingerprint = environment()  # the same text from any thread: computing it twice is harmless
+        text = f"{_fingerprint}\nfunction {self.name}\nstatic {static!r}\ntree {tree}\nleaves {leaves!r}"
+        return directory / f"{self.fn.__name__}-{hashlib.sha256(text.encode()).hexdigest()[:40]}.bin", text
+
+    def _load_or_compile(self, key, args):
         with self.lock:
             if key in self.loaded:
                 return self.loaded[key], "memory"
-            directory, static, tree, leaves = key
-            if _fingerprint is None:
-                _fingerprint = environment()
-            text = f"{_fingerprint}\nfunction {self.name}\nstatic {static!r}\ntree {tree}\nleaves {leaves!r}"
-            path = directory / f"{self.fn.__name__}-{hashlib.sha256(text.encode()).hexdigest()[:40]}.bin"
+            path, text = self._entry(key)
             compiled, how = _read(path, text), "disk"
             if compiled is None:
                 compiled, how = self.fn.lower(*args).compile(), "compiled"

@@ -108,6 +108,12 @@ class Server:
         start, total = time.monotonic(), len(self.warm_up_todo)
         self.warm_up_started = start
         with compilation_cache.CompileTimes() as times:
+            if total:
+                try:  # several at once; what is not on disk compiles below, one shape at a time
+                    loaded = self.engine.load_warm_up()
+                    log.info("warm-up: %d of %d shapes' executables read from the cache", loaded, total)
+                except Exception:  # the shape's own warm-up below reports it, or compiles past it
+                    log.exception("warm-up: reading stored executables failed")
             for name, rows in self.warm_up_todo:
                 if self.stopping:
                     return False

@@ -83,6 +83,10 @@ def check_loaded_executables(cfg, params, cache_dir):
     assert len(files) == 4 and cold_times.executables_loaded == 0, (files, cold_times)
 
     forget_loaded(STEP_FUNCTIONS)
+    # what a warm start does first: read every stored warm-up executable, from several threads at once
+    assert Engine(params, cfg, config=CONFIG).load_warm_up(threads=4) == 4
+    assert all(fn.loaded for fn in STEP_FUNCTIONS)
+    forget_loaded(STEP_FUNCTIONS)
     warm, warm_times, engine = serve(params, cfg, prompts)
     assert warm_times.executables_loaded == 4, warm_times
     assert warm_times.seconds["trace"] == warm_times.seconds["lower"] == warm_times.seconds["compile"] == 0, warm_times
