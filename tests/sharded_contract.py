@@ -1,13 +1,13 @@
 """Run in a subprocess with fake CPU devices, XLA_FLAGS=--xla_force_host_platform_device_count=8
 (tests/test_sharding.py; learner_step_matches_sampler also on GPUs, tests/test_gpu.py).
 
-`python -m tests.sharded_contract contract`: a sampler replica on the last device generates; the
-FSDP learner on 8, 4, 2 and 1 devices scores the same sequences; every logprob must have the
-sampler's bits.
-
 `python -m tests.sharded_contract learner-step` (2 devices are enough): train.grpo's learner step
 on a 2-device mesh against the sampler, for short sequences and for sequences longer than one
 attention KV split (learner_step_matches_sampler; tests/test_gpu.py runs the same on 2 GPUs).
+
+`python -m tests.sharded_contract layouts OUT` (3 devices): short GRPO runs with the learner and the
+samplers on different, overlapping or the same devices (LAYOUTS), each writing OUT/<learner>-<sampler>/
+metrics.jsonl; one process for all, so what they share is traced once.
 
 `python -m tests.sharded_contract grpo OUT`: the same GRPO run twice, with an 8-device FSDP learner
 and 2 sampler replicas (OUT/fsdp) and with one device each (OUT/single); each writes metrics.jsonl
@@ -28,35 +28,14 @@ from tests.helpers import assert_bits_equal
 from train import fsdp, grpo
 from train.batch import pack, pad_rows
 
+# learner devices, sampler devices
+LAYOUTS = (
+    ("0,1", "2"),  # learner on 2 devices, the sampler on a third
+    ("0", "1,2"),  # learner on 1, samplers on 2 others
+    ("0,1", "0,1"),  # both on both
+)
+LAYOUT_RUN = dict(steps=2, prompts_per_step=3, group_size=2, max_new_tokens=4, warmup_steps=0, progress=False)
 GRPO_RUN = dict(steps=2, prompts_per_step=4, group_size=4, max_new_tokens=4, micro_batch=8, progress=False)
-
-
-def contract():
-    cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
-    params = rlkjax.init_params(cfg, seed=0)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 256, int(rng.integers(1, 40))).tolist() for _ in range(6)]
-    with jax.default_device(jax.devices()[7]):  # a sampler replica on its own device
-        comps = rlkjax.generate(
-            jax.device_put(params, jax.devices()[7]), cfg, prompts, max_new_tokens=6, seeds=list(range(6))
-        )
-    samples = [
-        {"prompt": p, "tokens": c.tokens, "logprobs": c.logprobs, "adv": 0.0, "temperature": 1.0}
-        for p, c in zip(prompts, comps)
-    ]
-    batch = pack(samples)
-    master = jax.tree.map(lambda w: w.astype(jnp.float32), params)
-    sel = batch.mask > 0
-    for devices in (8, 4, 2, 1):
-        mesh = fsdp.make_mesh(jax.devices()[:devices])
-        specs = fsdp.param_specs(master, devices)
-        score = fsdp.sharded_logprobs(grpo.policy_logprobs, mesh, specs, cfg=cfg, numerics="strict")
-        mb = pad_rows(batch, devices)
-        logp = np.asarray(
-            score(fsdp.put(master, mesh, specs), mb.tokens, mb.positions, mb.temps, model.rope_tables(cfg))
-        )
-        assert_bits_equal(logp[: len(samples)][sel], batch.logp_old[sel], f"learner on {devices} devices vs sampler")
-        print(f"learner on {devices} devices: {int(sel.sum())} logprobs, 0 differing bits", flush=True)
 
 
 # Prompt lengths of the two cases: short rows (one attention split), and rows whose keys run past the
@@ -110,6 +89,13 @@ def learner_step():
         print(f"learner step, {name} rows: {result}", flush=True)
 
 
+def layout_runs(out: Path):
+    for learner, sampler in LAYOUTS:
+        run = out / f"{learner}-{sampler}"
+        grpo.train(grpo.GRPOConfig(out=str(run), learner_devices=learner, sampler_devices=sampler, **LAYOUT_RUN))
+        print(f"layout {learner} / {sampler}: done", flush=True)
+
+
 def grpo_runs(out: Path):
     for name, layout in {"fsdp": dict(learner_devices="0-7", sampler_devices="6,7"), "single": {}}.items():
         result = grpo.train(grpo.GRPOConfig(out=str(out / name), **GRPO_RUN, **layout))
@@ -121,12 +107,12 @@ def grpo_runs(out: Path):
 if __name__ == "__main__":
     if sys.argv[1:] == ["learner-step"]:
         learner_step()
-    elif sys.argv[1:] == ["contract"]:
-        assert len(jax.devices()) == 8, jax.devices()
-        contract()
+    elif sys.argv[1] == "layouts":
+        assert len(jax.devices()) == 3, jax.devices()
+        layout_runs(Path(sys.argv[2]))
     elif sys.argv[1] == "grpo":
         assert len(jax.devices()) == 8, jax.devices()
         grpo_runs(Path(sys.argv[2]))
     else:
-        usage = "python -m tests.sharded_contract contract | learner-step | grpo OUT"
+        usage = "python -m tests.sharded_contract learner-step | layouts OUT | grpo OUT"
         raise SystemExit(f"usage: {usage} (got {sys.argv[1:]})")

@@ -306,6 +306,7 @@ def test_server_e2e_requests_mix_lengths_and_samples():
     assert [j["max_new_tokens"] for j in fixed] == [64] * 8
 
 
+@pytest.mark.slow  # interprets the attention kernels at five configs
 def test_speed_attention_sweeps_run_and_compare_bits():
     """bench.speed's attention sweeps (interpreted on the CPU at tiny shapes): every config gives a
     timed row without error, and the forward rows compare each config's output bits with the first
@@ -328,19 +329,24 @@ def test_speed_attention_sweeps_run_and_compare_bits():
     assert len(bwd) == 2 and all("error" not in r and r["tflops"] > 0 for r in bwd), bwd
 
 
-def test_speed_learner_row_times_the_library_pass_and_train_grpo_step():
+@pytest.fixture(scope="module")
+def tiny_learner_row():
+    """bench.speed's learner row at qwen3-tiny, 2 rows of 32 tokens, both sides: built once (each side
+    compiles the learner step) for the tests that read it."""
+    from bench.speed_model import learner_row
+
+    cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
+    return learner_row(cfg, "qwen3-tiny", 32, 64, 2, 1e14, sides=("strict", "train"))
+
+
+@pytest.mark.slow
+def test_speed_learner_row_times_the_library_pass_and_train_grpo_step(tiny_learner_row):
     """bench.speed's learner row (interpreted on the CPU, qwen3-tiny): the strict side (grpo_loss on
     whole weights) and the train side (train.grpo's own one-device step: the same whole-weights pass
     under fsdp.sharded_value_and_grad, its gradient running sum donated from call to call) each give
     a time, a fraction of the dot rate, a memory figure, and an MFU of the learner pass from rlkjax.flops
     (none on the CPU, which has no peak)."""
-    import jax
-
-    from bench.speed_model import learner_row
-    from rlkjax import flops
-
-    cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
-    row = learner_row(cfg, "qwen3-tiny", 32, 64, 2, 1e14, sides=("strict", "train"))
+    cfg, row = rlkjax.ModelConfig.preset("qwen3-tiny"), tiny_learner_row
     assert row["model_flops"] == flops.sequence_flops(cfg, [32, 32], backward=True).model
     assert row["mfu_of"] == "learner pass"
     for side in ("strict", "train"):
@@ -350,7 +356,8 @@ def test_speed_learner_row_times_the_library_pass_and_train_grpo_step():
         assert (row[f"{side}_mfu"] is None) == (jax.default_backend() == "cpu"), row
 
 
-def test_speed_merge_joins_one_call_s_runs_into_one_table(tmp_path, capsys):
+@pytest.mark.slow
+def test_speed_merge_joins_one_call_s_runs_into_one_table(tmp_path, capsys, tiny_learner_row):
     """A host runs bench.speed's sections on its GPUs side by side (two processes, two JSON
     files); `--merge` joins them into one report and one table, keeping each run's ceilings."""
     import json
@@ -359,10 +366,8 @@ def test_speed_merge_joins_one_call_s_runs_into_one_table(tmp_path, capsys):
     from bench import speed
     from bench._report import new_report
     from bench._timing import ceilings
-    from bench.speed_model import learner_row
 
-    cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
-    row = learner_row(cfg, "qwen3-tiny", 32, 64, 1, 1e14, sides=("strict",))
+    row = tiny_learner_row
     paths = []
     for i, measured in enumerate(({"copy_bandwidth_Bps": 4e12, "dot_bf16_flops": 7e14}, ceilings(1))):
         report = dict(new_report("bench.speed"), command=f"run {i}", ceilings=measured, results=[row])

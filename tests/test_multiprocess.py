@@ -54,12 +54,14 @@ def finish(procs, timeout=600) -> list[tuple[int, str]]:
                 p.wait()
 
 
-@pytest.mark.parametrize("steps", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_two_processes_have_the_bits_of_one(tmp_path, steps):
+@pytest.mark.slow  # three train.grpo processes, each tracing and lowering its sharded programs
+def test_two_processes_have_the_bits_of_one(tmp_path):
     """Prevents the multi-process path from rotting (it had never run), and a collective library's
     summation order (gloo here, NCCL on GPUs) from leaking into the weights. Process 0 joins the run
     through the flags, process 1 through the JAX_* variables alone (what a launcher sets): both ways
-    of joining are exercised."""
+    of joining are exercised. Two steps: the second samples with the weights the first update pushed
+    (one run of one step and one of two ran the same programs twice over)."""
+    steps = 2
     port, flags = free_port(), ["--steps", str(steps)]
     by_flags = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "0"]
     by_env = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}
