@@ -20,7 +20,7 @@ def test_score_equals_generate_bitwise(tiny, chunk):
     compared = 0
     for _ in range(5):
         prompts, seeds, temps = random_case(rng, cfg)
-        compared += check_case(params, cfg, prompts, seeds, temps, max_new=6, chunk=chunk, rng=rng)
+        compared += check_case(params, cfg, prompts, seeds, temps, max_new=6, chunk=chunk)
     assert compared > 0
 
 
@@ -31,7 +31,7 @@ def test_edge_lengths(tiny):
     rng = np.random.default_rng(1)
     lens = [1, 15, 16, 17, 31, 32, 33, 64, 70]
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lens]
-    check_case(params, cfg, prompts, list(range(9)), [0.7, 1.0, 1.3] * 3, max_new=5, chunk=16, rng=rng)
+    check_case(params, cfg, prompts, list(range(9)), [0.7, 1.0, 1.3] * 3, max_new=5, chunk=16)
 
 
 @pytest.mark.slow
@@ -68,7 +68,7 @@ def test_odd_shapes_bitwise():
     params = rlkjax.init_params(cfg, seed=5)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (3, 17, 30)]
-    check_case(params, cfg, prompts, [1, 2, 3], [0.7, 1.0, 1.3], max_new=4, chunk=16, rng=rng)
+    check_case(params, cfg, prompts, [1, 2, 3], [0.7, 1.0, 1.3], max_new=4, chunk=16)
 
 
 @pytest.mark.slow

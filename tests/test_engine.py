@@ -86,7 +86,7 @@ def random_workload(rng, cfg, count, max_new=8):
 )
 def test_random_schedules_keep_the_contract(tiny, config):
     """Requests arrive between steps in random order; in strict mode every completion equals score()
-    bit for bit and has the tokens the same request gets alone (generate with the sample's seed)."""
+    bit for bit and has the tokens and bits the same sample gets alone (submitted with its seed)."""
     cfg, params = tiny
     rng = np.random.default_rng(config.num_pages)
     engine = Engine(params, cfg, config=config)
@@ -102,23 +102,22 @@ def test_random_schedules_keep_the_contract(tiny, config):
     if tight:
         assert engine.metrics()["preemptions"] > 0, "the tight config must force preemption"
     assert engine.pages.used == 0, "every page is returned"
+    # Each sample checked alone on one engine of one size (rlkjax.generate would size an engine per
+    # prompt length, and compile its step functions again for each).
+    alone = Engine(params, cfg, config=CONFIG)
     for req, kw in submitted:
         assert req.done.is_set()
         for comp in req.results:
             assert comp.finish_reason == "length" and len(comp.tokens) == kw["max_tokens"]
             check_exact(params, cfg, req, comp, kw["temperature"])
         j = int(rng.integers(0, kw["n"]))
-        alone = rlkjax.generate(
-            params,
-            cfg,
-            [kw["prompt"]],
-            max_new_tokens=kw["max_tokens"],
-            temperature=kw["temperature"],
-            seeds=sample_seed(kw["seed"], j),
-            prefill_chunk_size=16,
-        )[0]
-        assert alone.tokens == req.results[j].tokens
-        assert_bits_equal(alone.logprobs, req.results[j].logprobs, "alone vs scheduled")
+        lone = alone.submit(
+            kw["prompt"], max_tokens=kw["max_tokens"], temperature=kw["temperature"], seed=sample_seed(kw["seed"], j)
+        )
+        alone.run_until_done()
+        alone_result = lone.results[0]
+        assert alone_result.tokens == req.results[j].tokens
+        assert_bits_equal(alone_result.logprobs, req.results[j].logprobs, "alone vs scheduled")
 
 
 def test_shared_prompt_pages_equal_unshared(tiny):
