@@ -66,6 +66,7 @@ def learner_programs(
         adv=((rows,), np.float32),
         temps=((rows,), np.float32),
         tis=((rows, t - 1), np.float32),
+        columns=((rows, t - 1), np.int32),  # every column scored: the bound for completions up to T - 1 tokens
     )
     batch = Batch(*(jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, fsdp.ROWS)) for s, d in fields))
     assert len(batch) == len(PAD)
@@ -92,7 +93,9 @@ def learner_programs(
 
     return {
         "learner step (value and grad)": grad_fn.lower(master, batch, ref_logp, rope, total, master),
-        "scoring pass (logprobs)": score_fn.lower(master, batch.tokens, batch.positions, batch.temps, rope),
+        "scoring pass (logprobs)": score_fn.lower(
+            master, batch.tokens, batch.positions, batch.temps, rope, batch.columns
+        ),
         "optimiser update": jax.jit(update, donate_argnums=(1, 2)).lower(master, opt_state, master),
     }
 

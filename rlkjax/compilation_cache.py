@@ -13,6 +13,8 @@ from pathlib import Path
 
 import jax
 
+from rlkjax import executable_cache
+
 log = logging.getLogger("rlkjax.compilation_cache")
 
 OFF = "off"
@@ -25,6 +27,7 @@ _EVENTS = {
     "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
     "/jax/core/compile/backend_compile_duration": "compile",
     "/jax/compilation_cache/cache_retrieval_time_sec": "cache_read",
+    executable_cache.LOAD_EVENT: "executable_load",
 }
 
 
@@ -42,9 +45,10 @@ def check(setting: str, flag: str = "--compilation-cache") -> None:
 
 def enable(setting: str) -> str | None:
     """Before the first compilation: use the cache in directory `setting`, or none at all for 'off' (also
-    overriding JAX_COMPILATION_CACHE_DIR). Returns the directory, or None."""
+    overriding JAX_COMPILATION_CACHE_DIR); the executable cache goes with it. Returns the directory, or None."""
     if setting == OFF:
         jax.config.update("jax_enable_compilation_cache", False)
+        executable_cache.use_directory(None)
         log.info("persistent compilation cache off: every program compiles")
         return None
     path = Path(setting).expanduser().absolute()
@@ -52,22 +56,25 @@ def enable(setting: str) -> str | None:
     jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
+    executable_cache.use_directory(path / "executables")
     log.info("persistent compilation cache: %s (--compilation-cache DIR|off)", path)
     return str(path)
 
 
 class CompileTimes:
-    """Seconds spent tracing, lowering, compiling and reading the cache while active, from JAX's own
-    monitoring events: says where a start-up's time went (a warm cache removes only the compile part)."""
+    """Seconds spent tracing, lowering, compiling, reading JAX's cache and loading whole executables while
+    active, from JAX's monitoring events: says where a start-up's time went (JAX's cache removes only the
+    compile part, a loaded executable all three)."""
 
     def __init__(self):
         self.seconds = dict.fromkeys(_EVENTS.values(), 0.0)
-        self.cache_hits = 0
+        self.cache_hits = self.executables_loaded = 0
 
     def _listen(self, event: str, duration: float, **kwargs) -> None:
         if event in _EVENTS:
             self.seconds[_EVENTS[event]] += duration
             self.cache_hits += event == "/jax/compilation_cache/cache_retrieval_time_sec"
+            self.executables_loaded += event == executable_cache.LOAD_EVENT
 
     def __enter__(self):
         jax.monitoring.register_event_duration_secs_listener(self._listen)
@@ -78,4 +85,4 @@ class CompileTimes:
 
     def __str__(self) -> str:
         parts = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.seconds.items())
-        return f"{parts}; {self.cache_hits} programs from the cache"
+        return f"{parts}; {self.cache_hits} programs from the cache, {self.executables_loaded} executables loaded"

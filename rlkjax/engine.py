@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rlkjax import executable_cache, steps
 from rlkjax.config import ModelConfig
 from rlkjax.model import init_kv_cache, rope_tables
 from rlkjax.numerics import PAGE_SIZE, Numerics, ops
@@ -44,7 +45,13 @@ from rlkjax.sampling_params import SamplingParams
 from rlkjax.scheduler import EngineConfig, Scheduler
 from rlkjax.sequences import Request, Round, Sequence, round_rows
 from rlkjax.shapes import bucket, cdiv
-from rlkjax.steps import RowSampling, copy_pages, next_round, prefill_chunk
+from rlkjax.steps import RowSampling
+
+# The step functions, through the executable cache where compilation_cache.enable() set one (a restarted
+# server loads them instead of tracing, lowering and compiling again), else through jax.jit alone.
+prefill_chunk = executable_cache.cached(steps.prefill_chunk, "cfg", "numerics")
+next_round = executable_cache.cached(steps.next_round, "cfg", "numerics", "num_steps", "alternatives")
+copy_pages = executable_cache.cached(steps.copy_pages)
 
 
 class Engine:
@@ -154,9 +161,10 @@ class Engine:
 
     def warm_up(self, report=None) -> int:
         """Compile, before any request comes, every shape that default traffic runs: the prefill
-        and decode-round batch buckets up to max_batch and the page copies of forks. Each runs once
-        on padding (position -1 writes only the trash page; a round with no budget samples nothing),
-        so no request later waits behind a compilation. Variants that options select (top_logprobs,
+        and decode-round batch buckets up to max_batch and the page copies of forks, so no request
+        later waits behind a compilation. Each is loaded or compiled into the executable cache where
+        one is set, else runs once on padding (position -1 writes only the trash page; a round with no
+        budget samples nothing). Variants that options select (top_logprobs,
         top_k / top_p / min_p, more than one stop id) still compile on first use. `report(name,
         shape, seconds)` is called after each. Returns the number of shapes run."""
         shapes = self.warm_up_shapes()
@@ -178,8 +186,9 @@ class Engine:
         return todo
 
     def warm_up_shape(self, name: str, r: int) -> float:
-        """Compile and run one of `warm_up_shapes()` on padding; returns the seconds it took. One at a
-        time, so a caller (the server) can report progress and stop between shapes."""
+        """Get one of `warm_up_shapes()` ready: load or compile its executable (rlkjax.executable_cache),
+        or where that cache is off, compile it by running it on padding; returns the seconds it took.
+        One at a time, so a caller (the server) can report progress and stop between shapes."""
         c = self.config
         with self.lock:
             start = time.perf_counter()
@@ -190,18 +199,22 @@ class Engine:
                     np.zeros((r, c.prefill_chunk), np.int32),
                     np.full((r, c.prefill_chunk), -1, np.int32),
                 )
-                self.cache = prefill_chunk(
-                    self.params, tokens, positions, self.cache, table, self.rope, self.cfg, self.numerics
-                )
+                args = (self.params, tokens, positions, self.cache, table, self.rope, self.cfg, self.numerics)
+                if prefill_chunk.prepare(*args) is None:
+                    self.cache = prefill_chunk(*args)
                 self._note_shape(name, r)
             elif name.startswith("decode_round"):
-                steps = 1 if name == "decode_round_1" else c.decode_steps
+                length = 1 if name == "decode_round_1" else c.decode_steps
                 idle = np.full(r, -1, np.int32)  # no row continues a round; every position is padding
                 zeros = np.zeros(r, np.int32)
-                self._next_round(self._no_carry, idle, zeros, idle, table, RowSampling.idle(r), steps, 0)
-                self._note_shape("decode_round", (r, 1, 0, False, steps))
+                args = (self._no_carry, idle, zeros, idle, table, RowSampling.idle(r), length, 0)
+                if next_round.prepare(*self._round_args(*args)) is None:
+                    self._next_round(*args)
+                self._note_shape("decode_round", (r, 1, 0, False, length))
             else:
-                self.cache = copy_pages(self.cache, np.zeros(r, np.int32), np.zeros(r, np.int32))
+                args = (self.cache, np.zeros(r, np.int32), np.zeros(r, np.int32))
+                if copy_pages.prepare(*args) is None:
+                    self.cache = copy_pages(*args)
                 self._note_shape(name, r)
             jax.block_until_ready(self.cache)
             return time.perf_counter() - start
@@ -322,24 +335,16 @@ class Engine:
             self._note_shape("copy_pages", k)
             self.cache = copy_pages(self.cache, src_a, dst_a)
 
-    def _next_round(self, carry, src, tokens, positions, table, sampling, length, alternatives):
-        """The one call of steps.next_round (warm-up and rounds alike: jit keys positional and keyword
-        arguments apart, so both pass the same way); returns its outputs but the cache, kept here."""
-        out_tok, out_lp, self.cache, carry, *top = next_round(
-            self.params,
-            carry,
-            src,
-            tokens,
-            positions,
-            self.cache,
-            table,
-            sampling,
-            self.rope,
-            self.cfg,
-            self.numerics,
-            length,
-            alternatives,
-        )
+    def _round_args(self, carry, src, tokens, positions, table, sampling, length, alternatives) -> tuple:
+        """steps.next_round's arguments, all positional (warm-up and rounds alike: jit keys positional
+        and keyword arguments apart, so both pass the same way)."""
+        params, cache, rope, cfg, numerics = self.params, self.cache, self.rope, self.cfg, self.numerics
+        return params, carry, src, tokens, positions, cache, table, sampling, rope, cfg, numerics, length, alternatives
+
+    def _next_round(self, *args):
+        """The one call of steps.next_round (arguments as `_round_args`'); returns its outputs but the
+        cache, kept here."""
+        out_tok, out_lp, self.cache, carry, *top = next_round(*self._round_args(*args))
         return out_tok, out_lp, carry, *top
 
     def _dispatch_decode(self, previous: Round | None) -> Round | None:

@@ -121,6 +121,56 @@ def _embed_bwd(saved, ct):
 embed.defvjp(_embed_fwd, _embed_bwd)
 
 
+def _flat_columns(columns, width: int):
+    """columns [B, C] (-1: an empty slot) -> [B * C] indices into the row-major [B * width]
+    flattening; empty slots get distinct indices past its end (read as zeros, dropped on writes)."""
+    b, c = columns.shape
+    at = jnp.arange(b, dtype=jnp.int32)[:, None] * width + columns
+    past = b * width + jnp.arange(b * c, dtype=jnp.int32).reshape(b, c)
+    return jnp.where(columns >= 0, at, past).reshape(-1)
+
+
+@jax.custom_vjp
+def take_rows(x, index):
+    """x [N, ...] -> x[index] [M, ...], a gather; an index >= N reads zeros. The in-range indices
+    must be distinct: the gradient is then a plain store of each row's cotangent (`_take_rows_bwd`),
+    where autodiff's transpose of a gather is a scatter-add (XLA float arithmetic on the logprob
+    path's backward, atomic adds on a GPU)."""
+    return jnp.take(x, index, axis=0, mode="fill", fill_value=0)
+
+
+def _take_rows_fwd(x, index):
+    return take_rows(x, index), (index, jnp.zeros((x.shape[0], 0), x.dtype))  # the indices, x's rows and dtype
+
+
+def _take_rows_bwd(saved, ct):
+    index, proto = saved
+    grad = jnp.zeros((proto.shape[0], *ct.shape[1:]), proto.dtype)
+    return grad.at[index].set(ct, mode="drop", unique_indices=True), None
+
+
+take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def put_rows(values, index, n: int):
+    """values [M, ...] written at rows index [M] of zeros [n, ...] (distinct indices; those >= n are
+    dropped): a plain store, whose gradient is the gather `take_rows` (no arithmetic either way)."""
+    out = jnp.zeros((n, *values.shape[1:]), values.dtype)
+    return out.at[index].set(values, mode="drop", unique_indices=True)
+
+
+def _put_rows_fwd(values, index, n):
+    return put_rows(values, index, n), index
+
+
+def _put_rows_bwd(n, index, ct):
+    return jnp.take(ct, index, axis=0, mode="fill", fill_value=0), None
+
+
+put_rows.defvjp(_put_rows_fwd, _put_rows_bwd)
+
+
 def unstack(w):
     """[L, ...] -> L arrays [...]: one split, whose gradient is one concatenation of the layers'."""
     return [p.reshape(w.shape[1:]) for p in jax.lax.split(w, [1] * w.shape[0])]
@@ -289,31 +339,71 @@ def sample(params, hidden, seeds, steps, temperature, numerics: Numerics):
 
 
 def sequence_logprobs(
-    params, tokens, positions, temperature, rope, cfg: ModelConfig, numerics: Numerics, layer_weights=None, remat=False
+    params,
+    tokens,
+    positions,
+    temperature,
+    rope,
+    cfg: ModelConfig,
+    numerics: Numerics,
+    layer_weights=None,
+    remat=False,
+    columns=None,
 ):
     """The learner's pass: whole sequences [B, T] into fresh pages; returns logp [B, T - 1] where
     [b, t] is log p(tokens[b, t + 1] | tokens[b, :t + 1]). temperature [B]. Differentiable.
-    layer_weights, remat: see `forward` (the FSDP learner's per-layer all-gather; recompute in the backward)."""
+    layer_weights, remat: see `forward` (the FSDP learner's per-layer all-gather; recompute in the backward).
+    columns: None scores every position (what `score` and prompt logprobs need); [B, C] scores only
+    those columns (`completion_logprobs`) and leaves 0 in every other."""
     b, t = tokens.shape
-    pages_per_row = cdiv(t, PAGE_SIZE)
-    page_table = fresh_page_table(b, pages_per_row)
-    cache = init_kv_cache(cfg, 1 + b * pages_per_row)
-    hidden, _ = forward(
-        params,
-        tokens,
-        positions,
-        cache,
-        page_table,
-        rope,
-        cfg,
-        numerics,
-        weights_in_place=False,
-        layer_weights=layer_weights,
-        remat=remat,
-    )
+    if columns is not None:
+        logp = completion_logprobs(
+            params, tokens, positions, columns, temperature, rope, cfg, numerics, layer_weights, remat
+        )
+        return put_rows(logp.reshape(-1), _flat_columns(columns, t - 1), b * (t - 1)).reshape(b, t - 1)
+    hidden = _learner_hidden(params, tokens, positions, rope, cfg, numerics, layer_weights, remat)
     h = hidden[:, :-1].reshape(b * (t - 1), -1)
     temps = jnp.repeat(temperature, t - 1)
     return token_logprobs(params, h, tokens[:, 1:].reshape(-1), temps, numerics).reshape(b, t - 1)
+
+
+def completion_logprobs(
+    params,
+    tokens,
+    positions,
+    columns,
+    temperature,
+    rope,
+    cfg: ModelConfig,
+    numerics: Numerics,
+    layer_weights=None,
+    remat=False,
+):
+    """The learner's pass scored only where a loss needs it: logp [B, C] where [b, j] is
+    log p(tokens[b, c + 1] | tokens[b, :c + 1]) for c = columns[b, j] (a column of the hidden states,
+    0 <= c < T - 1, each at most once per row), and 0 where c = -1 (an empty slot). Differentiable.
+
+    Why: the log-softmax over the vocabulary (151,936 ids for Qwen3) and its backward are the
+    learner's largest cost per position after the layers, and a GRPO or SFT loss reads only the
+    completion's positions. The whole sequence still runs through the layers (the completion attends
+    to the prompt); then the scored columns' hidden states are gathered (`take_rows`) and only those
+    B x C rows enter the logprob kernel, forward and backward. Each row's logprob is the same kernel
+    on the same hidden state, so it has the bits `sequence_logprobs` gives at that position (and the
+    sampler's). Chosen over laying completions out from one column (left-padded prompts: a static
+    slice, but a second batch layout for attention and positions to honour) and over a kernel that
+    skips row blocks without completion tokens (the blocks of a right-padded batch mix prompt and
+    completion rows, so little would be skipped, and the backward's products would still walk every
+    row). The gradient of every weight but the lm_head is the full pass's, bit for bit (the hidden
+    states' cotangent is the same: 0 at unscored columns either way); the lm_head's sums the same
+    scored rows' products grouped into other tiles (tests/test_learner_slice.py)."""
+    b, t = tokens.shape
+    c = columns.shape[1]
+    hidden = _learner_hidden(params, tokens, positions, rope, cfg, numerics, layer_weights, remat)
+    at = _flat_columns(columns, t)  # each scored column's row in [B * T]
+    h = take_rows(hidden.reshape(b * t, -1), at)  # [B * C, D]
+    targets = jnp.take(tokens.reshape(-1), at + 1, mode="fill", fill_value=0)  # the next token; empty slots: 0
+    logp = token_logprobs(params, h, targets, jnp.repeat(temperature, c), numerics).reshape(b, c)
+    return jnp.where(columns >= 0, logp, jnp.zeros_like(logp))
 
 
 def sample_with_alternatives(params, hidden, seeds, steps, temperature, k: int, numerics: Numerics):
@@ -329,13 +419,27 @@ def sample_truncated(params, hidden, seeds, steps, temperature, top_k, top_p, mi
     )
 
 
-def _learner_hidden(params, tokens, positions, rope, cfg: ModelConfig, numerics: Numerics):
+def _learner_hidden(
+    params, tokens, positions, rope, cfg: ModelConfig, numerics: Numerics, layer_weights=None, remat=False
+):
     """The learner's pass (whole sequences into fresh pages) up to the final norm: hidden [B, T, D]."""
     b, t = tokens.shape
     pages_per_row = cdiv(t, PAGE_SIZE)
     cache = init_kv_cache(cfg, 1 + b * pages_per_row)
     page_table = fresh_page_table(b, pages_per_row)
-    return forward(params, tokens, positions, cache, page_table, rope, cfg, numerics, weights_in_place=False)[0]
+    return forward(
+        params,
+        tokens,
+        positions,
+        cache,
+        page_table,
+        rope,
+        cfg,
+        numerics,
+        weights_in_place=False,
+        layer_weights=layer_weights,
+        remat=remat,
+    )[0]
 
 
 def _over_chunks(fn, chunk: int, *per_position):

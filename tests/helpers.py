@@ -7,10 +7,16 @@ import contextlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import rlkjax
 
 INTERPRET = jax.default_backend() == "cpu"  # Pallas kernels run interpreted on the CPU, compiled on a GPU
+
+
+def slow(*values):
+    """A parametrize case that runs with the slow tests (.ci/run), not in plain `pytest`."""
+    return pytest.param(*values, marks=pytest.mark.slow)
 
 
 def rel_err(x, truth):

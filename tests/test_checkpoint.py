@@ -14,7 +14,7 @@ import pytest
 import rlkjax
 from pallas_kernels import matmul
 from rlkjax import model, numerics
-from tests.helpers import assert_bits_equal
+from tests.helpers import assert_bits_equal, slow
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -44,7 +44,9 @@ def our_logits(cfg, params, ids):
 FIXTURE_NAMES = ["hf_qwen3_tied", "hf_qwen3_untied", "hf_qwen3_odd_tied", "hf_qwen3_odd_untied_old_rope"]
 
 
-@pytest.mark.parametrize("name", FIXTURE_NAMES)
+# The default run keeps the fixture furthest from qwen3-tiny (padded shapes, untied, the old RoPE
+# config); each other one compiles the strict forward at shapes of its own.
+@pytest.mark.parametrize("name", [*map(slow, FIXTURE_NAMES[:3]), FIXTURE_NAMES[3]])
 def test_hf_parity(name):
     """Our float32 logits vs transformers' float64 logits of the same checkpoint. The `odd` ones
     have the shapes of tiny Hub test models (group sizes 3 and 5, head dims 24 and 8, widths 48 and

@@ -71,6 +71,7 @@ def test_odd_shapes_bitwise():
     check_case(params, cfg, prompts, [1, 2, 3], [0.7, 1.0, 1.3], max_new=4, chunk=16, rng=rng)
 
 
+@pytest.mark.slow
 def test_layer_unroll_keeps_bits(tiny):
     """NumericsOptions.layer_unroll (bench.speed --layer-unroll) only changes how many layers one iteration of
     the sampler's layer loop runs: the same kernels on the same inputs, so the hidden states and the

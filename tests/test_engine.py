@@ -11,11 +11,12 @@ import rlkjax
 from rlkjax.engine import Engine, EngineConfig
 from rlkjax.requests import sample_seed
 from rlkjax.scheduler import Scheduler
-from tests.helpers import assert_bits_equal
+from tests.helpers import assert_bits_equal, slow
 
 CONFIG = EngineConfig(num_pages=96, max_batch=8, prefill_chunk=16, token_budget=32, max_context=256)
 
 
+@pytest.mark.slow  # the default run's no-recompile check: test_no_recompiles_after_warmup
 def test_warm_up_compiles_every_default_shape(tiny):
     """After `warm_up` (what the server runs at start), a mixed workload (prompts up to 3 pages,
     n up to 3, so forks copy pages; batches from 1 to max_batch) triggers no XLA compilation at all:
@@ -80,7 +81,7 @@ def random_workload(rng, cfg, count, max_new=8):
 
 @pytest.mark.parametrize(
     "config",
-    [CONFIG, EngineConfig(num_pages=12, max_batch=4, prefill_chunk=8, token_budget=8, max_context=256)],
+    [slow(CONFIG), EngineConfig(num_pages=12, max_batch=4, prefill_chunk=8, token_budget=8, max_context=256)],
     ids=["roomy", "tight-pages-preempt"],
 )
 def test_random_schedules_keep_the_contract(tiny, config):
@@ -396,6 +397,7 @@ def test_one_token_requests_run_one_step_rounds(tiny):
     check_exact(params, cfg, one, one.results[0], 1.0)
 
 
+@pytest.mark.slow  # the default run's multi-step rounds check: test_rounds_continue_on_the_device_exactly
 def test_decode_rounds_equal_single_steps(tiny):
     """The same workload with 1 and with 5 decode steps per round (stops and lengths landing
     mid-round): the same tokens and the same logprob bits; and a request that stops mid-round has
@@ -424,7 +426,7 @@ def test_decode_rounds_equal_single_steps(tiny):
             assert_bits_equal(a.logprobs, b.logprobs, "round of 5 vs single steps")
 
 
-@pytest.mark.parametrize("case", ["parked-fork", "preempted"])
+@pytest.mark.parametrize("case", [slow("parked-fork"), "preempted"])
 def test_weight_swap_waits_for_parked_and_preempted_sequences(tiny, case):
     """A sequence waiting with work done under the old weights (a fork parked for a batch slot
     holding its prompt's pages, or a preempted one with sampled tokens) finishes on those weights

@@ -18,7 +18,7 @@ import pytest
 
 from pallas_kernels import attention, logprob, matmul, rmsnorm, swiglu
 from rlkjax import numerics
-from tests.helpers import INTERPRET, assert_bits_equal, float64_on_cpu, randn, rel_err
+from tests.helpers import INTERPRET, assert_bits_equal, float64_on_cpu, randn, rel_err, slow
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 
@@ -77,7 +77,8 @@ def check_grads(kernel_fn, reference_fn, args, argnums, what):
         assert_bits_equal(a, b, f"{what} backward run to run")
 
 
-@pytest.mark.parametrize("m,k,n", [(37, 96, 128), (130, 64, 64), (1, 256, 192), (21, 40, 37)])
+# The default run keeps the case that pads every dimension; the other shapes run with the slow tests.
+@pytest.mark.parametrize("m,k,n", [slow(37, 96, 128), slow(130, 64, 64), slow(1, 256, 192), (21, 40, 37)])
 def test_matmul(m, k, n):
     mm = lambda x, w, r: matmul.matmul(x, w, r, numerics.MATMUL, INTERPRET)  # noqa: E731
     args = [randn(1, (m, k), BF16), randn(2, (n, k), BF16, 0.1), randn(3, (m, n), BF16)]
@@ -86,7 +87,7 @@ def test_matmul(m, k, n):
     check_grads(mm, matmul.matmul_reference, args32, (0, 1, 2), "matmul")
 
 
-@pytest.mark.parametrize("m,k,n", [(37, 96, 128), (130, 64, 64), (21, 40, 37)])
+@pytest.mark.parametrize("m,k,n", [slow(37, 96, 128), slow(130, 64, 64), (21, 40, 37)])
 def test_matmul_backward_in_place(m, k, n):
     """MatmulConfig.backward_in_place: dx and dw from kernels that read dy, w and x where they lie
     (no transposed copies) are as accurate as XLA's (check_grads: within twice the reference's own
@@ -108,8 +109,9 @@ def test_matmul_row_invariance():
 
 # 40: padded to 64, or to RoPE halves of 32 ([x1, 0, x2, 0]); 640: the backward's 256-wide chunks
 # (3, the last padded) or halves padded to 512
-@pytest.mark.parametrize("d", [64, 40, 640])
-@pytest.mark.parametrize("rope", [False, True])
+@pytest.mark.parametrize(
+    "rope,d", [slow(False, 64), (False, 40), slow(False, 640), slow(True, 64), (True, 40), slow(True, 640)]
+)
 def test_rmsnorm(rope, d):
     """Values and gradients (the Pallas backward: 37 rows are 3 programs of partial weight
     gradients) against float64, gradients in fp32 and in bf16 (the model's dtype, where the
@@ -132,7 +134,7 @@ def test_rmsnorm(rope, d):
         check_grads(ker2, ref2, [x, w], (0, 1), "rmsnorm, bf16")
 
 
-@pytest.mark.parametrize("f", [160, 100])
+@pytest.mark.parametrize("f", [slow(160), 100])
 def test_swiglu(f):
     g, u = randn(1, (37, f), BF16, 2.0), randn(2, (37, f), BF16)
     ker = lambda g, u: swiglu.swiglu(g, u, numerics.SWIGLU, INTERPRET)  # noqa: E731
@@ -157,6 +159,9 @@ def _attend(q, k, v, kp, vp, layer, pt, pos, config=numerics.ATTENTION):
     return attention.paged_attention(q, k, v, kp, vp, layer, plan, config, INTERPRET)
 
 
+# The default run checks values against dense attention in test_attention_kv_splits, gradients in
+# test_attention_flash_backward.
+@pytest.mark.slow
 def test_attention_values_and_grads():
     q, k, v, pages, pt, pos = _attention_case(BF16)
     layer = jnp.int32(1)
@@ -193,7 +198,8 @@ def test_attention_odd_shapes(hq, hkv, dh):
     check_grads(whole_pass, dense, [q, k, v], (0, 1, 2), "odd attention")
 
 
-@pytest.mark.parametrize("block_pages,kv_split,merge_from", [(None, None, None), (1, 32, 2)])
+# The default run's chunked prefill and decode check: test_attention_kv_splits[16-37-1].
+@pytest.mark.parametrize("block_pages,kv_split,merge_from", [slow(None, None, None), slow(1, 32, 2)])
 def test_attention_chunked_equals_whole_and_decode(block_pages, kv_split, merge_from):
     """Prefill in chunks of 20 + 17, or token by token, gives the whole pass's bits: the cache is
     written before it is read and KV blocks are aligned to absolute positions. With 16-key blocks,
@@ -219,8 +225,8 @@ def test_attention_chunked_equals_whole_and_decode(block_pages, kv_split, merge_
     assert_bits_equal(jnp.concatenate(outs, axis=1), whole, "token-by-token decode")
 
 
-@pytest.mark.parametrize("in_place", [True, False])  # the backward's products reading dz, w, h in place or copies
-@pytest.mark.parametrize("d,vocab", [(64, 512), (48, 300)])  # 48, 300: a padded K step and a padded vocab tile
+@pytest.mark.parametrize("in_place", [True, slow(False)])  # the backward's products reading dz, w, h in place or copies
+@pytest.mark.parametrize("d,vocab", [slow(64, 512), (48, 300)])  # 48, 300: a padded K step and a padded vocab tile
 def test_logprob_values_and_grads(d, vocab, in_place):
     n = 37
     h, w = randn(1, (n, d), BF16), randn(2, (vocab, d), BF16, 0.3)
@@ -235,6 +241,7 @@ def test_logprob_values_and_grads(d, vocab, in_place):
     check_grads(ker, ref, [h.astype(F32), w.astype(F32)], (0, 1), "token_logprobs")
 
 
+@pytest.mark.slow
 def test_logprob_backward_in_vocab_chunks(monkeypatch):
     """The backward walks the vocabulary in chunks, each computing dz with the chunk's first id as
     an offset (target match, padded-id mask): in chunks of 128 ids, 300 ids take three, the last
@@ -255,7 +262,7 @@ def test_logprob_backward_in_vocab_chunks(monkeypatch):
     assert_bits_equal(jax.grad(lambda w: jnp.sum(ker(h, w)))(w), one_chunk, "dw: 3 chunks vs 1")
 
 
-@pytest.mark.parametrize("d,vocab", [(64, 512), (48, 300)])
+@pytest.mark.parametrize("d,vocab", [slow(64, 512), (48, 300)])
 def test_sample_logprob_is_score_logprob(d, vocab):
     """The sampler's recorded logprob is bit-identical to scoring the drawn token."""
     n = 37
@@ -268,7 +275,7 @@ def test_sample_logprob_is_score_logprob(d, vocab):
     assert (np.asarray(tokens) == np.asarray(ref_tokens)).mean() > 0.9  # same noise, logits equal up to rounding
 
 
-@pytest.mark.parametrize("vocab", [512, 300])
+@pytest.mark.parametrize("vocab", [slow(512), 300])
 def test_sampling_follows_the_distribution(vocab):
     """Uniform logits (zero hidden state): every id is equally likely, so 20,000 draws over 512 ids
     give counts with mean 39 and, for a fair sampler, a chi-square statistic near 511 (sd ~32);
@@ -295,7 +302,7 @@ def test_kernel_configs_validate():
         attention.AttentionConfig(page_size=12)
 
 
-@pytest.mark.parametrize("splits", [1, 2, 4])
+@pytest.mark.parametrize("splits", [slow(1), slow(2), 4])
 def test_logprob_uneven_vocab_splits(splits):
     """640 ids = 5 tiles: 2 splits hold 3 + 2 tiles, 4 splits hold 2 + 2 + 1 + 0 (an empty range
     must merge as a no-op). Values match the reference; sampled logprobs match scored ones."""
@@ -325,6 +332,8 @@ TABLE = numerics.options("strict").resolved().tiles
 MATMUL_CLASSES = [TABLE.matmul_decode, TABLE.matmul_small, TABLE.matmul_medium, TABLE.matmul]
 
 
+# The default run checks decode's and the learner's tiles through the model: tests/test_contract.py.
+@pytest.mark.slow
 def test_matmul_tile_configs_agree():
     """Decode, prefill and the learner use different M/N/K tiles, warps and stages; a row's bits
     must not depend on which: otherwise sampler and learner logprobs would differ. Also: reading
@@ -341,6 +350,9 @@ def test_matmul_tile_configs_agree():
             )
 
 
+# The default run checks the fused projections (the sampler's) against the separate ones (the
+# learner's) through the model: tests/test_contract.py.
+@pytest.mark.slow
 def test_matmul_fused_projections_agree():
     """The sampler computes q/k/v (and gate/up) in one launch; the learner calls each projection
     on its own. Every output column must have the separate call's bits, for every tile class
@@ -354,7 +366,7 @@ def test_matmul_fused_projections_agree():
                 assert_bits_equal(y, matmul.matmul(x, w[2], None, numerics.MATMUL, INTERPRET), f"{c} {widths}")
 
 
-@pytest.mark.parametrize("d,rope", [(64, False), (64, True), (40, False), (40, True)])
+@pytest.mark.parametrize("d,rope", [slow(64, False), slow(64, True), slow(40, False), (40, True)])
 def test_rmsnorm_layer_reads_the_stack_in_place(d, rope):
     """rmsnorm_layer (the sampler: weights read out of the [L, D] stack) == rmsnorm on the sliced
     weight (the learner), bit for bit, also for widths the kernel pads."""
@@ -369,7 +381,7 @@ def test_rmsnorm_layer_reads_the_stack_in_place(d, rope):
 
 @pytest.mark.parametrize(
     "kv_split,t,block_pages",
-    [(16, 37, 1), (32, 70, 2), (64, 150, 4), (128, 100, 4)]
+    [(16, 37, 1), slow(32, 70, 2), slow(64, 150, 4), slow(128, 100, 4)]
     + ([] if INTERPRET else [(numerics.ATTENTION.kv_split, 600, numerics.ATTENTION.block_pages)]),
 )
 def test_attention_kv_splits(kv_split, t, block_pages):
@@ -398,6 +410,7 @@ def test_attention_kv_splits(kv_split, t, block_pages):
     assert_bits_equal(jnp.concatenate(outs, axis=1), whole, f"kv_split {kv_split}: chunked prefill + decode vs whole")
 
 
+@pytest.mark.slow  # 300 tokens through the interpreted gradient; the default run audits it in test_hlo_audit.py
 def test_embedding_gradient_sums_repeated_tokens_in_fp32():
     """model.embed: the forward is plain indexing (same bits); the gradient of a row is its tokens'
     cotangents summed in fp32 and rounded once to bf16. Truth is the float64 sum rounded to bf16;
@@ -425,7 +438,7 @@ def test_embedding_gradient_sums_repeated_tokens_in_fp32():
     assert (np.asarray(grad, np.float64)[unused] == 0).all()
 
 
-@pytest.mark.parametrize("hq,hkv,dh,block", [(4, 2, 16, 16), (6, 2, 24, 32), (5, 1, 8, 16)])
+@pytest.mark.parametrize("hq,hkv,dh,block", [(4, 2, 16, 16), slow(6, 2, 24, 32), slow(5, 1, 8, 16)])
 def test_attention_flash_backward(hq, hkv, dh, block):
     """The Pallas backward (AttentionConfig.backward): dq, dk, dv as close to the float64 dense truth
     as XLA's dense backward is (check_grads: within twice the reference's own error), the same
@@ -453,6 +466,7 @@ def test_attention_flash_backward(hq, hkv, dh, block):
         assert_bits_equal(a, b, f"d{name}: skipped blocks vs all blocks")
 
 
+@pytest.mark.slow  # tiles and warps are GPU launch choices (compiled, at Qwen3-4B heads); interpreted: 45 s
 @pytest.mark.parametrize("tiles,warps", [(2, 4), (4, 4), (8, 4), (1, 2), (2, 2), (1, 8)])
 def test_attention_tiles_per_program_agree(tiles, warps):
     """Query tiles sharing each KV block load in one program (AttentionConfig.tiles) and the warp

@@ -66,13 +66,13 @@ def test_math_demo_runs(tmp_path):
 # ----- the supervised warm-up (train.sft) -----
 def test_sft_batch_lines_up_each_completion_token_with_the_column_that_predicts_it():
     """Column t's hidden state predicts token t + 1: a completion starting at index len(prompt) is predicted
-    from column len(prompt) - 1 on; padding columns have mask 0."""
+    from column len(prompt) - 1 on; padding slots have column -1 and mask 0."""
     batch = sft.make_batch([([5, 6, 7], [8, 9]), ([1, 2], [3, 4, 10])])
     assert batch["tokens"].shape == batch["positions"].shape == (2, 16)  # padded to a page
     np.testing.assert_array_equal(batch["tokens"][:, :5], [[5, 6, 7, 8, 9], [1, 2, 3, 4, 10]])
     np.testing.assert_array_equal(batch["positions"][0, :6], [0, 1, 2, 3, 4, -1])
-    np.testing.assert_array_equal(batch["columns"], [[2, 3, 0], [1, 2, 3]])
-    np.testing.assert_array_equal(batch["targets"], [[8, 9, 0], [3, 4, 10]])
+    np.testing.assert_array_equal(batch["columns"], [[2, 3, -1], [1, 2, 3]])
+    np.testing.assert_array_equal(np.take_along_axis(batch["tokens"], batch["columns"] + 1, 1), [[8, 9, 5], [3, 4, 10]])
     np.testing.assert_array_equal(batch["mask"], [[1, 1, 0], [1, 1, 1]])
 
 
@@ -85,9 +85,10 @@ def test_sft_logprobs_are_the_learners_logprobs_of_the_completion(tiny):
     got = sft.completion_logprobs(params, batch, rope, cfg, "strict")
     temps = np.ones(2, np.float32)
     full = np.asarray(model.sequence_logprobs(params, batch["tokens"], batch["positions"], temps, rope, cfg, "strict"))
-    want = np.stack([full[i, batch["columns"][i]] for i in range(2)])
+    want = np.take_along_axis(full, np.maximum(batch["columns"], 0), 1)
     mask = batch["mask"] > 0
     assert_bits_equal(np.asarray(got)[mask], want[mask], "completion logprobs")
+    assert np.all(np.asarray(got)[~mask] == 0)
 
 
 @pytest.mark.slow  # compiles the warm-up's update and runs 8 steps; the logprob test above checks its loss's inputs

@@ -41,6 +41,7 @@ def test_math_verify_rewards(verifier, completion, answer, reward):
     assert verifier(completion, answer) == RewardResult(reward)
 
 
+@pytest.mark.slow  # the default run's timeout: test_a_batch_over_two_workers_keeps_order_and_bounds_each_check
 def test_timeout_is_reported_and_the_next_check_works():
     """A check past its time gets reward 0 and failure "timeout" within about the timeout (the worker
     is killed, not waited for), and the verifier keeps working with a fresh worker."""

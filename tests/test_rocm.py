@@ -15,7 +15,7 @@ import rlkjax
 from rlkjax import audit, model, numerics
 from rlkjax import steps as steps_
 from rlkjax.numerics import NumericsOptions
-from tests.helpers import assert_bits_equal
+from tests.helpers import assert_bits_equal, slow
 from train import grpo
 from train.batch import Batch
 
@@ -52,7 +52,8 @@ def strict_programs(cfg, options, b=2, t=16, pages=4, steps=4):
 
 
 @pytest.mark.parametrize("program", ["decode_step", "decode_round", "learner_logprobs", "learner_step"])
-@pytest.mark.parametrize("platform", ["rocm", "cuda"])
+# CUDA is the control; the default run audits CUDA's lowering in tests/test_hlo_audit.py.
+@pytest.mark.parametrize("platform", ["rocm", slow("cuda")])
 def test_strict_programs_export_and_pass_the_audits(tiny, platform, program):
     """jax.export for ROCm with an abstract gfx942 (CUDA with an abstract H200: the control), each on
     its platform's tile table: the Triton kernels are there, and outside them no XLA dot and no

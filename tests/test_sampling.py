@@ -11,7 +11,7 @@ import rlkjax
 from pallas_kernels import logprob, truncation
 from rlkjax import numerics
 from rlkjax.engine import Engine, EngineConfig
-from tests.helpers import INTERPRET, assert_bits_equal, bits, float64_on_cpu, randn, rel_err
+from tests.helpers import INTERPRET, assert_bits_equal, bits, float64_on_cpu, randn, rel_err, slow
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 CONFIG = numerics.LOGPROB
@@ -147,6 +147,7 @@ def test_alternatives_are_the_top_k_of_the_same_distribution():
     np.testing.assert_array_equal(bits(top[rows, cols]), bits(lp[rows]))
 
 
+@pytest.mark.slow  # the default run draws alternatives through the engine in test_top_k_draws_are_among_...
 def test_generate_alternatives_equal_score_alternatives(tiny):
     """top_logprobs=k from the engine (decode rows, greedy and sampled, k per request) equal
     score(..., top_logprobs=k) over the finished sequences (the learner's rows), ids and bits; the
@@ -266,6 +267,7 @@ def designed_case(draws):
     return jnp.asarray(h, BF16), jnp.asarray(w, BF16), z
 
 
+@pytest.mark.slow  # the default run's truncation kernel check: test_untruncated_rows_draw_the_default_tokens_and_bits
 def test_truncated_sampling_keeps_the_reference_set_and_renormalises():
     """4,000 draws per setting (20,000 in all): no draw leaves the float64 reference's kept set, every
     kept id is drawn (each has >= 10 expected draws: the sets are equal), the counts fit the
@@ -339,6 +341,7 @@ def test_untruncated_rows_draw_the_default_tokens_and_bits():
     np.testing.assert_allclose(np.asarray(renorm), np.asarray(lp), atol=1e-5)
 
 
+@pytest.mark.slow  # the default run truncates through the engine in test_top_k_draws_are_among_the_top_alternatives
 def test_generate_with_truncation(tiny):
     """Engine level: truncated rows record the full-distribution logprob (score's bits) or, asked,
     the renormalised one (<= 0, >= the full one) for the same tokens; a plain row sharing their
@@ -372,7 +375,7 @@ def test_generate_with_truncation(tiny):
     np.testing.assert_allclose(lps[1], plain.logprobs, atol=1e-5)
 
 
-@pytest.mark.parametrize("numerics_mode", ["strict", "fast"])
+@pytest.mark.parametrize("numerics_mode", ["strict", slow("fast")])
 def test_top_k_draws_are_among_the_top_alternatives(tiny, numerics_mode):
     """top_k=3 with top_logprobs=3: every drawn token is one of the 3 listed alternatives (ties
     aside, the kept set is the top 3), on the strict path and on the plain-XLA fast path (which

@@ -24,11 +24,14 @@ class Batch(NamedTuple):
     adv: np.ndarray  # [B] f32: the sequence's advantage
     temps: np.ndarray  # [B] f32: the sampling temperature the learner scores at
     tis: np.ndarray  # [B, T-1] f32: truncated importance weight (1 = none; only --numerics fast sets it)
+    # [B, C] int32: the logprob columns the loss reads (the completion's; -1 pads a row's list), so the
+    # learner takes the log-softmax there only (model.completion_logprobs); None scores every column.
+    columns: np.ndarray | None = None
 
 
 # What an all-padding row holds. Positions -1 keep it out of attention; temperature 1 because the
 # logprob kernel divides by it; everything else 0, so with mask 0 the row adds nothing to the loss.
-PAD = Batch(tokens=0, positions=-1, logp_old=0.0, mask=0.0, adv=0.0, temps=1.0, tis=0.0)
+PAD = Batch(tokens=0, positions=-1, logp_old=0.0, mask=0.0, adv=0.0, temps=1.0, tis=0.0, columns=-1)
 
 
 LENGTH_STEP = 128
@@ -44,15 +47,17 @@ def padded_length(n: int) -> int:
 
 def pack(samples) -> Batch:
     """Samples (dicts with prompt, tokens, logprobs, adv, temperature) -> a Batch of T =
-    padded_length(the longest sequence) tokens."""
+    padded_length(the longest sequence) tokens and C = padded_length(the longest completion) columns."""
     sequences = [s["prompt"] + s["tokens"] for s in samples]
     rows, length = len(samples), padded_length(max(map(len, sequences)))
     tokens, positions = pad_sequences(sequences, rows, length)
     logp_old, mask = np.zeros((rows, length - 1), np.float32), np.zeros((rows, length - 1), np.float32)
+    columns = np.full((rows, padded_length(max(len(s["tokens"]) for s in samples))), -1, np.int32)
     for i, s in enumerate(samples):
         first, n = len(s["prompt"]) - 1, len(s["tokens"])  # column of the first completion token
         logp_old[i, first : first + n] = s["logprobs"]
         mask[i, first : first + n] = 1
+        columns[i, :n] = np.arange(first, first + n)
     return Batch(
         tokens=tokens,
         positions=positions,
@@ -61,6 +66,7 @@ def pack(samples) -> Batch:
         adv=np.array([s["adv"] for s in samples], np.float32),
         temps=np.array([s["temperature"] for s in samples], np.float32),
         tis=np.ones((rows, length - 1), np.float32),
+        columns=columns,
     )
 
 

@@ -246,17 +246,17 @@ def gather(params, specs, dtype=None):
 
 # ----- the learner's jitted functions -----
 def sharded_logprobs(fn, mesh, specs, dtype=None, **static):
-    """fn(params, tokens, positions, temps, rope, layer_weights=..., **static) -> [B, T-1], with rows
-    sharded over the mesh and the weights gathered as `dtype` (default: their own); params["layers"]
-    are this device's shards, which fn passes on with layer_weights to model.forward (see gather)."""
+    """fn(params, tokens, positions, temps, rope, layer_weights=..., columns=..., **static) -> [B, T-1]
+    (columns: the Batch's scored columns), with rows sharded over the mesh and the weights gathered as
+    `dtype` (default: their own); params["layers"] are this device's shards, which fn passes on with
+    layer_weights to model.forward (see gather)."""
 
-    def body(params, tokens, positions, temps, rope):
+    def body(params, tokens, positions, temps, rope, columns):
         params, layer_weights = gather(params, specs, dtype)
-        return fn(params, tokens, positions, temps, rope, layer_weights=layer_weights, **static)
+        return fn(params, tokens, positions, temps, rope, layer_weights=layer_weights, columns=columns, **static)
 
-    return jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=(specs, ROWS, ROWS, ROWS, P()), out_specs=ROWS, check_vma=False)
-    )
+    in_specs = (specs, ROWS, ROWS, ROWS, P(), ROWS)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=ROWS, check_vma=False))
 
 
 def sharded_value_and_grad(loss_fn, mesh, specs, dtype=None, **static):

@@ -94,18 +94,22 @@ def to_policy(master, cfg):
     return jax.tree.map(lambda w: w.astype(cfg.dtype), master)
 
 
-def policy_logprobs(master, tokens, positions, temps, rope, cfg, numerics, layer_weights=None, remat=False):
-    """layer_weights: the FSDP learner's per-layer all-gather (train/fsdp.py gather); master["layers"]
-    are then this device's shards, passed on uncast and cast after the gather (a no-op when the
-    gather already casts to the policy dtype, as train() asks: half the bytes moved and held).
-    remat: recompute each layer in the backward (model.forward; --remat)."""
+def policy_logprobs(
+    master, tokens, positions, temps, rope, cfg, numerics, layer_weights=None, remat=False, columns=None
+):
+    """logp [B, T-1] of the policy. layer_weights: the FSDP learner's per-layer all-gather (train/fsdp.py
+    gather); master["layers"] are then this device's shards, passed on uncast and cast after the gather (a
+    no-op when the gather already casts to the policy dtype, as train() asks: half the bytes moved and held).
+    remat: recompute each layer in the backward (model.forward; --remat). columns: the Batch's (the
+    completion's columns): the log-softmax runs there only and every other column holds 0
+    (model.completion_logprobs); None scores every column."""
     if layer_weights is None:
         policy = to_policy(master, cfg)
     else:
         policy = {**to_policy({k: w for k, w in master.items() if k != "layers"}, cfg), "layers": master["layers"]}
         gather = layer_weights
         layer_weights = lambda name, shard: gather(name, shard).astype(cfg.dtype)  # noqa: E731
-    return model.sequence_logprobs(policy, tokens, positions, temps, rope, cfg, numerics, layer_weights, remat)
+    return model.sequence_logprobs(policy, tokens, positions, temps, rope, cfg, numerics, layer_weights, remat, columns)
 
 
 def grpo_loss(
@@ -115,7 +119,7 @@ def grpo_loss(
     token count, so summing micro-batch gradients gives the full-batch gradient.
     Returns (loss, (LossStats, logp_new [B, T-1])); logp_new lets the first update check the contract."""
     logp = policy_logprobs(
-        master, batch.tokens, batch.positions, batch.temps, rope, cfg, numerics, layer_weights, remat
+        master, batch.tokens, batch.positions, batch.temps, rope, cfg, numerics, layer_weights, remat, batch.columns
     )
     mask, adv = batch.mask, batch.adv[:, None]
     ratio = jnp.exp(logp - batch.logp_old)

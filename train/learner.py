@@ -100,7 +100,7 @@ def score(learner: Learner, weights, batch: Batch, micro_batch: int) -> np.ndarr
     """[B, T-1] logprobs of `batch` under `weights` (master or the KL reference), on the host. Every
     micro-batch is dispatched before any is read back: the device never waits on the host."""
     scored = [
-        learner.score_fn(weights, mb.tokens, mb.positions, mb.temps, learner.rope)
+        learner.score_fn(weights, mb.tokens, mb.positions, mb.temps, learner.rope, mb.columns)
         for mb in learner.on_mesh(batch, micro_batch)
     ]
     return np.concatenate([fsdp.to_host(x) for x in scored])[: len(batch.tokens)]
@@ -129,7 +129,7 @@ def gradients(learner: Learner, master, ref, batch: Batch, total_tokens, config:
     grads, losses, stats, logp_new = jax.tree.map(jnp.zeros_like, master), [], [], []
     for mb in learner.on_mesh(batch, config.micro_batch):
         ref_logp = (
-            learner.score_fn(ref, mb.tokens, mb.positions, mb.temps, learner.rope)
+            learner.score_fn(ref, mb.tokens, mb.positions, mb.temps, learner.rope, mb.columns)
             if config.beta
             else fsdp.put(np.zeros(mb.logp_old.shape, np.float32), learner.mesh, fsdp.ROWS)
         )

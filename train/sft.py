@@ -33,8 +33,7 @@ from rlkjax import compilation_cache, model
 from rlkjax.chat import prompt_format
 from rlkjax.checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from rlkjax.data import load_examples
-from rlkjax.numerics import PAGE_SIZE
-from rlkjax.shapes import cdiv, fresh_page_table, pad_sequences
+from rlkjax.shapes import pad_sequences
 from rlkjax.tokenizer import load_tokenizer
 from train.batch import padded_length
 
@@ -108,40 +107,25 @@ def encode(examples, tokenizer, render, eos: int) -> list[tuple[list[int], list[
 
 def make_batch(pairs) -> dict[str, np.ndarray]:
     """(prompt, completion) id lists -> the padded sequences and, per completion token, the column of the
-    hidden state that predicts it: tokens, positions [B, T]; columns, targets, mask [B, C]."""
+    hidden state that predicts it (-1 past a row's completion): tokens, positions [B, T]; columns, mask [B, C]."""
     sequences = [p + c for p, c in pairs]
     rows, width = len(pairs), max(len(c) for _, c in pairs)
     tokens, positions = pad_sequences(sequences, rows, padded_length(max(map(len, sequences))))
-    columns, targets, mask = (np.zeros((rows, width), dtype) for dtype in (np.int32, np.int32, np.float32))
+    columns, mask = np.full((rows, width), -1, np.int32), np.zeros((rows, width), np.float32)
     for i, (prompt, completion) in enumerate(pairs):
         n = len(completion)
         columns[i, :n] = np.arange(len(prompt) - 1, len(prompt) - 1 + n)
-        targets[i, :n] = completion
         mask[i, :n] = 1
-    return {"tokens": tokens, "positions": positions, "columns": columns, "targets": targets, "mask": mask}
+    return {"tokens": tokens, "positions": positions, "columns": columns, "mask": mask}
 
 
 def completion_logprobs(policy, batch: dict, rope, cfg, numerics) -> jax.Array:
     """log p(completion token | everything before it) [B, C]: the learner's pass over whole sequences, with the
-    log-softmax over the vocabulary taken only at completion positions (a few per row, not all T)."""
-    b, t = batch["tokens"].shape
-    pages_per_row = cdiv(t, PAGE_SIZE)
-    cache = model.init_kv_cache(cfg, 1 + b * pages_per_row)
-    hidden, _ = model.forward(
-        policy,
-        batch["tokens"],
-        batch["positions"],
-        cache,
-        fresh_page_table(b, pages_per_row),
-        rope,
-        cfg,
-        numerics,
-        weights_in_place=False,
+    log-softmax over the vocabulary taken only at completion positions (model.completion_logprobs)."""
+    temps = np.ones(len(batch["tokens"]), np.float32)
+    return model.completion_logprobs(
+        policy, batch["tokens"], batch["positions"], batch["columns"], temps, rope, cfg, numerics
     )
-    rows = hidden[jnp.arange(b)[:, None], batch["columns"]].reshape(-1, cfg.hidden_size)  # [B * C, D] gather
-    temps = jnp.ones(rows.shape[0], jnp.float32)
-    logp = model.token_logprobs(policy, rows, batch["targets"].reshape(-1), temps, numerics)
-    return logp.reshape(batch["targets"].shape)
 
 
 def sft_loss(master, batch: dict, rope, cfg, numerics) -> jax.Array:
