@@ -404,16 +404,16 @@ def _params_bits(master):
 
 @pytest.mark.slow
 def test_resume_and_same_seed_are_bit_identical(tmp_path):
-    base = grpo.GRPOConfig(steps=4, checkpoint_every=2, **SMALL)
+    base = grpo.GRPOConfig(steps=2, checkpoint_every=1, **SMALL)
     straight = grpo.train(dataclasses.replace(base, out=str(tmp_path / "a")))
     again = grpo.train(dataclasses.replace(base, out=str(tmp_path / "b")))
-    grpo.train(dataclasses.replace(base, steps=2, out=str(tmp_path / "c")))
+    grpo.train(dataclasses.replace(base, steps=1, out=str(tmp_path / "c")))
     resumed = grpo.train(dataclasses.replace(base, out=str(tmp_path / "c"), resume=True))
-    for name, other in (("same seed", again), ("2 + resume 2", resumed)):
+    for name, other in (("same seed", again), ("1 + resume 1", resumed)):
         for x, y in zip(_params_bits(straight["master"]), _params_bits(other["master"])):
             assert np.array_equal(x, y), name
     rows = [json.loads(line) for line in (tmp_path / "c" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows] == [1, 2]
 
 
 @pytest.mark.parametrize(
