@@ -91,6 +91,7 @@ def test_sft_logprobs_are_the_learners_logprobs_of_the_completion(tiny):
     assert np.all(np.asarray(got)[~mask] == 0)
 
 
+@pytest.mark.slow  # compiles the warm-up's update and runs 8 steps; the logprob test above checks its loss's inputs
 def test_sft_step_lowers_the_completion_loss(tiny):
     """A few AdamW steps on one batch must fit its completions: from a random model's loss (about log 512 =
     6.2 nats over the tiny preset's vocabulary) by more than half the drop measured on a CPU (6.22 -> 1.82 in
