@@ -5,12 +5,13 @@
 
 Starts the server --starts times on loopback, all with one --compilation-cache directory (a fresh
 empty one unless --cache-dir names one): the first start compiles every warm-up shape (cold), the
-later ones load them from the cache (warm). Each start records the seconds until the server listened
-(its first HTTP answer, 503 "starting") and until it was ready, the CPU seconds the server had used by
-then (which, unlike wall time, do not grow with other work on the machine), and the log's warm-up line
-(its time split into tracing, lowering, compiling and cache reads); then it sends one fixed seeded
-/generate request and keeps its tokens and logprobs, which must be the same bits on every start (a
-cache hit loads the executable the cold start compiled).
+later ones load their executables from it (warm: nothing traced, lowered or compiled). Each start
+records the seconds until the server listened (its first HTTP answer, 503 "starting") and until it was
+ready, the CPU seconds the server had used by then (which, unlike wall time, do not grow with other work
+on the machine), and the log's warm-up line (its time split into tracing, lowering, compiling, JAX cache
+reads and executable loads); then it sends one fixed seeded /generate request and keeps its tokens and
+logprobs, which must be the same bits on every start (a warm start runs the executables the cold start
+compiled).
 """
 
 import argparse

@@ -5,6 +5,10 @@
 on a 2-device mesh against the sampler, for short sequences and for sequences longer than one
 attention KV split (learner_step_matches_sampler; tests/test_gpu.py runs the same on 2 GPUs).
 
+`python -m tests.sharded_contract layouts OUT` (3 devices): short GRPO runs with the learner and the
+samplers on different, overlapping or the same devices (LAYOUTS), each writing OUT/<learner>-<sampler>/
+metrics.jsonl; one process for all, so what they share is traced once.
+
 `python -m tests.sharded_contract grpo OUT`: the same GRPO run twice, with an 8-device FSDP learner
 and 2 sampler replicas (OUT/fsdp) and with one device each (OUT/single); each writes metrics.jsonl
 and its final fp32 master weights (master.npz) for the test to compare.
@@ -24,6 +28,13 @@ from tests.helpers import assert_bits_equal
 from train import fsdp, grpo
 from train.batch import pack, pad_rows
 
+# learner devices, sampler devices
+LAYOUTS = (
+    ("0,1", "2"),  # learner on 2 devices, the sampler on a third
+    ("0", "1,2"),  # learner on 1, samplers on 2 others
+    ("0,1", "0,1"),  # both on both
+)
+LAYOUT_RUN = dict(steps=2, prompts_per_step=3, group_size=2, max_new_tokens=4, warmup_steps=0, progress=False)
 GRPO_RUN = dict(steps=2, prompts_per_step=4, group_size=4, max_new_tokens=4, micro_batch=8, progress=False)
 
 
@@ -78,6 +89,13 @@ def learner_step():
         print(f"learner step, {name} rows: {result}", flush=True)
 
 
+def layout_runs(out: Path):
+    for learner, sampler in LAYOUTS:
+        run = out / f"{learner}-{sampler}"
+        grpo.train(grpo.GRPOConfig(out=str(run), learner_devices=learner, sampler_devices=sampler, **LAYOUT_RUN))
+        print(f"layout {learner} / {sampler}: done", flush=True)
+
+
 def grpo_runs(out: Path):
     for name, layout in {"fsdp": dict(learner_devices="0-7", sampler_devices="6,7"), "single": {}}.items():
         result = grpo.train(grpo.GRPOConfig(out=str(out / name), **GRPO_RUN, **layout))
@@ -89,9 +107,12 @@ def grpo_runs(out: Path):
 if __name__ == "__main__":
     if sys.argv[1:] == ["learner-step"]:
         learner_step()
+    elif sys.argv[1] == "layouts":
+        assert len(jax.devices()) == 3, jax.devices()
+        layout_runs(Path(sys.argv[2]))
     elif sys.argv[1] == "grpo":
         assert len(jax.devices()) == 8, jax.devices()
         grpo_runs(Path(sys.argv[2]))
     else:
-        usage = "python -m tests.sharded_contract learner-step | grpo OUT"
+        usage = "python -m tests.sharded_contract learner-step | layouts OUT | grpo OUT"
         raise SystemExit(f"usage: {usage} (got {sys.argv[1:]})")

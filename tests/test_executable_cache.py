@@ -65,7 +65,18 @@ def test_loaded_executables_serve_the_bits_the_compiled_ones_and_the_learner_giv
     logprob bits of the run that compiled them, which equal `rlkjax.score`'s; loading traces, lowers
     and compiles nothing; the loaded round still donates the KV cache (its input/output aliasing is
     part of the executable), so the cache is not copied every round."""
-    cfg, params = tiny
+    check_loaded_executables(*tiny, cache_dir)
+
+
+@pytest.mark.gpu
+def test_loaded_executables_on_the_gpu(tiny, cache_dir):
+    """The same on a GPU, where the executables hold the compiled Triton kernels."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    check_loaded_executables(*tiny, cache_dir)
+
+
+def check_loaded_executables(cfg, params, cache_dir):
     prompts = [[3, 1, 4, 1, 5], list(range(1, 30))]
     cold, cold_times, _ = serve(params, cfg, prompts)
     files = sorted(cache_dir.glob("*.bin"))

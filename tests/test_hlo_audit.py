@@ -4,6 +4,7 @@ innocent-looking jnp op on the logprob path (a cast, a scale, an add) that XLA w
 differently in the sampler and the learner."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -123,8 +124,10 @@ def test_audit_catches_the_fast_path(tiny):
     assert any("dot_general" in line for line in bad) and any("exponential" in line for line in bad)
 
 
+@functools.cache
 def learner_gradient(cfg, numerics_mode, b=2, t=16):
-    """The learner's gradient (of its sequence logprobs), lowered for the audited GPU."""
+    """The learner's gradient (of its sequence logprobs), lowered for the audited GPU (once: two tests
+    audit the same text)."""
     rope = model.rope_tables(cfg)
     tok = jax.ShapeDtypeStruct((b, t), jnp.int32)
     temps = jax.ShapeDtypeStruct((b,), jnp.float32)

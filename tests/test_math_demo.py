@@ -47,7 +47,7 @@ def test_math_demo_runs(tmp_path):
         group_size=2,
         max_new_tokens=6,
         max_prompt_tokens=96,
-        steps=2,
+        steps=1,  # every program of a step runs in the first; a second only repeats them
         checkpoint_every=0,
         logger="tensorboard",
         table_every=1,
@@ -55,10 +55,10 @@ def test_math_demo_runs(tmp_path):
         out=str(tmp_path / "run"),
     )
     rows = grpo.train(config)["history"]
-    assert [r["step"] for r in rows] == [0, 1, 2] and all("eval_pass@2" in r for r in rows)
+    assert [r["step"] for r in rows] == [0, 1] and all("eval_pass@2" in r for r in rows)
     assert all(r["tokens_bits_differ"] == 0 and r["reward_failures"] == 0 for r in rows[1:])
     samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
-    assert len(samples) == 2 * 2 * 2 and all(s["prompt"].endswith("\\boxed{}.") for s in samples)
+    assert len(samples) == 2 * 2 and all(s["prompt"].endswith("\\boxed{}.") for s in samples)
     assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
     assert (tmp_path / "run" / "plot.png").exists()
 

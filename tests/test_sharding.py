@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import rlkjax
-from tests.sharded_contract import GRPO_RUN
+from tests.sharded_contract import GRPO_RUN, LAYOUTS
 from train.fsdp import distributed_args, parse_devices, pick_devices
 from train.grpo import GRPOConfig
 
@@ -43,32 +43,25 @@ def test_learner_step_has_the_samplers_bits_on_two_devices():
     assert len(lines) == 2 and "'kv_splits': 1" in lines[0] and "'kv_splits': 3" in lines[1], r.stdout
 
 
-@pytest.mark.slow  # a train.grpo process per layout
-@pytest.mark.parametrize(
-    "learner, sampler",
-    [
-        ("0,1", "2"),  # learner on 2 devices, the sampler on a third
-        ("0", "1,2"),  # learner on 1, samplers on 2 others
-        ("0,1", "0,1"),  # both on both
-    ],
-)
-def test_grpo_is_exact_on_any_device_layout(tmp_path, learner, sampler):
+@pytest.mark.slow  # a GRPO run per layout (one process for all)
+def test_grpo_is_exact_on_any_device_layout(tmp_path):
     """Every step: the learner recomputes the sampler's logprobs with 0 bits differing and the first
     update's ratio is exactly 1 (the run stops otherwise); step 2 samples with the weights pushed to
     the sampler devices after step 1 (policy version 1). Prevents a layout whose weight push or
     batch placement goes astray, e.g. a sampler left with stale weights on a device the learner
-    does not hold."""
-    cmd = [sys.executable, "-m", "train.grpo", "--steps", "2", "--prompts-per-step", "3", "--group-size", "2"]
-    cmd += ["--max-new-tokens", "4", "--warmup-steps", "0", "--no-progress", "--out", str(tmp_path)]
-    cmd += ["--learner-devices", learner, "--sampler-devices", sampler]
+    does not hold. Layouts: tests/sharded_contract.py LAYOUTS."""
     env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=3"}
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    cmd = [sys.executable, "-m", "tests.sharded_contract", "layouts", str(tmp_path)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [row["policy_version"] for row in rows] == [0, 1]
-    for row in rows:
-        assert row["tokens_compared"] > 0 and row["tokens_bits_differ"] == 0, row
-        assert row["ratio_min"] == row["ratio_max"] == 1.0, row
+    for learner, sampler in LAYOUTS:
+        rows = [
+            json.loads(line) for line in (tmp_path / f"{learner}-{sampler}" / "metrics.jsonl").read_text().splitlines()
+        ]
+        assert [row["policy_version"] for row in rows] == [0, 1], (learner, sampler)
+        for row in rows:
+            assert row["tokens_compared"] > 0 and row["tokens_bits_differ"] == 0, (learner, sampler, row)
+            assert row["ratio_min"] == row["ratio_max"] == 1.0, (learner, sampler, row)
 
 
 @pytest.mark.parametrize(
