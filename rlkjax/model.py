@@ -393,9 +393,10 @@ def completion_logprobs(
     slice, but a second batch layout for attention and positions to honour) and over a kernel that
     skips row blocks without completion tokens (the blocks of a right-padded batch mix prompt and
     completion rows, so little would be skipped, and the backward's products would still walk every
-    row). The gradient of every weight but the lm_head is the full pass's, bit for bit (the hidden
-    states' cotangent is the same: 0 at unscored columns either way); the lm_head's sums the same
-    scored rows' products grouped into other tiles (tests/test_learner_slice.py)."""
+    row). Gradients are not promised bits across the two: the lm_head's sums the same scored rows'
+    products grouped into other tiles, and the logprob backward's vocabulary chunk is sized by the
+    row count, so with many rows the hidden states' cotangent is summed over other chunks; where the
+    chunk is the same, every other weight's gradient is the full pass's (tests/test_learner_slice.py)."""
     b, t = tokens.shape
     c = columns.shape[1]
     hidden = _learner_hidden(params, tokens, positions, rope, cfg, numerics, layer_weights, remat)

