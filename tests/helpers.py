@@ -3,6 +3,7 @@ kernel tests' float64 truth and random inputs.
 (Fixtures and pytest's hooks live in conftest.py, which test files do not import.)"""
 
 import contextlib
+import os
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,14 @@ INTERPRET = jax.default_backend() == "cpu"  # Pallas kernels run interpreted on 
 def slow(*values):
     """A parametrize case that runs with the slow tests (.ci/run), not in plain `pytest`."""
     return pytest.param(*values, marks=pytest.mark.slow)
+
+
+def fake_devices(n: int) -> dict[str, str]:
+    """The environment for a subprocess on n fake CPU devices: this run's XLA_FLAGS (the strict flag,
+    the suite's optimisation level) plus the device count."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    flags = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count=")]
+    return os.environ | {"XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={n}"])}
 
 
 def rel_err(x, truth):

@@ -9,7 +9,6 @@ collective library, so the fp32 master weights, the AdamW moments, the bf16 poli
 every metric except timings must have the same bits. The warmup is 0 so the first update already moves the weights.
 """
 
-import os
 import socket
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import pytest
 
 import rlkjax
 from bench.two_gpu import checkpoint_arrays, compare, metrics
+from tests.helpers import fake_devices
 
 FLAGS = [
     "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "4", "--micro-batch", "8",
@@ -34,7 +34,7 @@ def free_port() -> int:
 
 
 def launch(out, devices: int, extra=(), env=None) -> subprocess.Popen:
-    env = os.environ | (env or {}) | {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    env = fake_devices(devices) | (env or {})
     cmd = [sys.executable, "-m", "train.grpo", *FLAGS, "--out", str(out), *extra]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

@@ -7,7 +7,6 @@ the learner step's compiled memory per layer (XLA's analysis, nothing runs)."""
 import dataclasses
 import json
 import math
-import os
 import subprocess
 import sys
 
@@ -16,11 +15,12 @@ import numpy as np
 import pytest
 
 import rlkjax
+from tests.helpers import fake_devices
 from tests.sharded_contract import GRPO_RUN, LAYOUTS
 from train.fsdp import distributed_args, parse_devices, pick_devices
 from train.grpo import GRPOConfig
 
-ENV = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+ENV = fake_devices(8)
 
 
 # The sampler's logprobs against the FSDP learner's rescoring of them on 8, 4, 2 and 1 devices, bit for
@@ -35,7 +35,7 @@ def test_learner_step_has_the_samplers_bits_on_two_devices():
     learner_step_matches_sampler, at the tiny shape): train.grpo's learner step itself, not only the
     scoring pass, returns the sampler's logprob bits on a 2-device mesh, for short rows and for rows
     over 3 attention KV splits (the split merge in the learner's pass and in the sampler's decode)."""
-    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = fake_devices(2)
     cmd = [sys.executable, "-m", "tests.sharded_contract", "learner-step"]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -50,7 +50,7 @@ def test_grpo_is_exact_on_any_device_layout(tmp_path):
     the sampler devices after step 1 (policy version 1). Prevents a layout whose weight push or
     batch placement goes astray, e.g. a sampler left with stale weights on a device the learner
     does not hold. Layouts: tests/sharded_contract.py LAYOUTS."""
-    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=3"}
+    env = fake_devices(3)
     cmd = [sys.executable, "-m", "tests.sharded_contract", "layouts", str(tmp_path)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -204,7 +204,7 @@ def test_learner_step_memory_per_layer_scales_like_its_shard():
     and a little more (activations), never a full copy of the layer: prevents the FSDP learner from
     gathering, or reduce-scattering the gradients of, the whole model at once (at Qwen3-8B on 2 GPUs
     that held 45.9 GiB of full-model buffers and did not fit)."""
-    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = fake_devices(4)
     r = subprocess.run([sys.executable, "-c", MEMORY_PROBE], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     temporaries = json.loads(r.stdout.splitlines()[-1])
@@ -239,7 +239,7 @@ def test_learner_step_keeps_few_activations_per_layer():
     did not fit one H200). Without the remat the same probe exceeds the bound (1,098,368 bytes per layer
     against 344,704 with it), so it can tell. Two devices: one device takes whole weights, no scan
     (train/fsdp.py gather), and XLA:CPU's analysis of that pass counts interpret mode's copies."""
-    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = fake_devices(2)
     r = subprocess.run([sys.executable, "-c", REMAT_PROBE], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     temporaries = json.loads(r.stdout.splitlines()[-1])
@@ -283,7 +283,7 @@ def test_8b_learner_compiles_sharded_over_8_devices():
     or moment costs each device 8x its share, 92 GiB for the three, and would first show on 8 GPUs).
     Interpret mode's compile on CPU; the shardings and buffer sizes are the program's, not a GPU
     measurement."""
-    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = fake_devices(8) | {"JAX_PLATFORMS": "cpu"}
     r = subprocess.run([sys.executable, "-c", COMPILE_8B_PROBE], env=env, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stderr[-3000:]
     programs = json.loads(r.stdout.splitlines()[-1])
