@@ -31,7 +31,9 @@ import asyncio
 import dataclasses
 import logging
 import math
+import os
 import secrets
+import sys
 import threading
 import time
 
@@ -95,6 +97,7 @@ class Server:
         self.stopping = False  # the engine thread exits once idle
         self.draining, self.deadline_passed, self.deadline = False, False, math.inf
         self.grace = SHUTDOWN_GRACE_S  # after the deadline's cancellations, for the handlers to answer
+        self.cut = asyncio.Event()  # set when a shutdown cancels what is in flight: its handlers answer at once
         self.in_flight: set[Request] = set()  # submitted and not ended (pruned as they end): cancelled at the deadline
         self.handlers = 0  # route handlers running (a stream until its last event): the drain waits for them
         self.started = time.time()
@@ -207,7 +210,7 @@ class Server:
             self.when_done(r, lambda fut=fut: fut.done() or fut.set_result(None))
             futures.append(fut)
         try:
-            await asyncio.wait_for(asyncio.gather(*futures), timeout)
+            await asyncio.wait_for(self._unless_cut(asyncio.gather(*futures)), timeout)
         except TimeoutError:
             self.cancel(requests)
             raise RequestTimeout(f"the request did not finish within its timeout of {timeout:g} s") from None
@@ -217,6 +220,20 @@ class Server:
         self.in_flight.difference_update(requests)
         self.check_ended(requests)
         return requests
+
+    async def _unless_cut(self, ended):
+        """Await `ended`, or stop waiting once a shutdown cut what was in flight: the engine ends the
+        cancelled requests at its next step, which on a busy machine can come after the process has
+        exited, so the handler answers 503 now rather than leave its client a dropped connection."""
+        cut = asyncio.ensure_future(self.cut.wait())
+        try:
+            await asyncio.wait({ended, cut}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            cut.cancel()
+        if not ended.done():
+            ended.cancel()
+            raise ShuttingDown("the server shut down before this request finished (--shutdown-timeout)")
+        await ended
 
     def check_ended(self, requests) -> None:
         """After the engine ended `requests`: raise the error their client gets, if it failed them or a
@@ -394,6 +411,7 @@ class Server:
                     cut_at, self.deadline_passed = now, True
                     for r in list(self.pending()):
                         self.engine.cancel(r)
+                    self.cut.set()
                     self.kick()
                 if now >= cut_at + self.grace:
                     log.warning(
@@ -406,7 +424,17 @@ class Server:
 def main(config: ServerConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     compilation_cache.enable(config.compilation_cache)  # before the first compilation (loading checks weights)
-    asyncio.run(serve(Server(config)))
+    server = Server(config)
+    asyncio.run(serve(server))
+    if server.thread.is_alive():
+        # A shutdown cut the engine's step short. Finalising the interpreter while that thread is still
+        # inside XLA can abort the process (SIGABRT, seen under load); every answer has been sent, so the
+        # process leaves without finalising, with exit status 0.
+        log.info("exiting while the engine thread finishes its step")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
