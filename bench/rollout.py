@@ -9,7 +9,10 @@
   multiple of D: both runs prefill alike and end with a round that samples one token, so what is
   left is (N - 1 - D) / D whole rounds. The kernel-level loop is `decode_round` alone for N - 1 steps on the
   device in one call, same batch, context and cache layout: what the engine could reach with no
-  host work at all. Ratio = engine / kernel-level.
+  host work at all. Ratio = engine / kernel-level. The strict engine runs twice: calling its step
+  functions through jit, and through executables kept on disk (`rlkjax.executable_cache`, as
+  `serve.rollout` and `train.grpo` run with a compilation cache set; the key is built in Python at
+  every call).
 - sync: pushing new weights to an in-process engine: the fp32 -> bf16 cast of the learner's
   master weights plus `Engine.update_weights` (a buffer swap on the same device).
 Times are medians of `--repeats` runs after a warm-up run, strict and fast side by side.
@@ -17,6 +20,7 @@ Times are medians of `--repeats` runs after a warm-up run, strict and fast side 
 
 import argparse
 import json
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +28,7 @@ import jax.numpy as jnp
 import rlkjax
 from bench._report import new_report, save_report
 from bench._timing import median_time
-from rlkjax import model
+from rlkjax import executable_cache, model
 from rlkjax.engine import Engine, EngineConfig
 from rlkjax.numerics import PAGE_SIZE
 from rlkjax.shapes import cdiv
@@ -147,6 +151,15 @@ def main():
                 row[f"{numerics}_engine_tok_s"] = engine_rate(
                     params, cfg, numerics, batch, args.context, args.new_tokens, args.repeats
                 )
+                if numerics == "strict":
+                    with tempfile.TemporaryDirectory() as directory:
+                        executable_cache.use_directory(directory)
+                        try:
+                            row["strict_engine_from_disk_tok_s"] = engine_rate(
+                                params, cfg, numerics, batch, args.context, args.new_tokens, args.repeats
+                            )
+                        finally:
+                            executable_cache.use_directory(None)
                 row[f"{numerics}_kernel_tok_s"] = kernel_rate(
                     params, cfg, numerics, batch, args.context, args.new_tokens, args.repeats
                 )
@@ -155,14 +168,15 @@ def main():
         del params
     print(
         f"\n{'model':11} {'batch':>5} {'engine fast':>12} {'loop fast':>10} {'ratio':>6} "
-        f"{'engine strict':>14} {'loop strict':>12} {'ratio':>6}"
+        f"{'engine strict':>14} {'loop strict':>12} {'ratio':>6} {'from disk':>10}"
     )
     for r in report["results"]:
         if r["section"] == "engine":
             print(
                 f"{r['model']:11} {r['batch']:5d} {r['fast_engine_tok_s']:12.0f} {r['fast_kernel_tok_s']:10.0f} "
                 f"{r['fast_ratio']:6.2f} "
-                f"{r['strict_engine_tok_s']:14.0f} {r['strict_kernel_tok_s']:12.0f} {r['strict_ratio']:6.2f}"
+                f"{r['strict_engine_tok_s']:14.0f} {r['strict_kernel_tok_s']:12.0f} {r['strict_ratio']:6.2f} "
+                f"{r['strict_engine_from_disk_tok_s']:10.0f}"
             )
         else:
             print(f"{r['model']:11} weight sync in process: {r['in_process_s'] * 1e3:.1f} ms")

@@ -337,14 +337,21 @@ def _fwd(h, w, targets, temperature, config, interpret):
 
 
 BWD_CHUNK_BYTES = 1 << 29  # the backward's [N, chunk] tile, counted at 4 bytes an entry: 512 MiB at most
+# Interpreted (the CPU), every grid step of a Pallas kernel copies the kernel's whole output, so a
+# chunk's cost grows with its steps times its size: at Qwen3's 151,936 ids x 80 rows the backward took
+# 17 CPU-s as one chunk and 1.0 as 2,048-id chunks (640 rows: 4.8 CPU-s). A fixed width there also
+# makes the CPU's gradient bits independent of the row count.
+INTERPRET_CHUNK_IDS = 2048
 
 
-def _vocab_chunk(rows, vocab, step):
+def _vocab_chunk(rows, vocab, step, interpret=False):
     """Vocab ids per backward step: as wide as BWD_CHUNK_BYTES allows (each step is a
-    [rows, chunk] GEMM; 128-wide steps made the backward 39% of a 1.7B learner step), a
-    multiple of `step` (whole vocab tiles and whole output tiles of the dz kernel), at most the
-    (padded) vocab."""
+    [rows, chunk] GEMM; 128-wide steps made the backward 39% of a 1.7B learner step), at most
+    INTERPRET_CHUNK_IDS interpreted, a multiple of `step` (whole vocab tiles and whole output tiles
+    of the dz kernel), at most the (padded) vocab."""
     fit = max(step, (BWD_CHUNK_BYTES // (4 * max(rows, 1))) // step * step)
+    if interpret:
+        fit = min(fit, max(step, INTERPRET_CHUNK_IDS // step * step))
     return min(fit, -(-vocab // step) * step)
 
 
@@ -403,7 +410,7 @@ def _bwd(config, interpret, saved, g):
     they read dz, w and h where they lie instead of transposed copies)."""
     h, w, targets, temperature, lse = saved
     vocab = w.shape[0]
-    chunk = _vocab_chunk(h.shape[0], vocab, max(config.block_vocab, config.backward.block_n))
+    chunk = _vocab_chunk(h.shape[0], vocab, max(config.block_vocab, config.backward.block_n), interpret)
     wc = pad_dim(w, 0, chunk).reshape(-1, chunk, w.shape[1])  # an odd vocab: padded ids masked in _dz
     inv_t = 1.0 / temperature.astype(F32)
     dot = functools.partial(matmul.product, config=config.backward, interpret=interpret)

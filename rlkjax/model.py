@@ -395,8 +395,9 @@ def completion_logprobs(
     completion rows, so little would be skipped, and the backward's products would still walk every
     row). Gradients are not promised bits across the two: the lm_head's sums the same scored rows'
     products grouped into other tiles, and the logprob backward's vocabulary chunk is sized by the
-    row count, so with many rows the hidden states' cotangent is summed over other chunks; where the
-    chunk is the same, every other weight's gradient is the full pass's (tests/test_learner_slice.py)."""
+    row count on a GPU, so with many rows the hidden states' cotangent is summed over other chunks;
+    where the chunk is the same (always, interpreted), every other weight's gradient is the full
+    pass's (tests/test_learner_slice.py)."""
     b, t = tokens.shape
     c = columns.shape[1]
     hidden = _learner_hidden(params, tokens, positions, rope, cfg, numerics, layer_weights, remat)

@@ -215,6 +215,7 @@ def test_rollout_runs_engine_against_the_kernel_loop(tmp_path):
     for side in ("strict", "fast"):
         assert math.isfinite(engine[f"{side}_engine_tok_s"]) and engine[f"{side}_kernel_tok_s"] > 0, engine
         assert engine[f"{side}_ratio"] == engine[f"{side}_engine_tok_s"] / engine[f"{side}_kernel_tok_s"]
+    assert math.isfinite(engine["strict_engine_from_disk_tok_s"]), engine
 
 
 @pytest.mark.slow

@@ -225,6 +225,18 @@ def test_attention_chunked_equals_whole_and_decode(block_pages, kv_split, merge_
     assert_bits_equal(jnp.concatenate(outs, axis=1), whole, "token-by-token decode")
 
 
+def test_interpreted_backward_chunk_is_fixed():
+    """Interpreted, the logprob backward walks Qwen3's vocabulary in 2,048-id chunks whatever the row
+    count (each grid step copies the kernel's whole output: one vocabulary-wide chunk cost 17x more
+    at 80 rows), so CPU gradient bits do not depend on the row count; a small vocabulary is one chunk;
+    compiled, the chunk is as wide as memory allows for the rows."""
+    for rows in (1, 80, 640, 20000):
+        assert logprob._vocab_chunk(rows, 151936, 256, interpret=True) == 2048
+        assert logprob._vocab_chunk(rows, 300, 256, interpret=True) == 512
+    assert logprob._vocab_chunk(80, 151936, 256) == 152064
+    assert logprob._vocab_chunk(20000, 151936, 256) == 6656
+
+
 @pytest.mark.parametrize("in_place", [True, slow(False)])  # the backward's products reading dz, w, h in place or copies
 @pytest.mark.parametrize("d,vocab", [slow(64, 512), (48, 300)])  # 48, 300: a padded K step and a padded vocab tile
 def test_logprob_values_and_grads(d, vocab, in_place):
