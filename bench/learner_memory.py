@@ -46,13 +46,23 @@ def abstract(shape_tree, mesh, specs, dtype=None):
     )
 
 
+PROGRAMS = {"step": "learner step (value and grad)", "score": "scoring pass (logprobs)", "update": "optimiser update"}
+
+
 def learner_programs(
-    cfg: ModelConfig, devices: int, rows: int, tokens: int, numerics: str = "strict", remat: bool = False
+    cfg: ModelConfig,
+    devices: int,
+    rows: int,
+    tokens: int,
+    numerics: str = "strict",
+    remat: bool = False,
+    only: tuple[str, ...] = tuple(PROGRAMS),
 ) -> dict:
     """{name: jax.stages.Lowered}: train.grpo's programs on a `devices` mesh, lowered against abstract
     inputs with the shardings train.grpo gives them (nothing allocated): the learner's value-and-grad
     step (train.grpo --remat: `remat`) and scoring pass on a micro-batch of `rows` x `tokens`, and the
-    optimiser update (fsdp.adamw, the step's own arguments donated as train.grpo donates them)."""
+    optimiser update (fsdp.adamw, the step's own arguments donated as train.grpo donates them); only
+    those named in `only` (keys of PROGRAMS): each lowering traces the whole model again."""
     mesh = fsdp.make_mesh(jax.devices()[:devices])
     shapes = jax.eval_shape(lambda: model.init_params(cfg, dtype=jnp.float32))
     specs = fsdp.param_specs(shapes, devices)
@@ -91,13 +101,12 @@ def learner_programs(
         updates, opt_state = optimizer.update(grads, opt_state, master)
         return optax.apply_updates(master, updates), opt_state
 
-    return {
-        "learner step (value and grad)": grad_fn.lower(master, batch, ref_logp, rope, total, master),
-        "scoring pass (logprobs)": score_fn.lower(
-            master, batch.tokens, batch.positions, batch.temps, rope, batch.columns
-        ),
-        "optimiser update": jax.jit(update, donate_argnums=(1, 2)).lower(master, opt_state, master),
+    lower = {
+        "step": lambda: grad_fn.lower(master, batch, ref_logp, rope, total, master),
+        "score": lambda: score_fn.lower(master, batch.tokens, batch.positions, batch.temps, rope, batch.columns),
+        "update": lambda: jax.jit(update, donate_argnums=(1, 2)).lower(master, opt_state, master),
     }
+    return {PROGRAMS[p]: lower[p]() for p in only}
 
 
 def shard_sizes(infos, shardings) -> list[tuple[int, int, int]]:
@@ -128,9 +137,6 @@ def memory(compiled, lowered) -> dict:
     }
 
 
-PROGRAMS = {"step": "learner step (value and grad)", "score": "scoring pass (logprobs)", "update": "optimiser update"}
-
-
 def compiled_memory(
     cfg: ModelConfig,
     devices: int,
@@ -143,10 +149,9 @@ def compiled_memory(
     """{function: memory(...) | {"hlo": text}} for the programs of learner_programs named in `only`
     (keys of PROGRAMS), compiled (a minute or two each at 8B on CPU)."""
     out = {}
-    for name, lowered in learner_programs(cfg, devices, rows, tokens, numerics, remat).items():
-        if name in [PROGRAMS[p] for p in only]:
-            compiled = lowered.compile()
-            out[name] = memory(compiled, lowered) | {"hlo": compiled.as_text()}
+    for name, lowered in learner_programs(cfg, devices, rows, tokens, numerics, remat, only).items():
+        compiled = lowered.compile()
+        out[name] = memory(compiled, lowered) | {"hlo": compiled.as_text()}
     return out
 
 

@@ -189,10 +189,9 @@ import dataclasses, json
 from bench.learner_memory import compiled_memory
 from rlkjax.config import ModelConfig
 cfg = dataclasses.replace(ModelConfig.preset("qwen3-tiny"), hidden_size=256, intermediate_size=1024)
+step = lambda cfg, devices: compiled_memory(cfg, devices, devices, 16, only=("step",))["learner step (value and grad)"]
 print(json.dumps({
-    f"{devices} {layers}": compiled_memory(dataclasses.replace(cfg, num_layers=layers), devices, devices, 16)[
-        "learner step (value and grad)"
-    ]["temporaries"]
+    f"{devices} {layers}": step(dataclasses.replace(cfg, num_layers=layers), devices)["temporaries"]
     for devices in (2, 4) for layers in (2, 4)
 }))
 """
@@ -220,10 +219,9 @@ import dataclasses, json
 from bench.learner_memory import compiled_memory
 from rlkjax.config import ModelConfig
 cfg = ModelConfig.preset("qwen3-tiny")
+step = lambda cfg, remat: compiled_memory(cfg, 2, 4, 256, remat=remat, only=("step",))["learner step (value and grad)"]
 print(json.dumps({
-    f"{remat} {layers}": compiled_memory(dataclasses.replace(cfg, num_layers=layers), 2, 4, 256, remat=remat)[
-        "learner step (value and grad)"
-    ]["temporaries"]
+    f"{remat} {layers}": step(dataclasses.replace(cfg, num_layers=layers), remat)["temporaries"]
     for remat in (True, False) for layers in (2, 4)
 }))
 """
@@ -260,7 +258,7 @@ COMPILE_8B_PROBE = """
 import json
 from bench.learner_memory import learner_programs, memory, shard_sizes
 from rlkjax.config import ModelConfig
-programs = learner_programs(ModelConfig.preset("qwen3-8b"), devices=8, rows=16, tokens=384)
+programs = learner_programs(ModelConfig.preset("qwen3-8b"), devices=8, rows=16, tokens=384, only=("step", "update"))
 out = {}
 for name in ("learner step (value and grad)", "optimiser update"):
     lowered = programs[name]

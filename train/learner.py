@@ -54,28 +54,55 @@ def build_learner(config: "GRPOConfig", cfg, params, devices, loss: Callable, lo
     specs = fsdp.param_specs(params, len(devices))
     master = fsdp.put(params, mesh, specs, dtype=jnp.float32)
     rope = fsdp.put(model.rope_tables(cfg), mesh, fsdp.REPLICATED)
+    layout = (mesh, *_hashable(specs))
+    grad_fn = _grad_fn(loss, *layout, cfg, config.numerics, config.clip_eps, config.beta, config.remat)
+    score_fn = _score_fn(logprobs, *layout, cfg, config.numerics)
+    decay_steps = max(config.steps * config.updates_per_batch, config.warmup_steps + 1)
+    optimiser = (config.learning_rate, config.warmup_steps, decay_steps, config.max_grad_norm, config.weight_decay)
+    optimizer, update = _update(*layout, *optimiser)
+    return Learner(devices, mesh, rope, grad_fn, score_fn, update), master, optimizer.init(master)
+
+
+# The learner's jitted functions are built once per process for each key, not once per run: a process that
+# calls train() again (a notebook, a sweep over seeds, a resumed run, the tests) reuses their traced, lowered and
+# compiled programs (building the strict step anew traced every kernel of the model again: 30 of the 33 CPU
+# seconds of a second 2-step tiny run). Each key is everything its programs close over: the functions, the mesh
+# (its devices, in order), the parameters' specs, the model, the numerics and the hyperparameters; the arguments'
+# shapes and dtypes are jit's own key. A few entries each: a sweep over one of them keeps the last few.
+def _hashable(specs) -> tuple:
+    """The specs pytree as (leaves, treedef), hashable (a dict is not); _specs undoes it."""
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    return tuple(leaves), treedef
+
+
+def _specs(leaves, treedef):
+    return jax.tree.unflatten(treedef, leaves)
+
+
+@functools.lru_cache(maxsize=4)
+def _grad_fn(loss, mesh, spec_leaves, spec_tree, cfg, numerics, clip_eps, beta, remat):
     # The weights are gathered as the policy's dtype (train.grpo's policy_logprobs' own cast is then a no-op): the same
     # bits as casting after the gather, with half the bytes moved and held.
-    grad_fn = fsdp.sharded_value_and_grad(
-        loss,
-        mesh,
-        specs,
-        dtype=cfg.dtype,
-        cfg=cfg,
-        numerics=config.numerics,
-        clip_eps=config.clip_eps,
-        beta=config.beta,
-        remat=config.remat,
+    specs = _specs(spec_leaves, spec_tree)
+    return fsdp.sharded_value_and_grad(
+        loss, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics=numerics, clip_eps=clip_eps, beta=beta, remat=remat
     )
-    score_fn = fsdp.sharded_logprobs(logprobs, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics=config.numerics)
+
+
+@functools.lru_cache(maxsize=4)
+def _score_fn(logprobs, mesh, spec_leaves, spec_tree, cfg, numerics):
+    specs = _specs(spec_leaves, spec_tree)
+    return fsdp.sharded_logprobs(logprobs, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics=numerics)
+
+
+@functools.lru_cache(maxsize=4)
+def _update(mesh, spec_leaves, spec_tree, learning_rate, warmup_steps, decay_steps, max_grad_norm, weight_decay):
+    """-> (AdamW with its warmup + cosine schedule, the jitted update that applies it)."""
+    specs = _specs(spec_leaves, spec_tree)
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0,
-        config.learning_rate,
-        config.warmup_steps,
-        max(config.steps * config.updates_per_batch, config.warmup_steps + 1),
-        end_value=0.1 * config.learning_rate,
+        0.0, learning_rate, warmup_steps, decay_steps, end_value=0.1 * learning_rate
     )
-    optimizer = fsdp.adamw(schedule, config.max_grad_norm, config.weight_decay, mesh, specs)
+    optimizer = fsdp.adamw(schedule, max_grad_norm, weight_decay, mesh, specs)
 
     # The state is donated: the old one is dropped either way (a non-finite update stops the run), and at
     # 8B the spare copy of the master weights and AdamW moments would not fit next to the new one. The
@@ -93,7 +120,7 @@ def build_learner(config: "GRPOConfig", cfg, params, devices, loss: Callable, lo
         }
         return master, opt_state, fsdp.global_norm(grads, mesh, specs), finite
 
-    return Learner(devices, mesh, rope, grad_fn, score_fn, update), master, optimizer.init(master)
+    return optimizer, update
 
 
 def score(learner: Learner, weights, batch: Batch, micro_batch: int) -> np.ndarray:

@@ -98,7 +98,12 @@ def plot(out: Path) -> None:
     evals = [r for r in every if "eval_pass@1" in r]
     steps = [r["step"] for r in rows]
     fig, ax = plt.subplots(2, 3 if evals else 2, figsize=(16 if evals else 11, 7), squeeze=False)
-    ax[0, 0].plot(steps, [r["reward_mean"] for r in rows])
+    reward = [r["reward_mean"] for r in rows]
+    ax[0, 0].plot(steps, reward, alpha=0.5, label="per step")
+    # one step's mean over P x G completions is noisy; the trend reads from the last 10 steps' mean
+    trailing = [sum(reward[max(0, i - 9) : i + 1]) / len(reward[max(0, i - 9) : i + 1]) for i in range(len(reward))]
+    ax[0, 0].plot(steps, trailing, label="mean of the last 10 steps")
+    ax[0, 0].legend()
     ax[0, 0].set_title("reward (mean over P x G)")
     if rows and "tokens_bits_differ" in rows[0]:
         ax[0, 1].plot(steps, [r["tokens_bits_differ"] for r in rows], label="tokens whose bits differ")
