@@ -200,10 +200,37 @@ class CachedFunction:
             path, text = self._entry(key)
             compiled, how = _read(path, text), "disk"
             if compiled is None:
+                hits = _jax_cache_hits()
                 compiled, how = self.fn.lower(*args).compile(), "compiled"
-                _write(path, text, compiled)
+                if _jax_cache_hits() == hits:
+                    _write(path, text, compiled)
+                else:  # see _note_jax_cache_hit: storing it would store a broken executable
+                    log.info("executable cache: %s came from JAX's cache; not stored", path.name)
+                    with contextlib.suppress(OSError):
+                        path.unlink(missing_ok=True)  # an unusable entry found above: not read again
             self.loaded[key] = compiled
             return compiled, how
+
+
+# An executable that JAX's persistent compilation cache returned (deserialised) cannot be stored again:
+# on XLA:CPU (jax 0.11.2) serialize_executable of such an executable writes an entry whose kernels are
+# missing, and every process that loads it fails at its first call ("INTERNAL: Error dispatching
+# computation: Function wrapped_iota not found"). A process that compiles a program another process
+# put in JAX's cache (servers and trainers sharing one cache directory) gets one. Compilations hit JAX's
+# cache per thread, so the hits are counted per thread.
+_jax_cache = threading.local()
+
+
+def _note_jax_cache_hit(event: str, **kwargs) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _jax_cache.hits = _jax_cache_hits() + 1
+
+
+def _jax_cache_hits() -> int:
+    return getattr(_jax_cache, "hits", 0)
+
+
+jax.monitoring.register_event_listener(_note_jax_cache_hit)
 
 
 def cached(fn, *static: str) -> CachedFunction:
