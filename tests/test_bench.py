@@ -175,7 +175,9 @@ def test_speed_runs_every_section_but_the_sweep(tmp_path):
 
     out = tmp_path / "speed.json"
     sizes = ["--batches", "1", "--contexts", "16", "--steps", "2", "--repeats", "1", "--prefill", "1x16"]
-    sizes += ["--score", "1x16", "--learner-seqs", "32", "--learner-tokens", "32", "--learner-sides", "strict"]
+    # The learner row is the shape of tiny_learner_row's (2 x 32 tokens): its strict program is compiled once
+    # per run, and the other one loads it from the run's compilation cache.
+    sizes += ["--score", "1x16", "--learner-seqs", "32", "--learner-tokens", "64", "--learner-sides", "strict"]
     models = ["--models", "qwen3-tiny", "--score-model", "qwen3-tiny", "--learner-models", "qwen3-tiny"]
     table = run_module("speed", *models, *sizes, "--out", str(out))
     report = json.loads(out.read_text())
@@ -190,7 +192,7 @@ def test_speed_runs_every_section_but_the_sweep(tmp_path):
     cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
     (prefill,), (learner,) = rows["prefill"], rows["learner"]
     assert prefill["model_flops"] == flops.sequence_flops(cfg, [16], backward=False).model
-    assert learner["model_flops"] == flops.sequence_flops(cfg, [32], backward=True).model
+    assert learner["model_flops"] == flops.sequence_flops(cfg, [32, 32], backward=True).model
     assert prefill["mfu_of"] == "prefill pass" and learner["mfu_of"] == "learner pass"
     assert prefill["strict_mfu"] is None and learner["strict_mfu"] is None  # the CPU has no peak
     assert rows["score"][0]["strict_tokens_per_s"] > 0
@@ -340,12 +342,12 @@ def test_speed_attention_sweeps_run_and_compare_bits():
 
 @pytest.fixture(scope="module")
 def tiny_learner_row():
-    """bench.speed's learner row at qwen3-tiny, 2 rows of 32 tokens, both sides: built once (each side
-    compiles the learner step) for the tests that read it."""
+    """bench.speed's learner row at qwen3-tiny, 2 rows of 32 tokens, both sides, one timed call: built
+    once (each side compiles the learner step) for the tests that read it."""
     from bench.speed_model import learner_row
 
     cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
-    return learner_row(cfg, "qwen3-tiny", 32, 64, 2, 1e14, sides=("strict", "train"))
+    return learner_row(cfg, "qwen3-tiny", 32, 64, 1, 1e14, sides=("strict", "train"))
 
 
 @pytest.mark.slow
