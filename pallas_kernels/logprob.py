@@ -412,7 +412,7 @@ def _bwd(config, interpret, saved, g):
     vocab = w.shape[0]
     chunk = _vocab_chunk(h.shape[0], vocab, max(config.block_vocab, config.backward.block_n), interpret)
     wc = pad_dim(w, 0, chunk).reshape(-1, chunk, w.shape[1])  # an odd vocab: padded ids masked in _dz
-    inv_t = 1.0 / temperature.astype(F32)
+    inv_t = 1.0 / _greedy_and_temperature(temperature.astype(F32))[1]  # a greedy row was scored at T = 1
     dot = functools.partial(matmul.product, config=config.backward, interpret=interpret)
     if config.backward.backward_in_place:  # 6.6 of 255 ms a step in transposes at Qwen3-1.7B x 8192 tokens
         d_h = lambda dz, w_tile: dot(dz, w_tile, out_dtype=F32, layout="nn")  # noqa: E731

@@ -1,9 +1,13 @@
 """The bitwise contract, as a reusable check: the CPU tests run it on qwen3-tiny, the GPU tests
 (`pytest -m gpu`) on qwen3-0.6b and qwen3-8b shapes."""
 
+import dataclasses
+
 import numpy as np
 
 import rlkjax
+from rlkjax.engine import Engine, EngineConfig
+from rlkjax.shapes import bucket
 from tests.helpers import assert_bits_equal
 
 TEMPERATURES = (0.7, 1.0, 1.3)
@@ -18,8 +22,8 @@ BATCH_SIZES = (3, 9)
 PROMPT_LENS = (1, 7, 16, 17, 33, 50)
 
 
-def random_case(rng, cfg, max_len=70):
-    b = int(rng.choice(BATCH_SIZES))
+def random_case(rng, cfg, max_len=70, batch_sizes=BATCH_SIZES):
+    b = int(rng.choice(batch_sizes))
     lens = [max_len, *rng.choice(PROMPT_LENS, b - 1)]
     rng.shuffle(lens)
     prompts = [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in lens]
@@ -49,19 +53,15 @@ def check_case(params, cfg, prompts, seeds, temps, max_new, chunk, numerics="str
         assert_bits_equal(s, c.logprobs, f"row {i}: score vs generate (prompt {lens[i]}, T={temps[i]}, chunk {chunk})")
     # The longest and the shortest row alone, with another chunk size: same tokens, same bits;
     # scored alone: same bits. (Fixed choices: each chunk size and each lone row's length bucket
-    # compiles programs of its own.)
+    # compiles programs of its own.) Both run on the engine `generate` sizes for the longest row
+    # alone: one engine per row length would compile every step function again for each.
     other_chunk = 5 if chunk == 16 else 16
+    sizing = EngineConfig.for_batch([max(lens) + max_new], other_chunk)
+    engine = Engine(params, cfg, numerics, dataclasses.replace(sizing, num_pages=bucket(sizing.num_pages)))
     for i in sorted({int(np.argmax(lens)), int(np.argmin(lens))}):
-        alone = rlkjax.generate(
-            params,
-            cfg,
-            [prompts[i]],
-            max_new_tokens=max_new,
-            temperature=temps[i],
-            seeds=seeds[i],
-            numerics=numerics,
-            prefill_chunk_size=other_chunk,
-        )[0]
+        request = engine.submit(prompts[i], max_tokens=max_new, temperature=temps[i], seed=seeds[i])
+        engine.run_until_done()
+        alone = request.results[0]
         assert alone.tokens == comps[i].tokens, f"row {i}: tokens differ alone vs batched"
         assert_bits_equal(alone.logprobs, comps[i].logprobs, f"row {i}: generate alone vs batched")
         assert_bits_equal(

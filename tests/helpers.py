@@ -3,6 +3,7 @@ kernel tests' float64 truth and random inputs.
 (Fixtures and pytest's hooks live in conftest.py, which test files do not import.)"""
 
 import contextlib
+import dataclasses
 import os
 
 import jax
@@ -11,8 +12,22 @@ import numpy as np
 import pytest
 
 import rlkjax
+from rlkjax.engine import EngineConfig
 
 INTERPRET = jax.default_backend() == "cpu"  # Pallas kernels run interpreted on the CPU, compiled on a GPU
+
+
+# The engine the in-process tests build, one config wherever a test's property does not depend on it:
+# each config compiles every step function afresh (its KV cache, page table, batch buckets and round
+# length are part of each program), tens of seconds in interpret mode. tests/server_process.py starts
+# its servers with the same settings, so an engine here finds the programs a server compiled (and
+# the other way round) in the run's compilation cache.
+ENGINE = EngineConfig(num_pages=128, max_batch=8, prefill_chunk=16, token_budget=32, max_context=256, decode_steps=4)
+# Half the batch slots, for the tests that fill every slot (fair turns, parked forks): only the decode
+# rounds compile again (their carry is max_batch rows); prefill and page copies are ENGINE's.
+ENGINE_4 = dataclasses.replace(ENGINE, max_batch=4)
+# Too few pages for the load the tests give it: sequences are preempted and recomputed.
+ENGINE_TIGHT = dataclasses.replace(ENGINE, num_pages=12, max_batch=4)
 
 
 def slow(*values):

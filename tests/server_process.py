@@ -14,6 +14,8 @@ import urllib.request
 import jax
 
 from rlkjax.client import RolloutClient, RolloutError
+from rlkjax.engine import EngineConfig
+from tests.helpers import ENGINE
 
 ADMIN = "test-admin-key"
 
@@ -24,10 +26,18 @@ def free_port():
         return s.getsockname()[1]
 
 
+def engine_flags(config: EngineConfig) -> list[str]:
+    """serve.rollout's flags for an engine of this config."""
+    fields = ("num_pages", "max_batch", "prefill_chunk", "token_budget", "max_context", "decode_steps")
+    return [arg for f in fields for arg in (f"--{f.replace('_', '-')}", str(getattr(config, f)))]
+
+
 def launch(*flags):
     """The server in a subprocess, not waited for; its log goes to a file (proc.log), not a pipe nobody
     reads, whose full buffer would block the server mid-test once it has logged 64 KiB of access lines.
-    It shares this test run's compilation cache (conftest.py) unless flags name another."""
+    Its engine is tests.helpers.ENGINE (flags may change it), so it compiles the programs the in-process
+    engines compile; it shares this test run's compilation cache (conftest.py), and the executable cache
+    beside it with the run's other servers, unless flags name another."""
     port = free_port()
     log = tempfile.NamedTemporaryFile("w+", prefix="rlkjax-server-", suffix=".log", delete=False)
     proc = subprocess.Popen(
@@ -37,16 +47,7 @@ def launch(*flags):
             "serve.rollout",
             "--port",
             str(port),
-            "--num-pages",
-            "512",
-            "--max-batch",
-            "16",
-            "--prefill-chunk",
-            "32",
-            "--token-budget",
-            "128",
-            "--max-context",
-            "256",
+            *engine_flags(ENGINE),
             "--no-warmup",  # test_warm_up_before_serving turns it on
             "--compilation-cache",
             jax.config.jax_compilation_cache_dir or "off",
@@ -94,7 +95,9 @@ def post_raw(client, path, data: bytes, headers=None):
         client.url + path, data=data, headers={"Content-Type": "application/json"} | (headers or {}), method="POST"
     )
     try:
-        with urllib.request.urlopen(req, timeout=60) as r:
+        # as long as the client's: a request that needs a program no earlier request ran waits for its
+        # compilation, over a minute on a loaded 2-core machine
+        with urllib.request.urlopen(req, timeout=600) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())

@@ -21,6 +21,8 @@ import pytest
 import rlkjax
 from bench.server_e2e import make_jobs
 from rlkjax import flops
+from tests.helpers import ENGINE_4
+from tests.server_process import engine_flags
 
 REPO = Path(__file__).resolve().parents[1]
 # Every `python -m bench.X`.
@@ -87,6 +89,11 @@ def assert_provenance(report: dict, command: str) -> None:
     hardware = report["hardware"]
     assert hardware["platform"] == "cpu" and hardware["device_kind"] == "cpu" and hardware["device_count"] >= 1
     assert report["versions"]["jax"] == jax.__version__ and report["versions"]["numpy"], report["versions"]
+
+
+# The benchmarks' servers run the engine of the test servers (tests.helpers.ENGINE_4; the flags after
+# the benchmark's own win), so they load the executables another server of the run compiled.
+SERVER_FLAGS = "--server-flags=" + " ".join(["--no-warmup", *engine_flags(ENGINE_4)])
 
 
 def free_port() -> int:
@@ -252,7 +259,7 @@ def test_server_e2e_scores_every_completion_and_swaps_weights(tmp_path):
     /update_weights timed, the next completion on the new version with the new weights' bits."""
     out = tmp_path / "server.json"
     sizes = ["--requests", "3", "--max-prompt", "24", "--max-new-tokens", "8", "--max-batch", "4"]  # the swap: 16 + 16
-    sizes += ["--decode-steps", "2", "--num-pages", "64", "--server-flags=--no-warmup"]
+    sizes += ["--decode-steps", str(ENGINE_4.decode_steps), "--num-pages", str(ENGINE_4.num_pages), SERVER_FLAGS]
     run_module("server_e2e", *sizes, "--update-weights", "--port", str(free_port()), "--out", str(out))
     report = json.loads(out.read_text())
     assert_provenance(report, "python -m bench.server_e2e --requests 3")
@@ -266,8 +273,9 @@ def test_server_e2e_scores_every_completion_and_swaps_weights(tmp_path):
 @pytest.mark.slow
 def test_server_latency_streams_at_each_concurrency(tmp_path):
     out = tmp_path / "latency.json"
-    sizes = ["--concurrency", "1,2", "--prompt", "8", "--max-tokens", "4", "--decode-steps", "2"]
-    sizes += ["--max-batch", "4", "--num-pages", "64", "--max-context", "64", "--server-flags=--no-warmup"]
+    sizes = ["--concurrency", "1,2", "--prompt", "8", "--max-tokens", "4", "--decode-steps", str(ENGINE_4.decode_steps)]
+    sizes += ["--max-batch", "4", "--num-pages", str(ENGINE_4.num_pages), "--max-context", str(ENGINE_4.max_context)]
+    sizes += [SERVER_FLAGS]
     run_module("server_latency", *sizes, "--port", str(free_port()), "--out", str(out))
     report = json.loads(out.read_text())
     assert_provenance(report, "python -m bench.server_latency --concurrency 1,2")

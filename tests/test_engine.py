@@ -8,12 +8,10 @@ import numpy as np
 import pytest
 
 import rlkjax
-from rlkjax.engine import Engine, EngineConfig
+from rlkjax.engine import Engine
 from rlkjax.requests import sample_seed
 from rlkjax.scheduler import Scheduler
-from tests.helpers import assert_bits_equal, slow
-
-CONFIG = EngineConfig(num_pages=96, max_batch=8, prefill_chunk=16, token_budget=32, max_context=256)
+from tests.helpers import ENGINE, ENGINE_4, ENGINE_TIGHT, assert_bits_equal, slow
 
 
 @pytest.mark.slow  # the default run's no-recompile check: test_no_recompiles_after_warmup
@@ -25,7 +23,7 @@ def test_warm_up_compiles_every_default_shape(tiny):
     import jax
 
     cfg, params = tiny
-    config = dataclasses.replace(CONFIG, num_pages=80)  # a cache shape no other test compiled
+    config = dataclasses.replace(ENGINE_4, num_pages=80)  # a cache shape no other test compiled
     compiles = []
 
     def listener(event, duration, **kwargs):
@@ -36,9 +34,9 @@ def test_warm_up_compiles_every_default_shape(tiny):
     try:
         engine = Engine(params, cfg, config=config)
         shapes = engine.warm_up()
-        # prefill batches of 1, 2 (token_budget / prefill_chunk); rounds of 8 and of 1 step and page
-        # copies, each of 1 ... 8 rows
-        assert shapes == 2 + 4 + 4 + 4 and len(compiles) >= shapes, (shapes, len(compiles))
+        # prefill batches of 1, 2 (token_budget / prefill_chunk); rounds of 4 and of 1 step and page
+        # copies, each of 1 ... 4 rows
+        assert shapes == 2 + 3 + 3 + 3 and len(compiles) >= shapes, (shapes, len(compiles))
         warm = len(compiles)
         rng = np.random.default_rng(5)
         pending = list(random_workload(rng, cfg, 20))
@@ -46,7 +44,7 @@ def test_warm_up_compiles_every_default_shape(tiny):
             if pending and rng.random() < 0.5:
                 engine.submit(**pending.pop())
             engine.step()
-        for rows in (1, 8):  # the smallest and largest decode buckets
+        for rows in (1, 4):  # the smallest and largest decode buckets
             reqs = [engine.submit([1, 2], max_tokens=2) for _ in range(rows)]
             engine.run_until_done()
             assert all(r.done.is_set() for r in reqs)
@@ -62,10 +60,16 @@ def check_exact(params, cfg, req, completion, temperature):
 
 def token_at(params, cfg, kw, max_new_tokens, index):
     """Token `index` that sample 0 of the workload request `kw` draws (to make it a stop id mid-round)."""
-    probe = rlkjax.generate(
-        params, cfg, [kw["prompt"]], max_new_tokens=max_new_tokens, temperature=kw["temperature"], seeds=kw["seed"]
-    )[0]
-    return probe.tokens[index]
+    return alone(params, cfg, kw["prompt"], max_new_tokens, kw["temperature"], kw["seed"]).tokens[index]
+
+
+def alone(params, cfg, prompt, max_new_tokens, temperature, seed):
+    """The completion one sample draws alone, on an engine of the shared config (rlkjax.generate would
+    size an engine per prompt length, and compile its step functions again for each)."""
+    engine = Engine(params, cfg, config=ENGINE)
+    req = engine.submit(prompt, max_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    engine.run_until_done()
+    return req.results[0]
 
 
 def random_workload(rng, cfg, count, max_new=8):
@@ -81,7 +85,7 @@ def random_workload(rng, cfg, count, max_new=8):
 
 @pytest.mark.parametrize(
     "config",
-    [slow(CONFIG), EngineConfig(num_pages=12, max_batch=4, prefill_chunk=8, token_budget=8, max_context=256)],
+    [slow(ENGINE), ENGINE_TIGHT],
     ids=["roomy", "tight-pages-preempt"],
 )
 def test_random_schedules_keep_the_contract(tiny, config):
@@ -90,7 +94,7 @@ def test_random_schedules_keep_the_contract(tiny, config):
     cfg, params = tiny
     rng = np.random.default_rng(config.num_pages)
     engine = Engine(params, cfg, config=config)
-    tight = config.num_pages == 12  # 11 pages of 16 tokens: sequences must grow into each other
+    tight = config == ENGINE_TIGHT  # 11 pages of 16 tokens: sequences must grow into each other
     pending = list(random_workload(rng, cfg, 10, max_new=40 if tight else 8))
     submitted = []
     while pending or engine.busy:
@@ -104,7 +108,7 @@ def test_random_schedules_keep_the_contract(tiny, config):
     assert engine.pages.used == 0, "every page is returned"
     # Each sample checked alone on one engine of one size (rlkjax.generate would size an engine per
     # prompt length, and compile its step functions again for each).
-    alone = Engine(params, cfg, config=CONFIG)
+    alone = Engine(params, cfg, config=ENGINE)
     for req, kw in submitted:
         assert req.done.is_set()
         for comp in req.results:
@@ -125,9 +129,9 @@ def test_shared_prompt_pages_equal_unshared(tiny):
     == three separate requests with the samples' seeds."""
     cfg, params = tiny
     prompt = list(range(100, 137))
-    engine = Engine(params, cfg, config=dataclasses.replace(CONFIG, decode_steps=2))
+    engine = Engine(params, cfg, config=ENGINE)
     shared = engine.submit(prompt, n=3, max_tokens=6, seed=11)
-    for _ in range(3):  # prefill 16 + 16 + 4 of the 36 cached prompt tokens, then fork (and 2 tokens each)
+    for _ in range(3):  # prefill 16 + 16 + 4 of the 36 cached prompt tokens, then fork
         engine.step()
     assert max(engine.pages.refs) == 3
     engine.run_until_done()
@@ -147,7 +151,7 @@ def test_released_cache_frees_its_memory_and_comes_back_zeroed(tiny):
     import jax
 
     cfg, params = tiny
-    engine = Engine(params, cfg, config=CONFIG)
+    engine = Engine(params, cfg, config=ENGINE)
     shape = engine.cache[0].shape
     first = engine.submit([7, 8, 9], n=2, max_tokens=6, seed=3)
     engine.step()
@@ -166,7 +170,7 @@ def test_released_cache_frees_its_memory_and_comes_back_zeroed(tiny):
 
 def test_stop_tokens_and_cancellation(tiny):
     cfg, params = tiny
-    engine = Engine(params, cfg, config=CONFIG)
+    engine = Engine(params, cfg, config=ENGINE)
     probe = engine.submit([1, 2, 3], max_tokens=8, seed=5)
     engine.run_until_done()
     stop_at = probe.results[0].tokens[2]
@@ -191,7 +195,7 @@ def test_every_request_ends_once_and_is_counted(tiny):
     and a step that raised (a hook returning a bad count), which `abort` ends as failed. The engine
     then serves a request with the same bits as before the failure."""
     cfg, params = tiny
-    engine = Engine(params, cfg, config=CONFIG)
+    engine = Engine(params, cfg, config=ENGINE)
     before = engine.submit([7, 8, 9], max_tokens=6, seed=3)
     engine.run_until_done()
     forks_pending = engine.submit([1, 2, 3], n=3, max_tokens=8, seed=1)  # leader + 2 forks not started
@@ -222,15 +226,16 @@ def test_every_request_ends_once_and_is_counted(tiny):
 def test_no_recompiles_after_warmup(tiny):
     """A long mixed workload compiles each step function once per batch bucket, then never again."""
     cfg, params = tiny
-    engine = Engine(params, cfg, config=CONFIG)
+    engine = Engine(params, cfg, config=ENGINE)
     rng = np.random.default_rng(3)
     for kw in random_workload(rng, cfg, 12):  # warm-up: fills every bucket up to max_batch
         engine.submit(**kw)
     engine.run_until_done()
-    for rows in (1, 2, 4, 8):  # make sure every decode bucket has been seen
-        for _ in range(rows):
-            engine.submit([1, 2], max_tokens=1)
-        engine.run_until_done()
+    for rows in (1, 2, 4, 8):  # make sure every decode bucket has been seen, in rounds of both lengths
+        for max_tokens in (1, ENGINE.decode_steps):
+            for _ in range(rows):  # a one-token prompt has nothing to prefill: the rows decode together
+                engine.submit([1], max_tokens=max_tokens)
+            engine.run_until_done()
     from rlkjax import engine as eng
 
     def compiled(fn):  # programs jit compiled, or executables the executable cache holds where it is on
@@ -252,7 +257,7 @@ def test_weight_update_between_steps(tiny):
     version 1 and are exact under the new weights."""
     cfg, params = tiny
     new_params = rlkjax.init_params(cfg, seed=1)
-    engine = Engine(params, cfg, config=CONFIG)
+    engine = Engine(params, cfg, config=ENGINE)
     old = engine.submit([9, 8, 7], max_tokens=6, seed=2)
     engine.step()
     engine.update_weights(new_params)
@@ -291,7 +296,7 @@ def test_weight_update_between_steps(tiny):
 )
 def test_submit_rejects_bad_requests(tiny, kwargs, match):
     cfg, params = tiny
-    engine = Engine(params, cfg, config=CONFIG)
+    engine = Engine(params, cfg, config=ENGINE)
     with pytest.raises(ValueError, match=match):
         engine.submit(**(dict(prompt=[1, 2]) | kwargs))
     assert not engine.busy
@@ -301,7 +306,7 @@ def test_two_weight_updates_before_a_swap_both_complete(tiny):
     """Two updates queued while a sequence is in flight: both callers are released at the one swap
     (the first used to wait forever), the last weights are served, and the version moves once."""
     cfg, params = tiny
-    engine = Engine(params, cfg, config=CONFIG)
+    engine = Engine(params, cfg, config=ENGINE)
     running = engine.submit([9, 8, 7], max_tokens=4, seed=2)
     engine.step()
     first = engine.update_weights(rlkjax.init_params(cfg, seed=1))
@@ -322,9 +327,7 @@ def test_forked_samples_respect_max_batch(tiny):
     holding their pages, the batch never exceeds 4, and every sample is exact (a parked one draws
     the tokens its seed draws alone)."""
     cfg, params = tiny
-    engine = Engine(
-        params, cfg, config=EngineConfig(num_pages=64, max_batch=4, prefill_chunk=16, token_budget=32, max_context=128)
-    )
+    engine = Engine(params, cfg, config=ENGINE_4)
     other = engine.submit([5, 6, 7, 8], n=2, max_tokens=30, seed=3)  # still decoding when req forks
     req = engine.submit(list(range(20, 57)), n=4, max_tokens=5, seed=7)
     widest, parked = 0, False
@@ -337,8 +340,7 @@ def test_forked_samples_respect_max_batch(tiny):
         for comp in r.results:
             assert len(comp.tokens) == r.sampling.max_tokens
             check_exact(params, cfg, r, comp, 1.0)
-    alone = rlkjax.generate(params, cfg, [req.prompt], max_new_tokens=5, seeds=sample_seed(7, 3))[0]
-    assert alone.tokens == req.results[3].tokens
+    assert alone(params, cfg, req.prompt, 5, 1.0, sample_seed(7, 3)).tokens == req.results[3].tokens
     assert engine.pages.used == 0
 
 
@@ -368,7 +370,7 @@ def test_rounds_continue_on_the_device_exactly(tiny, monkeypatch):
     for chained in (True, False):
         if not chained:  # the engine's own fallback when pages are short: read the round first
             monkeypatch.setattr(Scheduler, "pages_ahead", lambda self, previous: False)
-        engine = Engine(params, cfg, config=dataclasses.replace(CONFIG, decode_steps=3))
+        engine = Engine(params, cfg, config=ENGINE)
         reqs = [engine.submit(**(kw | {"on_tokens": stop_after_six()} if i == 1 else kw)) for i, kw in enumerate(work)]
         engine.run_until_done()
         assert engine.pages.used == 0 and not engine.busy
@@ -388,7 +390,7 @@ def test_one_token_requests_run_one_step_rounds(tiny):
     one-step round (not decode_steps steps on padding); its token and logprob bits are those of the
     first token of a longer request."""
     cfg, params = tiny
-    engine = Engine(params, cfg, config=CONFIG)
+    engine = Engine(params, cfg, config=ENGINE)
     one = engine.submit([5, 6, 7], max_tokens=1, seed=3)
     engine.run_until_done()
     assert [key for name, key in engine.shapes_seen if name == "decode_round"] == [(1, 1, 0, False, 1)]
@@ -401,7 +403,7 @@ def test_one_token_requests_run_one_step_rounds(tiny):
 
 @pytest.mark.slow  # the default run's multi-step rounds check: test_rounds_continue_on_the_device_exactly
 def test_decode_rounds_equal_single_steps(tiny):
-    """The same workload with 1 and with 5 decode steps per round (stops and lengths landing
+    """The same workload with 1 and with 4 decode steps per round (stops and lengths landing
     mid-round): the same tokens and the same logprob bits; and a request that stops mid-round has
     every page back once its round ends."""
     cfg, params = tiny
@@ -410,8 +412,8 @@ def test_decode_rounds_equal_single_steps(tiny):
     stop = token_at(params, cfg, work[0], 12, 2)
     work[0] |= dict(n=1, max_tokens=12, stop_token_ids=[stop])  # stops at its 3rd token, mid-round
     results = {}
-    for steps in (1, 5):
-        engine = Engine(params, cfg, config=dataclasses.replace(CONFIG, decode_steps=steps))
+    for steps in (1, ENGINE.decode_steps):
+        engine = Engine(params, cfg, config=dataclasses.replace(ENGINE, decode_steps=steps))
         reqs = [engine.submit(**kw) for kw in work]
         while not reqs[0].done.is_set():
             engine.step()
@@ -422,10 +424,10 @@ def test_decode_rounds_equal_single_steps(tiny):
         engine.run_until_done()
         assert engine.pages.used == 0
         results[steps] = [r.results for r in reqs]
-    for one, five in zip(results[1], results[5]):
-        for a, b in zip(one, five):
+    for one, rounds in zip(results[1], results[ENGINE.decode_steps]):
+        for a, b in zip(one, rounds):
             assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
-            assert_bits_equal(a.logprobs, b.logprobs, "round of 5 vs single steps")
+            assert_bits_equal(a.logprobs, b.logprobs, "multi-step rounds vs single steps")
 
 
 @pytest.mark.parametrize("case", [slow("parked-fork"), "preempted"])
@@ -437,28 +439,17 @@ def test_weight_swap_waits_for_parked_and_preempted_sequences(tiny, case):
     cfg, params = tiny
     new_params = rlkjax.init_params(cfg, seed=1)
     if case == "parked-fork":
-        engine = Engine(
-            params,
-            cfg,
-            config=EngineConfig(
-                num_pages=64, max_batch=3, prefill_chunk=16, token_budget=32, max_context=128, decode_steps=2
-            ),
-        )
-        reqs = [
+        engine = Engine(params, cfg, config=ENGINE_4)
+        reqs = [  # 5 sequences for 4 slots: a fork waits
             engine.submit([1, 2, 3], max_tokens=12, seed=0),
-            engine.submit(list(range(30, 50)), n=3, max_tokens=4, seed=5),
+            engine.submit(list(range(30, 50)), n=4, max_tokens=4, seed=5),
         ]
         while not any(s.pages for s in engine.scheduler.waiting):
             engine.step()
     else:
-        engine = Engine(
-            params,
-            cfg,
-            config=EngineConfig(
-                num_pages=6, max_batch=4, prefill_chunk=16, token_budget=32, max_context=128, decode_steps=2
-            ),
-        )
-        reqs = [engine.submit(list(range(1, 30)), max_tokens=40, seed=j) for j in range(2)]
+        engine = Engine(params, cfg, config=ENGINE_TIGHT)
+        # 2 x 7 pages of 109 tokens, 11 pages in the cache: one is preempted as they grow
+        reqs = [engine.submit(list(range(1, 30)), max_tokens=80, seed=j) for j in range(2)]
         while not any(s.generated for s in engine.scheduler.waiting):
             engine.step()
     engine.update_weights(new_params)
@@ -473,10 +464,10 @@ def test_weight_swap_waits_for_parked_and_preempted_sequences(tiny, case):
 @pytest.mark.slow
 def test_admission_takes_turns_between_groups(tiny):
     """A group of 12 one-sample requests (one HTTP request's prompts) arrives first, then a lone
-    request: with 2 batch slots, the lone one is admitted in the second turn, not after all 12
+    request: with 4 batch slots, the lone one is admitted in the second turn, not after all 12
     (before, a 2-token request waited minutes behind a 256-sequence one). Every result exact."""
     cfg, params = tiny
-    engine = Engine(params, cfg, config=dataclasses.replace(CONFIG, max_batch=2, decode_steps=4))
+    engine = Engine(params, cfg, config=ENGINE_4)
     big = [engine.submit([3, i + 1], max_tokens=8, seed=i, group="big") for i in range(12)]
     small = engine.submit([7, 7, 7], max_tokens=2, seed=99)
     while not small.done.is_set():
@@ -495,7 +486,7 @@ def test_a_small_request_takes_the_next_free_slot(tiny):
     parked forks went first, as sequences already started: the small request waited for 12 of
     the group's 16 sequences. Its tokens and bits are those it draws alone."""
     cfg, params = tiny
-    engine = Engine(params, cfg, config=dataclasses.replace(CONFIG, max_batch=4, decode_steps=4))
+    engine = Engine(params, cfg, config=ENGINE_4)
     big = [engine.submit([9, i + 1, 4, 4, 4], n=4, max_tokens=16, seed=i, group="big") for i in range(4)]
     while not any(s.pages for s in engine.scheduler.waiting):  # the forks wait for slots
         engine.step()
@@ -516,9 +507,9 @@ def test_a_small_request_takes_the_next_free_slot(tiny):
     assert done <= admitted + 2, (admitted, done)
     last_big = engine.stats["steps"]
     assert done < last_big / 2, (done, last_big)
-    alone = rlkjax.generate(params, cfg, [small.prompt], max_new_tokens=2, seeds=99)[0]
-    assert alone.tokens == small.results[0].tokens
-    assert_bits_equal(alone.logprobs, small.results[0].logprobs, "small request, fair turn vs alone")
+    lone = alone(params, cfg, small.prompt, 2, 1.0, 99)
+    assert lone.tokens == small.results[0].tokens
+    assert_bits_equal(lone.logprobs, small.results[0].logprobs, "small request, fair turn vs alone")
     for r in big[:1] + [small]:
         for comp in r.results:
             check_exact(params, cfg, r, comp, 1.0)

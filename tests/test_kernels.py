@@ -253,6 +253,22 @@ def test_logprob_values_and_grads(d, vocab, in_place):
     check_grads(ker, ref, [h.astype(F32), w.astype(F32)], (0, 1), "token_logprobs")
 
 
+def test_logprob_gradient_of_a_greedy_row_is_temperature_1s():
+    """The forward scores a greedy row (temperature 0) at temperature 1; the backward must as well: the
+    same gradient bits as at temperature 1, where dividing by the temperature gave NaN."""
+    n, d, vocab = 16, 48, 300
+    h, w = randn(1, (n, d), BF16), randn(2, (vocab, d), BF16, 0.3)
+    targets = jax.random.randint(jax.random.key(3), (n,), 0, vocab)
+
+    def grads(temperature):
+        temps = jnp.full((n,), temperature, F32)
+        loss = lambda h, w: jnp.sum(logprob.token_logprobs(h, w, targets, temps, numerics.LOGPROB, INTERPRET))  # noqa: E731
+        return jax.grad(loss, argnums=(0, 1))(h, w)
+
+    for greedy, tempered, name in zip(grads(0.0), grads(1.0), ("dh", "dw")):
+        assert_bits_equal(greedy, tempered, f"{name}: temperature 0 vs 1")
+
+
 @pytest.mark.slow
 def test_logprob_backward_in_vocab_chunks(monkeypatch):
     """The backward walks the vocabulary in chunks, each computing dz with the chunk's first id as

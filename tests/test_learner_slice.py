@@ -103,8 +103,7 @@ def test_gradients_are_the_full_passs(tiny):
     bits differ."""
     cfg, params = tiny
     master = jax.tree.map(lambda w: w.astype(jnp.float32), params)
-    # No greedy row: GRPO samples at T > 0 (the logprob backward's 1 / T has no greedy case)
-    batch = pack(samples(np.random.default_rng(2), (7, 30, 2, 12), (9, 1, 20, 5), cfg.vocab_size, (1.0, 0.7, 1.0, 1.3)))
+    batch = pack(samples(np.random.default_rng(2), (7, 30, 2, 12), (9, 1, 20, 5), cfg.vocab_size))  # a greedy row too
     assert_gradients_match_the_full_pass(master, batch, cfg)
 
 

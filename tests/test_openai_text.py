@@ -5,10 +5,10 @@ streaming that never lets a partial stop string out, and chat templates rendered
 import pytest
 
 from rlkjax.chat import DEFAULT_TEMPLATE, ChatTemplate, ChatTemplateError, load_chat_template, message_text
-from rlkjax.engine import Engine, EngineConfig
+from rlkjax.engine import Engine
 from rlkjax.tokenizer import ByteTokenizer, load_tokenizer
 from serve.text import SampleText, offsets, token_pieces
-from tests.helpers import assert_bits_equal
+from tests.helpers import ENGINE, assert_bits_equal
 from tests.tokenizer_files import TEXT, make_bpe_checkpoint
 
 
@@ -104,15 +104,14 @@ def test_chat_templates_render_as_hugging_face_does(bpe):
         message_text([{"type": "image_url", "image_url": "x"}])
 
 
-@pytest.mark.slow  # compiles the engine's step functions: about 25 s on 2 cores
+@pytest.mark.slow  # compiles the engine's step functions (those of tests.helpers.ENGINE)
 def test_the_engine_hook_stops_one_sample_and_not_the_others(tiny):
     """Engine.submit(on_tokens=...), what stop strings and streams ride on: the hook sees every token once,
     in order, a round at a time; returning k stops that sample with the first k tokens of the round kept
     (finish_reason stop, its pages freed), and the request's other samples run to their length with the
     tokens and logprob bits of a run without the hook; the hook is told the engine's finish reason."""
     cfg, params = tiny
-    config = EngineConfig(num_pages=64, max_batch=4, prefill_chunk=16, token_budget=64, max_context=128, decode_steps=4)
-    plain = Engine(params, cfg, "strict", config)
+    plain = Engine(params, cfg, "strict", ENGINE)
     free = plain.submit([5, 6, 7], n=3, max_tokens=10, seed=3)
     plain.run_until_done()
     rounds, reasons = {j: [] for j in range(3)}, {j: [] for j in range(3)}
@@ -123,7 +122,7 @@ def test_the_engine_hook_stops_one_sample_and_not_the_others(tiny):
         reasons[j].append(reason)
         return 2 if j == 1 and sum(map(len, rounds[1])) >= 5 else None
 
-    engine = Engine(params, cfg, "strict", config)
+    engine = Engine(params, cfg, "strict", ENGINE)
     hooked = engine.submit([5, 6, 7], n=3, max_tokens=10, seed=3, on_tokens=hook)
     engine.run_until_done()
     kept = sum(map(len, rounds[1][:-1])) + 2

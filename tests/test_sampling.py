@@ -2,6 +2,8 @@
 (temperature 0), top alternatives per token (`top_logprobs=k`), prompt logprobs, min_tokens and
 ignore_eos. Every logprob the sampler reports is the learner's (`rlkjax.score`) bit for bit."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,12 +12,11 @@ import pytest
 import rlkjax
 from pallas_kernels import logprob, truncation
 from rlkjax import numerics
-from rlkjax.engine import Engine, EngineConfig
-from tests.helpers import INTERPRET, assert_bits_equal, bits, float64_on_cpu, randn, rel_err, slow
+from rlkjax.engine import Engine
+from tests.helpers import ENGINE, INTERPRET, assert_bits_equal, bits, float64_on_cpu, randn, rel_err, slow
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 CONFIG = numerics.LOGPROB
-ENGINE = EngineConfig(num_pages=64, max_batch=8, prefill_chunk=16, token_budget=32, max_context=128, decode_steps=4)
 
 
 def kernel_case(n=37, d=48, vocab=300):
@@ -197,7 +198,7 @@ def stop_run(engine, prompt, **kw):
     return req.results[0]
 
 
-@pytest.mark.parametrize("decode_steps", [4, pytest.param(1, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("decode_steps", [ENGINE.decode_steps, slow(1)])
 def test_min_tokens_and_ignore_eos(tiny, decode_steps):
     """A stop id (or the engine's EOS) drawn before min_tokens is kept as an ordinary token and the
     sample goes on: the completion is the unconstrained one cut at the first stop at or after
@@ -209,7 +210,7 @@ def test_min_tokens_and_ignore_eos(tiny, decode_steps):
     stop = probe.tokens[0]  # the greedy tiny model repeats tokens: this id comes back later
     later = [j for j, t in enumerate(probe.tokens) if t == stop]
     assert len(later) >= 3, probe.tokens
-    config = EngineConfig(**{**ENGINE.__dict__, "decode_steps": decode_steps})
+    config = dataclasses.replace(ENGINE, decode_steps=decode_steps)
     plain, eos = Engine(params, cfg, config=config), Engine(params, cfg, config=config, eos_token_id=stop)
 
     def expect(comp, end, reason):
@@ -381,16 +382,9 @@ def test_top_k_draws_are_among_the_top_alternatives(tiny, numerics_mode):
     aside, the kept set is the top 3), on the strict path and on the plain-XLA fast path (which
     runs the same rules in XLA: fast has every option strict has)."""
     cfg, params = tiny
-    comps = rlkjax.generate(
-        params,
-        cfg,
-        [[1, 2, 3], [4, 5]],
-        max_new_tokens=6,
-        temperature=[1.3, 0.0],
-        seeds=[1, 2],
-        numerics=numerics_mode,
-        sampling=rlkjax.SamplingParams(top_k=3, top_logprobs=3),
-    )
+    engine = Engine(params, cfg, numerics_mode, ENGINE)
+    options = dict(top_k=3, top_logprobs=3)
+    comps = run(engine, ([1, 2, 3], options | dict(temperature=1.3, seed=1)), ([4, 5], options | dict(temperature=0.0)))
     for c in comps:
         assert c.top_ids.shape == (6, 3) and (np.diff(c.top_logprobs, axis=1) <= 0).all()
         assert all(t in ids for t, ids in zip(c.tokens, c.top_ids)), (c.tokens, c.top_ids)

@@ -53,7 +53,7 @@ def server():
         (json.dumps({"prompt": [1, 2], "temperature": "hot"}).encode(), 400, "temperature"),
         (json.dumps({"prompt": [1, 2], "seed": -1}).encode(), 400, "seed"),
         (json.dumps({"prompt": [[1, 2], [3, 600]]}).encode(), 400, "outside"),
-        (json.dumps({"prompt": [[1, 2]] * 20, "n": 16}).encode(), 400, "over the limit of 256 per request"),
+        (json.dumps({"prompt": [[1, 2]] * 40, "n": 8}).encode(), 400, "over the limit of 256 per request"),
         (json.dumps({"prompt": [1] * (5 * 2**20)}).encode(), 413, "over the limit"),
     ],
 )
@@ -359,7 +359,7 @@ def test_shutdown_with_a_deadline(how):
     unfinished then is cancelled and answered 503 (a JSON error, not a dropped connection), new
     requests get 503 meanwhile, and the process exits 0 (a second signal used to drop every answer
     and exit 1). The work cannot drain in 1 s on any machine: 8 requests of 4 samples x 240 tokens
-    are two waves of the 16-row batch, 60 decode rounds at least (4 single samples, 30 rounds at
+    are four waves of the 8-row batch, 240 decode rounds at least (4 single samples, 30 rounds at
     batch 4, can drain within 1.3 s on a fast idle machine, leaving nothing cut off to check)."""
     timeout = "1" if how == "deadline" else "300"
     proc, client = start_server("--shutdown-timeout", timeout)
@@ -503,9 +503,9 @@ def test_warm_up_before_serving(tiny):
     """With --warmup the server compiles every default batch shape before /health answers, and
     serving a mix of requests (n 1 and 2, batches 1 and 2) compiles nothing more; the logprobs
     stay the learner's."""
-    proc, client = start_server("--warmup", "--max-batch", "2", "--token-budget", "64")
+    proc, client = start_server("--warmup", "--max-batch", "2")
     try:
-        # prefill of 1, 2 sequences (64 / 32 tokens); decode rounds (of 8 steps and of 1) and page copies of 1, 2
+        # prefill of 1, 2 sequences (32 / 16 tokens); decode rounds (of 4 steps and of 1) and page copies of 1, 2
         shapes = 2 + 2 + 2 + 2
         assert metric(client, "rlkjax_compiled_shapes") == shapes
         assert f"warm-up: {shapes} shapes compiled" in open(proc.log).read()

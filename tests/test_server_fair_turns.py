@@ -7,9 +7,9 @@ import signal
 
 import pytest
 
-import rlkjax
-from tests.helpers import assert_bits_equal
-from tests.server_process import metric, start_server, wait_for_metric
+from rlkjax.engine import Engine
+from tests.helpers import ENGINE_4, assert_bits_equal
+from tests.server_process import engine_flags, metric, start_server, wait_for_metric
 
 pytestmark = pytest.mark.slow  # starts a real server process
 
@@ -20,7 +20,7 @@ def test_a_small_request_finishes_long_before_a_big_one(tiny):
     first and the small one finished with the big one's last sequences (at --max-batch 16, a
     2-token request waited 94.5 s of a 172.6 s request)."""
     cfg, params = tiny
-    proc, client = start_server("--max-batch", "4", "--decode-steps", "4")
+    proc, client = start_server(*engine_flags(ENGINE_4))
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             prompts = [[9, i + 1, 4, 4, 4] for i in range(4)]
@@ -39,6 +39,9 @@ def test_a_small_request_finishes_long_before_a_big_one(tiny):
     assert all(len(s["tokens"]) == 24 for prompt in samples for s in prompt)
     # a slot frees after the leaders' 24 tokens (6 rounds of 4); the small request needs ~3 steps more
     assert small_steps < big_steps / 2, (small_steps, big_steps)
-    alone = rlkjax.generate(params, cfg, [[7, 7, 7]], max_new_tokens=2, seeds=99)[0]
+    engine = Engine(params, cfg, config=ENGINE_4)  # the server's engine: its programs are in the run's cache
+    lone = engine.submit([7, 7, 7], max_tokens=2, seed=99)
+    engine.run_until_done()
+    alone = lone.results[0]
     assert small["tokens"] == alone.tokens
     assert_bits_equal(small["logprobs"], alone.logprobs, "small request over HTTP vs alone")

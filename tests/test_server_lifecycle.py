@@ -16,11 +16,11 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 import rlkjax
-from rlkjax.engine import EngineConfig
 from serve.config import ServerConfig
 from serve.lifecycle import SHUTDOWN_GRACE_S
 from serve.rollout import Server
 from tests import fault_load
+from tests.helpers import ENGINE
 from tests.server_process import ADMIN, post_raw, start_server, wait_for_metric
 
 pytestmark = pytest.mark.slow  # real servers, and a few hundred requests
@@ -123,8 +123,7 @@ def test_an_engine_failure_ends_requests_with_an_error_and_streams_with_done(tin
     directly, in the same batch) fails every request the engine held: a plain request gets a 500 naming
     the failure, a stream its error event and then [DONE]; they count as failed, no page stays held,
     and the server serves the next request."""
-    config = EngineConfig(num_pages=128, max_batch=8, prefill_chunk=16, token_budget=64, max_context=256)
-    server = Server(ServerConfig(warmup=False, engine=config))
+    server = Server(ServerConfig(warmup=False, engine=ENGINE))
 
     async def run():
         async with TestServer(server.app()) as ts, aiohttp.ClientSession() as session:
