@@ -63,6 +63,9 @@ def learner_programs(
     step (train.grpo --remat: `remat`) and scoring pass on a micro-batch of `rows` x `tokens`, and the
     optimiser update (fsdp.adamw, the step's own arguments donated as train.grpo donates them); only
     those named in `only` (keys of PROGRAMS): each lowering traces the whole model again."""
+    unknown = sorted(set(only) - set(PROGRAMS))
+    if unknown:
+        raise ValueError(f"programs {unknown}: expected some of {', '.join(PROGRAMS)}")
     mesh = fsdp.make_mesh(jax.devices()[:devices])
     shapes = jax.eval_shape(lambda: model.init_params(cfg, dtype=jnp.float32))
     specs = fsdp.param_specs(shapes, devices)
