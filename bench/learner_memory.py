@@ -140,19 +140,11 @@ def memory(compiled, lowered) -> dict:
     }
 
 
-def compiled_memory(
-    cfg: ModelConfig,
-    devices: int,
-    rows: int,
-    tokens: int,
-    numerics: str = "strict",
-    remat: bool = False,
-    only: tuple[str, ...] = ("step", "score"),
-) -> dict:
-    """{function: memory(...) | {"hlo": text}} for the programs of learner_programs named in `only`
-    (keys of PROGRAMS), compiled (a minute or two each at 8B on CPU)."""
+def compiled_memory(programs: dict) -> dict:
+    """{function: memory(...) | {"hlo": text}} for lowered programs (learner_programs' result), compiled (a
+    minute or two each at 8B on CPU)."""
     out = {}
-    for name, lowered in learner_programs(cfg, devices, rows, tokens, numerics, remat, only).items():
+    for name, lowered in programs.items():
         compiled = lowered.compile()
         out[name] = memory(compiled, lowered) | {"hlo": compiled.as_text()}
     return out
@@ -180,7 +172,9 @@ def main() -> None:
     for layers in [int(n) for n in args.layers.split(",")] if args.layers else [base.num_layers]:
         cfg = dataclasses.replace(base, num_layers=layers)
         rows = -(-args.micro_batch // args.devices) * args.devices  # micro_batches pads to a multiple of the mesh
-        results = compiled_memory(cfg, args.devices, rows, tokens, options, args.remat, args.programs.split(","))
+        results = compiled_memory(
+            learner_programs(cfg, args.devices, rows, tokens, options, args.remat, args.programs.split(","))
+        )
         if args.json:
             print(json.dumps({name: {k: v for k, v in m.items() if k != "hlo"} for name, m in results.items()}))
             continue

@@ -186,10 +186,12 @@ def test_grpo_fsdp_learner_follows_the_single_device_trajectory(tmp_path):
 # and compiled with abstract inputs, never run). Wide layers, few tokens: weights dominate activations.
 MEMORY_PROBE = """
 import dataclasses, json
-from bench.learner_memory import compiled_memory
+from bench.learner_memory import compiled_memory, learner_programs
 from rlkjax.config import ModelConfig
 cfg = dataclasses.replace(ModelConfig.preset("qwen3-tiny"), hidden_size=256, intermediate_size=1024)
-step = lambda cfg, devices: compiled_memory(cfg, devices, devices, 16, only=("step",))["learner step (value and grad)"]
+def step(cfg, devices):
+    (memory,) = compiled_memory(learner_programs(cfg, devices, devices, 16, only=("step",))).values()
+    return memory
 print(json.dumps({
     f"{devices} {layers}": step(dataclasses.replace(cfg, num_layers=layers), devices)["temporaries"]
     for devices in (2, 4) for layers in (2, 4)
@@ -216,10 +218,12 @@ def test_learner_step_memory_per_layer_scales_like_its_shard():
 
 REMAT_PROBE = """
 import dataclasses, json
-from bench.learner_memory import compiled_memory
+from bench.learner_memory import compiled_memory, learner_programs
 from rlkjax.config import ModelConfig
 cfg = ModelConfig.preset("qwen3-tiny")
-step = lambda cfg, remat: compiled_memory(cfg, 2, 4, 256, remat=remat, only=("step",))["learner step (value and grad)"]
+def step(cfg, remat):
+    (memory,) = compiled_memory(learner_programs(cfg, 2, 4, 256, remat=remat, only=("step",))).values()
+    return memory
 print(json.dumps({
     f"{remat} {layers}": step(dataclasses.replace(cfg, num_layers=layers), remat)["temporaries"]
     for remat in (True, False) for layers in (2, 4)
