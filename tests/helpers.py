@@ -56,7 +56,10 @@ def float64_on_cpu():
 
 
 def randn(key, shape, dtype=jnp.float32, scale=1.0):
-    return (scale * jax.random.normal(jax.random.key(key), shape, jnp.float32)).astype(dtype)
+    """Normal values drawn and rounded on the host (numpy; bfloat16 through ml_dtypes), then put on the
+    device: with jax.random each new shape compiled its own programs (the draw, the scale, the cast)."""
+    x = (np.float32(scale) * np.random.default_rng(key).standard_normal(shape, np.float32)).astype(dtype)
+    return jnp.asarray(x)
 
 
 def bits(a) -> np.ndarray:

@@ -10,6 +10,7 @@ computed in fp32 against a float64 jax.grad of the reference.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,22 @@ from rlkjax import numerics
 from tests.helpers import INTERPRET, assert_bits_equal, float64_on_cpu, randn, rel_err, slow
 
 BF16, F32 = jnp.bfloat16, jnp.float32
+
+# Inputs are built on the host (numpy) and kernels run inside jax.jit: op by op, every jnp call and
+# every primitive of a kernel's wrapper compiled as a program of its own, for each new shape.
+
+
+def f32(a):
+    """a in float32, converted on the host (exact from bfloat16)."""
+    return jnp.asarray(np.asarray(a, np.float32))
+
+
+def host_ints(key, shape, high):
+    return jnp.asarray(np.random.default_rng(key).integers(0, high, shape, dtype=np.int32))
+
+
+def host_full(shape, value, dtype=np.float32):
+    return jnp.asarray(np.full(shape, value, dtype))
 
 
 def check_against_truth(kernel_fn, reference_fn, args, what, truth_fn=None):
@@ -52,8 +69,8 @@ def check_grads(kernel_fn, reference_fn, args, argnums, what):
 
         return f
 
-    out = reference_fn(*args)
-    cot = jax.random.normal(jax.random.key(7), out.shape, F32)
+    out = jax.eval_shape(reference_fn, *args)
+    cot = jnp.asarray(np.random.default_rng(7).standard_normal(out.shape, np.float32))
     grad_k = jax.jit(jax.grad(loss(kernel_fn), argnums))
     gk = grad_k(*args)
     gr = jax.jit(jax.grad(loss(reference_fn), argnums))(*args)
@@ -83,7 +100,7 @@ def test_matmul(m, k, n):
     mm = lambda x, w, r: matmul.matmul(x, w, r, numerics.MATMUL, INTERPRET)  # noqa: E731
     args = [randn(1, (m, k), BF16), randn(2, (n, k), BF16, 0.1), randn(3, (m, n), BF16)]
     check_against_truth(mm, matmul.matmul_reference, args, "matmul")
-    args32 = [a.astype(F32) for a in args]
+    args32 = [f32(a) for a in args]
     check_grads(mm, matmul.matmul_reference, args32, (0, 1, 2), "matmul")
 
 
@@ -95,16 +112,21 @@ def test_matmul_backward_in_place(m, k, n):
     c = dataclasses.replace(numerics.MATMUL, backward_in_place=True)
     mm = lambda x, w, r: matmul.matmul(x, w, r, c, INTERPRET)  # noqa: E731
     args = [randn(1, (m, k), BF16), randn(2, (n, k), BF16, 0.1), randn(3, (m, n), BF16)]
-    check_grads(mm, matmul.matmul_reference, [a.astype(F32) for a in args], (0, 1, 2), "matmul in place, fp32")
+    check_grads(mm, matmul.matmul_reference, [f32(a) for a in args], (0, 1, 2), "matmul in place, fp32")
     check_grads(mm, matmul.matmul_reference, args, (0, 1), "matmul in place, bf16")
+
+
+_matmul = jax.jit(matmul.matmul, static_argnums=(3, 4))
+_matmul_layer = jax.jit(matmul.matmul_layer, static_argnums=(4, 5))
+_matmul_layer_fused = jax.jit(matmul.matmul_layer_fused, static_argnums=(3, 4))
 
 
 def test_matmul_row_invariance():
     """A row's bits must not depend on how many rows are in the call or where it sits in its tile."""
-    x, w = randn(1, (200, 128), BF16), randn(2, (192, 128), BF16, 0.1)
-    full = matmul.matmul(x, w, None, numerics.MATMUL, INTERPRET)
+    x, w = np.asarray(randn(1, (200, 128), BF16)), randn(2, (192, 128), BF16, 0.1)
+    full = np.asarray(_matmul(x, w, None, numerics.MATMUL, INTERPRET))
     for lo, hi in [(0, 1), (63, 64), (37, 101), (5, 200)]:
-        assert_bits_equal(matmul.matmul(x[lo:hi], w, None, numerics.MATMUL, INTERPRET), full[lo:hi], f"rows {lo}:{hi}")
+        assert_bits_equal(_matmul(x[lo:hi], w, None, numerics.MATMUL, INTERPRET), full[lo:hi], f"rows {lo}:{hi}")
 
 
 # 40: padded to 64, or to RoPE halves of 32 ([x1, 0, x2, 0]); 640: the backward's 256-wide chunks
@@ -117,20 +139,20 @@ def test_rmsnorm(rope, d):
     gradients) against float64, gradients in fp32 and in bf16 (the model's dtype, where the
     reference's vjp rounds at each of its casts and the kernel once per output)."""
     n = 37
-    x, w = randn(1, (n, d), BF16, 3.0), (1 + randn(2, (d,), F32, 0.1)).astype(BF16)
-    ang = randn(3, (n, d // 2))
-    cos, sin = (jnp.cos(ang), jnp.sin(ang)) if rope else (None, None)
+    x, w = randn(1, (n, d), BF16, 3.0), jnp.asarray((1 + np.asarray(randn(2, (d,), F32, 0.1))).astype(BF16))
+    ang = np.asarray(randn(3, (n, d // 2)))
+    cos, sin = (jnp.asarray(np.cos(ang)), jnp.asarray(np.sin(ang))) if rope else (None, None)
     ker = lambda x, w, c, s: rmsnorm.rmsnorm(x, w, c, s, 1e-6, numerics.rmsnorm_config(c), INTERPRET)  # noqa: E731
     ref = lambda x, w, c, s: rmsnorm.rmsnorm_reference(x, w, c, s, 1e-6)  # noqa: E731
     if rope:
         check_against_truth(ker, ref, [x, w, cos, sin], "rmsnorm+rope")
-        check_grads(ker, ref, [x.astype(F32), w.astype(F32), cos, sin], (0, 1), "rmsnorm+rope")
+        check_grads(ker, ref, [f32(x), f32(w), cos, sin], (0, 1), "rmsnorm+rope")
         check_grads(ker, ref, [x, w, cos, sin], (0, 1), "rmsnorm+rope, bf16")
     else:
         ker2 = lambda x, w: ker(x, w, None, None)  # noqa: E731
         ref2 = lambda x, w: ref(x, w, None, None)  # noqa: E731
         check_against_truth(ker2, ref2, [x, w], "rmsnorm")
-        check_grads(ker2, ref2, [x.astype(F32), w.astype(F32)], (0, 1), "rmsnorm")
+        check_grads(ker2, ref2, [f32(x), f32(w)], (0, 1), "rmsnorm")
         check_grads(ker2, ref2, [x, w], (0, 1), "rmsnorm, bf16")
 
 
@@ -139,20 +161,22 @@ def test_swiglu(f):
     g, u = randn(1, (37, f), BF16, 2.0), randn(2, (37, f), BF16)
     ker = lambda g, u: swiglu.swiglu(g, u, numerics.SWIGLU, INTERPRET)  # noqa: E731
     check_against_truth(ker, swiglu.swiglu_reference, [g, u], "swiglu")
-    check_grads(ker, swiglu.swiglu_reference, [g.astype(F32), u.astype(F32)], (0, 1), "swiglu")
+    check_grads(ker, swiglu.swiglu_reference, [f32(g), f32(u)], (0, 1), "swiglu")
 
 
 def _attention_case(dtype, b=3, t=37, hq=4, hkv=2, dh=16, lens=(37, 20, 1)):
+    """Host arrays q, k, v, the page table and the positions (-1: padding); the empty cache pages."""
     q, k, v = randn(1, (b, t, hq, dh), dtype), randn(2, (b, t, hkv, dh), dtype), randn(3, (b, t, hkv, dh), dtype)
     ps = numerics.ATTENTION.page_size
     p = -(-t // ps)
-    page_table = (1 + jnp.arange(b * p, dtype=jnp.int32)).reshape(b, p)
-    pos = jnp.arange(t, dtype=jnp.int32)[None, :]
-    positions = jnp.where(pos < jnp.array(lens)[:, None], pos, -1)
-    pages = jnp.zeros((2, hkv, 1 + b * p, ps, dh), dtype)
-    return q, k, v, pages, page_table, positions
+    page_table = (1 + np.arange(b * p, dtype=np.int32)).reshape(b, p)
+    pos = np.arange(t, dtype=np.int32)[None, :]
+    positions = np.where(pos < np.array(lens)[:, None], pos, -1).astype(np.int32)
+    pages = np.zeros((2, hkv, 1 + b * p, ps, dh), dtype)
+    return np.asarray(q), np.asarray(k), np.asarray(v), jnp.asarray(pages), page_table, positions
 
 
+@functools.partial(jax.jit, static_argnames="config")
 def _attend(q, k, v, kp, vp, layer, pt, pos, config=numerics.ATTENTION):
     """The strict attention with this call's plan (the model makes one per forward)."""
     plan = attention.plan(pt, pos, q.shape[2] // k.shape[2], config.page_size, config)
@@ -164,7 +188,7 @@ def _attend(q, k, v, kp, vp, layer, pt, pos, config=numerics.ATTENTION):
 @pytest.mark.slow
 def test_attention_values_and_grads():
     q, k, v, pages, pt, pos = _attention_case(BF16)
-    layer = jnp.int32(1)
+    layer = np.int32(1)
     ker = lambda q, k, v: _attend(q, k, v, pages, pages, layer, pt, pos)[0]  # noqa: E731
     ref_plan = attention.plan(pt, pos, q.shape[2] // k.shape[2], numerics.PAGE_SIZE)
     ref = lambda q, k, v: attention.paged_attention_reference(q, k, v, pages, pages, layer, ref_plan)[0]  # noqa: E731
@@ -185,7 +209,7 @@ def test_attention_odd_shapes(hq, hkv, dh):
     q, k, v, pages, pt, pos = _attention_case(BF16, **case)
 
     def run(q, k, v, sl, kp, vp):
-        return _attend(q[:, sl], k[:, sl], v[:, sl], kp, vp, jnp.int32(1), pt, pos[:, sl])
+        return _attend(q[:, sl], k[:, sl], v[:, sl], kp, vp, np.int32(1), pt, pos[:, sl])
 
     dense = lambda q, k, v: attention.dense_attention(q, k, v, pos)  # noqa: E731
     whole_pass = lambda q, k, v: run(q, k, v, slice(None), pages, pages)[0]  # noqa: E731
@@ -193,7 +217,7 @@ def test_attention_odd_shapes(hq, hkv, dh):
     whole, _, _ = run(q, k, v, slice(None), pages, pages)
     a, kp, vp = run(q, k, v, slice(0, 12), pages, pages)
     b, _, _ = run(q, k, v, slice(12, None), kp, vp)
-    assert_bits_equal(jnp.concatenate([a, b], axis=1), whole, "odd shapes: chunked prefill")
+    assert_bits_equal(np.concatenate([a, b], axis=1), whole, "odd shapes: chunked prefill")
     q, k, v, pages, pt, pos = _attention_case(F32, **case)
     check_grads(whole_pass, dense, [q, k, v], (0, 1, 2), "odd attention")
 
@@ -212,17 +236,17 @@ def test_attention_chunked_equals_whole_and_decode(block_pages, kv_split, merge_
             config, block_pages=block_pages, kv_split=kv_split, merge_in_kernel_from=merge_from
         )
     q, k, v, pages, pt, pos = _attention_case(BF16)
-    run = lambda sl, kp, vp: _attend(q[:, sl], k[:, sl], v[:, sl], kp, vp, jnp.int32(0), pt, pos[:, sl], config)  # noqa: E731
+    run = lambda sl, kp, vp: _attend(q[:, sl], k[:, sl], v[:, sl], kp, vp, np.int32(0), pt, pos[:, sl], config)  # noqa: E731
     whole, _, _ = run(slice(None), pages, pages)
     a, kp, vp = run(slice(0, 20), pages, pages)
     b, _, _ = run(slice(20, None), kp, vp)
-    assert_bits_equal(jnp.concatenate([a, b], axis=1), whole, "chunked prefill")
+    assert_bits_equal(np.concatenate([a, b], axis=1), whole, "chunked prefill")
     kp = vp = pages
     outs = []
     for t in range(q.shape[1]):
         o, kp, vp = run(slice(t, t + 1), kp, vp)
         outs.append(o)
-    assert_bits_equal(jnp.concatenate(outs, axis=1), whole, "token-by-token decode")
+    assert_bits_equal(np.concatenate(outs, axis=1), whole, "token-by-token decode")
 
 
 def test_interpreted_backward_chunk_is_fixed():
@@ -242,15 +266,15 @@ def test_interpreted_backward_chunk_is_fixed():
 def test_logprob_values_and_grads(d, vocab, in_place):
     n = 37
     h, w = randn(1, (n, d), BF16), randn(2, (vocab, d), BF16, 0.3)
-    targets = jax.random.randint(jax.random.key(3), (n,), 0, vocab)
-    temps = jnp.array([0.7, 1.0, 1.3] * 12 + [1.0], F32)
+    targets = host_ints(3, (n,), vocab)
+    temps = jnp.asarray(np.array([0.7, 1.0, 1.3] * 12 + [1.0], np.float32))
     c = dataclasses.replace(
         numerics.LOGPROB, backward=dataclasses.replace(numerics.LOGPROB.backward, backward_in_place=in_place)
     )
     ker = lambda h, w: logprob.token_logprobs(h, w, targets, temps, c, INTERPRET)  # noqa: E731
     ref = lambda h, w: logprob.token_logprobs_reference(h, w, targets, temps)  # noqa: E731
     check_against_truth(ker, ref, [h, w], "token_logprobs")
-    check_grads(ker, ref, [h.astype(F32), w.astype(F32)], (0, 1), "token_logprobs")
+    check_grads(ker, ref, [f32(h), f32(w)], (0, 1), "token_logprobs")
 
 
 def test_logprob_gradient_of_a_greedy_row_is_temperature_1s():
@@ -258,12 +282,12 @@ def test_logprob_gradient_of_a_greedy_row_is_temperature_1s():
     same gradient bits as at temperature 1, where dividing by the temperature gave NaN."""
     n, d, vocab = 16, 48, 300
     h, w = randn(1, (n, d), BF16), randn(2, (vocab, d), BF16, 0.3)
-    targets = jax.random.randint(jax.random.key(3), (n,), 0, vocab)
+    targets = host_ints(3, (n,), vocab)
 
     def grads(temperature):
-        temps = jnp.full((n,), temperature, F32)
+        temps = host_full((n,), temperature)
         loss = lambda h, w: jnp.sum(logprob.token_logprobs(h, w, targets, temps, numerics.LOGPROB, INTERPRET))  # noqa: E731
-        return jax.grad(loss, argnums=(0, 1))(h, w)
+        return jax.jit(jax.grad(loss, argnums=(0, 1)))(h, w)
 
     for greedy, tempered, name in zip(grads(0.0), grads(1.0), ("dh", "dw")):
         assert_bits_equal(greedy, tempered, f"{name}: temperature 0 vs 1")
@@ -278,16 +302,20 @@ def test_logprob_backward_in_vocab_chunks(monkeypatch):
     (bounded by the same check), dw's rows are computed independently of the chunking, so bit-equal."""
     n, d, vocab = 37, 64, 300
     h, w = randn(1, (n, d), BF16), randn(2, (vocab, d), BF16, 0.3)
-    targets = jnp.array([0, 127, 128, 299] * 9 + [256], jnp.int32)  # ids on both sides of chunk edges
-    temps = jnp.full((n,), 0.8, F32)
+    targets = jnp.asarray(np.array([0, 127, 128, 299] * 9 + [256], np.int32))  # ids on both sides of chunk edges
+    temps = host_full((n,), 0.8)
     c = dataclasses.replace(numerics.LOGPROB, backward=dataclasses.replace(numerics.LOGPROB.backward, block_n=128))
     ker = lambda h, w: logprob.token_logprobs(h, w, targets, temps, c, INTERPRET)  # noqa: E731
     ref = lambda h, w: logprob.token_logprobs_reference(h, w, targets, temps)  # noqa: E731
-    one_chunk = jax.grad(lambda w: jnp.sum(ker(h, w)))(w)
+    one_chunk = jax.jit(jax.grad(lambda w: jnp.sum(ker(h, w))))(w)
     monkeypatch.setattr(logprob, "BWD_CHUNK_BYTES", 4 * 64 * 128)  # room for 128 ids of 37 rows, not 256
     assert logprob._vocab_chunk(n, vocab, 128) == 128
-    check_grads(ker, ref, [h.astype(F32), w.astype(F32)], (0, 1), "token_logprobs, 3 vocab chunks")
-    assert_bits_equal(jax.grad(lambda w: jnp.sum(ker(h, w)))(w), one_chunk, "dw: 3 chunks vs 1")
+    check_grads(ker, ref, [f32(h), f32(w)], (0, 1), "token_logprobs, 3 vocab chunks")
+    assert_bits_equal(jax.jit(jax.grad(lambda w: jnp.sum(ker(h, w))))(w), one_chunk, "dw: 3 chunks vs 1")
+
+
+_sample_tokens = jax.jit(logprob.sample_tokens, static_argnums=(5, 6))
+_token_logprobs = jax.jit(logprob.token_logprobs, static_argnums=(4, 5))
 
 
 @pytest.mark.parametrize("d,vocab", [slow(64, 512), (48, 300)])
@@ -295,11 +323,11 @@ def test_sample_logprob_is_score_logprob(d, vocab):
     """The sampler's recorded logprob is bit-identical to scoring the drawn token."""
     n = 37
     h, w = randn(1, (n, d), BF16), randn(2, (vocab, d), BF16, 0.3)
-    temps = jnp.full((n,), 0.9, F32)
-    seeds, steps = jnp.arange(n, dtype=jnp.uint32), jnp.arange(n, dtype=jnp.int32)
-    tokens, lp = logprob.sample_tokens(h, w, seeds, steps, temps, numerics.LOGPROB, INTERPRET)
-    assert_bits_equal(lp, logprob.token_logprobs(h, w, tokens, temps, numerics.LOGPROB, INTERPRET), "sample vs score")
-    ref_tokens, _ = logprob.sample_tokens_reference(h, w, seeds, steps, temps)
+    temps = host_full((n,), 0.9)
+    seeds, steps = jnp.asarray(np.arange(n, dtype=np.uint32)), jnp.asarray(np.arange(n, dtype=np.int32))
+    tokens, lp = _sample_tokens(h, w, seeds, steps, temps, numerics.LOGPROB, INTERPRET)
+    assert_bits_equal(lp, _token_logprobs(h, w, tokens, temps, numerics.LOGPROB, INTERPRET), "sample vs score")
+    ref_tokens, _ = jax.jit(logprob.sample_tokens_reference)(h, w, seeds, steps, temps)
     assert (np.asarray(tokens) == np.asarray(ref_tokens)).mean() > 0.9  # same noise, logits equal up to rounding
 
 
@@ -311,10 +339,9 @@ def test_sampling_follows_the_distribution(vocab):
     lm_head rows also give logit 0: were they not masked, they would be drawn (an id >= 300) and
     every logprob would be -log(384)."""
     n, d = 20000, 64
-    h, w = jnp.zeros((n, d), BF16), randn(2, (vocab, d), BF16)
-    tokens, lp = logprob.sample_tokens(
-        h, w, jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.int32), jnp.ones(n, F32), numerics.LOGPROB, INTERPRET
-    )
+    h, w = jnp.asarray(np.zeros((n, d), BF16)), randn(2, (vocab, d), BF16)
+    seeds, steps = jnp.asarray(np.arange(n, dtype=np.uint32)), jnp.asarray(np.zeros(n, np.int32))
+    tokens, lp = _sample_tokens(h, w, seeds, steps, host_full(n, 1.0), numerics.LOGPROB, INTERPRET)
     assert np.asarray(tokens).max() < vocab
     counts = np.bincount(np.asarray(tokens), minlength=vocab)
     chi2 = ((counts - n / vocab) ** 2 / (n / vocab)).sum()
@@ -339,19 +366,16 @@ def test_logprob_uneven_vocab_splits(splits):
     config = dataclasses.replace(numerics.LOGPROB, vocab_splits=splits, block_rows=16)
     n, d, vocab = 21, 64, 640
     h, w = randn(1, (n, d), BF16), randn(2, (vocab, d), BF16, 0.3)
-    targets = jax.random.randint(jax.random.key(3), (n,), 0, vocab)
-    temps = jnp.full((n,), 1.1, F32)
+    targets = host_ints(3, (n,), vocab)
+    temps = host_full((n,), 1.1)
     ker = lambda h, w: logprob.token_logprobs(h, w, targets, temps, config, INTERPRET)  # noqa: E731
     check_against_truth(
         ker, lambda h, w: logprob.token_logprobs_reference(h, w, targets, temps), [h, w], "split logprobs"
     )
-    tokens, lp = logprob.sample_tokens(
-        h, w, jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.int32), temps, config, INTERPRET
-    )
-    assert_bits_equal(lp, logprob.token_logprobs(h, w, tokens, temps, config, INTERPRET), "sample vs score")
-    ref_tokens, _ = logprob.sample_tokens_reference(
-        h, w, jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.int32), temps
-    )
+    seeds, steps = jnp.asarray(np.arange(n, dtype=np.uint32)), jnp.asarray(np.zeros(n, np.int32))
+    tokens, lp = _sample_tokens(h, w, seeds, steps, temps, config, INTERPRET)
+    assert_bits_equal(lp, _token_logprobs(h, w, tokens, temps, config, INTERPRET), "sample vs score")
+    ref_tokens, _ = jax.jit(logprob.sample_tokens_reference)(h, w, seeds, steps, temps)
     assert (np.asarray(tokens) == np.asarray(ref_tokens)).mean() > 0.9
 
 
@@ -367,14 +391,14 @@ def test_matmul_tile_configs_agree():
     must not depend on which: otherwise sampler and learner logprobs would differ. Also: reading
     layer i out of a stacked [L, N, K] array in place gives the sliced layer's bits."""
     assert len({c.block_k for c in MATMUL_CLASSES}) > 1, "the classes should cover different K tiles"
-    x, r = randn(1, (300, 256), BF16), randn(3, (300, 128), BF16)
-    ws = randn(2, (3, 128, 256), BF16, 0.1)
-    ref = matmul.matmul(x, ws[1], r, TABLE.matmul, INTERPRET)
+    x, r = np.asarray(randn(1, (300, 256), BF16)), np.asarray(randn(3, (300, 128), BF16))
+    ws = np.asarray(randn(2, (3, 128, 256), BF16, 0.1))
+    ref = np.asarray(_matmul(x, ws[1], r, TABLE.matmul, INTERPRET))
     for c in MATMUL_CLASSES:
         for lo, hi in [(0, 1), (5, 21), (0, 300)]:
-            assert_bits_equal(matmul.matmul(x[lo:hi], ws[1], r[lo:hi], c, INTERPRET), ref[lo:hi], f"{c} rows {lo}:{hi}")
+            assert_bits_equal(_matmul(x[lo:hi], ws[1], r[lo:hi], c, INTERPRET), ref[lo:hi], f"{c} rows {lo}:{hi}")
             assert_bits_equal(
-                matmul.matmul_layer(x[lo:hi], ws, jnp.int32(1), r[lo:hi], c, INTERPRET), ref[lo:hi], f"{c} stacked"
+                _matmul_layer(x[lo:hi], ws, np.int32(1), r[lo:hi], c, INTERPRET), ref[lo:hi], f"{c} stacked"
             )
 
 
@@ -387,11 +411,11 @@ def test_matmul_fused_projections_agree():
     (including a width the fused kernel hands back to separate calls)."""
     x = randn(1, (20, 256), BF16)
     for widths in ((256, 64, 64), (96, 40)):
-        ws = [randn(2 + i, (3, n, 256), BF16, 0.1) for i, n in enumerate(widths)]
+        ws = [np.asarray(randn(2 + i, (3, n, 256), BF16, 0.1)) for i, n in enumerate(widths)]
         for c in (numerics.MATMUL_DECODE, numerics.MATMUL):
-            fused = matmul.matmul_layer_fused(x, ws, jnp.int32(2), c, INTERPRET)
+            fused = _matmul_layer_fused(x, ws, np.int32(2), c, INTERPRET)
             for w, y in zip(ws, fused, strict=True):
-                assert_bits_equal(y, matmul.matmul(x, w[2], None, numerics.MATMUL, INTERPRET), f"{c} {widths}")
+                assert_bits_equal(y, _matmul(x, w[2], None, numerics.MATMUL, INTERPRET), f"{c} {widths}")
 
 
 @pytest.mark.parametrize("d,rope", [slow(64, False), slow(64, True), slow(40, False), (40, True)])
@@ -399,12 +423,13 @@ def test_rmsnorm_layer_reads_the_stack_in_place(d, rope):
     """rmsnorm_layer (the sampler: weights read out of the [L, D] stack) == rmsnorm on the sliced
     weight (the learner), bit for bit, also for widths the kernel pads."""
     n = 19
-    x, ws = randn(1, (n, d), BF16, 3.0), (1 + randn(2, (3, d), F32, 0.1)).astype(BF16)
-    ang = randn(3, (n, d // 2))
-    cos, sin = (jnp.cos(ang), jnp.sin(ang)) if rope else (None, None)
+    x, ws = randn(1, (n, d), BF16, 3.0), (1 + np.asarray(randn(2, (3, d), F32, 0.1))).astype(BF16)
+    ang = np.asarray(randn(3, (n, d // 2)))
+    cos, sin = (np.cos(ang), np.sin(ang)) if rope else (None, None)
     c = numerics.rmsnorm_config(cos)
-    got = rmsnorm.rmsnorm_layer(x, ws, jnp.int32(1), cos, sin, 1e-6, c, INTERPRET)
-    assert_bits_equal(got, rmsnorm.rmsnorm(x, ws[1], cos, sin, 1e-6, c, INTERPRET), f"d={d} rope={rope}")
+    got = jax.jit(rmsnorm.rmsnorm_layer, static_argnums=(5, 6, 7))(x, ws, np.int32(1), cos, sin, 1e-6, c, INTERPRET)
+    want = jax.jit(rmsnorm.rmsnorm, static_argnums=(4, 5, 6))(x, ws[1], cos, sin, 1e-6, c, INTERPRET)
+    assert_bits_equal(got, want, f"d={d} rope={rope}")
 
 
 @pytest.mark.parametrize(
@@ -421,9 +446,9 @@ def test_attention_kv_splits(kv_split, t, block_pages):
 
     config = dataclasses.replace(numerics.ATTENTION, kv_split=kv_split, block_pages=block_pages)
     q, k, v, pages, pt, pos = _attention_case(BF16, t=t, lens=(t, t // 2, 1))
-    run = lambda sl, kp, vp: _attend(q[:, sl], k[:, sl], v[:, sl], kp, vp, jnp.int32(1), pt, pos[:, sl], config)  # noqa: E731
+    run = lambda sl, kp, vp: _attend(q[:, sl], k[:, sl], v[:, sl], kp, vp, np.int32(1), pt, pos[:, sl], config)  # noqa: E731
     check_against_truth(
-        lambda q, k, v: _attend(q, k, v, pages, pages, jnp.int32(1), pt, pos, config)[0],
+        lambda q, k, v: _attend(q, k, v, pages, pages, np.int32(1), pt, pos, config)[0],
         lambda q, k, v: attention.dense_attention(q, k, v, pos),
         [q, k, v],
         "split attention vs dense",
@@ -435,7 +460,7 @@ def test_attention_kv_splits(kv_split, t, block_pages):
     for i in range(t - 3, t):
         o, kp, vp = run(slice(i, i + 1), kp, vp)
         outs.append(o)
-    assert_bits_equal(jnp.concatenate(outs, axis=1), whole, f"kv_split {kv_split}: chunked prefill + decode vs whole")
+    assert_bits_equal(np.concatenate(outs, axis=1), whole, f"kv_split {kv_split}: chunked prefill + decode vs whole")
 
 
 @pytest.mark.slow  # 300 tokens through the interpreted gradient; the default run audits it in test_hlo_audit.py
@@ -448,17 +473,17 @@ def test_embedding_gradient_sums_repeated_tokens_in_fp32():
     from rlkjax import model
 
     vocab, d, n = 50, 32, 300
-    table = jax.random.normal(jax.random.key(0), (vocab, d), F32).astype(BF16)
-    ids = jax.random.randint(jax.random.key(1), (n,), 0, 8)  # many repeats, and a few other rows
-    ids = ids.at[::7].set(jax.random.randint(jax.random.key(2), (43,), 0, vocab))
-    ct = jax.random.normal(jax.random.key(3), (n, d), F32).astype(BF16)
-    assert_bits_equal(model.embed(table, ids), table[ids], "embed forward")
-    _, vjp = jax.vjp(lambda t: model.embed(t, ids), table)
-    (grad,) = vjp(ct)
+    table = np.asarray(randn(0, (vocab, d), BF16))
+    ids = np.array(host_ints(1, (n,), 8))  # many repeats, and a few other rows
+    ids[::7] = np.asarray(host_ints(2, (43,), vocab))
+    ct = randn(3, (n, d), BF16)
+    assert_bits_equal(jax.jit(model.embed)(table, ids), table[ids], "embed forward")
+    (grad,) = jax.jit(lambda t, ids, ct: jax.vjp(lambda t: model.embed(t, ids), t)[1](ct))(table, ids, ct)
     truth = np.zeros((vocab, d))
-    np.add.at(truth, np.asarray(ids), np.asarray(ct, np.float64))
-    rounded = np.asarray(jnp.asarray(truth, F32).astype(BF16), np.float64)
-    ulp = np.abs(np.nextafter(jnp.asarray(rounded, BF16), jnp.asarray(np.inf, BF16)).astype(np.float64) - rounded)
+    np.add.at(truth, ids, np.asarray(ct, np.float64))
+    rounded = truth.astype(np.float32).astype(BF16)  # float64 -> float32 -> bf16, each to nearest even
+    ulp = np.abs(np.nextafter(rounded, np.asarray(np.inf, BF16)).astype(np.float64) - rounded.astype(np.float64))
+    rounded = rounded.astype(np.float64)
     off = np.abs(np.asarray(grad, np.float64) - rounded)
     assert grad.dtype == BF16 and (off <= ulp).all()
     assert (off == 0).mean() > 0.99  # nearly all exactly the rounded truth
@@ -478,16 +503,15 @@ def test_attention_flash_backward(hq, hkv, dh, block):
 
     config = dataclasses.replace(numerics.ATTENTION, backward=AttentionBwdConfig(block_q=block, block_k=block))
     q, k, v, pages, pt, pos = _attention_case(F32, hq=hq, hkv=hkv, dh=dh)
-    ker = lambda q, k, v: _attend(q, k, v, pages, pages, jnp.int32(1), pt, pos, config)[0]  # noqa: E731
+    ker = lambda q, k, v: _attend(q, k, v, pages, pages, np.int32(1), pt, pos, config)[0]  # noqa: E731
     check_grads(ker, lambda q, k, v: attention.dense_attention(q, k, v, pos), [q, k, v], (0, 1, 2), "flash bwd")
     # Skipping the block pairs that see nothing changes no bit (they would add exact zeros).
     no_skip = dataclasses.replace(config, backward=dataclasses.replace(config.backward, skip_blocks=False))
-    cot = jax.random.normal(jax.random.key(9), q.shape, F32)
+    cot = np.asarray(randn(9, q.shape))
 
     def grads_with(c):
-        return jax.grad(
-            lambda q, k, v: jnp.sum(_attend(q, k, v, pages, pages, jnp.int32(1), pt, pos, c)[0] * cot), (0, 1, 2)
-        )(q, k, v)
+        loss = lambda q, k, v: jnp.sum(_attend(q, k, v, pages, pages, np.int32(1), pt, pos, c)[0] * cot)  # noqa: E731
+        return jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
 
     grads = [grads_with(config), grads_with(no_skip)]
     for a, b, name in zip(*grads, "qkv"):
@@ -509,8 +533,8 @@ def test_attention_tiles_per_program_agree(tiles, warps):
         case, config = dict(t=1024, hq=32, hkv=8, dh=128, lens=(1024, 517, 1)), numerics.ATTENTION
     q, k, v, pages, pt, pos = _attention_case(BF16, **case)
     one = dataclasses.replace(config, tiles=1, num_warps=4)
-    ref, kp, _ = _attend(q, k, v, pages, pages, jnp.int32(1), pt, pos, one)
+    ref, kp, _ = _attend(q, k, v, pages, pages, np.int32(1), pt, pos, one)
     other = dataclasses.replace(one, tiles=tiles, num_warps=warps)
-    got, kp2, _ = _attend(q, k, v, pages, pages, jnp.int32(1), pt, pos, other)
+    got, kp2, _ = _attend(q, k, v, pages, pages, np.int32(1), pt, pos, other)
     assert_bits_equal(got, ref, f"{tiles} tiles per program on {warps} warps vs 1 on 4")
     assert_bits_equal(kp2[:, :, 1:], kp[:, :, 1:], "cache written")
