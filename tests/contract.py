@@ -32,18 +32,32 @@ def random_case(rng, cfg, max_len=70, batch_sizes=BATCH_SIZES):
     return prompts, seeds, temps
 
 
-def check_case(params, cfg, prompts, seeds, temps, max_new, chunk, numerics="strict"):
-    """score == generate bit for bit; rows alone == rows in the batch, for both."""
-    comps = rlkjax.generate(
-        params,
-        cfg,
-        prompts,
-        max_new_tokens=max_new,
-        temperature=temps,
-        seeds=seeds,
-        numerics=numerics,
-        prefill_chunk_size=chunk,
-    )
+def check_case(params, cfg, prompts, seeds, temps, max_new, chunk, numerics="strict", engine=None, alone=None):
+    """score == generate bit for bit; rows alone == rows in the batch, for both.
+
+    engine: an EngineConfig to sample the batch on instead of the one `generate` sizes for it (its
+    prefill_chunk is the chunk); alone: the EngineConfig the lone rows run on (default: the one
+    `generate` sizes for the longest row alone, with another chunk size). A test passes the engines
+    other tests build, so that the run compiles their programs once."""
+    if engine is None:
+        comps = rlkjax.generate(
+            params,
+            cfg,
+            prompts,
+            max_new_tokens=max_new,
+            temperature=temps,
+            seeds=seeds,
+            numerics=numerics,
+            prefill_chunk_size=chunk,
+        )
+    else:
+        assert engine.prefill_chunk == chunk, (engine, chunk)
+        batched = Engine(params, cfg, numerics, engine)
+        requests = [
+            batched.submit(p, max_tokens=max_new, temperature=t, seed=s) for p, t, s in zip(prompts, temps, seeds)
+        ]
+        batched.run_until_done()
+        comps = [r.results[0] for r in requests]
     seqs = [p + c.tokens for p, c in zip(prompts, comps)]
     lens = [len(p) for p in prompts]
     scored = rlkjax.score(params, cfg, seqs, lens, temperature=temps, numerics=numerics)
@@ -53,17 +67,19 @@ def check_case(params, cfg, prompts, seeds, temps, max_new, chunk, numerics="str
         assert_bits_equal(s, c.logprobs, f"row {i}: score vs generate (prompt {lens[i]}, T={temps[i]}, chunk {chunk})")
     # The longest and the shortest row alone, with another chunk size: same tokens, same bits;
     # scored alone: same bits. (Fixed choices: each chunk size and each lone row's length bucket
-    # compiles programs of its own.) Both run on the engine `generate` sizes for the longest row
-    # alone: one engine per row length would compile every step function again for each.
-    other_chunk = 5 if chunk == 16 else 16
-    sizing = EngineConfig.for_batch([max(lens) + max_new], other_chunk)
-    engine = Engine(params, cfg, numerics, dataclasses.replace(sizing, num_pages=bucket(sizing.num_pages)))
+    # compiles programs of its own.) Both run on one engine (by default the one `generate` sizes for
+    # the longest row alone): one engine per row length would compile every step function again for each.
+    if alone is None:
+        sizing = EngineConfig.for_batch([max(lens) + max_new], 5 if chunk == 16 else 16)
+        alone = dataclasses.replace(sizing, num_pages=bucket(sizing.num_pages))
+    assert alone.prefill_chunk != chunk, (alone, chunk)
+    lone = Engine(params, cfg, numerics, alone)
     for i in sorted({int(np.argmax(lens)), int(np.argmin(lens))}):
-        request = engine.submit(prompts[i], max_tokens=max_new, temperature=temps[i], seed=seeds[i])
-        engine.run_until_done()
-        alone = request.results[0]
-        assert alone.tokens == comps[i].tokens, f"row {i}: tokens differ alone vs batched"
-        assert_bits_equal(alone.logprobs, comps[i].logprobs, f"row {i}: generate alone vs batched")
+        request = lone.submit(prompts[i], max_tokens=max_new, temperature=temps[i], seed=seeds[i])
+        lone.run_until_done()
+        result = request.results[0]
+        assert result.tokens == comps[i].tokens, f"row {i}: tokens differ alone vs batched"
+        assert_bits_equal(result.logprobs, comps[i].logprobs, f"row {i}: generate alone vs batched")
         assert_bits_equal(
             rlkjax.score(params, cfg, [seqs[i]], [lens[i]], temperature=temps[i], numerics=numerics)[0],
             scored[i],

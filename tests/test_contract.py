@@ -8,36 +8,49 @@ import numpy as np
 import pytest
 
 import rlkjax
+from rlkjax.engine import EngineConfig
 from tests.contract import BATCH_SIZES, check_case, random_case
-from tests.helpers import ODD
+from tests.helpers import ENGINE, ODD
+
+# The engine `generate` sizes for the default case's batches of 9 at chunk 37 (9 rows in a bucket of
+# 16, every batch holding one 70-token prompt + 6 new tokens: 76 tokens, 32 pages in all): the slow
+# cases run their lone rows on it, so they find the default case's programs.
+GENERATE_37 = EngineConfig(num_pages=32, max_batch=16, prefill_chunk=37, token_budget=16 * 37, max_context=76)
 
 
-# chunk 37 (not a page multiple) runs by default; 16 with the slow tests (.ci/run runs both). The
-# default run draws batches of 9 only: `generate` sizes its engine (KV pages, batch buckets) by the
-# batch, and the batches of 3 added two more engines' programs (with them the test took 135 CPU
-# seconds, without 97); every batch of 9 still runs prefill and decode calls of 1 to 16 rows. The
-# slow run draws both sizes.
+# chunk 37 (not a page multiple) runs by default, through `generate`; 16 with the slow tests (.ci/run
+# runs both), on the engine the engine tests build (tests/helpers.py ENGINE: chunk 16, 8 batch slots,
+# so a batch of 9 also queues a row), whose programs the run compiles anyway, and with its lone rows
+# at chunk 37 on the default case's engine (it compiled 41 programs when it sampled through
+# `generate`'s engines for batches of 3 and 9 and ran its lone rows at chunk 5). The default run
+# draws batches of 9 only: `generate` sizes its engine (KV pages, batch buckets) by the batch, and
+# the batches of 3 added two more engines' programs (with them the test took 135 CPU seconds,
+# without 97); every batch of 9 still runs prefill and decode calls of 1 to 16 rows. The slow run
+# draws both sizes.
 @pytest.mark.parametrize(
-    "chunk,batch_sizes", [pytest.param(16, BATCH_SIZES, marks=pytest.mark.slow), (37, (9,))], ids=["16", "37"]
+    "chunk,batch_sizes,engine,alone",
+    [pytest.param(16, BATCH_SIZES, ENGINE, GENERATE_37, marks=pytest.mark.slow), (37, (9,), None, None)],
+    ids=["16", "37"],
 )
-def test_score_equals_generate_bitwise(tiny, chunk, batch_sizes):
+def test_score_equals_generate_bitwise(tiny, chunk, batch_sizes, engine, alone):
     cfg, params = tiny
     rng = np.random.default_rng(chunk)
     compared = 0
     for _ in range(5):
         prompts, seeds, temps = random_case(rng, cfg, batch_sizes=batch_sizes)
-        compared += check_case(params, cfg, prompts, seeds, temps, max_new=6, chunk=chunk)
+        compared += check_case(params, cfg, prompts, seeds, temps, 6, chunk, engine=engine, alone=alone)
     assert compared > 0
 
 
 @pytest.mark.slow
 def test_edge_lengths(tiny):
-    """Prompt lengths at and around the page size, length 1, and a full batch of 9."""
+    """Prompt lengths at and around the page size, length 1, and a batch of 9 (on the engines of
+    test_score_equals_generate_bitwise[16])."""
     cfg, params = tiny
     rng = np.random.default_rng(1)
     lens = [1, 15, 16, 17, 31, 32, 33, 64, 70]
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lens]
-    check_case(params, cfg, prompts, list(range(9)), [0.7, 1.0, 1.3] * 3, max_new=5, chunk=16)
+    check_case(params, cfg, prompts, list(range(9)), [0.7, 1.0, 1.3] * 3, 5, 16, engine=ENGINE, alone=GENERATE_37)
 
 
 @pytest.mark.slow
