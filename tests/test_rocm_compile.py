@@ -12,6 +12,7 @@ contract-relevant dot to the instruction asserted, with this Triton. What it doe
 its own Triton (jaxlib's), whose passes may choose differently; nothing here runs a kernel, so bits,
 speed and the MFMA accumulation order are shown only on an AMD GPU (bench/rocm_check.sh)."""
 
+import functools
 import re
 import tempfile
 from pathlib import Path
@@ -76,6 +77,7 @@ def triton_kernels(text: str) -> dict[tuple[str, int, int], str]:
     return out
 
 
+@functools.cache  # a kernel both sides launch compiles once per target
 def compile_kernel(ir_text: str, warps: int, stages: int, target: GPUTarget, until: str) -> tuple[str, int]:
     """(assembly, LDS / shared bytes) of one kernel, through the registry Triton's own stages."""
     backend = make_backend(target)
@@ -98,6 +100,7 @@ def compile_kernel(ir_text: str, warps: int, stages: int, target: GPUTarget, unt
     raise AssertionError(f"no stage {until}")
 
 
+@functools.cache  # gfx942 and gfx950 read the same ROCm export
 def side_kernels(platform: str) -> dict[str, dict]:
     """The Triton kernels of the sampler's decode step and of the learner's pass (tiny model, 2 x 256
     tokens: 512 rows, the learner's tile class), each exported on the platform's tile table."""
