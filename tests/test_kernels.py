@@ -314,10 +314,6 @@ def test_logprob_backward_in_vocab_chunks(monkeypatch):
     assert_bits_equal(jax.jit(jax.grad(lambda w: jnp.sum(ker(h, w))))(w), one_chunk, "dw: 3 chunks vs 1")
 
 
-_sample_tokens = jax.jit(logprob.sample_tokens, static_argnums=(5, 6))
-_token_logprobs = jax.jit(logprob.token_logprobs, static_argnums=(4, 5))
-
-
 @pytest.mark.parametrize("d,vocab", [slow(64, 512), (48, 300)])
 def test_sample_logprob_is_score_logprob(d, vocab):
     """The sampler's recorded logprob is bit-identical to scoring the drawn token."""
@@ -325,9 +321,9 @@ def test_sample_logprob_is_score_logprob(d, vocab):
     h, w = randn(1, (n, d), BF16), randn(2, (vocab, d), BF16, 0.3)
     temps = host_full((n,), 0.9)
     seeds, steps = jnp.asarray(np.arange(n, dtype=np.uint32)), jnp.asarray(np.arange(n, dtype=np.int32))
-    tokens, lp = _sample_tokens(h, w, seeds, steps, temps, numerics.LOGPROB, INTERPRET)
-    assert_bits_equal(lp, _token_logprobs(h, w, tokens, temps, numerics.LOGPROB, INTERPRET), "sample vs score")
-    ref_tokens, _ = jax.jit(logprob.sample_tokens_reference)(h, w, seeds, steps, temps)
+    tokens, lp = logprob.sample_tokens(h, w, seeds, steps, temps, numerics.LOGPROB, INTERPRET)
+    assert_bits_equal(lp, logprob.token_logprobs(h, w, tokens, temps, numerics.LOGPROB, INTERPRET), "sample vs score")
+    ref_tokens, _ = logprob.sample_tokens_reference(h, w, seeds, steps, temps)
     assert (np.asarray(tokens) == np.asarray(ref_tokens)).mean() > 0.9  # same noise, logits equal up to rounding
 
 
@@ -341,7 +337,7 @@ def test_sampling_follows_the_distribution(vocab):
     n, d = 20000, 64
     h, w = jnp.asarray(np.zeros((n, d), BF16)), randn(2, (vocab, d), BF16)
     seeds, steps = jnp.asarray(np.arange(n, dtype=np.uint32)), jnp.asarray(np.zeros(n, np.int32))
-    tokens, lp = _sample_tokens(h, w, seeds, steps, host_full(n, 1.0), numerics.LOGPROB, INTERPRET)
+    tokens, lp = logprob.sample_tokens(h, w, seeds, steps, host_full(n, 1.0), numerics.LOGPROB, INTERPRET)
     assert np.asarray(tokens).max() < vocab
     counts = np.bincount(np.asarray(tokens), minlength=vocab)
     chi2 = ((counts - n / vocab) ** 2 / (n / vocab)).sum()
@@ -373,9 +369,9 @@ def test_logprob_uneven_vocab_splits(splits):
         ker, lambda h, w: logprob.token_logprobs_reference(h, w, targets, temps), [h, w], "split logprobs"
     )
     seeds, steps = jnp.asarray(np.arange(n, dtype=np.uint32)), jnp.asarray(np.zeros(n, np.int32))
-    tokens, lp = _sample_tokens(h, w, seeds, steps, temps, config, INTERPRET)
-    assert_bits_equal(lp, _token_logprobs(h, w, tokens, temps, config, INTERPRET), "sample vs score")
-    ref_tokens, _ = jax.jit(logprob.sample_tokens_reference)(h, w, seeds, steps, temps)
+    tokens, lp = logprob.sample_tokens(h, w, seeds, steps, temps, config, INTERPRET)
+    assert_bits_equal(lp, logprob.token_logprobs(h, w, tokens, temps, config, INTERPRET), "sample vs score")
+    ref_tokens, _ = logprob.sample_tokens_reference(h, w, seeds, steps, temps)
     assert (np.asarray(tokens) == np.asarray(ref_tokens)).mean() > 0.9
 
 
@@ -511,7 +507,7 @@ def test_attention_flash_backward(hq, hkv, dh, block):
 
     def grads_with(c):
         loss = lambda q, k, v: jnp.sum(_attend(q, k, v, pages, pages, np.int32(1), pt, pos, c)[0] * cot)  # noqa: E731
-        return jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
+        return jax.grad(loss, (0, 1, 2))(q, k, v)
 
     grads = [grads_with(config), grads_with(no_skip)]
     for a, b, name in zip(*grads, "qkv"):
