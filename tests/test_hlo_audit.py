@@ -19,13 +19,14 @@ from tests.helpers import ODD, slow
 STRICT = numerics.NumericsOptions(platform=audit.target_platform())
 
 
-def abstract(tree):
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), tree)
+def abstract(make):
+    """The shapes and dtypes of what make() returns, traced, not computed (no program compiles)."""
+    return jax.eval_shape(make)
 
 
 def lowered(cfg, fn, numerics_mode, b=2, t=16, pages=4):
-    params = abstract(rlkjax.init_params(cfg))
-    rope = abstract(model.rope_tables(cfg))
+    params = abstract(lambda: rlkjax.init_params(cfg))
+    rope = abstract(lambda: model.rope_tables(cfg))
     tok = jax.ShapeDtypeStruct((b, t), jnp.int32)
     if fn == "learner":
         f = jax.jit(model.sequence_logprobs, static_argnames=("cfg", "numerics"))
@@ -42,7 +43,7 @@ def lowered(cfg, fn, numerics_mode, b=2, t=16, pages=4):
         return audit.lower_for_gpu(
             f, params, tok, tok, jax.ShapeDtypeStruct((b,), jnp.float32), rope, cfg, numerics_mode, k=5
         )
-    cache = abstract(model.init_kv_cache(cfg, 1 + b * pages))
+    cache = abstract(lambda: model.init_kv_cache(cfg, 1 + b * pages))
     pt = jax.ShapeDtypeStruct((b, pages), jnp.int32)
     one = jax.ShapeDtypeStruct((b, 1), jnp.int32)
     vec = lambda dt: jax.ShapeDtypeStruct((b,), dt)  # noqa: E731
@@ -135,7 +136,7 @@ def learner_gradient(cfg, numerics_mode, b=2, t=16):
     def total(params, tokens, positions, temperature):
         return model.sequence_logprobs(params, tokens, positions, temperature, rope, cfg, numerics_mode).sum()
 
-    return audit.lower_for_gpu(jax.jit(jax.grad(total)), abstract(rlkjax.init_params(cfg)), tok, tok, temps)
+    return audit.lower_for_gpu(jax.jit(jax.grad(total)), abstract(lambda: rlkjax.init_params(cfg)), tok, tok, temps)
 
 
 def test_learner_gradient_has_no_atomic_adds(tiny):
