@@ -369,6 +369,8 @@ def test_smoke_subprocess(tmp_path):
             "4",
             "--max-new-tokens",
             "4",
+            "--max-prompt-tokens",  # SMALL's: the in-process runs' programs, from the run's compilation cache
+            "16",
             "--verify-logprobs",
             "--learning-rate",
             "1e-2",
