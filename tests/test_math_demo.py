@@ -41,7 +41,9 @@ def test_word_problems_are_distinct_and_verified(tmp_path):
 @pytest.mark.slow  # the tiny model's full-vocabulary learner and engine compile (minutes on a shared CPU)
 def test_math_demo_runs(tmp_path):
     model = write_tiny_qwen3(tmp_path / "tiny_qwen3")
-    train, held_out = write(tmp_path / "data", train=16, eval=3)
+    # 2 held-out problems: one rollout call of P = 2 each for the greedy and the sampled pass (3 took two of
+    # each, at every evaluation); held-out sets that are not a multiple of P: tests/test_evaluation.py
+    train, held_out = write(tmp_path / "data", train=16, eval=2)
     config = grpo.GRPOConfig(
         model=str(model),
         task="math",
