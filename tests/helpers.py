@@ -12,9 +12,14 @@ import numpy as np
 import pytest
 
 import rlkjax
+from rlkjax import audit
 from rlkjax.engine import EngineConfig
+from rlkjax.numerics import NumericsOptions
 
 INTERPRET = jax.default_backend() == "cpu"  # Pallas kernels run interpreted on the CPU, compiled on a GPU
+# The strict path on the audited GPU's tile table (this machine's GPU, or CUDA's on a machine without one),
+# for programs lowered through Triton, not the interpreter (rlkjax.audit).
+STRICT = NumericsOptions(platform=audit.target_platform())
 
 
 # The engine the in-process tests build, one config wherever a test's property does not depend on it:

@@ -11,12 +11,8 @@ import jax.numpy as jnp
 import pytest
 
 import rlkjax
-from rlkjax import audit, model, numerics, steps
-from tests.helpers import ODD, slow
-
-# The strict path on the audited GPU's tile table (this machine's GPU, or CUDA's on a machine without
-# one), lowered through Triton, not the interpreter.
-STRICT = numerics.NumericsOptions(platform=audit.target_platform())
+from rlkjax import audit, model, steps
+from tests.helpers import ODD, STRICT, slow
 
 
 def abstract(make):

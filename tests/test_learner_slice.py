@@ -12,8 +12,7 @@ import pytest
 
 import rlkjax
 from rlkjax import audit, model
-from tests.helpers import assert_bits_equal
-from tests.test_hlo_audit import STRICT, abstract
+from tests.helpers import STRICT, assert_bits_equal
 from train import grpo
 from train.batch import PAD, micro_batches, pack
 
@@ -134,7 +133,7 @@ def lowered_learner(cfg, grad: bool, columns: bool, b=2, t=16, c=8):
         return model.sequence_logprobs(params, tokens, positions, temperature, rope, cfg, STRICT, columns=columns)
 
     fn = jax.grad(lambda *a: logprobs(*a).sum()) if grad else logprobs
-    return audit.lower_for_gpu(jax.jit(fn), abstract(rlkjax.init_params(cfg)), tok, tok, temps, cols)
+    return audit.lower_for_gpu(jax.jit(fn), jax.eval_shape(lambda: rlkjax.init_params(cfg)), tok, tok, temps, cols)
 
 
 def float_ops(text):
