@@ -176,9 +176,12 @@ def score(
     if k == 0:
         logp = np.asarray(_sequence_logprobs(params, tokens, positions, temps, rope_tables(cfg), cfg, numerics))
         return [logp[i, r].copy() for i, r in enumerate(rows)]
-    outs = _sequence_logprobs_with_alternatives(params, tokens, positions, temps, rope_tables(cfg), cfg, numerics, k)
+    # One program for every k, as the engine's rounds: the most alternatives any request may ask for,
+    # the first k kept (top_k sorts by value, ties by id, so they are the k most likely, the same bits).
+    most = min(MAX_TOP_LOGPROBS, cfg.vocab_size)
+    outs = _sequence_logprobs_with_alternatives(params, tokens, positions, temps, rope_tables(cfg), cfg, numerics, most)
     logp, ids, top = (np.asarray(o) for o in outs)
-    return [(logp[i, r].copy(), ids[i, r].copy(), top[i, r].copy()) for i, r in enumerate(rows)]
+    return [(logp[i, r].copy(), ids[i, r, :k].copy(), top[i, r, :k].copy()) for i, r in enumerate(rows)]
 
 
 def _truncation(cfg: ModelConfig, n: int, top_k, top_p, min_p):

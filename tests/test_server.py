@@ -73,12 +73,14 @@ def test_update_weights_needs_the_admin_key(server, tmp_path):
 
 
 def test_openai_completions_and_metrics(server, tiny):
+    """/v1/completions on the native server: each sample's logprobs (logprobs 0: no alternatives, whose
+    decode variant tests/test_openai_api.py covers; the rounds are those of /generate) are the learner's."""
     cfg, params = tiny
     out = post_raw(
         server,
         "/v1/completions",
         json.dumps(
-            {"model": "qwen3-tiny", "prompt": "Hello", "max_tokens": 5, "n": 2, "logprobs": 1, "seed": 3}
+            {"model": "qwen3-tiny", "prompt": "Hello", "max_tokens": 5, "n": 2, "logprobs": 0, "seed": 3}
         ).encode(),
     )
     assert out[0] == 200
@@ -502,11 +504,13 @@ def test_health_and_metrics_answer_while_the_engine_compiles(tmp_path):
 def test_warm_up_before_serving(tiny):
     """With --warmup the server compiles every default batch shape before /health answers, and
     serving a mix of requests (n 1 and 2, batches 1 and 2) compiles nothing more; the logprobs
-    stay the learner's."""
-    proc, client = start_server("--warmup", "--max-batch", "2")
+    stay the learner's. The engine is the other servers' (tests.helpers.ENGINE): the warm-up loads
+    the executables they stored and compiles only the shapes no earlier request ran."""
+    proc, client = start_server("--warmup")
     try:
-        # prefill of 1, 2 sequences (32 / 16 tokens); decode rounds (of 4 steps and of 1) and page copies of 1, 2
-        shapes = 2 + 2 + 2 + 2
+        # prefill of 1, 2 sequences (the 32-token budget in 16-token chunks); decode rounds (of 4 steps
+        # and of 1) and page copies of 1, 2, 4, 8
+        shapes = 2 + 4 + 4 + 4
         assert metric(client, "rlkjax_compiled_shapes") == shapes
         assert f"warm-up: {shapes} shapes compiled" in open(proc.log).read()
         cfg, params = tiny
