@@ -77,6 +77,13 @@ class Engine:
         self.pages_per_seq = bucket(cdiv(self.max_context, PAGE_SIZE))
         self.params, self.policy_version = params, 0
         self.cache = init_kv_cache(cfg, config.num_pages)
+        weight = jax.tree.leaves(params)[0]
+        if getattr(weight, "committed", False) and len(weight.sharding.device_set) == 1:
+            # Weights committed to a device (train.grpo's samplers) make every step's cache output
+            # committed there too: so is the first cache, or the first prefill call would lower (and
+            # compile) a second program, one for an uncommitted cache.
+            (device,) = weight.sharding.device_set
+            self.cache = jax.device_put(self.cache, device)
         self.rope = rope_tables(cfg)
         self._alternatives = min(MAX_TOP_LOGPROBS, cfg.vocab_size)
         self.scheduler = Scheduler(config)

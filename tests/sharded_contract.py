@@ -1,20 +1,29 @@
-"""Run in a subprocess with fake CPU devices, XLA_FLAGS=--xla_force_host_platform_device_count=8
-(tests/test_sharding.py; learner_step_matches_sampler also on GPUs, tests/test_gpu.py).
+"""What tests/test_sharding.py checks, run in one subprocess on 8 fake CPU devices
+(XLA_FLAGS=--xla_force_host_platform_device_count=8, fixed when JAX starts; learner_step_matches_sampler
+also runs on GPUs, tests/test_gpu.py).
 
-`python -m tests.sharded_contract learner-step` (2 devices are enough): train.grpo's learner step
-on a 2-device mesh against the sampler, for short sequences and for sequences longer than one
-attention KV split (learner_step_matches_sampler; tests/test_gpu.py runs the same on 2 GPUs).
+`python -m tests.sharded_contract OUT [PART ...]` runs the named parts (all of PARTS by default) one
+after another, each writing OUT/PART/: result.json on success, error.txt (the traceback) on failure,
+so one part's failure leaves the others' results. One process for all: what they share (the model's
+initialisation, the engines' step functions, the learner's programs on a mesh they have in common)
+is compiled or loaded once, and Python and JAX start once.
 
-`python -m tests.sharded_contract layouts OUT` (3 devices): short GRPO runs with the learner and the
-samplers on different, overlapping or the same devices (LAYOUTS), each writing OUT/<learner>-<sampler>/
-metrics.jsonl; one process for all, so what they share is traced once.
-
-`python -m tests.sharded_contract grpo OUT`: the same GRPO run twice, with an 8-device FSDP learner
-and 2 sampler replicas (OUT/fsdp) and with one device each (OUT/single); each writes metrics.jsonl
-and its final fp32 master weights (master.npz) for the test to compare.
+  learner-step: train.grpo's learner step on a 2-device mesh against the sampler, for short sequences
+    and for sequences longer than one attention KV split (learner_step_matches_sampler).
+  layouts: short GRPO runs with the learner and the samplers on different, overlapping or the same
+    devices (LAYOUTS), each writing layouts/<learner>-<sampler>/metrics.jsonl.
+  grpo: the same GRPO run twice, with an 8-device FSDP learner and 2 sampler replicas (grpo/fsdp) and
+    with one device each (grpo/single); each writes metrics.jsonl and its final fp32 master weights
+    (master.npz).
+  memory, remat, 8b: the learner step's compiled memory (bench/learner_memory.py: lowered and compiled
+    with abstract inputs, never run) per layer, with and without --remat, and Qwen3-8B's learner step and
+    AdamW update compiled for 8 devices.
 """
 
+import dataclasses
+import json
 import sys
+import traceback
 from pathlib import Path
 
 import jax
@@ -22,20 +31,30 @@ import jax.numpy as jnp
 import numpy as np
 
 import rlkjax
+from bench.learner_memory import compiled_memory, learner_programs, memory, shard_sizes
 from rlkjax import model
+from rlkjax.config import ModelConfig
 from rlkjax.numerics import ATTENTION
 from tests.helpers import assert_bits_equal
 from train import fsdp, grpo
 from train.batch import pack, pad_rows
 
-# learner devices, sampler devices
-LAYOUTS = (
-    ("0,1", "2"),  # learner on 2 devices, the sampler on a third
-    ("0", "1,2"),  # learner on 1, samplers on 2 others
-    ("0,1", "0,1"),  # both on both
-)
-LAYOUT_RUN = dict(steps=2, prompts_per_step=3, group_size=2, max_new_tokens=4, warmup_steps=0, progress=False)
 GRPO_RUN = dict(steps=2, prompts_per_step=4, group_size=4, max_new_tokens=4, micro_batch=8, progress=False)
+# The layouts' runs are GRPO_RUN's with a first update that moves the weights (no warmup), so a sampler
+# left with stale weights samples step 2 from another policy than the learner's and the rescoring differs.
+LAYOUT_RUN = GRPO_RUN | dict(warmup_steps=0)
+# learner devices, sampler devices. XLA:CPU compiles a program for the devices it runs on, so the
+# devices repeat grpo_runs' where they can, and the runs share their programs: the sampler on device 0
+# (16 rows, one sampler) is grpo/single's, the samplers on 6 and 7 (8 rows each) are grpo/fsdp's, the
+# learner on device 0 is grpo/single's (its update differs: no warmup).
+LAYOUTS = (
+    ("6,7", "0"),  # learner on 2 devices, the sampler on a third
+    ("0", "6,7"),  # learner on 1, samplers on 2 others
+    ("6,7", "6,7"),  # both on both
+)
+# The learner step's temporaries per layer (memory_per_layer): wide layers, few tokens, so the weights
+# dominate the activations.
+WIDE = dataclasses.replace(ModelConfig.preset("qwen3-tiny"), hidden_size=256, intermediate_size=1024)
 
 
 # Prompt lengths of the two cases: short rows (one attention split), and rows whose keys run past the
@@ -81,38 +100,98 @@ def learner_step_matches_sampler(cfg, params, devices, prompt_lens, max_new_toke
     return {"logprobs": int(sel.sum()), "keys": keys, "kv_splits": -(-keys // ATTENTION.kv_split), "grad_norm": norm}
 
 
-def learner_step():
+def learner_step(out: Path) -> list[dict]:
     cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
     params = rlkjax.init_params(cfg, seed=0)
-    for name, lens in {"short": SHORT_PROMPTS, "long": LONG_PROMPTS}.items():
-        result = learner_step_matches_sampler(cfg, params, jax.devices()[:2], lens, max_new_tokens=16)
-        print(f"learner step, {name} rows: {result}", flush=True)
+    return [
+        learner_step_matches_sampler(cfg, params, jax.devices()[:2], lens, max_new_tokens=16)
+        for lens in (SHORT_PROMPTS, LONG_PROMPTS)
+    ]
 
 
-def layout_runs(out: Path):
+def layout_runs(out: Path) -> list[str]:
     for learner, sampler in LAYOUTS:
         run = out / f"{learner}-{sampler}"
         grpo.train(grpo.GRPOConfig(out=str(run), learner_devices=learner, sampler_devices=sampler, **LAYOUT_RUN))
-        print(f"layout {learner} / {sampler}: done", flush=True)
+    return [f"{learner}-{sampler}" for learner, sampler in LAYOUTS]
 
 
-def grpo_runs(out: Path):
+def grpo_runs(out: Path) -> dict:
+    steps = {}
     for name, layout in {"fsdp": dict(learner_devices="0-7", sampler_devices="6,7"), "single": {}}.items():
         result = grpo.train(grpo.GRPOConfig(out=str(out / name), **GRPO_RUN, **layout))
         leaves = jax.tree_util.tree_leaves_with_path(result["master"])
         np.savez(out / name / "master.npz", **{jax.tree_util.keystr(path): np.asarray(x) for path, x in leaves})
-        print(f"grpo {name}: {len(result['history'])} steps", flush=True)
+        steps[name] = len(result["history"])
+    return steps
+
+
+def step_temporaries(cfg, devices: int, rows: int, tokens: int, remat: bool = False) -> int:
+    (result,) = compiled_memory(learner_programs(cfg, devices, rows, tokens, remat=remat, only=("step",))).values()
+    return result["temporaries"]
+
+
+def memory_per_layer(out: Path) -> dict:
+    """WIDE's learner step at 2 and 4 layers on 2 and 4 devices, one row per device of 16 tokens."""
+    return {
+        f"{devices} {layers}": step_temporaries(dataclasses.replace(WIDE, num_layers=layers), devices, devices, 16)
+        for devices in (2, 4)
+        for layers in (2, 4)
+    }
+
+
+def remat_per_layer(out: Path) -> dict:
+    """qwen3-tiny's learner step at 2 and 4 layers, with and without --remat, on 2 devices: 4 rows of 256 tokens."""
+    cfg = ModelConfig.preset("qwen3-tiny")
+    return {
+        f"{remat} {layers}": step_temporaries(dataclasses.replace(cfg, num_layers=layers), 2, 4, 256, remat)
+        for remat in (True, False)
+        for layers in (2, 4)
+    }
+
+
+def compile_8b(out: Path) -> dict:
+    """Qwen3-8B's learner step and optimiser update on 8 devices, compiled from abstract inputs (nothing
+    is allocated, no weights exist). Per program: every input's and output's per-device element count
+    next to its global one, and XLA's memory analysis."""
+    programs = learner_programs(ModelConfig.preset("qwen3-8b"), devices=8, rows=16, tokens=384, only=("step", "update"))
+    result = {}
+    for name in ("learner step (value and grad)", "optimiser update"):
+        lowered = programs[name]
+        compiled = lowered.compile()
+        result[name] = {
+            "inputs": shard_sizes(lowered.args_info[0], compiled.input_shardings[0]),
+            "outputs": shard_sizes(lowered.out_info, compiled.output_shardings),
+            "memory": memory(compiled, lowered),
+        }
+    return result
+
+
+PARTS = {
+    "learner-step": learner_step,
+    "grpo": grpo_runs,
+    "layouts": layout_runs,  # after grpo: its samplers and its 1-device learner reuse grpo's programs
+    "memory": memory_per_layer,
+    "remat": remat_per_layer,
+    "8b": compile_8b,  # last: the largest (1.3 GB while it compiles)
+}
+
+
+def main(out: Path, parts: list[str]) -> None:
+    assert len(jax.devices()) == 8, jax.devices()
+    for name in parts:
+        (out / name).mkdir(parents=True, exist_ok=True)
+        try:
+            result = PARTS[name](out / name)
+        except Exception:
+            (out / name / "error.txt").write_text(traceback.format_exc())
+            print(f"{name}: failed", flush=True)
+        else:
+            (out / name / "result.json").write_text(json.dumps(result))
+            print(f"{name}: done", flush=True)
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["learner-step"]:
-        learner_step()
-    elif sys.argv[1] == "layouts":
-        assert len(jax.devices()) == 3, jax.devices()
-        layout_runs(Path(sys.argv[2]))
-    elif sys.argv[1] == "grpo":
-        assert len(jax.devices()) == 8, jax.devices()
-        grpo_runs(Path(sys.argv[2]))
-    else:
-        usage = "python -m tests.sharded_contract learner-step | layouts OUT | grpo OUT"
-        raise SystemExit(f"usage: {usage} (got {sys.argv[1:]})")
+    if len(sys.argv) < 2 or not set(sys.argv[2:]) <= set(PARTS):
+        raise SystemExit(f"usage: python -m tests.sharded_contract OUT [{' | '.join(PARTS)} ...] (got {sys.argv[1:]})")
+    main(Path(sys.argv[1]), sys.argv[2:] or list(PARTS))

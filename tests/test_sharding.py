@@ -2,9 +2,9 @@
 when JAX starts): train.grpo's learner step vs the sampler on 2 devices, bit for bit; GRPO with
 the learner and the samplers on different, overlapping or the same devices; a GRPO run with an
 8-device learner and 2 samplers against the same run on one device; the device flags' errors; and
-the learner step's compiled memory per layer (XLA's analysis, nothing runs)."""
+the learner step's compiled memory per layer (XLA's analysis, nothing runs). The slow tests share one
+subprocess (tests/sharded_contract.py), which runs the parts the selected tests need."""
 
-import dataclasses
 import json
 import math
 import subprocess
@@ -16,11 +16,44 @@ import pytest
 
 import rlkjax
 from tests.helpers import fake_devices
-from tests.sharded_contract import GRPO_RUN, LAYOUTS
+from tests.sharded_contract import GRPO_RUN, LAYOUTS, PARTS, WIDE
 from train.fsdp import distributed_args, parse_devices, pick_devices
 from train.grpo import GRPOConfig
 
-ENV = fake_devices(8)
+ENV = fake_devices(8) | {"JAX_PLATFORMS": "cpu"}
+
+# The part of tests/sharded_contract.py each slow test reads.
+PART_OF_TEST = {
+    "test_learner_step_has_the_samplers_bits_on_two_devices": "learner-step",
+    "test_grpo_is_exact_on_any_device_layout": "layouts",
+    "test_grpo_fsdp_learner_follows_the_single_device_trajectory": "grpo",
+    "test_learner_step_memory_per_layer_scales_like_its_shard": "memory",
+    "test_learner_step_keeps_few_activations_per_layer": "remat",
+    "test_8b_learner_compiles_sharded_over_8_devices": "8b",
+}
+
+
+@pytest.fixture(scope="module")
+def sharded(request, tmp_path_factory):
+    """tests/sharded_contract.py in one subprocess on 8 fake CPU devices, for the parts that this run's
+    selected tests read -> (its output directory, the finished process)."""
+    selected = {
+        PART_OF_TEST.get(item.originalname) for item in request.session.items if item.module is sys.modules[__name__]
+    }
+    parts = [part for part in PARTS if part in selected]
+    out = tmp_path_factory.mktemp("sharded")
+    cmd = [sys.executable, "-m", "tests.sharded_contract", str(out), *parts]
+    return out, subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=3600)
+
+
+def part(sharded, name: str):
+    """The output directory of one part and its result; fails with the part's traceback, or the process's
+    output if it died."""
+    out, r = sharded
+    if (out / name / "error.txt").exists():
+        pytest.fail(f"tests/sharded_contract.py {name}:\n{(out / name / 'error.txt').read_text()[-4000:]}")
+    assert (out / name / "result.json").exists(), f"exit status {r.returncode}: {r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    return out / name, json.loads((out / name / "result.json").read_text())
 
 
 # The sampler's logprobs against the FSDP learner's rescoring of them on 8, 4, 2 and 1 devices, bit for
@@ -29,35 +62,26 @@ ENV = fake_devices(8)
 # test_multiprocess, 2 in test_grpo_is_exact_on_any_device_layout (the sampler on a device of its own).
 
 
-@pytest.mark.slow  # a subprocess that traces and lowers the learner step on 2 devices at two lengths
-def test_learner_step_has_the_samplers_bits_on_two_devices():
+@pytest.mark.slow  # traces and lowers the learner step on 2 devices at two lengths
+def test_learner_step_has_the_samplers_bits_on_two_devices(sharded):
     """The CPU twin of tests/test_gpu.py's two-GPU checks (the same body, tests/sharded_contract.py
     learner_step_matches_sampler, at the tiny shape): train.grpo's learner step itself, not only the
     scoring pass, returns the sampler's logprob bits on a 2-device mesh, for short rows and for rows
     over 3 attention KV splits (the split merge in the learner's pass and in the sampler's decode)."""
-    env = fake_devices(2)
-    cmd = [sys.executable, "-m", "tests.sharded_contract", "learner-step"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    lines = [line for line in r.stdout.splitlines() if line.startswith("learner step")]
-    assert len(lines) == 2 and "'kv_splits': 1" in lines[0] and "'kv_splits': 3" in lines[1], r.stdout
+    _, results = part(sharded, "learner-step")
+    assert [result["kv_splits"] for result in results] == [1, 3], results
 
 
-@pytest.mark.slow  # a GRPO run per layout (one process for all)
-def test_grpo_is_exact_on_any_device_layout(tmp_path):
+@pytest.mark.slow  # a GRPO run per layout
+def test_grpo_is_exact_on_any_device_layout(sharded):
     """Every step: the learner recomputes the sampler's logprobs with 0 bits differing and the first
     update's ratio is exactly 1 (the run stops otherwise); step 2 samples with the weights pushed to
     the sampler devices after step 1 (policy version 1). Prevents a layout whose weight push or
     batch placement goes astray, e.g. a sampler left with stale weights on a device the learner
     does not hold. Layouts: tests/sharded_contract.py LAYOUTS."""
-    env = fake_devices(3)
-    cmd = [sys.executable, "-m", "tests.sharded_contract", "layouts", str(tmp_path)]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-    assert r.returncode == 0, r.stderr[-3000:]
+    out, _ = part(sharded, "layouts")
     for learner, sampler in LAYOUTS:
-        rows = [
-            json.loads(line) for line in (tmp_path / f"{learner}-{sampler}" / "metrics.jsonl").read_text().splitlines()
-        ]
+        rows = [json.loads(line) for line in (out / f"{learner}-{sampler}" / "metrics.jsonl").read_text().splitlines()]
         assert [row["policy_version"] for row in rows] == [0, 1], (learner, sampler)
         for row in rows:
             assert row["tokens_compared"] > 0 and row["tokens_bits_differ"] == 0, (learner, sampler, row)
@@ -110,7 +134,7 @@ def test_processes_join_from_flags_or_the_environment():
 
 
 @pytest.mark.slow
-def test_grpo_fsdp_learner_follows_the_single_device_trajectory(tmp_path):
+def test_grpo_fsdp_learner_follows_the_single_device_trajectory(sharded):
     """The same 2-step GRPO run with an 8-device FSDP learner + 2 sampler devices and on 1 device.
 
     Bits where bits are promised: on both layouts every step has mismatch 0 and first-update ratio
@@ -134,16 +158,9 @@ def test_grpo_fsdp_learner_follows_the_single_device_trajectory(tmp_path):
         must agree that closely (measured: 99% of weights do). Slack: one fp32 ulp at 1.0, the largest
         initial weight, for the rounding of initial + step.
     """
-    r = subprocess.run(
-        [sys.executable, "-m", "tests.sharded_contract", "grpo", str(tmp_path)],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
+    out, _ = part(sharded, "grpo")
     runs = {
-        name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        name: [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
         for name in ("fsdp", "single")
     }
     assert len(runs["fsdp"]) == len(runs["single"]) == GRPO_RUN["steps"] == 2
@@ -171,7 +188,7 @@ def test_grpo_fsdp_learner_follows_the_single_device_trajectory(tmp_path):
     initial = {
         jax.tree_util.keystr(path): np.asarray(x, np.float32) for path, x in jax.tree_util.tree_leaves_with_path(params)
     }
-    fsdp, single = np.load(tmp_path / "fsdp" / "master.npz"), np.load(tmp_path / "single" / "master.npz")
+    fsdp, single = np.load(out / "fsdp" / "master.npz"), np.load(out / "single" / "master.npz")
     assert sorted(fsdp.files) == sorted(single.files) == sorted(initial)
     delta = np.concatenate([(fsdp[k] - single[k]).ravel() for k in single.files])
     for run in (fsdp, single):
@@ -182,57 +199,21 @@ def test_grpo_fsdp_learner_follows_the_single_device_trajectory(tmp_path):
     assert np.median(np.abs(delta)) <= 2.0**-7 * lr_1, np.median(np.abs(delta))
 
 
-# The learner step's temporaries at 2 and 4 layers on 2 and 4 devices (bench/learner_memory.py: lowered
-# and compiled with abstract inputs, never run). Wide layers, few tokens: weights dominate activations.
-MEMORY_PROBE = """
-import dataclasses, json
-from bench.learner_memory import compiled_memory, learner_programs
-from rlkjax.config import ModelConfig
-cfg = dataclasses.replace(ModelConfig.preset("qwen3-tiny"), hidden_size=256, intermediate_size=1024)
-def step(cfg, devices):
-    (memory,) = compiled_memory(learner_programs(cfg, devices, devices, 16, only=("step",))).values()
-    return memory
-print(json.dumps({
-    f"{devices} {layers}": step(dataclasses.replace(cfg, num_layers=layers), devices)["temporaries"]
-    for devices in (2, 4) for layers in (2, 4)
-}))
-"""
-
-
-@pytest.mark.slow  # ~1 min: four compilations
-def test_learner_step_memory_per_layer_scales_like_its_shard():
+@pytest.mark.slow  # four compilations of the learner step (tests/sharded_contract.py memory_per_layer)
+def test_learner_step_memory_per_layer_scales_like_its_shard(sharded):
     """Each added layer costs a learner device its fp32 gradient shard (4 bytes x layer params / N)
     and a little more (activations), never a full copy of the layer: prevents the FSDP learner from
     gathering, or reduce-scattering the gradients of, the whole model at once (at Qwen3-8B on 2 GPUs
     that held 45.9 GiB of full-model buffers and did not fit)."""
-    env = fake_devices(4)
-    r = subprocess.run([sys.executable, "-c", MEMORY_PROBE], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    temporaries = json.loads(r.stdout.splitlines()[-1])
-    cfg = dataclasses.replace(rlkjax.ModelConfig.preset("qwen3-tiny"), hidden_size=256, intermediate_size=1024)
-    layer_params = sum(math.prod(shape) for shape in rlkjax.model.layer_shapes(cfg).values())
+    _, temporaries = part(sharded, "memory")
+    layer_params = sum(math.prod(shape) for shape in rlkjax.model.layer_shapes(WIDE).values())
     for devices in (2, 4):
         per_layer = (temporaries[f"{devices} 4"] - temporaries[f"{devices} 2"]) / 2
         assert per_layer < 4 * layer_params / devices + layer_params / 2, (devices, per_layer, layer_params)
 
 
-REMAT_PROBE = """
-import dataclasses, json
-from bench.learner_memory import compiled_memory, learner_programs
-from rlkjax.config import ModelConfig
-cfg = ModelConfig.preset("qwen3-tiny")
-def step(cfg, remat):
-    (memory,) = compiled_memory(learner_programs(cfg, 2, 4, 256, remat=remat, only=("step",))).values()
-    return memory
-print(json.dumps({
-    f"{remat} {layers}": step(dataclasses.replace(cfg, num_layers=layers), remat)["temporaries"]
-    for remat in (True, False) for layers in (2, 4)
-}))
-"""
-
-
-@pytest.mark.slow  # four compilations of the learner step
-def test_learner_step_keeps_few_activations_per_layer():
+@pytest.mark.slow  # four compilations of the learner step (tests/sharded_contract.py remat_per_layer)
+def test_learner_step_keeps_few_activations_per_layer(sharded):
     """With --remat (model.forward's remat) each added layer costs the FSDP learner step (2 devices, 2 of
     the 4 rows each) its fp32 gradient shard and the bf16 activations its backward cannot recompute
     cheaply: the layer's input and the attention's q, k, v and output. The norms' outputs, the q/k
@@ -241,10 +222,7 @@ def test_learner_step_keeps_few_activations_per_layer():
     did not fit one H200). Without the remat the same probe exceeds the bound (1,098,368 bytes per layer
     against 344,704 with it), so it can tell. Two devices: one device takes whole weights, no scan
     (train/fsdp.py gather), and XLA:CPU's analysis of that pass counts interpret mode's copies."""
-    env = fake_devices(2)
-    r = subprocess.run([sys.executable, "-c", REMAT_PROBE], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    temporaries = json.loads(r.stdout.splitlines()[-1])
+    _, temporaries = part(sharded, "remat")
     cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
     n, d, dh = 4 * 256 // 2, cfg.hidden_size, cfg.head_dim  # this device's tokens
     kept = 2 * n * (d + (cfg.num_heads + 2 * cfg.num_kv_heads) * dh + cfg.num_heads * dh)  # x; q, k, v; attn
@@ -255,29 +233,8 @@ def test_learner_step_keeps_few_activations_per_layer():
     assert per_layer["False"] > kept + gradient + mlp, (per_layer, kept, gradient)
 
 
-# Qwen3-8B's learner step and optimiser update on 8 fake CPU devices, compiled from abstract inputs
-# (bench/learner_memory.py: nothing is allocated, no weights exist). Per program: every input's and
-# output's per-device element count next to its global one, and XLA's memory analysis.
-COMPILE_8B_PROBE = """
-import json
-from bench.learner_memory import learner_programs, memory, shard_sizes
-from rlkjax.config import ModelConfig
-programs = learner_programs(ModelConfig.preset("qwen3-8b"), devices=8, rows=16, tokens=384, only=("step", "update"))
-out = {}
-for name in ("learner step (value and grad)", "optimiser update"):
-    lowered = programs[name]
-    compiled = lowered.compile()
-    out[name] = {
-        "inputs": shard_sizes(lowered.args_info[0], compiled.input_shardings[0]),
-        "outputs": shard_sizes(lowered.out_info, compiled.output_shardings),
-        "memory": memory(compiled, lowered),
-    }
-print(json.dumps(out))
-"""
-
-
 @pytest.mark.slow  # 2.5 min on 2 idle cores (5.5 loaded), 1.3 GB: the layer scan compiles its body once
-def test_8b_learner_compiles_sharded_over_8_devices():
+def test_8b_learner_compiles_sharded_over_8_devices(sharded):
     """The Qwen3-8B learner step (all 36 layers; train.grpo's default micro-batch of 16 rows of 384
     tokens: 64 prompt + 256 new, padded as train.batch pads) and the AdamW update compile for 8
     devices with the parameters, their gradients and both AdamW moments split 8 ways, in the inputs
@@ -285,10 +242,7 @@ def test_8b_learner_compiles_sharded_over_8_devices():
     or moment costs each device 8x its share, 92 GiB for the three, and would first show on 8 GPUs).
     Interpret mode's compile on CPU; the shardings and buffer sizes are the program's, not a GPU
     measurement."""
-    env = fake_devices(8) | {"JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, "-c", COMPILE_8B_PROBE], env=env, capture_output=True, text=True, timeout=1800)
-    assert r.returncode == 0, r.stderr[-3000:]
-    programs = json.loads(r.stdout.splitlines()[-1])
+    _, programs = part(sharded, "8b")
     shapes = jax.tree.leaves(jax.eval_shape(lambda: rlkjax.init_params(rlkjax.ModelConfig.preset("qwen3-8b"))))
     n, p = len(shapes), sum(x.size for x in shapes)  # parameter tensors, parameters (8.2e9)
     step, update = programs["learner step (value and grad)"], programs["optimiser update"]
