@@ -198,6 +198,7 @@ class CachedFunction:
             if key in self.loaded:
                 return self.loaded[key], "memory"
             path, text = self._entry(key)
+            unusable = path.exists()  # if the read below finds nothing usable
             compiled, how = _read(path, text), "disk"
             if compiled is None:
                 hits = _jax_cache_hits()
@@ -206,8 +207,11 @@ class CachedFunction:
                     _write(path, text, compiled)
                 else:  # see _note_jax_cache_hit: storing it would store a broken executable
                     log.info("executable cache: %s came from JAX's cache; not stored", path.name)
-                    with contextlib.suppress(OSError):
-                        path.unlink(missing_ok=True)  # an unusable entry found above: not read again
+                    # An unusable entry found above is not read again. Where there was none, the entry that
+                    # may be there now is another process's, stored while this one compiled: it stays.
+                    if unusable:
+                        with contextlib.suppress(OSError):
+                            path.unlink(missing_ok=True)
             self.loaded[key] = compiled
             return compiled, how
 
