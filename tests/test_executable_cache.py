@@ -250,3 +250,31 @@ def test_servers_sharing_a_directory_store_and_load_safely_and_off_writes_nothin
     off = [sys.executable, "-c", STORE, "off"]
     subprocess.run(off, env=env, cwd=tmp_path, check=True, capture_output=True, timeout=300)
     assert sorted(tmp_path.rglob("*")) == before
+
+
+# STORE, in a process whose read of the entry finds nothing, then another process stores it (the entry
+# the test set aside as <entry>.other comes back), and whose compilation JAX's cache answers (that other
+# process filled it).
+STORE_LATE = STORE.replace(
+    "fn = executable_cache",
+    "import os\nexecutable_cache._read = lambda path, text: os.replace(f'{path}.other', path)\nfn = executable_cache",
+)
+
+
+def test_a_program_from_jax_cache_leaves_another_process_entry_alone(tmp_path):
+    """A process that found no entry, compiled, and got its program from JAX's cache stores nothing (that
+    executable would be broken) and leaves the entry another process stored meanwhile: the next process
+    loads it. (It deleted it once: servers sharing a directory compiled again at every start.)"""
+    env = os.environ | {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(Path(__file__).parents[1])}
+
+    def store(script):
+        run = [sys.executable, "-c", script, str(tmp_path)]
+        return subprocess.run(run, env=env, check=True, capture_output=True, text=True, timeout=300).stdout.split()
+
+    first = store(STORE)
+    assert first[0] == "compiled"
+    (entry,) = (tmp_path / "executables").glob("*.bin")
+    entry.rename(f"{entry}.other")
+    assert store(STORE_LATE) == first  # compiled (by JAX's cache): not stored
+    assert sorted((tmp_path / "executables").iterdir()) == [entry]
+    assert store(STORE) == ["disk", first[1]]
