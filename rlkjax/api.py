@@ -19,13 +19,13 @@ from rlkjax.model import (
 )
 from rlkjax.numerics import PAGE_SIZE, Numerics, ops
 from rlkjax.requests import (
-    MAX_TOP_LOGPROBS,
     check_batch,
     check_bool,
     check_fraction,
     check_int,
     check_seed,
     check_temperature,
+    most_alternatives,
     per_row,
 )
 from rlkjax.sampling_params import SamplingParams
@@ -157,7 +157,8 @@ def score(
     temps = np.asarray(
         [check_temperature("temperature", t, greedy=True) for t in per_row("temperature", temperature, n)], np.float32
     )
-    k = check_int("top_logprobs", top_logprobs, 0, min(MAX_TOP_LOGPROBS, cfg.vocab_size))
+    most = most_alternatives(cfg.vocab_size)
+    k = check_int("top_logprobs", top_logprobs, 0, most)
     if check_bool("truncated_logprobs", truncated_logprobs) and k:
         raise ValueError("truncated_logprobs cannot be combined with top_logprobs (alternatives are full-distribution)")
     if truncated_logprobs:
@@ -176,9 +177,7 @@ def score(
     if k == 0:
         logp = np.asarray(_sequence_logprobs(params, tokens, positions, temps, rope_tables(cfg), cfg, numerics))
         return [logp[i, r].copy() for i, r in enumerate(rows)]
-    # One program for every k, as the engine's rounds: the most alternatives any request may ask for,
-    # the first k kept (top_k sorts by value, ties by id, so they are the k most likely, the same bits).
-    most = min(MAX_TOP_LOGPROBS, cfg.vocab_size)
+    # one program for every k, as the engine's rounds: `most` alternatives, the first k kept
     outs = _sequence_logprobs_with_alternatives(params, tokens, positions, temps, rope_tables(cfg), cfg, numerics, most)
     logp, ids, top = (np.asarray(o) for o in outs)
     return [(logp[i, r].copy(), ids[i, r, :k].copy(), top[i, r, :k].copy()) for i, r in enumerate(rows)]

@@ -42,7 +42,7 @@ from rlkjax import executable_cache, steps
 from rlkjax.config import ModelConfig
 from rlkjax.model import init_kv_cache, rope_tables
 from rlkjax.numerics import PAGE_SIZE, Numerics, ops
-from rlkjax.requests import MAX_TOP_LOGPROBS, check_int, check_tokens, sample_seed
+from rlkjax.requests import check_int, check_tokens, most_alternatives, sample_seed
 from rlkjax.sampling_params import SamplingParams
 from rlkjax.scheduler import EngineConfig, Scheduler
 from rlkjax.sequences import Request, Round, Sequence, round_rows
@@ -85,7 +85,7 @@ class Engine:
             (device,) = weight.sharding.device_set
             self.cache = jax.device_put(self.cache, device)
         self.rope = rope_tables(cfg)
-        self._alternatives = min(MAX_TOP_LOGPROBS, cfg.vocab_size)
+        self._alternatives = most_alternatives(cfg.vocab_size)
         self.scheduler = Scheduler(config)
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()

@@ -17,6 +17,12 @@ MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's limit); one compiled d
 _GOLDEN = 0x9E3779B9
 
 
+def most_alternatives(vocab_size: int) -> int:
+    """The most alternatives a row may ask for with this vocabulary: every program that lists alternatives
+    lists this many and a request keeps its first k (sorted by value, ties by id: the same bits as k)."""
+    return min(MAX_TOP_LOGPROBS, vocab_size)
+
+
 def sample_seed(seed: int, index: int) -> int:
     """Seed of sample `index` of a request with seed `seed`: seed + index * golden (mod 2**32).
     Sample 0 uses the request's seed. Linear on purpose: sample_seed(sample_seed(s, a), b) ==

@@ -5,7 +5,7 @@ Field names are OpenAI's and vLLM's; a bad value is a BadRequest naming the fiel
 import dataclasses
 import math
 
-from rlkjax.requests import MAX_TOP_LOGPROBS, as_float, check_int, shown
+from rlkjax.requests import as_float, check_int, most_alternatives, shown
 from rlkjax.sampling_params import SamplingParams
 from serve.http import BadRequest, _opt
 
@@ -95,7 +95,7 @@ def _timeout(value) -> float | None:
 
 def sampling(server, body: dict, *, chat: bool, prompt_len: int) -> Sampling:
     """The request's sampling fields, checked; the engine checks the rest (n, ids, lengths) with its own messages."""
-    most = min(MAX_TOP_LOGPROBS, server.cfg.vocab_size)
+    most = most_alternatives(server.cfg.vocab_size)
     if chat:
         logprobs = bool_field(body, "logprobs")
         top = _opt(body, "top_logprobs", 0)
