@@ -13,7 +13,8 @@ Every call goes through the one model function, so in strict mode a completion's
 preempted, and a request's tokens depend only on its prompt, seed and temperature.
 
 Shapes (compiled once per bucket): prefill tokens [B, prefill_chunk], decode tokens [B, 1], page
-table [B, pages_per_seq]; B is a power of two up to max_batch.
+table [B, pages_per_seq]; B is a power of two up to max_batch, and for decode at least the rows the
+strict forward carries anyway (`min_decode_rows`).
 
 The device functions are rlkjax.steps', the request and sequence records rlkjax.sequences', the
 scheduling policy (admission in fair turns, pages, preemption, forks, each call's rows)
@@ -41,7 +42,7 @@ import numpy as np
 from rlkjax import executable_cache, steps
 from rlkjax.config import ModelConfig
 from rlkjax.model import init_kv_cache, rope_tables
-from rlkjax.numerics import PAGE_SIZE, Numerics, ops
+from rlkjax.numerics import PAGE_SIZE, Numerics, ops, padded_rows
 from rlkjax.requests import check_int, check_tokens, most_alternatives, sample_seed
 from rlkjax.sampling_params import SamplingParams
 from rlkjax.scheduler import EngineConfig, Scheduler
@@ -85,6 +86,11 @@ class Engine:
             (device,) = weight.sharding.device_set
             self.cache = jax.device_put(self.cache, device)
         self.rope = rope_tables(cfg)
+        # Decode rounds run at least the rows the strict forward carries anyway (numerics.padded_rows: one
+        # decode tile, 16 rows on CUDA, 32 on ROCm): a round of 1, 2, 4 or 8 rows computes that many in
+        # every matmul and norm, so its own bucket would only cost a compilation (each server start,
+        # each generate call) and save no device time.
+        self.min_decode_rows = min(bucket(config.max_batch), padded_rows(1, numerics))
         self._alternatives = most_alternatives(cfg.vocab_size)
         self.scheduler = Scheduler(config)
         self.requests: dict[int, Request] = {}
@@ -189,10 +195,11 @@ class Engine:
         c = self.config
         rows = [1 << i for i in range(bucket(c.max_batch).bit_length())]
         prefill_rows = bucket(min(c.max_batch, cdiv(c.token_budget, c.prefill_chunk)))
+        decode_rows = [r for r in rows if r >= self.min_decode_rows]
         todo = [("prefill", r) for r in rows if r <= prefill_rows]
-        todo += [("decode_round", r) for r in rows] + [("copy_pages", r) for r in rows]
+        todo += [("decode_round", r) for r in decode_rows] + [("copy_pages", r) for r in rows]
         # both round lengths (see _dispatch_decode): with one decode step per round they are the same
-        todo += [("decode_round_1", r) for r in rows] if c.decode_steps > 1 else []
+        todo += [("decode_round_1", r) for r in decode_rows] if c.decode_steps > 1 else []
         return todo
 
     def warm_up_shape(self, name: str, r: int) -> float:
@@ -374,7 +381,7 @@ class Engine:
         seqs, ahead, budget = self.scheduler.round_rows(previous)
         if not seqs:
             return None
-        rows = bucket(len(seqs))
+        rows = bucket(len(seqs), self.min_decode_rows)
         tokens, positions, sampling = round_rows(seqs, ahead, budget, rows, self.cfg.vocab_size)
         row_of = {s: j for j, s in enumerate(previous.seqs)} if previous else {}
         src = np.full(rows, -1, np.int32)

@@ -9,6 +9,7 @@ import pytest
 
 import rlkjax
 from rlkjax.engine import Engine
+from rlkjax.numerics import NumericsOptions
 from rlkjax.requests import sample_seed
 from rlkjax.scheduler import Scheduler
 from tests.helpers import ENGINE, ENGINE_4, ENGINE_TIGHT, assert_bits_equal, slow
@@ -38,9 +39,9 @@ def test_warm_up_compiles_every_default_shape(tiny):
     try:
         engine = Engine(params, cfg, config=config)
         shapes = engine.warm_up()
-        # prefill batches of 1, 2 (token_budget / prefill_chunk); rounds of 4 and of 1 step and page
-        # copies, each of 1 ... 4 rows
-        assert shapes == 2 + 3 + 3 + 3 and len(compiles) >= shapes, (shapes, len(compiles))
+        # prefill batches of 1, 2 (token_budget / prefill_chunk); rounds of 4 and of 1 step, each of 4
+        # rows (Engine.min_decode_rows); page copies of 1 ... 4 rows
+        assert shapes == 2 + 1 + 1 + 3 and len(compiles) >= shapes, (shapes, len(compiles))
         warm = len(compiles)
         rng = np.random.default_rng(5)
         pending = list(random_workload(rng, cfg, 20))
@@ -48,7 +49,7 @@ def test_warm_up_compiles_every_default_shape(tiny):
             if pending and rng.random() < 0.5:
                 engine.submit(**pending.pop())
             engine.step()
-        for rows in (1, 4):  # the smallest and largest decode buckets
+        for rows in (1, 4):  # rounds of one row and of max_batch rows
             reqs = [engine.submit([1, 2], max_tokens=2) for _ in range(rows)]
             engine.run_until_done()
             assert all(r.done.is_set() for r in reqs)
@@ -235,7 +236,7 @@ def test_no_recompiles_after_warmup(tiny):
     for kw in random_workload(rng, cfg, 12):  # warm-up: fills every bucket up to max_batch
         engine.submit(**kw)
     engine.run_until_done()
-    for rows in (1, 2, 4, 8):  # make sure every decode bucket has been seen, in rounds of both lengths
+    for rows in (1, 2, 4, 8):  # rounds of every row count, of both lengths (all run at ENGINE's 8 rows)
         for max_tokens in (1, ENGINE.decode_steps):
             for _ in range(rows):  # a one-token prompt has nothing to prefill: the rows decode together
                 engine.submit([1], max_tokens=max_tokens)
@@ -389,6 +390,28 @@ def test_rounds_continue_on_the_device_exactly(tiny, monkeypatch):
             check_exact(params, cfg, req, a, req.sampling.temperature)
 
 
+def test_decode_rounds_run_at_least_the_rows_the_forward_carries(tiny):
+    """A decode round of fewer rows than the strict forward carries anyway (numerics.padded_rows: one
+    decode matmul tile, 16 rows on CUDA and interpreted, 32 on ROCm) runs at that many, or at
+    max_batch where that is fewer: a server's warm-up and every generate call compile one decode
+    bucket for them rather than one per power of two. The fast path pads nothing and keeps them all."""
+    cfg, params = tiny
+    rocm = NumericsOptions(platform="rocm")
+    rows = {
+        (str(numerics), max_batch): Engine(params, cfg, numerics, dataclasses.replace(ENGINE, max_batch=max_batch))
+        for numerics, max_batch in (("strict", 8), ("strict", 64), (rocm, 64), ("fast", 64))
+    }
+    assert {key: engine.min_decode_rows for key, engine in rows.items()} == {
+        ("strict", 8): 8,
+        ("strict", 64): 16,
+        (str(rocm), 64): 32,
+        ("fast", 64): 1,
+    }
+    warm_up = rows["strict", 64].warm_up_shapes()
+    assert [r for name, r in warm_up if name == "decode_round"] == [16, 32, 64]
+    assert [r for name, r in warm_up if name == "prefill"] == [1, 2]  # token_budget / prefill_chunk: unchanged
+
+
 def test_one_token_requests_run_one_step_rounds(tiny):
     """A round runs all its steps, so a round in which no row may sample more than one token is a
     one-step round (not decode_steps steps on padding); its token and logprob bits are those of the
@@ -397,7 +420,7 @@ def test_one_token_requests_run_one_step_rounds(tiny):
     engine = Engine(params, cfg, config=ENGINE)
     one = engine.submit([5, 6, 7], max_tokens=1, seed=3)
     engine.run_until_done()
-    assert [key for name, key in engine.shapes_seen if name == "decode_round"] == [(1, 1, 0, False, 1)]
+    assert [key for name, key in engine.shapes_seen if name == "decode_round"] == [(8, 1, 0, False, 1)]
     longer = engine.submit([5, 6, 7], max_tokens=5, seed=3)
     engine.run_until_done()
     assert one.results[0].tokens == longer.results[0].tokens[:1]

@@ -508,9 +508,9 @@ def test_warm_up_before_serving(tiny):
     the executables they stored and compiles only the shapes no earlier request ran."""
     proc, client = start_server("--warmup")
     try:
-        # prefill of 1, 2 sequences (the 32-token budget in 16-token chunks); decode rounds (of 4 steps
-        # and of 1) and page copies of 1, 2, 4, 8
-        shapes = 2 + 4 + 4 + 4
+        # prefill of 1, 2 sequences (the 32-token budget in 16-token chunks); decode rounds of 4 steps and
+        # of 1, each of 8 rows (the strict forward carries 16 rows anyway); page copies of 1, 2, 4, 8
+        shapes = 2 + 1 + 1 + 4
         assert metric(client, "rlkjax_compiled_shapes") == shapes
         assert f"warm-up: {shapes} shapes compiled" in open(proc.log).read()
         cfg, params = tiny
