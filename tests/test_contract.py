@@ -25,8 +25,9 @@ GENERATE_37 = EngineConfig(num_pages=32, max_batch=16, prefill_chunk=37, token_b
 # `generate`'s engines for batches of 3 and 9 and ran its lone rows at chunk 5). The default run
 # draws batches of 9 only: `generate` sizes its engine (KV pages, batch buckets) by the batch, and
 # the batches of 3 added two more engines' programs (with them the test took 135 CPU seconds,
-# without 97); every batch of 9 still runs prefill and decode calls of 1 to 16 rows. The slow run
-# draws both sizes.
+# without 97); every batch of 9 still runs prefill calls of 1 to 16 rows, and decode rounds of 16
+# rows with 1 to 9 of them live (Engine.min_decode_rows), against lone rows on an engine of one row.
+# The slow run draws both sizes.
 @pytest.mark.parametrize(
     "chunk,batch_sizes,engine,alone",
     [pytest.param(16, BATCH_SIZES, ENGINE, GENERATE_37, marks=pytest.mark.slow), (37, (9,), None, None)],
