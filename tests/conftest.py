@@ -48,6 +48,39 @@ def pytest_xdist_auto_num_workers(config):
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+# The files that run longest in .ci/run's full set, longest first (CPU seconds on 2 cores). pytest-xdist
+# hands whole files to its workers in collection order (pyproject: --dist loadfile, no reordering), so
+# these go first and the short files fill in around them: a long file dealt last would leave one worker
+# running it alone at the end (a 2-minute single-test file did, by xdist's own order of most tests first).
+LONGEST_FILES = (
+    "test_sharding.py",
+    "test_bench.py",
+    "test_grpo.py",
+    "test_kernels.py",
+    "test_contract.py",
+    "test_cpu_opt_level.py",
+    "test_server.py",
+    "test_multiprocess.py",
+    "test_openai_api.py",
+    "test_sampling.py",
+    "test_engine.py",
+    "test_math_demo.py",
+    "test_learner_slice.py",
+    "test_reliability_learner.py",
+    "test_startup.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """LONGEST_FILES first, in that order; then the rest as collected. A stable sort: a file's tests
+    keep their order."""
+    missing = [name for name in LONGEST_FILES if not os.path.exists(os.path.join(os.path.dirname(__file__), name))]
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py LONGEST_FILES names files that do not exist: {missing}")
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 def pytest_configure(config):
     """One persistent compilation cache for the whole run, unless the caller chose one: many tests trace
     the same programs afresh (every `grpo.train` builds its learner step anew, and jit's caches are
