@@ -27,6 +27,10 @@ STRICT = NumericsOptions(platform=audit.target_platform())
 # length are part of each program), tens of seconds in interpret mode. tests/server_process.py starts
 # its servers with the same settings, so an engine here finds the programs a server compiled (and
 # the other way round) in the run's compilation cache.
+# A completion math-verify takes minutes to check (it compares a million-factorial with the reference):
+# a check of it runs past any timeout a test sets, however slowly the test's own process runs.
+SLOW_ANSWER = "\\boxed{(10^{6})!}"
+
 ENGINE = EngineConfig(num_pages=128, max_batch=8, prefill_chunk=16, token_budget=32, max_context=256, decode_steps=4)
 # Half the batch slots, for the tests that fill every slot (fair turns, parked forks): only the decode
 # rounds compile again (their carry is max_batch rows); prefill and page copies are ENGINE's.

@@ -12,8 +12,7 @@ import pytest
 
 from rlkjax.rewards import MathVerifier, RewardResult, checked_reward
 from rlkjax.tasks import Example, make_task
-
-SLOW_ANSWER = "\\boxed{(10^{6})!}"  # math-verify compares a million-factorial with the reference: minutes
+from tests.helpers import SLOW_ANSWER
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import pytest
 
 from rlkjax.data import Example
 from rlkjax.tasks import ArithmeticTask, make_task
+from tests.helpers import SLOW_ANSWER
 from train import grpo
 from train.scoring import group_rewards
 
@@ -41,9 +42,11 @@ def test_math_task_on_a_parquet_file(parquet, caplog):
 
 
 def test_a_check_past_its_time_scores_zero_and_is_counted(parquet, caplog):
-    task = make_task("math", parquet, prompt_field="question", answer_field="solution", reward_timeout=1e-6)
+    """Checks that cannot finish in time (SLOW_ANSWER): with a quick answer and a microsecond's timeout,
+    a loaded machine that ran the worker before it ran the waiting trainer let the answer in."""
+    task = make_task("math", parquet, prompt_field="question", answer_field="solution", reward_timeout=0.01)
     with caplog.at_level(logging.WARNING):
-        rewards, counts = group_rewards("step 3", task, task.examples[:1], [["\\boxed{3/4}", "\\boxed{0.75}"]])
+        rewards, counts = group_rewards("step 3", task, task.examples[:1], [[SLOW_ANSWER, SLOW_ANSWER]])
     np.testing.assert_array_equal(rewards, [[0, 0]])
     assert counts == {"reward_failures": 2, "reward_timeouts": 2}
     assert f"step 3: the reward of prompt 0, sample 1 ({parquet}:row 1) failed (timeout" in caplog.text
