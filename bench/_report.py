@@ -21,11 +21,20 @@ REPO = Path(__file__).resolve().parents[1]
 # Packages whose versions decide bits or speed (jax-cuda*/jax-rocm* plugins are added as found).
 PACKAGES = ("jax", "jaxlib", "triton", "numpy")
 # Environment variables that change what XLA compiles or how much memory JAX may take.
-ENVIRONMENT = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE", "JAX_PLATFORMS")
+ENVIRONMENT = (
+    "XLA_FLAGS",
+    "XLA_PYTHON_CLIENT_MEM_FRACTION",
+    "XLA_PYTHON_CLIENT_PREALLOCATE",
+    "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB",
+    "JAX_PLATFORMS",
+)
 
 
 def git_state() -> dict:
-    """The checkout's commit and whether its tracked files differ from it (None where there is no git)."""
+    """The checkout's commit and whether its tracked files differ from it (None where there is no git).
+    RLKJAX_COMMIT names the commit instead, for a copy of the tree whose .git is not its own (dirty: None)."""
+    if os.environ.get("RLKJAX_COMMIT"):
+        return {"commit": os.environ["RLKJAX_COMMIT"], "dirty": None}
 
     def git(*args):
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()

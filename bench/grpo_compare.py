@@ -50,7 +50,7 @@ def run(name, numerics, args):
         prompts_per_step=args.prompts,
         group_size=args.group,
         max_new_tokens=args.new_tokens,
-        verify_logprobs=True,
+        verify_every=1,
         micro_batch=args.micro_batch,
         remat=args.remat,
         learning_rate=1e-6,

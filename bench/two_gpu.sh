@@ -45,7 +45,7 @@ else
 fi
 BIG_MODEL=${BIG_MODEL:-qwen3-8b}; LAYOUT_MODEL=${LAYOUT_MODEL:-qwen3-0.6b}
 PROCESS_LIKE=${PROCESS_LIKE:-qwen3-0.6b}; PROCESS_LAYERS=${PROCESS_LAYERS:-4}
-COMMON=(--learner-devices 0,1 --sampler-devices 0,1 --verify-logprobs --no-progress)
+COMMON=(--learner-devices 0,1 --sampler-devices 0,1 --verify-every 1 --no-progress)
 
 record_env() {  # provenance: command, date, commit, hardware through JAX, versions
   "$PY" -m bench._report --command "bash bench/two_gpu.sh $*" --out "$OUT/env.json" > /dev/null
@@ -94,7 +94,7 @@ layouts() {  # the sampler and the learner on different devices (both on both: t
     read -r name learner sampler <<< "$spec"
     run="$RUNS/layout_$name"; rm -rf "$run"
     timeout -k 30 "$TIMEOUT" "$PY" -m train.grpo --model "$LAYOUT_MODEL" "${SHAPE_SMALL[@]}" --task "${TASK:-lowercase}" \
-      --learner-devices "$learner" --sampler-devices "$sampler" --verify-logprobs --no-progress --steps "$STEPS" \
+      --learner-devices "$learner" --sampler-devices "$sampler" --verify-every 1 --no-progress --steps "$STEPS" \
       --checkpoint-every 0 --out "$run" > "$OUT/layout_$name.log" 2>&1
     echo "layout $name (learner $learner, sampler $sampler): exit $?" | tee -a "$OUT/layouts.log"
     "$PY" -m bench.two_gpu summarize "$run" --out "$OUT/layout_$name.json" >> "$OUT/layout_$name.log" 2>&1

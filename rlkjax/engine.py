@@ -259,6 +259,15 @@ class Engine:
                 self._released = [(x.shape, x.dtype, x.sharding) for x in self.cache]
                 self.cache = None
 
+    def release_weights(self) -> None:
+        """Free the weights' device memory while no request is in flight, for a learner that shares the device
+        (train.grpo on one GPU at Qwen3-8B: the learner's step needs those 15 GiB). update_weights must give the
+        next weights before the next request runs."""
+        with self.lock:
+            if self.busy or self.weights_pending:
+                raise RuntimeError("release_weights() while requests are in flight or weights are pending")
+            self.params = None
+
     def _ensure_cache(self):
         if self.cache is None:
             self.cache = tuple(jnp.zeros(shape, dtype, device=at) for shape, dtype, at in self._released)
@@ -298,6 +307,8 @@ class Engine:
                     for event in self._swap_events:
                         event.set()
                     self._swap_events = []
+            if self.params is None:
+                raise RuntimeError("the engine's weights were released: update_weights() must give new ones first")
             self.scheduler.admit(fresh=self._pending_params is None)
             # Dispatch this step's decode round before reading the one in flight: its rows continue
             # on the device, and the host reads the last round, plans and dispatches the prefill

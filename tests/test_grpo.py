@@ -309,11 +309,11 @@ def corrupt_one_logprob(monkeypatch, at_step: int, sequence: int, token: int) ->
 def test_broken_contract_stops_the_run(tmp_path, monkeypatch, verify):
     """One logprob one ulp off stops strict training before any update, naming the step, the sequence
     (batch row 5 = prompt 1, sample 1 with G = 4) and the token with both values and their bits. With
-    --verify-logprobs the sampler/learner comparison catches it; without, the first update's own
+    --verify-every 1 the sampler/learner comparison catches it; without, the first update's own
     logp_new (its ratio must be exactly 1) does."""
     seen = corrupt_one_logprob(monkeypatch, at_step=1, sequence=5, token=1)
     with pytest.raises(guards.ContractError) as error:
-        grpo.train(grpo.GRPOConfig(steps=1, verify_logprobs=verify, out=str(tmp_path), **SMALL))
+        grpo.train(grpo.GRPOConfig(steps=1, verify_every=int(verify), out=str(tmp_path), **SMALL))
     message = str(error.value)
     what = "sampler vs learner logprobs" if verify else "first update's logp_new vs logp_old"
     assert message.startswith(f"step 1: {what}: 1 of "), message
@@ -371,7 +371,8 @@ def test_smoke_subprocess(tmp_path):
             "4",
             "--max-prompt-tokens",  # SMALL's: the in-process runs' programs, from the run's compilation cache
             "16",
-            "--verify-logprobs",
+            "--verify-every",
+            "1",
             "--learning-rate",
             "1e-2",
             "--out",
@@ -542,7 +543,7 @@ def test_training_stops_at_eos(tmp_path, monkeypatch):
     """A sampled eos ends the completion in training (it once ran on to --max-new-tokens): completions
     shorter than max_new_tokens end with eos, the loss mask covers exactly the completion through its eos,
     and the sampler's logprob bits, eos's included, are the learner's (strict numerics stop the run otherwise:
-    --verify-logprobs and the first update's ratio of exactly 1 both check every masked token)."""
+    --verify-every 1 and the first update's ratio of exactly 1 both check every masked token)."""
     original, seen = rollout.LocalRollout.sample, []
 
     def sample(self, prompts, *args):
@@ -615,7 +616,7 @@ def test_local_and_remote_rollouts_give_the_same_completions_and_remote_training
             out=str(tmp_path / "r"),
             rollout_url=client.url,
             admin_key=ADMIN,
-            verify_logprobs=True,
+            verify_every=1,
             **SMALL,
         )
         result = grpo.train(config)

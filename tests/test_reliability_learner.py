@@ -153,7 +153,7 @@ def test_nonfinite_parameters_stop_the_run_before_anything_is_written(tmp_path):
         weight_decay=1e30,
         checkpoint_every=1,
         keep_checkpoints=1,
-        verify_logprobs=False,
+        verify_every=0,
         out=str(tmp_path),
         **SMALL,
     )
@@ -179,7 +179,7 @@ def test_nonfinite_user_reward_stops_the_run(tmp_path):
             grpo.GRPOConfig(
                 steps=1,
                 reward="tests.test_reliability_learner:nan_reward",
-                verify_logprobs=False,
+                verify_every=0,
                 out=str(tmp_path),
                 **SMALL,
             )
@@ -288,7 +288,7 @@ def test_damaged_checkpoint_is_named_in_one_line(tmp_path, damage):
 # ----- 2. resume: refused when the trajectory would change; metrics and versions continue -----
 @pytest.mark.slow  # a run, a checkpoint written and restored, an HF export
 def test_resume_refuses_changed_flags_and_a_fresh_run_over_old_checkpoints(tmp_path):
-    base = grpo.GRPOConfig(steps=1, verify_logprobs=False, out=str(tmp_path), admin_key="secret", **SMALL)
+    base = grpo.GRPOConfig(steps=1, verify_every=0, out=str(tmp_path), admin_key="secret", **SMALL)
     grpo.train(base)
     meta = json.loads((tmp_path / "checkpoints" / "1" / "meta" / "metadata").read_text())
     assert meta["config"]["learning_rate"] == base.learning_rate and "admin_key" not in meta["config"]
@@ -334,7 +334,7 @@ def test_resume_past_a_corrupt_checkpoint_is_bit_identical(tmp_path, caplog):
     re-taken from the resumed policy and 20 of 24 final tensors differed); the learning rate is high
     enough that the policy at step 2 is far from the initial one."""
     base = grpo.GRPOConfig(
-        steps=3, checkpoint_every=1, warmup_steps=10, beta=0.5, learning_rate=3e-2, verify_logprobs=False, **SMALL
+        steps=3, checkpoint_every=1, warmup_steps=10, beta=0.5, learning_rate=3e-2, verify_every=0, **SMALL
     )
     straight = grpo.train(dataclasses.replace(base, out=str(tmp_path / "a")))
     grpo.train(dataclasses.replace(base, steps=2, out=str(tmp_path / "c")))

@@ -52,7 +52,8 @@ RESUMABLE_CHANGES = frozenset(
         "checkpoint_every",
         "keep_checkpoints",
         "remat",  # recomputes, same bits (tests/test_grpo.py)
-        "verify_logprobs",
+        "verify_every",
+        "moments",  # where AdamW's moments live: the same bits (tests/test_optimizer.py)
         "on_mismatch",
         "resume",
         "resume_allow_changes",
@@ -85,6 +86,10 @@ def _array_sums(leaves):
     return sums
 
 
+def _host_array_sum(x):
+    return jax.device_get(_array_sums([jax.device_put(x, x.sharding.with_memory_kind("device"))]))[0]
+
+
 def tensor_paths(tree) -> list[str]:
     return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
@@ -92,7 +97,11 @@ def tensor_paths(tree) -> list[str]:
 def checksums(tree) -> dict[str, str]:
     """{tensor path: "dtype[shape]:checksum"} for every array of `tree`."""
     paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(tree)[0], strict=True)
-    sums = jax.device_get(_array_sums(list(leaves)))
+    on_host = [getattr(x, "sharding", None) is not None and x.sharding.memory_kind == "pinned_host" for x in leaves]
+    on_device = iter(jax.device_get(_array_sums([x for x, host in zip(leaves, on_host) if not host])))
+    # Arrays in host memory (AdamW's moments with --moments host) are summed on their device one at a time,
+    # each read back before the next is copied: all of them at once would not fit there.
+    sums = [_host_array_sum(x) if host else next(on_device) for x, host in zip(leaves, on_host)]
     return {
         jax.tree_util.keystr(p): f"{x.dtype}{list(x.shape)}:{int(s[0]):08x}{int(s[1]):08x}"
         for p, x, s in zip(paths, leaves, sums, strict=True)

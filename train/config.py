@@ -85,6 +85,11 @@ class GRPOConfig:
     """Optimiser steps on each sampled batch (PPO epochs)."""
     micro_batch: int = 16
     """Sequences per gradient micro-batch (gradients are accumulated; the result does not depend on it)."""
+    moments: Literal["auto", "device", "host"] = "auto"
+    """Where AdamW's two fp32 moments live: device; host (pinned host memory, streamed through the GPU a layer
+    at a time during the update, overlapped with it: 8 bytes a parameter off the GPU, copied in and out every
+    update); auto: device when the run's memory plan fits the GPU with them there, host otherwise (Qwen3-8B on
+    one H200). Same bits wherever they live."""
     remat: bool = False
     """Recompute each layer's norms, projections and MLP in the learner's backward instead of keeping them for
     every layer: at Qwen3-4B, 4 x 1024 tokens, 100 instead of 428 MiB per layer, for about a quarter more
@@ -94,9 +99,11 @@ class GRPOConfig:
     """strict: sampler and learner logprobs agree bit for bit. fast: plain XLA, for comparison."""
     tis_cap: float = 0.0
     """Truncated importance sampling cap for --numerics fast (0 = off)."""
-    verify_logprobs: bool = True
-    """Recompute logp_old with the learner every step and report the sampler/learner mismatch (one extra
-    forward pass per step; --no-verify-logprobs skips it once you trust the setup)."""
+    verify_every: int = 1
+    """Every this many steps (the first included), the learner recomputes logp_old with its scoring pass and the
+    metrics report the sampler/learner mismatch; 0 = never. It costs one forward pass over the batch. In strict
+    numerics the first update's own logp_new is compared with logp_old bit for bit every step anyway, at no cost;
+    this pass also checks the scoring program, and in fast numerics it is the only measure of the mismatch."""
     on_mismatch: Literal["error", "warn"] = "error"
     """Strict numerics broken (bits differ, or the first update's ratio is not exactly 1): stop with an
     error, or warn (log it and keep training, for investigation)."""
@@ -164,6 +171,8 @@ class GRPOConfig:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be positive")
         if self.group_size < 2:
             raise ValueError(f"--group-size={self.group_size} must be >= 2 (advantages compare samples of one prompt)")
+        if self.verify_every < 0:
+            raise ValueError(f"--verify-every={self.verify_every} must be >= 0 (0: never)")
         if self.table_every < 0:
             raise ValueError(f"--table-every={self.table_every} must be >= 0 (0: no sample tables)")
         if self.checkpoint_every < 0:

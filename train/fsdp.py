@@ -31,7 +31,6 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -303,27 +302,6 @@ def global_norm(tree, mesh, specs):
         return jnp.sqrt(ordered_sum(local))
 
     return jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=P(), check_vma=False)(tree)
-
-
-def clip_by_global_norm(max_norm: float, mesh, specs) -> optax.GradientTransformation:
-    """optax.clip_by_global_norm's rule (scale by max_norm / norm when the norm exceeds it), with the
-    norm from global_norm: its state is as empty, so checkpoints keep their tensors."""
-
-    def update(grads, state, params=None):
-        norm = global_norm(grads, mesh, specs)
-        return jax.tree.map(
-            lambda g: jax.lax.select(norm < max_norm, g, (g / norm.astype(g.dtype)) * max_norm), grads
-        ), state
-
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
-
-
-def adamw(learning_rate, max_grad_norm: float, weight_decay: float, mesh, specs) -> optax.GradientTransformation:
-    """train.grpo's optimiser: clip_by_global_norm (the fixed-order norm), then optax's AdamW. Its two
-    fp32 moments are created like the parameters, so they are sharded as they are."""
-    return optax.chain(
-        clip_by_global_norm(max_grad_norm, mesh, specs), optax.adamw(learning_rate, weight_decay=weight_decay)
-    )
 
 
 def peak_memory() -> list[int] | None:

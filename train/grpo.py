@@ -49,6 +49,7 @@ Deviations from the GRPO paper (Shao et al., 2024), each on purpose:
     (--tis-cap, as in verl/OpenRLHF) can reweight tokens by min(p_learner_old / p_sampler, cap).
 """
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -76,6 +77,7 @@ from train.evaluate import due, evaluate, load_eval_set
 from train.guards import check_prompt_lengths, check_rewards
 from train.learner import Learner, build_learner, learn, verify
 from train.loggers import Loggers, sample_table
+from train.memory import PhasePeaks, RunShape, check_fits, choose_moments
 from train.metrics import plot, throughput
 from train.rollout import LocalRollout, RemoteRollout, model_eos
 from train.scoring import group_rewards
@@ -153,6 +155,7 @@ class Run(NamedTuple):
     out: Path
     eval_set: list  # --eval-data's examples, or []
     data_sha256: str | None  # of the --data file, saved with each checkpoint and checked on --resume
+    phases: PhasePeaks  # each phase's peak device memory, for the metrics rows
 
 
 def rollout_batch(step: int, run: Run, data_rng) -> tuple[list, list, Batch, dict, list]:
@@ -193,41 +196,49 @@ def rollout_batch(step: int, run: Run, data_rng) -> tuple[list, list, Batch, dic
 def grpo_step(step: int, run: Run, state: dict, data_rng) -> tuple[dict, dict, list]:
     """One step (numbered from 1): rollout, rewards, optional verification, updates, weight sync.
     -> (the new state, the step's metrics row, its samples' table)."""
-    config, cfg = run.config, run.cfg
+    config, cfg, phases = run.config, run.cfg, run.phases
     t0 = time.perf_counter()
+    phases.phase("rollout")
     prompts, groups, batch, row, samples = rollout_batch(step, run, data_rng)
+    run.rollout.release_weights()  # the learner's turn: the engines' weights come back with the update's
     t1 = time.perf_counter()
-    # Optional recomputation of logp_old by the learner (TIS needs it; --verify-logprobs checks it).
-    if config.verify_logprobs or config.tis_cap:
+    # Optional recomputation of logp_old by the learner (TIS needs it; --verify-every checks it).
+    verified = config.tis_cap or (config.verify_every and (step - 1) % config.verify_every == 0)
+    if verified:
+        phases.phase("verify")
         mismatch, batch = verify(step, run.learner, state["master"], batch, config)
         row |= mismatch
     t2 = time.perf_counter()
-    state, learned = learn(step, run.learner, state, batch, config, run.checkpoints)
+    state, learned = learn(step, run.learner, state, batch, config, run.checkpoints, phases)
     row |= learned
     t3 = time.perf_counter()
+    phases.phase("weight sync")
     policy = to_policy(state["master"], cfg)
     jax.block_until_ready(policy)
     run.rollout.push(policy, cfg, run.out)
     del policy
     t4 = time.perf_counter()
+    phases.phase(None)
     row |= {
         "tokens_per_s": float(batch.mask.sum()) / (t4 - t0),
         "step_s": t4 - t0,
         "rollout_s": t1 - t0,
-        "learn_s": t3 - t2,
+        "verify_s": t2 - t1,
         "sync_s": t4 - t3,
         "policy_version": int(groups[0][0]["policy_version"]),
     }
-    scoring_passes = (1 if config.verify_logprobs or config.tis_cap else 0) + (
-        config.updates_per_batch if config.beta else 0
-    )
+    # What no phase above covers: the learner's host work between its device calls (the contract and finiteness
+    # checks, the batch's micro-batches onto the mesh).
+    timed = ("rollout_s", "verify_s", "learn_s", "update_s", "sync_s")
+    row["host_s"] = row["step_s"] - sum(row[k] for k in timed)
+    scoring_passes = (1 if verified else 0) + (config.updates_per_batch if config.beta else 0)
     devices = {"learner": run.learner.devices, "all": list(dict.fromkeys([*run.learner.devices, *run.rollout.devices]))}
     row |= throughput(
         cfg,
         batch,
         prompts,
         groups,
-        {"learner": t3 - t1, "step": t4 - t0},
+        {"learner": row["verify_s"] + row["learn_s"], "step": t4 - t0},
         devices,
         scoring_passes=scoring_passes,
         updates=config.updates_per_batch,
@@ -235,6 +246,7 @@ def grpo_step(step: int, run: Run, state: dict, data_rng) -> tuple[dict, dict, l
     memory = fsdp.peak_memory()
     if memory:
         row["peak_bytes_per_device"] = memory  # jax.devices() order, since the start of the run
+    row |= {f"peak_bytes_{phase.replace(' ', '_')}": peak for phase, peak in phases.take().items()}
     return state, row, samples
 
 
@@ -269,6 +281,7 @@ def train(config: GRPOConfig) -> dict:
     finally:
         # A save in flight completes, so the last good checkpoint is on disk whatever stopped the run.
         run.checkpoints.close()
+        run.phases.close()
         if loggers is not None:
             loggers.close()
     final = fsdp.to_host(to_policy(state["master"], run.cfg))  # every process takes part in the gather
@@ -307,7 +320,10 @@ def start_run(config: GRPOConfig) -> tuple[Run, dict, int, np.random.Generator]:
     )
     learner_devices = fsdp.pick_devices("--learner-devices", config.learner_devices)
     sampler_devices = fsdp.pick_devices("--sampler-devices", config.sampler_devices)
-    learner, master, opt_state = build_learner(config, cfg, params, learner_devices, grpo_loss, policy_logprobs)
+    moments = plan_memory(config, cfg, learner_devices, sampler_devices)
+    learner, master, opt_state = build_learner(
+        config, cfg, params, learner_devices, grpo_loss, policy_logprobs, moments
+    )
     del params  # the sampler gets the policy from the mesh, as it will after every update
     data_rng = np.random.default_rng(config.seed)
     # The KL reference is the initial policy; it is saved with each checkpoint (a resumed policy is not it).
@@ -319,8 +335,46 @@ def start_run(config: GRPOConfig) -> tuple[Run, dict, int, np.random.Generator]:
     rollout = make_rollout(
         config, cfg, model_eos(tokenizer, cfg), state["master"], learner, sampler_devices, start, out
     )
-    run = Run(config, cfg, task, tokenizer, render, sampling, rollout, learner, checkpoints, out, eval_set, data_sha256)
+    phases = PhasePeaks([d for d in learner_devices if d.process_index == jax.process_index()])
+    run = Run(
+        config,
+        cfg,
+        task,
+        tokenizer,
+        render,
+        sampling,
+        rollout,
+        learner,
+        checkpoints,
+        out,
+        eval_set,
+        data_sha256,
+        phases,
+    )
     return run, state, start, data_rng
+
+
+def plan_memory(config: GRPOConfig, cfg, learner_devices, sampler_devices) -> str:
+    """Where AdamW's moments live (--moments, auto resolved by the memory plan), after refusing a run whose plan
+    does not fit a learner GPU, before anything compiles (train/memory.py)."""
+    limit = (learner_devices[0].memory_stats() or {}).get("bytes_limit")
+    shape = RunShape(
+        prompts=config.prompts_per_step,
+        group=config.group_size,
+        new_tokens=config.max_new_tokens,
+        prompt_tokens=config.max_prompt_tokens,
+        micro_batch=config.micro_batch,
+        devices=len(learner_devices),
+        remat=config.remat,
+        sampler=not config.rollout_url and bool(set(learner_devices) & set(sampler_devices)),
+    )
+    if config.moments != "auto":
+        shape = dataclasses.replace(shape, moments=config.moments)
+    elif limit is not None:
+        shape = dataclasses.replace(shape, moments=choose_moments(cfg, shape, limit))
+    if limit is not None:
+        check_fits(cfg, shape, limit, f"{learner_devices[0].device_kind} {learner_devices[0].id}")
+    return shape.moments
 
 
 def make_rollout(config: GRPOConfig, cfg, eos, master, learner: Learner, sampler_devices, start: int, out: Path):
@@ -346,12 +400,13 @@ def make_rollout(config: GRPOConfig, cfg, eos, master, learner: Learner, sampler
     return rollout
 
 
-def claim_device_memory(fraction: str = "0.95") -> None:
+def claim_device_memory(fraction: str = "0.95", host_gib: str = "96") -> None:
     """Before JAX starts: let it take `fraction` of each GPU (JAX's default is 0.75) unless
-    XLA_PYTHON_CLIENT_MEM_FRACTION is set. A run owns its GPUs: at Qwen3-4B on one H200 the sampler
-    and the learner (micro-batch 8) peak at 98 GiB with 640-token rows, and 1,024-token rows ran out
-    of the default's 105 GiB."""
+    XLA_PYTHON_CLIENT_MEM_FRACTION is set, since a run owns its GPUs; and up to `host_gib` GiB of pinned host
+    memory (XLA's default cap is 64) unless XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB is set: AdamW's moments on the
+    host take 61 GiB at Qwen3-8B, plus the layers streaming back."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", fraction)
+    os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", host_gib)
 
 
 if __name__ == "__main__":

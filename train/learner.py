@@ -5,23 +5,22 @@ update's contract check, AdamW, the non-finite check). The loss itself is train.
 """
 
 import functools
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from rlkjax import model
 from rlkjax.mismatch import mismatch_stats
-from train import fsdp
+from train import fsdp, optimizer
 from train.batch import Batch, micro_batches, reduce_stats
 from train.guards import (
     NonFiniteError,
     contract_violation,
     enforce,
-    finite_leaves,
     first_update_violation,
     nonfinite,
 )
@@ -32,7 +31,8 @@ if TYPE_CHECKING:
 
 class Learner(NamedTuple):
     """The learner's mesh and its jitted functions: gradients of grpo_loss (grad_fn, summed over micro-batches
-    into its last argument), scoring (score_fn, policy_logprobs) and the optimiser step (update)."""
+    into its last argument), scoring (score_fn, policy_logprobs) and the optimiser step (update,
+    train/optimizer.py's: (grads, state, master) -> (master, state, gradient norm, finiteness))."""
 
     devices: list
     mesh: jax.sharding.Mesh
@@ -47,9 +47,10 @@ class Learner(NamedTuple):
         return (fsdp.put(mb, self.mesh, fsdp.BATCH_SPECS) for mb in micro_batches(batch, size, len(self.devices)))
 
 
-def build_learner(config: "GRPOConfig", cfg, params, devices, loss: Callable, logprobs: Callable):
+def build_learner(config: "GRPOConfig", cfg, params, devices, loss: Callable, logprobs: Callable, moments="device"):
     """-> (Learner, fp32 master weights sharded over `devices`, their optimiser state). loss: train.grpo's
-    grpo_loss; logprobs: its policy_logprobs (the learner's scoring pass)."""
+    grpo_loss; logprobs: its policy_logprobs (the learner's scoring pass); moments: where AdamW's moments live
+    (train/optimizer.py)."""
     mesh = fsdp.make_mesh(devices)
     specs = fsdp.param_specs(params, len(devices))
     master = fsdp.put(params, mesh, specs, dtype=jnp.float32)
@@ -58,9 +59,12 @@ def build_learner(config: "GRPOConfig", cfg, params, devices, loss: Callable, lo
     grad_fn = _grad_fn(loss, *layout, cfg, config.numerics, config.clip_eps, config.beta, config.remat)
     score_fn = _score_fn(logprobs, *layout, cfg, config.numerics)
     decay_steps = max(config.steps * config.updates_per_batch, config.warmup_steps + 1)
-    optimiser = (config.learning_rate, config.warmup_steps, decay_steps, config.max_grad_norm, config.weight_decay)
-    optimizer, update = _update(*layout, *optimiser)
-    return Learner(devices, mesh, rope, grad_fn, score_fn, update), master, optimizer.init(master)
+    hyper = optimizer.Hyper(
+        config.learning_rate, config.warmup_steps, decay_steps, config.max_grad_norm, config.weight_decay
+    )
+    opt = optimizer.make(hyper, mesh, specs, moments)
+    update = functools.partial(optimizer.update, opt)
+    return Learner(devices, mesh, rope, grad_fn, score_fn, update), master, optimizer.init(opt, master)
 
 
 # The learner's jitted functions are built once per process for each key, not once per run: a process that
@@ -93,34 +97,6 @@ def _grad_fn(loss, mesh, spec_leaves, spec_tree, cfg, numerics, clip_eps, beta, 
 def _score_fn(logprobs, mesh, spec_leaves, spec_tree, cfg, numerics):
     specs = _specs(spec_leaves, spec_tree)
     return fsdp.sharded_logprobs(logprobs, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics=numerics)
-
-
-@functools.lru_cache(maxsize=4)
-def _update(mesh, spec_leaves, spec_tree, learning_rate, warmup_steps, decay_steps, max_grad_norm, weight_decay):
-    """-> (AdamW with its warmup + cosine schedule, the jitted update that applies it)."""
-    specs = _specs(spec_leaves, spec_tree)
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, learning_rate, warmup_steps, decay_steps, end_value=0.1 * learning_rate
-    )
-    optimizer = fsdp.adamw(schedule, max_grad_norm, weight_decay, mesh, specs)
-
-    # The state is donated: the old one is dropped either way (a non-finite update stops the run), and at
-    # 8B the spare copy of the master weights and AdamW moments would not fit next to the new one. The
-    # gradients are not (no output could take their buffers; JAX warned so at every run): they are
-    # dropped after the update instead, so they do not stay through the next rollout.
-    @functools.partial(jax.jit, donate_argnums=(1, 2))
-    def update(grads, opt_state, master):
-        """The optimiser step, plus what the non-finite check needs (a few bytes leave the device)."""
-        updates, opt_state = optimizer.update(grads, opt_state, master)
-        master = optax.apply_updates(master, updates)
-        finite = {
-            "gradient": finite_leaves(grads),
-            "parameter": finite_leaves(master),
-            "optimiser state": finite_leaves(opt_state),
-        }
-        return master, opt_state, fsdp.global_norm(grads, mesh, specs), finite
-
-    return optimizer, update
 
 
 def score(learner: Learner, weights, batch: Batch, micro_batch: int) -> np.ndarray:
@@ -167,16 +143,20 @@ def gradients(learner: Learner, master, ref, batch: Batch, total_tokens, config:
     return grads, losses, stats, logp_new
 
 
-def learn(step: int, learner: Learner, state: dict, batch: Batch, config: "GRPOConfig", checkpoints):
+def learn(step: int, learner: Learner, state: dict, batch: Batch, config: "GRPOConfig", checkpoints, phases=None):
     """--updates-per-batch optimiser steps on `batch`. state: {master, opt_state, ref} -> (the updated state,
-    the row's loss, ratio and gradient fields, from the first update). The first update's logp_new must have
-    logp_old's bits (strict numerics), and a non-finite loss, gradient or state stops the run before any
-    weight sync, metrics row or checkpoint is written from it."""
+    the row's loss, ratio and gradient fields, from the first update, and the seconds spent computing gradients
+    (learn_s) and in the optimiser's update, host transfers included (update_s)). The first update's logp_new
+    must have logp_old's bits (strict numerics), and a non-finite loss, gradient or state stops the run before
+    any weight sync, metrics row or checkpoint is written from it. phases: a train/memory.py PhasePeaks."""
     master, opt_state = state["master"], state["opt_state"]
     total_tokens = float(batch.mask.sum())
     tokens_on_mesh = fsdp.put(np.float32(total_tokens), learner.mesh, fsdp.REPLICATED)
-    row = {}
+    mark = phases.phase if phases else (lambda name: None)
+    row = {"learn_s": 0.0, "update_s": 0.0}
     for u in range(config.updates_per_batch):
+        start = time.perf_counter()
+        mark("learner step")
         grads, losses, stats, logp_new = gradients(learner, master, state["ref"], batch, tokens_on_mesh, config)
         losses = [float(x) for x in fsdp.to_host(losses)]
         stats = fsdp.to_host(stats)
@@ -192,6 +172,9 @@ def learn(step: int, learner: Learner, state: dict, batch: Batch, config: "GRPOC
             if config.numerics == "strict":  # before the update is applied
                 logp_new = np.concatenate([fsdp.to_host(x) for x in logp_new])[: len(batch.tokens)]
                 enforce(first_update_violation(step, batch, logp_new, st, config.group_size), config.on_mismatch)
+                row["first_update_tokens_compared"] = int(total_tokens)  # every completion token's bits
+        learned = time.perf_counter()
+        mark("optimiser update")
         new_master, new_opt_state, grad_norm, finite = learner.update(grads, opt_state, master)
         trees = {"gradient": grads, "parameter": new_master, "optimiser state": new_opt_state}
         problem = nonfinite(step, sum(losses), float(fsdp.to_host(grad_norm)), fsdp.to_host(finite), trees)
@@ -206,4 +189,6 @@ def learn(step: int, learner: Learner, state: dict, batch: Batch, config: "GRPOC
         del grads, trees  # freed now, not when the next update's zeros replace them
         if u == 0:
             row["grad_norm"] = float(fsdp.to_host(grad_norm))
+        row["learn_s"] += learned - start
+        row["update_s"] += time.perf_counter() - learned
     return {**state, "master": master, "opt_state": opt_state}, row

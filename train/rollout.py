@@ -95,6 +95,13 @@ class LocalRollout:
             )
         return groups
 
+    def release_weights(self):
+        """Free the weights of the engines on the learner's devices until push() gives the next ones (cast from the
+        updated master: the bits any sync gives), so the learner's step and update have that memory too."""
+        for device, engine in self.engines.items():
+            if device in self.mesh.devices.flat:
+                engine.release_weights()
+
     def push(self, policy, cfg, out_dir):
         local = fsdp.local_copy(policy, self.mesh)  # every process takes part, samplers or not
         for device, engine in self.engines.items():  # device to device, no disk
@@ -125,6 +132,9 @@ class RemoteRollout:
             stop_token_ids=sampling.stop_token_ids,
             ignore_eos=sampling.ignore_eos,  # the server's eos is its tokenizer's, the one the engines here stop at
         )
+
+    def release_weights(self):
+        """Nothing to free here: the server's memory is its own."""
 
     def push(self, params, cfg, out_dir):
         path = Path(out_dir) / "sync"
