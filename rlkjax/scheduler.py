@@ -101,7 +101,8 @@ class Scheduler:
         finds no pages, only those holding theirs already (parked forks) are still admitted: a
         later, smaller sequence must not take the pages the first one waits for. While a weight swap
         waits (fresh=False) only started sequences are admitted, so they finish on the weights they
-        began with and the swap can happen."""
+        began with and the swap can happen. A sequence takes the kept pages holding its prefix first
+        (rlkjax.prefix_cache) and prefills only the rest."""
         held = Counter(s.request.group for s in self.running)
         queues: dict = {}
         for s in sorted(self.waiting, key=lambda s: not s.started):  # stable: arrival order otherwise
