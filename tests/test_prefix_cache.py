@@ -34,8 +34,8 @@ def assert_same(a, b, what):
 
 def test_second_turn_from_the_cache_equals_a_cold_prefill(tiny):
     """Turn 2's prompt is turn 1's prompt + completion + 10 new tokens (an episode's next turn, a chat
-    client's next message): with the cache warm it takes 2 pages (positions 0-31, page 1 written by
-    decode steps, not by prefill) and prefills 11 positions; a cold engine prefills all 43. Same tokens,
+    client's next message): with the cache warm it takes 2 pages (positions 0-31, of which 19-31 decode
+    steps wrote, not prefill) and prefills 11 positions; a cold engine prefills all 43. Same tokens,
     same logprob bits, both equal to `score` of the whole sequence. The cold engine keeps no page."""
     cfg, params = tiny
     warm, cold = Engine(params, cfg, config=ENGINE), Engine(params, cfg, config=COLD)
