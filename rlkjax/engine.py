@@ -6,7 +6,8 @@ decode call over every sequence whose prefix is cached, sampling its next token.
 leave between steps. The n samples of a request share its prompt's KV pages: one leader prefills,
 the others fork from it, sharing every full page and copying the partial last one (copy-on-write).
 When pages run out, a sequence is preempted (its pages freed) and recomputed later. Who gets a
-batch slot, a page or a row, and who is preempted, is rlkjax.scheduler's policy (fair turns).
+batch slot, a page or a row, and who is preempted, is rlkjax.scheduler's policy (fair turns). A
+request extending the tokens of ended sequences takes their full pages (rlkjax.prefix_cache).
 
 Every call goes through the one model function, so in strict mode a completion's logprobs equal
 `rlkjax.score` of the finished sequence bit for bit, however it was scheduled, shared or
@@ -39,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlkjax import executable_cache, steps
+from rlkjax import executable_cache, prefix_cache, steps
 from rlkjax.config import ModelConfig
 from rlkjax.model import init_kv_cache, rope_tables
 from rlkjax.numerics import PAGE_SIZE, Numerics, ops, padded_rows
@@ -251,13 +252,14 @@ class Engine:
         """Free the KV cache's device memory while no request is in flight, for a learner that shares
         the device (train.grpo between rollouts: at Qwen3-4B one step's P32 x G8 x 640-token cache is
         ~24 GB, which the learner's step needs). The next step allocates zeroed pages in its place;
-        a finished sequence has released its pages, so nothing cached is lost."""
+        a finished sequence has released its pages, so no request loses any (the prefix cache forgets)."""
         with self.lock:
             if self.busy or self.weights_pending:
                 raise RuntimeError("release_cache() while requests are in flight: their KV pages would be lost")
             if self.cache is not None:
                 self._released = [(x.shape, x.dtype, x.sharding) for x in self.cache]
                 self.cache = None
+            self.pages.forget()  # the cached prefixes' K/V goes with the arrays
 
     def release_weights(self) -> None:
         """Free the weights' device memory while no request is in flight, for a learner that shares the device
@@ -304,12 +306,14 @@ class Engine:
                 if self._pending_params is not None and not in_flight:
                     self.params, self._pending_params = self._pending_params, None
                     self.policy_version += 1
+                    self.pages.forget()  # the cached prefixes' K/V is the old weights'
                     for event in self._swap_events:
                         event.set()
                     self._swap_events = []
             if self.params is None:
                 raise RuntimeError("the engine's weights were released: update_weights() must give new ones first")
             self.scheduler.admit(fresh=self._pending_params is None)
+            self._fork_ready(list(self.scheduler.running))  # a leader whose whole prompt was cached
             # Dispatch this step's decode round before reading the one in flight: its rows continue
             # on the device, and the host reads the last round, plans and dispatches the prefill
             # while the device decodes (JAX runs them asynchronously, in order).
@@ -363,6 +367,11 @@ class Engine:
             todo = int((positions[i] >= 0).sum())
             s.cached += todo
             self.stats["prefill_tokens"] += todo
+        self._fork_ready(batch)
+
+    def _fork_ready(self, seqs):
+        """Fork the samples of every leader in `seqs` whose prompt is cached (before its first decode)."""
+        for s in seqs:
             if s.decoding and s.request.pending_forks and s.index == 0:
                 self._copy_pages(*self.scheduler.fork(s))
 
@@ -503,4 +512,5 @@ class Engine:
             "pages_total": self.config.num_pages - 1,
             "compiled_shapes": len(self.shapes_seen),
             "policy_version": self.policy_version,
+            **prefix_cache.metrics(self.pages),
         }

@@ -18,6 +18,7 @@ import dataclasses
 from collections import Counter, deque
 
 from rlkjax.numerics import PAGE_SIZE
+from rlkjax.prefix_cache import PrefixCache
 from rlkjax.requests import sample_seed
 from rlkjax.sequences import PageAllocator, Round, Sequence
 from rlkjax.shapes import bucket, cdiv
@@ -40,6 +41,11 @@ class EngineConfig:
     """Longest prompt + max_new_tokens accepted (default: the model's max_position)."""
     decode_steps: int = 8
     """Decode steps per host round trip (a loop on the device; sequences join and leave between rounds)."""
+    prefix_cache: bool = True
+    """Keep the full KV pages of sequences that end, addressable by their token prefix: a request that
+    extends a cached prefix (an episode's next turn, the same prompt again) prefills only the rest, with
+    the same bits. Kept pages count as free (evicted least recently used first); --no-prefix-cache
+    frees them at once."""
 
     def __post_init__(self):
         for name in ("num_pages", "max_batch", "prefill_chunk", "token_budget", "decode_steps"):
@@ -69,7 +75,7 @@ class EngineConfig:
 
 class Scheduler:
     def __init__(self, config: EngineConfig):
-        self.pages = PageAllocator(config.num_pages)
+        self.pages = (PrefixCache if config.prefix_cache else PageAllocator)(config.num_pages)
         self.config = config
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -95,7 +101,8 @@ class Scheduler:
         finds no pages, only those holding theirs already (parked forks) are still admitted: a
         later, smaller sequence must not take the pages the first one waits for. While a weight swap
         waits (fresh=False) only started sequences are admitted, so they finish on the weights they
-        began with and the swap can happen."""
+        began with and the swap can happen. A sequence takes the kept pages holding its prefix first
+        (rlkjax.prefix_cache) and prefills only the rest."""
         held = Counter(s.request.group for s in self.running)
         queues: dict = {}
         for s in sorted(self.waiting, key=lambda s: not s.started):  # stable: arrival order otherwise
@@ -108,13 +115,14 @@ class Scheduler:
             seq = queues[group].popleft()
             if not queues[group]:
                 del queues[group]
-            need = cdiv(len(seq.tokens), PAGE_SIZE) - len(seq.pages)
-            pages = [] if need <= 0 else None if out_of_pages else self.pages.alloc(need)
-            if pages is None:
+            need = cdiv(len(seq.tokens), PAGE_SIZE) - len(seq.pages)  # > 0: it holds none (parked forks hold all)
+            taken = ([], seq.cached) if need <= 0 else None if out_of_pages else self.pages.take(seq.tokens, need)
+            if taken is None:
                 out_of_pages = True
                 continue
             self.waiting.remove(seq)
-            seq.pages += pages
+            seq.pages += taken[0]
+            seq.cached = taken[1]  # positions a cached prefix holds already (a parked fork keeps its own)
             held[group] += 1
             self._run(seq)
 
@@ -142,9 +150,16 @@ class Scheduler:
             raise RuntimeError("KV cache too small for a single sequence")
         return victim
 
-    def _preempt(self, seq: Sequence):
-        """Free a sequence's pages; it is recomputed from its tokens when readmitted (same bits)."""
+    def _release(self, seq: Sequence):
+        """Release a leaving sequence's pages; the prefix cache keeps its full pages whose K/V is written
+        (a round still in flight writes only positions from len(tokens) - 1 on)."""
+        self.pages.keep(seq.tokens, seq.pages, min(seq.cached, len(seq.tokens) - 1))
         self.pages.release(seq.pages)
+
+    def _preempt(self, seq: Sequence):
+        """Free a sequence's pages; it is recomputed from its tokens when readmitted (same bits), less
+        what the prefix cache still holds then."""
+        self._release(seq)
         seq.pages, seq.cached = [], 0
         if seq in self.running:
             self.running.remove(seq)
@@ -155,12 +170,12 @@ class Scheduler:
         """Forget every sequence and free every page (after a failed step: the engine ended their requests)."""
         self.waiting.clear()
         self.running.clear()
-        self.pages = PageAllocator(self.config.num_pages)
+        self.pages.reset()
 
     def drop(self, seq: Sequence):
         """A finished or cancelled sequence leaves: its slot and pages are free (a round still in
         flight may write those pages: their next users' work is queued after it)."""
-        self.pages.release(seq.pages)
+        self._release(seq)
         seq.pages = []
         if seq in self.running:
             self.running.remove(seq)
@@ -221,7 +236,7 @@ class Scheduler:
         seqs = [s for s in self.running if s.decoding]
         ahead, budget = self._ahead(seqs, previous)
         need = sum(max(0, cdiv(len(s.tokens) - 1 + ahead[s] + budget[s], PAGE_SIZE) - len(s.pages)) for s in seqs)
-        return need <= len(self.pages.free)
+        return need <= self.pages.available
 
     def round_rows(self, previous: Round | None) -> tuple[list[Sequence], dict, dict]:
         """The next decode round's rows: every running sequence whose prompt is cached and that may

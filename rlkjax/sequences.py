@@ -35,11 +35,34 @@ class Completion:
 
 
 class PageAllocator:
-    """Free list with reference counts; page 0 is the trash page and never handed out."""
+    """Free list with reference counts; page 0 is the trash page and never handed out. Without the
+    prefix cache (rlkjax.prefix_cache.PrefixCache keeps pages by their tokens) a released page is free."""
 
     def __init__(self, num_pages: int):
         self.free = deque(range(1, num_pages))
         self.refs = np.zeros(num_pages, np.int32)
+
+    @property
+    def available(self) -> int:
+        """Pages `alloc` can hand out."""
+        return len(self.free)
+
+    def take(self, tokens, n: int) -> tuple[list[int], int] | None:
+        """n pages for a sequence of `tokens` that holds none, and how many positions they hold already
+        (0: no prefix cache); None if too few are free."""
+        pages = self.alloc(n)
+        return None if pages is None else (pages, 0)
+
+    def keep(self, tokens, pages: list[int], written: int):
+        """Where a prefix cache is on, index a leaving sequence's written full pages; here nothing."""
+
+    def forget(self):
+        """Where a prefix cache is on, empty its index; here nothing."""
+
+    def reset(self):
+        """Every page free (after a failed step)."""
+        self.free = deque(range(1, len(self.refs)))
+        self.refs[:] = 0
 
     def alloc(self, n: int) -> list[int] | None:
         if n > len(self.free):

@@ -109,7 +109,10 @@ def test_random_schedules_keep_the_contract(tiny, config):
                 submitted.append((engine.submit(**kw), kw))
         engine.step()
     if tight:
-        assert engine.metrics()["preemptions"] > 0, "the tight config must force preemption"
+        m = engine.metrics()
+        assert m["preemptions"] > 0, "the tight config must force preemption"
+        # preempted and finished sequences' kept pages were taken again (rlkjax.prefix_cache), exactly
+        assert m["prefix_cache_hit_tokens"] > 0 and m["prefix_cache_evictions"] > 0, m
     assert engine.pages.used == 0, "every page is returned"
     # Each sample checked alone on one engine of one size (rlkjax.generate would size an engine per
     # prompt length, and compile its step functions again for each).

@@ -74,7 +74,9 @@ def test_update_weights_needs_the_admin_key(server, tmp_path):
 
 def test_openai_completions_and_metrics(server, tiny):
     """/v1/completions on the native server: each sample's logprobs (logprobs 0: no alternatives, whose
-    decode variant tests/test_openai_api.py covers; the rounds are those of /generate) are the learner's."""
+    decode variant tests/test_openai_api.py covers; the rounds are those of /generate) are the learner's.
+    /metrics exports the engine's counters; a 40-token prompt sent twice finds its 2 full pages in the
+    prefix cache the second time, with the same tokens and bits."""
     cfg, params = tiny
     out = post_raw(
         server,
@@ -100,8 +102,21 @@ def test_openai_completions_and_metrics(server, tiny):
         "rlkjax_kv_pages_used",
         "rlkjax_compiled_shapes",
         "rlkjax_policy_version",
+        "rlkjax_prefix_cache_lookups_total",
+        "rlkjax_prefix_cache_hits_total",
+        "rlkjax_prefix_cache_query_tokens_total",
+        "rlkjax_prefix_cache_hit_rate",
+        "rlkjax_prefix_cache_pages",
+        "rlkjax_prefix_cache_evictions_total",
     ):
         assert name in text
+    prompt = list(range(60, 100))
+    first = server.generate([prompt], max_new_tokens=3, seed=1, ignore_eos=True)[0][0]
+    before = metric(server, "rlkjax_prefix_cache_hit_tokens_total")
+    again = server.generate([prompt], max_new_tokens=3, seed=1, ignore_eos=True)[0][0]
+    assert metric(server, "rlkjax_prefix_cache_hit_tokens_total") == before + 32
+    assert first["tokens"] == again["tokens"]
+    assert_bits_equal(first["logprobs"], again["logprobs"], "second time, from the cache")
 
 
 def test_200_concurrent_requests_and_a_weight_update_mid_load(tiny, tmp_path):
