@@ -14,6 +14,11 @@ started on first use and warmed up); the parent waits at most `timeout` seconds 
 answer and kills the child past it (a new one starts for the next check). That bound holds from any
 thread and stops work a signal cannot interrupt. `workers` processes check a batch in parallel
 (`check_many`), for the P x G completions of a training step.
+
+Both texts are normalised to Unicode's NFKC form before the check: math-verify reads ASCII digits only
+(it refuses full-width ones, `String "２０" does not denote a Number`), and a real Qwen3 writes `２０` and
+`\\boxed{２０}` at times. NFKC maps full-width digits, letters and signs to their ASCII forms (and also
+superscript digits to plain ones: `x²` reads as `x2`, which math-verify did not read as a power either).
 """
 
 import dataclasses
@@ -23,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+import unicodedata
 from pathlib import Path
 
 WORKER = Path(__file__).with_name("math_verify_worker.py")
@@ -86,8 +92,8 @@ class MathVerifier:
         return self.check_many([(completion, answer)])[0]
 
     def check_many(self, pairs) -> list[RewardResult]:
-        """RewardResults of (completion, answer) pairs, in order."""
-        pairs = list(pairs)
+        """RewardResults of (completion, answer) pairs, in order (both NFKC-normalised first)."""
+        pairs = [(_nfkc(completion), _nfkc(str(answer))) for completion, answer in pairs]
         results: list[RewardResult | None] = [None] * len(pairs)
         with self._lock:
             self._start(min(len(pairs), len(self._workers)))
@@ -152,6 +158,11 @@ class MathVerifier:
                     worker.proc.stdin.close()
                 except OSError:
                     pass
+
+
+def _nfkc(text: str) -> str:
+    """Full-width digits and signs (２０, ＋) as the ASCII that math-verify reads."""
+    return unicodedata.normalize("NFKC", text)
 
 
 def _result(reply: dict) -> RewardResult:

@@ -53,6 +53,23 @@ def _fields(body: dict, allowed: set[str], required: set[str]) -> dict:
     return body
 
 
+def check_context(context: int, prompt_len: int, max_tokens: int, field: str = "max_tokens") -> None:
+    """A prompt and completion over the model's context: vLLM's 400s, word for word, so clients that look for
+    "maximum context length" (agent frameworks ending an episode) recognise them. A completion longer than the
+    whole context gets vLLM's newer wording, which names the field."""
+    if max_tokens > context:
+        raise BadRequest(
+            f"'{field}' is too large: {shown(max_tokens)}. This model's maximum context length is {context} tokens "
+            f"and your request has {prompt_len} input tokens ({shown(max_tokens)} > {context} - {prompt_len})."
+        )
+    if prompt_len + max_tokens > context:
+        raise BadRequest(
+            f"This model's maximum context length is {context} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the completion). "
+            "Please reduce the length of the messages or completion."
+        )
+
+
 def _opt(body: dict, name: str, default):
     """An optional field: absent or an explicit null mean the default (as OpenAI's API reads them)."""
     value = body.get(name)

@@ -27,7 +27,7 @@ import time
 from aiohttp import web
 
 import rlkjax
-from rlkjax.chat import ChatTemplateError, message_text
+from rlkjax.chat import ChatTemplateError
 from serve.http import (
     BadRequest,
     EngineFailed,
@@ -41,6 +41,7 @@ from serve.http import (
 )
 from serve.openai_params import CHAT_FIELDS, COMPLETION_FIELDS, Sampling, bool_field, sampling
 from serve.text import SampleText, offsets, token_pieces
+from serve.tool_calls import history_message, request_tools, tool_message
 
 log = logging.getLogger("serve.rollout")
 
@@ -48,8 +49,9 @@ log = logging.getLogger("serve.rollout")
 class Job:
     """One HTTP request's samples: submitted to the engine, their text followed round by round."""
 
-    def __init__(self, server, prompts: list[list[int]], s: Sampling, seeds, seed, chat: bool):
+    def __init__(self, server, prompts: list[list[int]], s: Sampling, seeds, seed, chat: bool, tools=(False, False)):
         self.server, self.prompts, self.s, self.seeds, self.seed, self.chat = server, prompts, s, seeds, seed, chat
+        self.has_tools, self.parse_tools = tools  # the request had tools; its tool calls are parsed (chat)
         self.n = s.params.n
         tok = server.tokenizer
         self.texts = [SampleText(tok, p, s.stop, s.include_stop) for p in prompts for _ in range(s.params.n)]
@@ -232,20 +234,24 @@ class Job:
             choice_obj["policy_version"] = self.version
         return choice_obj
 
+    def _message(self, text: str) -> dict:
+        return {"role": "assistant", "content": text} | ({"tool_calls": []} if self.has_tools else {})
+
     def response(self) -> dict:
         choices = []
         for k, text in enumerate(self.texts):
             reason = self._finish_reason(k)
             if self.chat:
+                message, called = tool_message(text.text) if self.parse_tools else (self._message(text.text), False)
                 obj = {
                     "index": k,
-                    "message": {"role": "assistant", "content": text.text},
+                    "message": message,
                     "logprobs": (
                         self._chat_logprobs(text.tokens, text.logprobs, text.pieces, self._result_tops(k))
                         if self.s.logprobs
                         else None
                     ),
-                    "finish_reason": reason,
+                    "finish_reason": "tool_calls" if called else reason,
                 }
             else:
                 echo = self._echo(k // self.n) if self.s.echo else None
@@ -404,28 +410,37 @@ async def chat_completions(server, request: web.Request):
         if not isinstance(m.get("role"), str):
             raise BadRequest(f"messages[{i}].role must be a string")
         try:
-            rendered.append(m | {"content": message_text(m.get("content"))})
+            rendered.append(history_message(i, m))
+        except BadRequest:
+            raise
         except ValueError as e:
             raise BadRequest(f"messages[{i}]: {e}") from None
+    tools, parse = request_tools(body)
+    if parse and bool_field(body, "stream"):
+        raise BadRequest(
+            'tool calls are parsed in non-streamed responses only: send stream: false, or tool_choice: "none" '
+            "to stream the raw text"
+        )
     kwargs = _opt(body, "chat_template_kwargs", {})
     if not isinstance(kwargs, dict):
         raise BadRequest("chat_template_kwargs must be an object")
-    taken = sorted(set(kwargs) & {"messages", "add_generation_prompt"})
+    taken = sorted(set(kwargs) & {"messages", "add_generation_prompt", "tools"})
     if taken:  # the request's own fields set these
         raise BadRequest(f"chat_template_kwargs cannot set {taken}: they are the request's messages and fields")
     try:
-        text = server.chat_template.render(rendered, bool_field(body, "add_generation_prompt", True), **kwargs)
+        add = bool_field(body, "add_generation_prompt", True)
+        text = server.chat_template.render(rendered, add, tools=tools, **kwargs)
     except ChatTemplateError as e:
         raise BadRequest(str(e)) from None
-    return await _serve(server, request, body, [server.encode(text)], chat=True)
+    return await _serve(server, request, body, [server.encode(text)], chat=True, tools=(tools is not None, parse))
 
 
-async def _serve(server, request: web.Request, body: dict, prompts: list, chat: bool):
+async def _serve(server, request: web.Request, body: dict, prompts: list, chat: bool, tools=(False, False)):
     if len(prompts) > server.config.max_prompts:
         raise BadRequest(f"at most {server.config.max_prompts} prompts per request, got {len(prompts)}")
     s = sampling(server, body, chat=chat, prompt_len=max(map(len, prompts), default=0))
     seeds, seed = server.seeds(body, len(prompts), s.params.n)
-    job = Job(server, prompts, s, seeds, seed, chat)
+    job = Job(server, prompts, s, seeds, seed, chat, tools)
     job.submit(stream=s.stream)
     if s.stream:
         return await job.stream(request)

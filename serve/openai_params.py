@@ -7,7 +7,7 @@ import math
 
 from rlkjax.requests import as_float, check_int, most_alternatives, shown
 from rlkjax.sampling_params import SamplingParams
-from serve.http import BadRequest, _opt
+from serve.http import BadRequest, _opt, check_context
 
 COMMON_FIELDS = {
     "model",
@@ -38,6 +38,8 @@ CHAT_FIELDS = COMMON_FIELDS | {
     "max_completion_tokens",
     "add_generation_prompt",
     "chat_template_kwargs",
+    "tools",
+    "tool_choice",
 }
 
 
@@ -127,6 +129,8 @@ def sampling(server, body: dict, *, chat: bool, prompt_len: int) -> Sampling:
     timeout = _timeout(_opt(body, "timeout", None))
     top_k = _opt(body, "top_k", 0)
     top_k = 0 if top_k == -1 and not isinstance(top_k, bool) else top_k  # vLLM's "off" is -1 (ours: 0)
+    field = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    check_context(server.engine.max_context, prompt_len, max(max_tokens, 1), field)  # vLLM's wording
     try:
         params = SamplingParams(
             n=_opt(body, "n", 1),

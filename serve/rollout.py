@@ -7,9 +7,12 @@ and the server keeps serving; a request without a seed gets a fresh one, reporte
   POST /v1/completions, POST /v1/chat/completions
                          OpenAI-compatible (serve/openai_api.py; the README's API section lists the fields),
                          streaming or not, using the model's tokenizer and chat template
+  POST /inference/v1/generate
+                         vLLM's token route (serve/token_route.py): token ids and sampling_params in; per
+                         sample token ids, logprobs as {"token": "token_id:<id>", "logprob"}, finish_reason
   POST /update_weights   {"path": checkpoint dir}; needs `Authorization: Bearer <admin key>`;
                          swapped between engine steps once in-flight sequences finish
-  GET  /v1/models       the served model (OpenAI list shape)
+  GET  /v1/models       the served model (OpenAI list shape, with vLLM's max_model_len)
   GET  /health           200 {"status": "ok"} once ready; while the warm-up compiles, 503 {"status": "starting",
                          "progress": "k/N shapes compiled"} (generation routes: 503 with Retry-After); once a
                          shutdown began, 503 {"status": "draining"}
@@ -49,7 +52,7 @@ from rlkjax.requests import check_int, check_seed, sample_seed
 from rlkjax.sampling_params import SamplingParams
 from rlkjax.sequences import Request
 from rlkjax.tokenizer import load_tokenizer
-from serve import openai_api, weights
+from serve import openai_api, token_route, weights
 from serve.auth import AdminAuth
 from serve.config import ServerConfig, admin_key
 from serve.http import (
@@ -64,6 +67,7 @@ from serve.http import (
     _json_response,
     _opt,
     _prompts,
+    check_context,
 )
 from serve.lifecycle import SECOND_SIGNAL_GRACE_S, SHUTDOWN_GRACE_S, serve
 from serve.metrics import EngineMetrics
@@ -170,6 +174,8 @@ class Server:
                 f"{len(prompts)} prompts x n={sampling.n} = {sequences} sequences, over the limit of "
                 f"{self.config.max_sequences} per request (--max-sequences)"
             )
+        for p in prompts:  # vLLM's wording for an over-long request, on every route
+            check_context(self.engine.max_context, len(p), sampling.max_tokens)
         requests, group = [], object()  # this HTTP request's prompts take one turn together in admission
         try:
             for i, (p, s) in enumerate(zip(prompts, seeds)):
@@ -304,6 +310,9 @@ class Server:
     async def chat_completions(self, request: web.Request):
         return await openai_api.chat_completions(self, request)
 
+    async def generate_tokens(self, request: web.Request):
+        return await token_route.generate(self, request)
+
     def encode(self, text: str) -> list[int]:
         try:
             text.encode("utf-8")
@@ -323,6 +332,7 @@ class Server:
                         "created": int(self.started),
                         "owned_by": "rlkjax",
                         "policy_version": self.engine.policy_version,
+                        "max_model_len": self.engine.max_context,
                     }
                 ],
             }
@@ -358,6 +368,7 @@ class Server:
                 web.post("/generate", self.generate),
                 web.post("/v1/completions", self.completions),
                 web.post("/v1/chat/completions", self.chat_completions),
+                web.post("/inference/v1/generate", self.generate_tokens),
                 web.post("/update_weights", self.update_weights),
                 web.get("/health", self.health),
                 web.get("/v1/models", self.models),

@@ -65,6 +65,7 @@ junk = st.one_of(
     st.integers(2, 300).map(lambda depth: json.loads("[" * depth + "]" * depth)),
 )
 token_ids = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12)
+CALCULATOR = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
 messages = st.lists(
     st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": st.text(max_size=20)}),
     min_size=1,
@@ -101,6 +102,28 @@ PLAUSIBLE = {
     "model": st.text(max_size=10),
     "user": st.text(max_size=10),
     "path": st.sampled_from(["", ".", "/", "/nonexistent", "tests", "qwen3-tiny", "a" * 100_000, "\x00", "\ud800"]),
+    "tools": st.one_of(st.just(CALCULATOR), st.lists(junk, max_size=2)),
+    "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function", "function": {"name": "c"}}]),
+    "token_ids": token_ids,
+    "request_id": st.text(max_size=10),
+    "sampling_params": st.fixed_dictionaries(  # vLLM's names: honoured, harmless, or refused unless neutral
+        {"max_tokens": st.integers(1, 4)},
+        optional={
+            "n": st.integers(1, 4),
+            "temperature": st.one_of(st.just(0), st.floats(1e-4, 2.0)),
+            "seed": st.integers(0, 2**32 - 1),
+            "logprobs": st.one_of(st.none(), st.integers(-1, 21)),
+            "top_k": st.integers(-1, VOCAB + 1),
+            "top_p": st.floats(0.01, 1.0),
+            "stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=3),
+            "skip_special_tokens": st.booleans(),
+            "detokenize": st.booleans(),
+            "presence_penalty": st.sampled_from([0.0, 0.5]),
+            "best_of": st.integers(1, 3),
+            "stop": st.one_of(st.none(), st.text(max_size=3)),
+            "min_tokens": st.one_of(st.none(), junk),
+        },
+    ),
 }
 PLAUSIBLE_BY_ROUTE = {  # where a route reads a name differently
     ("/v1/completions", "prompt"): st.one_of(
@@ -116,6 +139,7 @@ BASES = {
     "/v1/completions": {"prompt": "ab", "max_tokens": 2, "seed": 0},
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "seed": 0},
     "/update_weights": {"path": "/nonexistent"},
+    "/inference/v1/generate": {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2, "seed": 0}},
 }
 FIELDS = {
     "/generate": ["prompt", "n", "max_new_tokens", "temperature", "seed", "stop_token_ids", "ignore_eos"],
@@ -125,9 +149,11 @@ FIELDS = {
         *("min_p", "min_tokens", "ignore_eos", "truncated_logprobs", "logprobs", "echo", "model"),
     ],
     "/update_weights": ["path"],
+    "/inference/v1/generate": ["model", "token_ids", "sampling_params", "request_id", "stream", "timeout"],
 }
 FIELDS["/v1/chat/completions"] = [f for f in FIELDS["/v1/completions"] if f not in ("prompt", "echo")] + [
     *("messages", "top_logprobs", "max_completion_tokens", "add_generation_prompt", "chat_template_kwargs"),
+    *("tools", "tool_choice"),
 ]
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
 header_text = st.binary(max_size=40).map(lambda b: bytes(c for c in b if c >= 0x20 and c != 0x7F))
@@ -163,7 +189,9 @@ def raw_requests(draw):
     """Garbage bytes under odd encodings and charsets, and GETs (with junk queries) of every path
     (method, path, body bytes, headers, raw=True)."""
     if draw(st.booleans()):
-        path = draw(st.sampled_from(["/health", "/metrics", "/v1/models", "/generate", "/nope", "/"]))
+        path = draw(
+            st.sampled_from(["/health", "/metrics", "/v1/models", "/generate", "/inference/v1/generate", "/nope", "/"])
+        )
         query = draw(st.sampled_from(["", "?x=1", "?" + "a" * 5000, "?%ff%00"]))
         return draw(st.sampled_from(["GET", "GET", "POST", "PUT", "DELETE"])), path + query, None, {}, True
     route = draw(st.sampled_from(list(BASES)))
@@ -266,24 +294,28 @@ def fixed_answer(port):
     return [(s["tokens"], np.asarray(s["logprobs"], np.float32)) for prompt in results for s in prompt]
 
 
-WARM_UP = [  # one request per compiled shape or variant the examples reach (max_tokens <= 4, n <= 4)
-    ("/generate", {"prompt": [[1, 2]] * k, "n": n, "max_new_tokens": 2, "seed": 0})
-    for k in (1, 2, 3)
-    for n in (1, 2, 4)
-] + [
-    ("/v1/completions", {"prompt": "ab", "max_tokens": 2, "seed": 0} | extra)
-    for extra in (
-        {"top_p": 0.5},
-        {"logprobs": 3},
-        {"echo": True, "logprobs": 1},
-        {"stop_token_ids": [3, 4]},
-        {"temperature": 0},
-        {"n": 4, "top_k": 5},
-        {"n": 2, "logprobs": 1},
-        {"max_tokens": 1},
-        {"stop_token_ids": [7]},
-    )
-]
+WARM_UP = (
+    [  # one request per compiled shape or variant the examples reach (max_tokens <= 4, n <= 4)
+        ("/generate", {"prompt": [[1, 2]] * k, "n": n, "max_new_tokens": 2, "seed": 0})
+        for k in (1, 2, 3)
+        for n in (1, 2, 4)
+    ]
+    + [
+        ("/v1/completions", {"prompt": "ab", "max_tokens": 2, "seed": 0} | extra)
+        for extra in (
+            {"top_p": 0.5},
+            {"logprobs": 3},
+            {"echo": True, "logprobs": 1},
+            {"stop_token_ids": [3, 4]},
+            {"temperature": 0},
+            {"n": 4, "top_k": 5},
+            {"n": 2, "logprobs": 1},
+            {"max_tokens": 1},
+            {"stop_token_ids": [7]},
+        )
+    ]
+    + [("/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {"max_tokens": 2, "logprobs": 1}})]
+)
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,12 @@ def verifier():
         ("\\boxed{41}", "42", 0.0),
         ("\\boxed{\\frac{2}{3}}", "\\frac{3}{2}", 0.0),
         ("no number at all", "3", 0.0),
+        # full-width digits and signs, as a real Qwen3 writes at times: NFKC-normalised before the check
+        ("The answer is ２０.", "20", 1.0),
+        ("so \\boxed{２０}", "20", 1.0),
+        ("\\boxed{－３}", "-3", 1.0),
+        ("\\boxed{20}", "２０", 1.0),
+        ("\\boxed{２１}", "20", 0.0),
     ],
 )
 def test_math_verify_rewards(verifier, completion, answer, reward):

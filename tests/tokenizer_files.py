@@ -29,3 +29,29 @@ def make_bpe_checkpoint(directory):
         )
     )
     return directory
+
+
+def make_qwen3_template_checkpoint(directory, samples: list[str]):
+    """Qwen3's real chat template and added tokens (<|im_start|>, <|im_end|>, <tool_call>, <tool_response>, ...)
+    over a byte-level BPE of at most 512 ids (the tiny preset's vocabulary), trained on `samples` (e.g. the
+    rendered prompts a test sends, so they fit the tiny engine's context): what a server on qwen3-tiny needs to
+    render tools and tool turns exactly as a Qwen3 checkpoint does. The real tokenizer has 151,669 ids."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from rlkjax.qwen_tokenizer import QWEN3_ADDED_TOKENS, QWEN3_CHAT_TEMPLATE
+
+    keep = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>")
+    keep += ("</tool_response>", "<think>", "</think>")
+    added = [(content, special) for _, content, special in QWEN3_ADDED_TOKENS if content in keep]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=500 - len(added), show_progress=False)
+    tok.train_from_iterator(samples * 3, trainer)
+    for content, special in added:
+        token = AddedToken(content, normalized=False, special=special)
+        (tok.add_special_tokens if special else tok.add_tokens)([token])
+    tok.save(str(directory / "tokenizer.json"))
+    config = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": QWEN3_CHAT_TEMPLATE}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
