@@ -76,7 +76,7 @@ def test_batch_padding_and_stat_reductions():
     assert batch.tokens[0, :6].tolist() == [5, 6, 7, 8, 9, 0] and batch.positions[0, :6].tolist() == [0, 1, 2, 3, 4, -1]
     assert batch.logp_old[0, :5].tolist() == [0, 0, -0.5, -1.5, 0] and batch.mask[0, :5].tolist() == [0, 0, 1, 1, 0]
     lengths = (1, 17, 100, 128, 129, 600, 1024, 1025)
-    assert [padded_length(n) for n in lengths] == [16, 32, 128, 128, 256, 640, 1024, 1152]
+    assert [padded_length(n) for n in lengths] == [16, 32, 128, 128, 160, 608, 1024, 1056]
     padded = pad_rows(batch, 4)
     for field, fill in zip(Batch._fields, PAD):
         values = getattr(padded, field)
@@ -118,7 +118,7 @@ def test_learner_logprobs_do_not_depend_on_micro_batch(tiny):
 
 @pytest.mark.slow
 def test_learner_logprobs_do_not_depend_on_the_padded_length(tiny):
-    """pack pads 300 tokens to T = 384 (not a power of two); the same rows padded to 512 give every
+    """pack pads 300 tokens to T = 320 (not a power of two); the same rows padded to 512 give every
     logprob the same bits (KV blocks and splits sit at absolute positions; padding is never seen)."""
     cfg, params = tiny
     master = jax.tree.map(lambda w: w.astype(jnp.float32), params)
@@ -129,13 +129,13 @@ def test_learner_logprobs_do_not_depend_on_the_padded_length(tiny):
         for n in (260, 30)
     ]
     batch = pack(samples)
-    assert batch.tokens.shape == (2, 384)
-    wider = [np.pad(batch.tokens, ((0, 0), (0, 128))), np.pad(batch.positions, ((0, 0), (0, 128)), constant_values=-1)]
+    assert batch.tokens.shape == (2, 320)
+    wider = [np.pad(batch.tokens, ((0, 0), (0, 192))), np.pad(batch.positions, ((0, 0), (0, 192)), constant_values=-1)]
     rope = model.rope_tables(cfg)
     score_fn = jax.jit(grpo.policy_logprobs, static_argnames=("cfg", "numerics"))
-    at_384 = np.asarray(score_fn(master, batch.tokens, batch.positions, batch.temps, rope, cfg, "strict"))
+    at_320 = np.asarray(score_fn(master, batch.tokens, batch.positions, batch.temps, rope, cfg, "strict"))
     at_512 = np.asarray(score_fn(master, *wider, batch.temps, rope, cfg, "strict"))
-    assert_bits_equal(at_512[:, :383], at_384, "T = 512 vs 384")
+    assert_bits_equal(at_512[:, :319], at_320, "T = 512 vs 320")
 
 
 def learner_step(cfg, params, **options):

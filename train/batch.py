@@ -34,15 +34,15 @@ class Batch(NamedTuple):
 PAD = Batch(tokens=0, positions=-1, logp_old=0.0, mask=0.0, adv=0.0, temps=1.0, tis=0.0, columns=-1)
 
 
-LENGTH_STEP = 128
+LENGTH_STEP = 32
 
 
 def padded_length(n: int) -> int:
-    """T for sequences of up to n tokens: a power of two up to LENGTH_STEP (at least a page), then
-    the next multiple of LENGTH_STEP, so a run compiles a handful of shapes. (Powers of two all the
-    way padded a short prompt + 512 new tokens to 1,024: half the learner's work, at Qwen3-4B 14.4 s
-    of a 26.7 s GRPO step, on padding.) A token's logprob bits do not depend on T."""
-    return min(bucket(n, PAGE_SIZE), cdiv(n, LENGTH_STEP) * LENGTH_STEP)
+    """T for sequences of up to n tokens: a power of two up to 128 (at least a page), then the next
+    multiple of LENGTH_STEP, so a run compiles a handful of shapes while padding costs at most 31 tokens
+    a row (the learner's work on padding is MFU lost: steps of 128 padded Qwen3-8B's 266-token rows to 384;
+    bench/results/README.md). A token's logprob bits do not depend on T."""
+    return bucket(n, PAGE_SIZE) if n <= 128 else cdiv(n, LENGTH_STEP) * LENGTH_STEP
 
 
 def pack(samples) -> Batch:

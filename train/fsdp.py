@@ -164,7 +164,10 @@ def _replicate(mesh):
 
 
 def local_copy(tree, mesh):
-    """A full copy of every leaf on one of this process's mesh devices (all processes must call it)."""
+    """A full copy of every leaf on one of this process's mesh devices (all processes must call it); on a
+    one-device mesh the leaves themselves (a copy there would hold a second policy through the weight sync)."""
+    if mesh.size == 1:
+        return tree
     return jax.tree.map(lambda x: x.addressable_data(0), _replicate(mesh)(tree))
 
 

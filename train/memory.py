@@ -9,7 +9,8 @@ N = learner devices):
     computes with (on one device the whole cast; over N the gathered embeddings, LM head and one layer, and the
     gradient exchange), one micro-batch's gradient before it joins the running sum, the activations; the engine's
     weights and KV cache are released (train/rollout.py) and cast again from the master after the update;
-  - optimiser update: master, gradient, the moments (or, on the host, the few layers streaming through).
+  - optimiser update: master, gradient, the moments (or, on the host, the few layers streaming through);
+  - verify (--verify-every's scoring pass) and weight sync (the engine's new cast) hold less than the step.
 bench/memory_plan.py prints these tables; train.grpo's measured peaks per phase are in its metrics rows.
 """
 
@@ -26,7 +27,7 @@ from train.batch import padded_length
 from train.optimizer import IN_FLIGHT
 
 GIB = 2**30
-PHASES = ("rollout", "learner step", "optimiser update")
+PHASES = ("rollout", "verify", "learner step", "optimiser update", "weight sync")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,13 +58,13 @@ def _embeddings(cfg: ModelConfig) -> int:
 
 
 def activations(cfg: ModelConfig, shape: RunShape) -> int:
-    """What the backward keeps: per token and layer, the inputs of every matmul and norm in bf16 (4d + q + 2 kv +
-    attention out + 3 FFN widths), or with remat each layer's input, q, k, v and attention output plus one layer's
-    recomputation; times micro-batch / N rows of T tokens (padded as train.batch.pack pads). An estimate: XLA may
-    keep less (fusions) or more (temporaries); the measured peaks are the figures to trust."""
+    """What the backward keeps, bf16 per token and layer: the inputs the weight gradients need (the two normed
+    inputs, the attention output, the SwiGLU's gate and up: 2d + q + 2f; measured at Qwen3-8B on an H200 within 5%
+    of this, bench/results/README.md), or with remat each layer's input, q, k, v and attention output plus one
+    layer's recomputation; times micro-batch / N rows of T tokens (padded as train.batch.pack pads)."""
     d, f, dh = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_heads * dh, cfg.num_kv_heads * dh
-    full = 2 * (4 * d + 2 * q + 2 * kv + 3 * f)
+    full = 2 * (2 * d + q + 2 * f)
     tokens = padded_length(shape.prompt_tokens + shape.new_tokens) * cdiv(shape.micro_batch, shape.devices)
     if not shape.remat:
         return full * cfg.num_layers * tokens
@@ -95,13 +96,16 @@ def phases(cfg: ModelConfig, shape: RunShape) -> dict[str, dict[str, float]]:
         }
     streamed = 8 * (outer + (IN_FLIGHT + 2) * layer) / n
     update = {"AdamW moments (2 x fp32)": moments} if on_device else {"AdamW moments streaming from the host": streamed}
+    cast = {"weights cast to bf16": 2 * p} if n == 1 else {k: v for k, v in weights.items() if "gathered" in k}
     return {
         "rollout": resident | sampler,
+        "verify": resident | cast,
         "learner step": resident
         | {"gradients (fp32 running sum)": grads}
         | weights
         | {"activations (estimate)": activations(cfg, shape)},
         "optimiser update": {"master weights (fp32)": master, "gradients (fp32 running sum)": grads} | update,
+        "weight sync": resident | ({"sampler weights (bf16), cast again": 2 * p} if shape.sampler else {}),
     }
 
 

@@ -105,9 +105,11 @@ def plot(out: Path) -> None:
     ax[0, 0].plot(steps, trailing, label="mean of the last 10 steps")
     ax[0, 0].legend()
     ax[0, 0].set_title("reward (mean over P x G)")
-    if rows and "tokens_bits_differ" in rows[0]:
-        ax[0, 1].plot(steps, [r["tokens_bits_differ"] for r in rows], label="tokens whose bits differ")
-        ax[0, 1].plot(steps, [r["max_abs_delta"] for r in rows], label="max |delta logprob|")
+    verified = [r for r in rows if "tokens_bits_differ" in r]  # --verify-every's steps
+    if verified:
+        at = [r["step"] for r in verified]
+        ax[0, 1].plot(at, [r["tokens_bits_differ"] for r in verified], ".-", label="tokens whose bits differ")
+        ax[0, 1].plot(at, [r["max_abs_delta"] for r in verified], ".-", label="max |delta logprob|")
         ax[0, 1].legend()
     ax[0, 1].set_title("sampler vs learner mismatch")
     ax[1, 0].plot(steps, [r["ratio_min"] for r in rows], label="ratio min (1st update)")
