@@ -21,20 +21,15 @@ from bench.peer_torch import best_rows, markdown
 
 
 def run(args, log, timeout):
-    """`python -m args...` with its output in `log`; False where it failed or ran out of time."""
+    """`python -m args...` with its output in `log`, stopped after `timeout` seconds (what it saved stays)."""
     start = time.perf_counter()
     with open(log, "w") as f:
         try:
             rc = subprocess.run([sys.executable, "-m", *args], stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
-            ok = rc.returncode == 0
+            status = "done" if rc.returncode == 0 else f"FAILED (exit {rc.returncode})"
         except subprocess.TimeoutExpired:
-            ok = False
-    print(
-        f"{' '.join(args[:1])}: {'done' if ok else 'FAILED or out of time'} in {time.perf_counter() - start:.0f} s"
-        f" (log {log})",
-        flush=True,
-    )
-    return ok
+            status = f"STOPPED after {timeout:.0f} s"
+    print(f"{args[0]}: {status} in {time.perf_counter() - start:.0f} s (log {log})", flush=True)
 
 
 def ours_rows(path: Path) -> dict:
