@@ -45,14 +45,14 @@ def git_state() -> dict:
         return {"commit": None, "dirty": None}
 
 
-def versions() -> dict:
-    """Installed versions of PACKAGES and of any JAX GPU plugin (None: not installed)."""
+def versions(packages: tuple[str, ...] = ()) -> dict:
+    """Installed versions of PACKAGES, of `packages` and of any JAX GPU plugin (None: not installed)."""
     found = {}
     for dist in importlib.metadata.distributions():
         name = (dist.metadata["Name"] or "").lower()
         if name.startswith(("jax-cuda", "jax-rocm")):
             found[name] = dist.version
-    for name in PACKAGES:
+    for name in (*PACKAGES, *packages):
         try:
             found[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
@@ -76,8 +76,10 @@ def hardware() -> dict:
     }
 
 
-def provenance(command: str | None = None) -> dict:
-    """command: the command line that ran (default: this process's, as `python -m MODULE ARGS`)."""
+def provenance(command: str | None = None, packages: tuple[str, ...] = (), devices: dict | None = None) -> dict:
+    """command: the command line that ran (default: this process's, as `python -m MODULE ARGS`); packages:
+    versions to record beside PACKAGES; devices: the hardware record, for a process that must not start
+    JAX on the GPU (bench.peer_torch reads it through PyTorch; default: `hardware()`)."""
     if command is None:
         module = sys.modules["__main__"].__spec__
         command = " ".join(["python -m", module.name if module else sys.argv[0], *sys.argv[1:]])
@@ -85,15 +87,15 @@ def provenance(command: str | None = None) -> dict:
         "command": command,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "git": git_state(),
-        "hardware": hardware(),
-        "versions": versions(),
+        "hardware": hardware() if devices is None else devices,
+        "versions": versions(packages),
         "environment": {k: os.environ[k] for k in ENVIRONMENT if k in os.environ},
     }
 
 
-def new_report(module: str) -> dict:
+def new_report(module: str, packages: tuple[str, ...] = (), devices: dict | None = None) -> dict:
     """A results file's skeleton: the provenance of `python -m module ARGS` and an empty results list."""
-    return provenance(" ".join(["python -m", module, *sys.argv[1:]])) | {"results": []}
+    return provenance(" ".join(["python -m", module, *sys.argv[1:]]), packages, devices) | {"results": []}
 
 
 def save_report(report: dict, path: str | None) -> None:
