@@ -24,12 +24,11 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import NamedSharding
 
 from rlkjax import model, numerics
 from rlkjax.config import ModelConfig
-from train import fsdp, grpo
+from train import fsdp, grpo, optimizer
 from train.batch import PAD, Batch, padded_length
 
 GIB = 2**30
@@ -46,7 +45,11 @@ def abstract(shape_tree, mesh, specs, dtype=None):
     )
 
 
-PROGRAMS = {"step": "learner step (value and grad)", "score": "scoring pass (logprobs)", "update": "optimiser update"}
+PROGRAMS = {
+    "step": "learner step (value and grad)",
+    "score": "scoring pass (logprobs)",
+    "update": "optimiser update (one layer)",
+}
 
 
 def learner_programs(
@@ -61,7 +64,7 @@ def learner_programs(
     """{name: jax.stages.Lowered}: train.grpo's programs on a `devices` mesh, lowered against abstract
     inputs with the shardings train.grpo gives them (nothing allocated): the learner's value-and-grad
     step (train.grpo --remat: `remat`) and scoring pass on a micro-batch of `rows` x `tokens`, and the
-    optimiser update (fsdp.adamw, the step's own arguments donated as train.grpo donates them); only
+    optimiser update's step of one layer (train/optimizer.py, run once per layer); only
     those named in `only` (keys of PROGRAMS): each lowering traces the whole model again."""
     unknown = sorted(set(only) - set(PROGRAMS))
     if unknown:
@@ -90,24 +93,11 @@ def learner_programs(
         grpo.grpo_loss, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics=numerics, clip_eps=0.2, beta=0.0, remat=remat
     )
     score_fn = fsdp.sharded_logprobs(grpo.policy_logprobs, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics=numerics)
-    optimizer = fsdp.adamw(1e-6, 1.0, 0.0, mesh, specs)
-    # train.grpo makes the state with optimizer.init(master) on the mesh: each moment is zeros like the
-    # parameters, so sharded as they are; the step count is a replicated scalar.
-    params_tree = jax.tree.structure(shapes)
-    opt_state = jax.tree.map(
-        lambda x: abstract(x, mesh, specs if jax.tree.structure(x) == params_tree else fsdp.REPLICATED),
-        jax.eval_shape(optimizer.init, shapes),
-        is_leaf=lambda x: jax.tree.structure(x) == params_tree,
-    )
-
-    def update(grads, opt_state, master):  # train.grpo's update, less its few bytes of finiteness flags
-        updates, opt_state = optimizer.update(grads, opt_state, master)
-        return optax.apply_updates(master, updates), opt_state
-
+    opt = optimizer.make(optimizer.Hyper(1e-6, 0, 10, 1.0, 0.0), mesh, specs)
     lower = {
         "step": lambda: grad_fn.lower(master, batch, ref_logp, rope, total, master),
         "score": lambda: score_fn.lower(master, batch.tokens, batch.positions, batch.temps, rope, batch.columns),
-        "update": lambda: jax.jit(update, donate_argnums=(1, 2)).lower(master, opt_state, master),
+        "update": lambda: optimizer.lower_layer_step(opt, master),
     }
     return {PROGRAMS[p]: lower[p]() for p in only}
 

@@ -400,17 +400,3 @@ def test_speed_merge_joins_one_call_s_runs_into_one_table(tmp_path, capsys, tiny
     assert [p["ceilings"]["copy_bandwidth_Bps"] for p in merged["parts"]][0] == 4e12
     table = capsys.readouterr().out
     assert table.count("ceilings: copy") == 2 and table.count("learner  qwen3-tiny") == 2, table
-
-
-def test_memory_plan_peak_is_the_larger_phase():
-    """The engines free their KV cache while the learner runs (Engine.release_cache), so the plan's peak
-    is max(rollout: resident + KV cache, learner step: resident + its rows), never their sum: with a cache
-    larger than the learner's rows the rollout sets it; with a small one, the learner step."""
-    from bench.memory_plan import peak_bytes
-
-    rows = {"sampler weights (bf16)": 10, "master weights (fp32)": 20, "AdamW moments (2 x fp32)": 40}
-    learner = {"gradients (fp32, 1/N)": 20, "activations (estimate)": 5}
-    assert peak_bytes({**rows, "KV cache (share)": 50, **learner}) == 70 + 50
-    assert peak_bytes({**rows, "KV cache (share)": 3, **learner}) == 70 + 25
-    # A compiled learner step's peak counts the master weights among its arguments: not twice.
-    assert peak_bytes({**rows, "KV cache (share)": 3, **learner}, learner_step=60) == 50 + 60

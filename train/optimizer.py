@@ -244,3 +244,18 @@ def _update_layers(opt: Optimizer, grads, adam, master, counts, norm):
         return (new_mu, new_nu, master), (params_ok, [m for _, (m, _) in oks], [n for _, (_, n) in oks])
     mu_ok, nu_ok = (jax.tree.map(lambda *x: np.all(x), *[ok[1][j] for ok in oks]) for j in (0, 1))
     return (mu, nu, master), (params_ok, mu_ok, nu_ok)
+
+
+def lower_layer_step(opt: Optimizer, master):
+    """The jitted step of one layer lowered against `master`'s shapes (abstract or real, on the mesh; the
+    gradients alike, one layer's moments on the device): what bench/learner_memory.py compiles for XLA's memory
+    analysis (the update runs it once per layer)."""
+    layers = master["layers"]
+    specs = {k: _layer_spec(s) for k, s in opt.specs["layers"].items()}
+    one = {
+        k: jax.ShapeDtypeStruct(v.shape[1:], jnp.float32, sharding=_sharding(opt, specs[k], "device"))
+        for k, v in layers.items()
+    }
+    scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=_sharding(opt, P(), "device"))  # noqa: E731
+    counts = (scalar(jnp.int32), scalar(jnp.int32))
+    return _piece_step(opt.hyper, True).lower(layers, layers, one, one, scalar(jnp.int32), counts, scalar(jnp.float32))
