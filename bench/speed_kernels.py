@@ -55,7 +55,7 @@ def matmul_stacked_time(m, k, n, layers, config, repeats, which="strict"):
 
     def step(i, x, ws):
         if which == "strict":
-            y = matmul.matmul_layer(x, ws, i, None, config, interp)
+            y = matmul.product(x, ws, config, interp, layer=i)
         elif which == "sliced":
             y = matmul.matmul(x, ws[i], None, config, interp)
         else:

@@ -74,7 +74,7 @@ def decode_matmul_sweep(bw, repeats, add):
                     def step(i, carry, ws, c=c, how=how):
                         x, _ = carry
                         if how == "stacked":
-                            y = matmul.matmul_layer(x, ws, i, None, c, interpret_mode())
+                            y = matmul.product(x, ws, c, interpret_mode(), layer=i)
                         else:
                             y = matmul.matmul(x, ws[i], None, c, interpret_mode())
                         return (jnp.tile(y, (1, -(-k // n)))[:, :k] if n < k else y[:, :k]), y[0, :64]
@@ -108,9 +108,9 @@ def qkv_sweep(bw, repeats, add):
         def qkv_step(i, x, ws, how=how):
             c = numerics.MATMUL_DECODE
             if how == "fused":
-                ys = matmul.matmul_layer_fused(x, ws, i, c, interpret_mode())
+                ys = matmul.fused_product(x, ws, i, c, interpret_mode())
             else:
-                ys = [matmul.matmul_layer(x, w, i, None, c, interpret_mode()) for w in ws]
+                ys = [matmul.product(x, w, c, interpret_mode(), layer=i) for w in ws]
             return ys[0] + jnp.tile(ys[1], (1, 4)) + jnp.tile(ys[2], (1, 4))
 
         x0 = rand(1, (16, 4096))

@@ -357,11 +357,11 @@ def _vocab_chunk(rows, vocab, step, interpret=False):
 
 def _dz_kernel(v0_ref, h_ref, w_ref, inv_t_ref, lse_ref, tgt_ref, g_ref, o_ref, *, block_k, k_steps, vocab, interpret):
     """One [rows, ids] tile of dz = g / T * (onehot - softmax(logits / T)): the logits from the
-    matmul's own tile code (`matmul._product`, fp32 accumulator, K ascending), the rest in the
+    matmul's own tile code (`matmul.accumulate`, fp32 accumulator, K ascending), the rest in the
     epilogue, so the fp32 logits never leave the kernel (they were written and read back per chunk:
     3.3 of 250 ms a step at Qwen3-1.7B x 8192 tokens)."""
     block_n = o_ref.shape[1]
-    z = matmul._product(h_ref, lambda ks: w_ref[:, ks], o_ref.shape, block_k, k_steps, interpret)
+    z = matmul.accumulate(lambda ks: h_ref[:, ks], lambda ks: w_ref[:, ks], o_ref.shape, block_k, k_steps, interpret)
     inv_t = inv_t_ref[...]
     z = z * inv_t[:, None]
     ids = v0_ref[0] + pl.program_id(1) * block_n + jnp.arange(block_n, dtype=jnp.int32)[None, :]
@@ -415,7 +415,7 @@ def _bwd(config, interpret, saved, g):
     inv_t = 1.0 / _greedy_and_temperature(temperature.astype(F32))[1]  # a greedy row was scored at T = 1
     dot = functools.partial(matmul.product, config=config.backward, interpret=interpret)
     if config.backward.backward_in_place:  # 6.6 of 255 ms a step in transposes at Qwen3-1.7B x 8192 tokens
-        d_h = lambda dz, w_tile: dot(dz, w_tile, out_dtype=F32, layout="nn")  # noqa: E731
+        d_h = lambda dz, w_tile: dot(dz, w_tile, layout="nn", out_dtype=F32)  # noqa: E731
         d_w = lambda dz: dot(dz, h, layout="tn")  # noqa: E731
     else:
         h_t = h.T

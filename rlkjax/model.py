@@ -207,9 +207,9 @@ def layer_step(p: _Pass, carry, xs, shared):
 
     def mm(a, name, r=None):
         if p.weights_in_place:
-            return op.matmul_layer(a, p.params["layers"][name], index, r)
+            return op.matmul(a, None, r, p.params["layers"][name], index)
         if p.layer_weights is None:
-            return op.matmul_in_place(a, layer[name], stacks[name], index, r)
+            return op.matmul(a, layer[name], r, stacks[name], index)
         return jax.checkpoint(lambda a, w, r: op.matmul(a, p.layer_weights(name, w), r))(a, layer[name], r)
 
     def norm(a, name, cos=None, sin=None):
@@ -222,7 +222,7 @@ def layer_step(p: _Pass, carry, xs, shared):
 
     def mms(a, *names):  # several projections of one input: one launch when reading in place
         if p.weights_in_place:
-            return op.matmul_layer_fused(a, tuple(p.params["layers"][n] for n in names), index)
+            return op.matmul_fused(a, tuple(p.params["layers"][n] for n in names), index)
         return tuple(mm(a, n) for n in names)
 
     def qkv(x):

@@ -339,11 +339,10 @@ def check_xla_flags() -> None:
 
 
 class Ops(NamedTuple):
-    matmul: Callable  # (x, w, residual=None)
-    matmul_layer: Callable  # (x, w_stacked [L, N, K], layer, residual=None): reads w[layer] in place
-    # (x, w[layer], w_stacked, layer, residual=None): differentiable through w[layer], reads w_stacked in place
-    matmul_in_place: Callable
-    matmul_layer_fused: Callable  # (x, (w_stacked, ...), layer) -> (x @ w[layer].T, ...) in one launch
+    # (x, w, residual=None, stack=None, layer=None): x @ w.T (+ residual), differentiable through w; with
+    # stack [L, N, K] and layer (w = stack[layer]) the kernels read the stack in place; w None: forward only
+    matmul: Callable
+    matmul_fused: Callable  # (x, (stack, ...), layer) -> (x @ stack[layer].T, ...) in one launch, forward only
     rmsnorm: Callable  # (x, weight, cos, sin, eps)
     rmsnorm_layer: Callable  # (x, weights_stacked [L, D], layer, cos, sin, eps): reads weights[layer] in place
     swiglu: Callable  # (gate, up)
@@ -372,10 +371,10 @@ def ops(numerics: Numerics) -> Ops:
 def _ops(opts: NumericsOptions) -> Ops:
     if opts.mode == "fast":
         return Ops(
-            matmul=lambda x, w, r=None: matmul.matmul_reference(x, w, r),
-            matmul_layer=lambda x, w, layer, r=None: matmul.matmul_reference(x, w[layer], r),
-            matmul_in_place=lambda x, w_layer, w, layer, r=None: matmul.matmul_reference(x, w_layer, r),
-            matmul_layer_fused=lambda x, ws, layer: tuple(matmul.matmul_reference(x, w[layer]) for w in ws),
+            matmul=lambda x, w, r=None, stack=None, layer=None: matmul.matmul_reference(
+                x, stack[layer] if w is None else w, r
+            ),
+            matmul_fused=lambda x, ws, layer: tuple(matmul.matmul_reference(x, w[layer]) for w in ws),
             rmsnorm=rmsnorm.rmsnorm_reference,
             rmsnorm_layer=lambda x, w, layer, cos, sin, eps: rmsnorm.rmsnorm_reference(x, w[layer], cos, sin, eps),
             swiglu=swiglu.swiglu_reference,
@@ -391,11 +390,15 @@ def _ops(opts: NumericsOptions) -> Ops:
     interp = opts.platform == "cpu"
     mm, norm = opts.matmul_config, opts.rmsnorm_config
     att, lp = opts.attention_config(), opts.tiles.logprob
+
+    def strict_matmul(x, w, r=None, stack=None, layer=None):
+        if w is None:  # nothing differentiates it: the one Pallas call
+            return matmul.product(x, stack, mm(x.shape[0]), interp, layer=layer, residual=r)
+        return matmul.matmul(x, w, r, mm(x.shape[0]), interp, stack, layer)
+
     return Ops(
-        matmul=lambda x, w, r=None: matmul.matmul(x, w, r, mm(x.shape[0]), interp),
-        matmul_layer=lambda x, w, layer, r=None: matmul.matmul_layer(x, w, layer, r, mm(x.shape[0]), interp),
-        matmul_in_place=lambda x, wl, w, i, r=None: matmul.matmul_in_place(x, wl, w, i, r, mm(x.shape[0]), interp),
-        matmul_layer_fused=lambda x, ws, layer: matmul.matmul_layer_fused(x, ws, layer, mm(x.shape[0]), interp),
+        matmul=strict_matmul,
+        matmul_fused=lambda x, ws, layer: matmul.fused_product(x, ws, layer, mm(x.shape[0]), interp),
         rmsnorm=lambda x, w, cos, sin, eps: rmsnorm.rmsnorm(x, w, cos, sin, eps, norm(cos), interp),
         rmsnorm_layer=lambda x, w, i, cos, sin, eps: rmsnorm.rmsnorm_layer(x, w, i, cos, sin, eps, norm(cos), interp),
         swiglu=lambda g, u: swiglu.swiglu(g, u, opts.tiles.swiglu, interp),

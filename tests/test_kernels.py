@@ -117,8 +117,8 @@ def test_matmul_backward_in_place(m, k, n):
 
 
 _matmul = jax.jit(matmul.matmul, static_argnums=(3, 4))
-_matmul_layer = jax.jit(matmul.matmul_layer, static_argnums=(4, 5))
-_matmul_layer_fused = jax.jit(matmul.matmul_layer_fused, static_argnums=(3, 4))
+_product = jax.jit(matmul.product, static_argnums=(2, 3), static_argnames=("layout",))
+_fused_product = jax.jit(matmul.fused_product, static_argnums=(3, 4))
 
 
 def test_matmul_row_invariance():
@@ -394,7 +394,7 @@ def test_matmul_tile_configs_agree():
         for lo, hi in [(0, 1), (5, 21), (0, 300)]:
             assert_bits_equal(_matmul(x[lo:hi], ws[1], r[lo:hi], c, INTERPRET), ref[lo:hi], f"{c} rows {lo}:{hi}")
             assert_bits_equal(
-                _matmul_layer(x[lo:hi], ws, np.int32(1), r[lo:hi], c, INTERPRET), ref[lo:hi], f"{c} stacked"
+                _product(x[lo:hi], ws, c, INTERPRET, layer=np.int32(1), residual=r[lo:hi]), ref[lo:hi], f"{c} stacked"
             )
 
 
@@ -409,7 +409,7 @@ def test_matmul_fused_projections_agree():
     for widths in ((256, 64, 64), (96, 40)):
         ws = [np.asarray(randn(2 + i, (3, n, 256), BF16, 0.1)) for i, n in enumerate(widths)]
         for c in (numerics.MATMUL_DECODE, numerics.MATMUL):
-            fused = _matmul_layer_fused(x, ws, np.int32(2), c, INTERPRET)
+            fused = _fused_product(x, ws, np.int32(2), c, INTERPRET)
             for w, y in zip(ws, fused, strict=True):
                 assert_bits_equal(y, _matmul(x, w[2], None, numerics.MATMUL, INTERPRET), f"{c} {widths}")
 
