@@ -107,13 +107,16 @@ def engine_programs(cfg, numerics, lower):
 @functools.partial(jax.jit, static_argnames=("cfg", "numerics", "k"))
 def score_alternatives(params, tokens, positions, temps, rope, cfg, numerics, k):
     """rlkjax.score's program with top_logprobs=k."""
-    return model.sequence_logprobs_with_alternatives(params, tokens, positions, temps, rope, cfg, numerics, k)
+    out = model.sequence_logprobs(params, tokens, positions, temps, rope, cfg, numerics, alternatives=k)
+    return out.logprobs, out.top_ids, out.top_logprobs
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "numerics"))
 def score_truncated(params, tokens, positions, temps, top_k, top_p, min_p, rope, cfg, numerics):
     """rlkjax.score's program with truncated_logprobs."""
-    return model.sequence_logprobs_truncated(params, tokens, positions, temps, top_k, top_p, min_p, rope, cfg, numerics)
+    truncation = (top_k, top_p, min_p)
+    out = model.sequence_logprobs(params, tokens, positions, temps, rope, cfg, numerics, truncation=truncation)
+    return out.logprobs, out.renormalised
 
 
 def score_programs(cfg, numerics, lower):

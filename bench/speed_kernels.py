@@ -199,8 +199,8 @@ def logprob_rows(s, bw, rate, repeats):
     for n_rows in s.logprob_rows:
         h = rand(11, (n_rows, s.width))
         tg, tp = jnp.zeros((n_rows,), jnp.int32), jnp.ones((n_rows,), F32)
-        fs = jax.jit(lambda h, w: logprob.token_logprobs(h, w, tg, tp, numerics.LOGPROB, interp))
-        fx = jax.jit(lambda h, w: logprob.token_logprobs_reference(h, w, tg, tp))
+        fs = jax.jit(lambda h, w: logprob.head(h, w, tp, numerics.LOGPROB, interp, targets=tg).logprobs)
+        fx = jax.jit(lambda h, w: logprob.head_reference(h, w, tp, targets=tg).logprobs)
         flops = 2 * n_rows * s.vocab * s.width
         rows.append(
             kernel_row(

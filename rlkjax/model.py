@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels._common import pad_dim
+from pallas_kernels.logprob import Logprobs
 from rlkjax.config import ModelConfig
 from rlkjax.numerics import PAGE_SIZE, Numerics, ops, options, padded_rows
 from rlkjax.shapes import cdiv, fresh_page_table
@@ -328,14 +329,21 @@ def _layers(p: _Pass, x, kv_cache, shared):
     return x, (k_pages, v_pages)
 
 
+def sample(params, hidden, seeds, steps, temperature, numerics: Numerics, alternatives: int = 0, truncation=None):
+    """The sampler's head: hidden [N, D] -> a `Logprobs` of tokens [N] drawn with keys (seed, step) and
+    their logprobs; alternatives = k > 0 adds each row's k most likely ids and their logprobs [N, k];
+    truncation = (top_k, top_p, min_p) [N] draws from the truncated, renormalised distribution and adds
+    that logprob (pallas_kernels.logprob.head). The tokens and logprobs are the same bits with or
+    without alternatives, and the learner's for those tokens."""
+    w = lm_head(params)
+    return ops(numerics).logprob(
+        hidden, w, temperature, seeds=seeds, steps=steps, alternatives=alternatives, truncation=truncation
+    )
+
+
 def token_logprobs(params, hidden, targets, temperature, numerics: Numerics):
-    """hidden [N, D], targets [N], temperature [N] -> logprobs [N] fp32 (the learner's side)."""
-    return ops(numerics).token_logprobs(hidden, lm_head(params), targets, temperature)
-
-
-def sample(params, hidden, seeds, steps, temperature, numerics: Numerics):
-    """hidden [N, D] -> (tokens [N], logprobs [N]) drawn with keys (seed, step) (the sampler's side)."""
-    return ops(numerics).sample_tokens(hidden, lm_head(params), seeds, steps, temperature)
+    """The learner's head: hidden [N, D], targets [N], temperature [N] -> logprobs [N] fp32. Differentiable."""
+    return ops(numerics).logprob(hidden, lm_head(params), temperature, targets=targets).logprobs
 
 
 def sequence_logprobs(
@@ -349,13 +357,24 @@ def sequence_logprobs(
     layer_weights=None,
     remat=False,
     columns=None,
+    alternatives: int = 0,
+    truncation=None,
+    chunk: int = 64,
 ):
     """The learner's pass: whole sequences [B, T] into fresh pages; returns logp [B, T - 1] where
     [b, t] is log p(tokens[b, t + 1] | tokens[b, :t + 1]). temperature [B]. Differentiable.
     layer_weights, remat: see `forward` (the FSDP learner's per-layer all-gather; recompute in the backward).
     columns: None scores every position (what `score` and prompt logprobs need); [B, C] scores only
-    those columns (`completion_logprobs`) and leaves 0 in every other."""
+    those columns (`completion_logprobs`) and leaves 0 in every other.
+    alternatives = k > 0 or truncation = (top_k, top_p, min_p) [B] (as `sample` takes them): a
+    `Logprobs` of [B, T - 1] (tokens None; top ids and logprobs [B, T - 1, k]) instead, logp with the same bits, the
+    rest the sampler's for the same tokens; `chunk` positions at a time (their [chunk, vocab] logits
+    are materialised). Not differentiable."""
     b, t = tokens.shape
+    if alternatives or truncation is not None:
+        return _scored_with_options(
+            params, tokens, positions, temperature, rope, cfg, numerics, alternatives, truncation, chunk
+        )
     if columns is not None:
         logp = completion_logprobs(
             params, tokens, positions, columns, temperature, rope, cfg, numerics, layer_weights, remat
@@ -408,19 +427,6 @@ def completion_logprobs(
     return jnp.where(columns >= 0, logp, jnp.zeros_like(logp))
 
 
-def sample_with_alternatives(params, hidden, seeds, steps, temperature, k: int, numerics: Numerics):
-    """`sample` (same bits) plus each row's k most likely ids and their logprobs [N, k]."""
-    return ops(numerics).sample_tokens_with_alternatives(hidden, lm_head(params), seeds, steps, temperature, k)
-
-
-def sample_truncated(params, hidden, seeds, steps, temperature, top_k, top_p, min_p, k: int, numerics: Numerics):
-    """Draw from the top_k / top_p / min_p truncated, renormalised distribution (pallas_kernels.truncation):
-    (tokens, full-distribution logprobs, renormalised logprobs[, top ids, top logprobs [N, k]])."""
-    return ops(numerics).sample_tokens_truncated(
-        hidden, lm_head(params), seeds, steps, temperature, top_k, top_p, min_p, k
-    )
-
-
 def _learner_hidden(
     params, tokens, positions, rope, cfg: ModelConfig, numerics: Numerics, layer_weights=None, remat=False
 ):
@@ -454,39 +460,20 @@ def _over_chunks(fn, chunk: int, *per_position):
     return tuple(o.reshape(rows, *o.shape[2:])[:n] for o in jax.lax.map(lambda x: fn(*x), xs))
 
 
-def sequence_logprobs_truncated(
-    params, tokens, positions, temperature, top_k, top_p, min_p, rope, cfg: ModelConfig, numerics: Numerics, chunk=64
-):
-    """`sequence_logprobs` (same bits) and the logprobs under each row's truncated, renormalised
-    distribution (top_k, top_p, min_p [B]; pallas_kernels.truncation): the bits the sampler records
-    with truncated_logprobs. [B, T - 1] each. Not differentiable."""
+def _scored_with_options(params, tokens, positions, temperature, rope, cfg, numerics, alternatives, truncation, chunk):
+    """`sequence_logprobs` with alternatives or truncation: the head over `chunk` positions at a time."""
     b, t = tokens.shape
     hidden = _learner_hidden(params, tokens, positions, rope, cfg, numerics)
-    per_row = [jnp.repeat(a, t - 1) for a in (temperature, top_k, top_p, min_p)]
-    op = ops(numerics)
-    out = _over_chunks(
-        lambda h, tgt, *trunc: op.token_logprobs_truncated(h, lm_head(params), tgt, *trunc),
-        chunk,
-        hidden[:, :-1].reshape(b * (t - 1), -1),
-        tokens[:, 1:].reshape(-1),
-        *per_row,
-    )
-    return tuple(o.reshape(b, t - 1) for o in out)
+    per_row = [jnp.repeat(a, t - 1) for a in (temperature, *(truncation or ()))]
+    op, w = ops(numerics), lm_head(params)
 
+    def head(h, targets, temps, *trunc):
+        out = op.logprob(h, w, temps, targets=targets, alternatives=alternatives, truncation=trunc or None)
+        return tuple(x for x in out[1:] if x is not None)
 
-def sequence_logprobs_with_alternatives(
-    params, tokens, positions, temperature, rope, cfg: ModelConfig, numerics: Numerics, k: int, chunk: int = 64
-):
-    """`sequence_logprobs` (same bits) plus, per position, the k most likely next ids and their
-    logprobs ([B, T - 1, k]), `chunk` positions at a time. Not differentiable."""
-    b, t = tokens.shape
-    hidden = _learner_hidden(params, tokens, positions, rope, cfg, numerics)
-    op = ops(numerics)
-    lp, ids, top = _over_chunks(
-        lambda h, tgt, temp: op.token_logprobs_with_alternatives(h, lm_head(params), tgt, temp, k),
-        chunk,
-        hidden[:, :-1].reshape(b * (t - 1), -1),
-        tokens[:, 1:].reshape(-1),
-        jnp.repeat(temperature, t - 1),
-    )
-    return lp.reshape(b, t - 1), ids.reshape(b, t - 1, k), top.reshape(b, t - 1, k)
+    out = _over_chunks(head, chunk, hidden[:, :-1].reshape(b * (t - 1), -1), tokens[:, 1:].reshape(-1), *per_row)
+    out = iter(o.reshape(b, t - 1, *o.shape[1:]) for o in out)
+    lp = next(out)
+    renormalised = next(out) if truncation is not None else None
+    top_ids, top_logprobs = (next(out), next(out)) if alternatives else (None, None)
+    return Logprobs(None, lp, renormalised, top_ids, top_logprobs)  # the targets: tokens[:, 1:]

@@ -15,7 +15,7 @@ from typing import Literal, NamedTuple
 
 import jax
 
-from pallas_kernels import attention, attention_bwd, logprob, matmul, rmsnorm, swiglu, truncation
+from pallas_kernels import attention, attention_bwd, logprob, matmul, rmsnorm, swiglu
 
 Mode = Literal["strict", "fast"]
 
@@ -348,15 +348,9 @@ class Ops(NamedTuple):
     swiglu: Callable  # (gate, up)
     attention_plan: Callable  # (page_table, positions, group) -> the index arrays every layer's attention reads
     attention: Callable  # (q, k, v, k_pages, v_pages, layer, plan) -> (out, k_pages, v_pages)
-    token_logprobs: Callable  # (h, w, targets, temperature)
-    sample_tokens: Callable  # (h, w, seeds, steps, temperature) -> (tokens, logprobs)
-    # (h, w, seeds, steps, temperature, k) -> (tokens, logprobs, top_ids [N, k], top_logprobs [N, k])
-    sample_tokens_with_alternatives: Callable
-    token_logprobs_with_alternatives: Callable  # (h, w, targets, temperature, k) -> (logprobs, top_ids, top_logprobs)
-    # (h, w, seeds, steps, temperature, top_k, top_p, min_p, k) -> (tokens, logprobs, renormalised logprobs[, alts])
-    sample_tokens_truncated: Callable
-    # (h, w, targets, temperature, top_k, top_p, min_p) -> (logprobs, renormalised logprobs)
-    token_logprobs_truncated: Callable
+    # (h, w, temperature, targets= | seeds=, steps=, alternatives=0, truncation=None) -> logprob.Logprobs:
+    # the lm_head's logprobs of targets, or a sample keyed by (seed, step) (pallas_kernels.logprob.head)
+    logprob: Callable
 
 
 def ops(numerics: Numerics) -> Ops:
@@ -380,16 +374,11 @@ def _ops(opts: NumericsOptions) -> Ops:
             swiglu=swiglu.swiglu_reference,
             attention_plan=lambda pt, pos, g: attention.plan(pt, pos, g, PAGE_SIZE),
             attention=attention.paged_attention_reference,
-            token_logprobs=logprob.token_logprobs_reference,
-            sample_tokens=logprob.sample_tokens_reference,
-            sample_tokens_with_alternatives=logprob.sample_tokens_with_alternatives_reference,
-            token_logprobs_with_alternatives=logprob.token_logprobs_with_alternatives_reference,
-            sample_tokens_truncated=truncation.sample_tokens_truncated_reference,
-            token_logprobs_truncated=truncation.token_logprobs_truncated_reference,
+            logprob=logprob.head_reference,
         )
     interp = opts.platform == "cpu"
     mm, norm = opts.matmul_config, opts.rmsnorm_config
-    att, lp = opts.attention_config(), opts.tiles.logprob
+    att, lp = opts.attention_config(), opts.logprob_config()
 
     def strict_matmul(x, w, r=None, stack=None, layer=None):
         if w is None:  # nothing differentiates it: the one Pallas call
@@ -404,14 +393,5 @@ def _ops(opts: NumericsOptions) -> Ops:
         swiglu=lambda g, u: swiglu.swiglu(g, u, opts.tiles.swiglu, interp),
         attention_plan=lambda pt, pos, g: attention.plan(pt, pos, g, att.page_size, att),
         attention=lambda *a: attention.paged_attention(*a, att, interp),
-        token_logprobs=lambda h, w, t, temp: logprob.token_logprobs(h, w, t, temp, opts.logprob_config(), interp),
-        sample_tokens=lambda h, w, s, st, temp: logprob.sample_tokens(h, w, s, st, temp, lp, interp),
-        sample_tokens_with_alternatives=lambda h, w, s, st, temp, k: logprob.sample_tokens_with_alternatives(
-            h, w, s, st, temp, k, lp, interp
-        ),
-        token_logprobs_with_alternatives=lambda h, w, t, temp, k: logprob.token_logprobs_with_alternatives(
-            h, w, t, temp, k, lp, interp
-        ),
-        sample_tokens_truncated=lambda *a: truncation.sample_tokens_truncated(*a, lp, interp),
-        token_logprobs_truncated=lambda *a: truncation.token_logprobs_truncated(*a, lp, interp),
+        logprob=functools.partial(logprob.head, config=lp, interpret=interp),
     )

@@ -255,10 +255,10 @@ def test_interpreted_backward_chunk_is_fixed():
     at 80 rows), so CPU gradient bits do not depend on the row count; a small vocabulary is one chunk;
     compiled, the chunk is as wide as memory allows for the rows."""
     for rows in (1, 80, 640, 20000):
-        assert logprob._vocab_chunk(rows, 151936, 256, interpret=True) == 2048
-        assert logprob._vocab_chunk(rows, 300, 256, interpret=True) == 512
-    assert logprob._vocab_chunk(80, 151936, 256) == 152064
-    assert logprob._vocab_chunk(20000, 151936, 256) == 6656
+        assert logprob.vocab_chunk(rows, 151936, 256, interpret=True) == 2048
+        assert logprob.vocab_chunk(rows, 300, 256, interpret=True) == 512
+    assert logprob.vocab_chunk(80, 151936, 256) == 152064
+    assert logprob.vocab_chunk(20000, 151936, 256) == 6656
 
 
 @pytest.mark.parametrize("in_place", [True, slow(False)])  # the backward's products reading dz, w, h in place or copies
@@ -271,8 +271,8 @@ def test_logprob_values_and_grads(d, vocab, in_place):
     c = dataclasses.replace(
         numerics.LOGPROB, backward=dataclasses.replace(numerics.LOGPROB.backward, backward_in_place=in_place)
     )
-    ker = lambda h, w: logprob.token_logprobs(h, w, targets, temps, c, INTERPRET)  # noqa: E731
-    ref = lambda h, w: logprob.token_logprobs_reference(h, w, targets, temps)  # noqa: E731
+    ker = lambda h, w: logprob.head(h, w, temps, c, INTERPRET, targets=targets).logprobs  # noqa: E731
+    ref = lambda h, w: logprob.head_reference(h, w, temps, targets=targets).logprobs  # noqa: E731
     check_against_truth(ker, ref, [h, w], "token_logprobs")
     check_grads(ker, ref, [f32(h), f32(w)], (0, 1), "token_logprobs")
 
@@ -286,7 +286,7 @@ def test_logprob_gradient_of_a_greedy_row_is_temperature_1s():
 
     def grads(temperature):
         temps = host_full((n,), temperature)
-        loss = lambda h, w: jnp.sum(logprob.token_logprobs(h, w, targets, temps, numerics.LOGPROB, INTERPRET))  # noqa: E731
+        loss = lambda h, w: jnp.sum(logprob.head(h, w, temps, numerics.LOGPROB, INTERPRET, targets=targets).logprobs)  # noqa: E731
         return jax.jit(jax.grad(loss, argnums=(0, 1)))(h, w)
 
     for greedy, tempered, name in zip(grads(0.0), grads(1.0), ("dh", "dw")):
@@ -305,11 +305,11 @@ def test_logprob_backward_in_vocab_chunks(monkeypatch):
     targets = jnp.asarray(np.array([0, 127, 128, 299] * 9 + [256], np.int32))  # ids on both sides of chunk edges
     temps = host_full((n,), 0.8)
     c = dataclasses.replace(numerics.LOGPROB, backward=dataclasses.replace(numerics.LOGPROB.backward, block_n=128))
-    ker = lambda h, w: logprob.token_logprobs(h, w, targets, temps, c, INTERPRET)  # noqa: E731
-    ref = lambda h, w: logprob.token_logprobs_reference(h, w, targets, temps)  # noqa: E731
+    ker = lambda h, w: logprob.head(h, w, temps, c, INTERPRET, targets=targets).logprobs  # noqa: E731
+    ref = lambda h, w: logprob.head_reference(h, w, temps, targets=targets).logprobs  # noqa: E731
     one_chunk = jax.jit(jax.grad(lambda w: jnp.sum(ker(h, w))))(w)
     monkeypatch.setattr(logprob, "BWD_CHUNK_BYTES", 4 * 64 * 128)  # room for 128 ids of 37 rows, not 256
-    assert logprob._vocab_chunk(n, vocab, 128) == 128
+    assert logprob.vocab_chunk(n, vocab, 128) == 128
     check_grads(ker, ref, [f32(h), f32(w)], (0, 1), "token_logprobs, 3 vocab chunks")
     assert_bits_equal(jax.jit(jax.grad(lambda w: jnp.sum(ker(h, w))))(w), one_chunk, "dw: 3 chunks vs 1")
 
@@ -321,9 +321,11 @@ def test_sample_logprob_is_score_logprob(d, vocab):
     h, w = randn(1, (n, d), BF16), randn(2, (vocab, d), BF16, 0.3)
     temps = host_full((n,), 0.9)
     seeds, steps = jnp.asarray(np.arange(n, dtype=np.uint32)), jnp.asarray(np.arange(n, dtype=np.int32))
-    tokens, lp = logprob.sample_tokens(h, w, seeds, steps, temps, numerics.LOGPROB, INTERPRET)
-    assert_bits_equal(lp, logprob.token_logprobs(h, w, tokens, temps, numerics.LOGPROB, INTERPRET), "sample vs score")
-    ref_tokens, _ = logprob.sample_tokens_reference(h, w, seeds, steps, temps)
+    tokens, lp = logprob.head(h, w, temps, numerics.LOGPROB, INTERPRET, seeds=seeds, steps=steps)[:2]
+    assert_bits_equal(
+        lp, logprob.head(h, w, temps, numerics.LOGPROB, INTERPRET, targets=tokens).logprobs, "sample vs score"
+    )
+    ref_tokens = logprob.head_reference(h, w, temps, seeds=seeds, steps=steps).tokens
     assert (np.asarray(tokens) == np.asarray(ref_tokens)).mean() > 0.9  # same noise, logits equal up to rounding
 
 
@@ -337,7 +339,7 @@ def test_sampling_follows_the_distribution(vocab):
     n, d = 20000, 64
     h, w = jnp.asarray(np.zeros((n, d), BF16)), randn(2, (vocab, d), BF16)
     seeds, steps = jnp.asarray(np.arange(n, dtype=np.uint32)), jnp.asarray(np.zeros(n, np.int32))
-    tokens, lp = logprob.sample_tokens(h, w, seeds, steps, host_full(n, 1.0), numerics.LOGPROB, INTERPRET)
+    tokens, lp = logprob.head(h, w, host_full(n, 1.0), numerics.LOGPROB, INTERPRET, seeds=seeds, steps=steps)[:2]
     assert np.asarray(tokens).max() < vocab
     counts = np.bincount(np.asarray(tokens), minlength=vocab)
     chi2 = ((counts - n / vocab) ** 2 / (n / vocab)).sum()
@@ -364,14 +366,14 @@ def test_logprob_uneven_vocab_splits(splits):
     h, w = randn(1, (n, d), BF16), randn(2, (vocab, d), BF16, 0.3)
     targets = host_ints(3, (n,), vocab)
     temps = host_full((n,), 1.1)
-    ker = lambda h, w: logprob.token_logprobs(h, w, targets, temps, config, INTERPRET)  # noqa: E731
+    ker = lambda h, w: logprob.head(h, w, temps, config, INTERPRET, targets=targets).logprobs  # noqa: E731
     check_against_truth(
-        ker, lambda h, w: logprob.token_logprobs_reference(h, w, targets, temps), [h, w], "split logprobs"
+        ker, lambda h, w: logprob.head_reference(h, w, temps, targets=targets).logprobs, [h, w], "split logprobs"
     )
     seeds, steps = jnp.asarray(np.arange(n, dtype=np.uint32)), jnp.asarray(np.zeros(n, np.int32))
-    tokens, lp = logprob.sample_tokens(h, w, seeds, steps, temps, config, INTERPRET)
-    assert_bits_equal(lp, logprob.token_logprobs(h, w, tokens, temps, config, INTERPRET), "sample vs score")
-    ref_tokens, _ = logprob.sample_tokens_reference(h, w, seeds, steps, temps)
+    tokens, lp = logprob.head(h, w, temps, config, INTERPRET, seeds=seeds, steps=steps)[:2]
+    assert_bits_equal(lp, logprob.head(h, w, temps, config, INTERPRET, targets=tokens).logprobs, "sample vs score")
+    ref_tokens = logprob.head_reference(h, w, temps, seeds=seeds, steps=steps).tokens
     assert (np.asarray(tokens) == np.asarray(ref_tokens)).mean() > 0.9
 
 
