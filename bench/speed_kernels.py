@@ -11,7 +11,7 @@ import numpy as np
 
 from bench._timing import BF16, F32, loop_time, median_time, rand
 from pallas_kernels import attention, logprob, matmul, swiglu
-from pallas_kernels._common import interpret_mode
+from pallas_kernels.common import interpret_mode
 from rlkjax import numerics
 from rlkjax.numerics import PAGE_SIZE
 
@@ -21,7 +21,7 @@ def attention_only(q, pages, plan, config, side):
     time a copy of the whole cache): the strict kernel, or the fast path's XLA attention. plan:
     `attention_plan(...)` with the same config, made outside the timed call."""
     if side == "strict":
-        return attention._padded_attention(q, pages, pages, jnp.int32(0), plan, config, interpret_mode())[0]
+        return attention.padded_attention(q, pages, pages, jnp.int32(0), plan, config, interpret_mode())[0]
     _, hkv, _, ps, dh = pages.shape
     b, p = plan.page_table.shape
     keys = pages[0][:, plan.page_table].reshape(hkv, b, p * ps, dh).transpose(1, 2, 0, 3)

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _math, matmul
-from pallas_kernels._common import F32, acc_dtype, check_block, compiler_params, dot_nt, pad_dim
+from pallas_kernels.common import F32, acc_dtype, check_block, compiler_params, dot_nt, pad_dim
 from pallas_kernels.truncation import truncate, truncate_reference
 
 
@@ -355,9 +355,7 @@ def head(
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _token_logprobs(h, w, targets, temperature, config: LogprobConfig, interpret: bool):
     """log softmax(h @ w.T / temperature)[targets] -> [N] fp32, differentiable (`_bwd`)."""
-    _check(h, w, targets, temperature)
-    keys = jnp.zeros(targets.shape, jnp.uint32)
-    return _fused(h, w, targets, temperature, keys, config, interpret)[0]
+    return _fwd(h, w, targets, temperature, config, interpret)[0]
 
 
 def _fwd(h, w, targets, temperature, config, interpret):
@@ -369,15 +367,14 @@ def _fwd(h, w, targets, temperature, config, interpret):
 
 BWD_CHUNK_BYTES = 1 << 29  # the backward's [N, chunk] tile, counted at 4 bytes an entry: 512 MiB at most
 # Interpreted (the CPU), every grid step of a Pallas kernel copies the kernel's whole output, so a
-# chunk's cost grows with its steps times its size: at Qwen3's 151,936 ids x 80 rows the backward took
-# 17 CPU-s as one chunk and 1.0 as 2,048-id chunks (640 rows: 4.8 CPU-s). A fixed width there also
+# chunk's cost grows with its steps times its size: narrow chunks there, of a fixed width, which also
 # makes the CPU's gradient bits independent of the row count.
 INTERPRET_CHUNK_IDS = 2048
 
 
 def vocab_chunk(rows, vocab, step, interpret=False):
     """Vocab ids per backward step: as wide as BWD_CHUNK_BYTES allows (each step is a
-    [rows, chunk] GEMM; 128-wide steps made the backward 39% of a 1.7B learner step), at most
+    [rows, chunk] GEMM, too small a one when narrow), at most
     INTERPRET_CHUNK_IDS interpreted, a multiple of `step` (whole vocab tiles and whole output tiles
     of the dz kernel), at most the (padded) vocab."""
     fit = max(step, (BWD_CHUNK_BYTES // (4 * max(rows, 1))) // step * step)
@@ -389,8 +386,7 @@ def vocab_chunk(rows, vocab, step, interpret=False):
 def _dz_kernel(v0_ref, h_ref, w_ref, inv_t_ref, lse_ref, tgt_ref, g_ref, o_ref, *, block_k, k_steps, vocab, interpret):
     """One [rows, ids] tile of dz = g / T * (onehot - softmax(logits / T)): the logits from the
     matmul's own tile code (`matmul.accumulate`, fp32 accumulator, K ascending), the rest in the
-    epilogue, so the fp32 logits never leave the kernel (they were written and read back per chunk:
-    3.3 of 250 ms a step at Qwen3-1.7B x 8192 tokens)."""
+    epilogue, so the fp32 logits are never written out and read back."""
     block_n = o_ref.shape[1]
     z = matmul.accumulate(lambda ks: h_ref[:, ks], lambda ks: w_ref[:, ks], o_ref.shape, block_k, k_steps, interpret)
     inv_t = inv_t_ref[...]
@@ -445,7 +441,7 @@ def _bwd(config, interpret, saved, g):
     wc = pad_dim(w, 0, chunk).reshape(-1, chunk, w.shape[1])  # an odd vocab: padded ids masked in _dz
     inv_t = 1.0 / _greedy_and_temperature(temperature.astype(F32))[1]  # a greedy row was scored at T = 1
     dot = functools.partial(matmul.product, config=config.backward, interpret=interpret)
-    if config.backward.backward_in_place:  # 6.6 of 255 ms a step in transposes at Qwen3-1.7B x 8192 tokens
+    if config.backward.backward_in_place:  # no transposed copies of dz, w and h
         d_h = lambda dz, w_tile: dot(dz, w_tile, layout="nn", out_dtype=F32)  # noqa: E731
         d_w = lambda dz: dot(dz, h, layout="tn")  # noqa: E731
     else:

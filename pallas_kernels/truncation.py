@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _math
-from pallas_kernels._common import F32, compiler_params, pad_dim
+from pallas_kernels.common import F32, compiler_params, pad_dim
 
 
 def _top_p_kernel(sorted_ref, thr_k_ref, top_p_ref, count_ref, *, block_vocab, num_tiles):

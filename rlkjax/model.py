@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels._common import pad_dim
+from pallas_kernels.common import pad_dim
 from pallas_kernels.logprob import Logprobs
 from rlkjax.config import ModelConfig
 from rlkjax.numerics import PAGE_SIZE, Numerics, ops, options, padded_rows
@@ -89,8 +89,7 @@ def embed(table, ids):
     """table [V, D][ids [N]]: a gather (the same bits as plain indexing). Its gradient is summed by
     `_embed_bwd`, not by the scatter-add XLA would emit: on a GPU that runs as atomic adds in the
     table's dtype (bf16), so repeated tokens' gradients were added in a different order each run
-    (measured: on 2 H200s, two processes and one process driving the same devices ended one update
-    apart in every weight)."""
+    (two runs of one training on 2 H200s ended apart in every weight)."""
     return table[ids]
 
 
@@ -279,8 +278,8 @@ def forward(
     remat: (the learner's pass, weights_in_place=False) recompute each layer's two halves (norm +
     q/k/v + q/k norms; o_proj + norm + gate/up + swiglu + down_proj) in the backward instead of
     keeping their intermediates: the layer scan then stacks only each layer's input and the
-    attention's q, k, v and output (Qwen3-4B, 4 x 1024 tokens: 100 instead of 428 MiB per layer)
-    for about a quarter more matmul work. Same kernels on the same inputs: the same bits.
+    attention's q, k, v and output (about a quarter of the memory) for about a quarter more matmul
+    work. Same kernels on the same inputs: the same bits.
     numerics: "strict", "fast" or a NumericsOptions (its layer_unroll sets the sampler's layer loop)."""
     if (layer_weights is not None or remat) and weights_in_place:
         raise ValueError("layer_weights and remat need weights_in_place=False (the learner's pass)")
@@ -314,11 +313,10 @@ def _layers(p: _Pass, x, kv_cache, shared):
         return x, (k_pages, v_pages)
     # The learner's pass on whole weights: layers unrolled, matrices read in place from their
     # stacks (no per-layer copy), each layer's activations kept where its kernels wrote them (a
-    # scan stacks them for the backward and slices them back out: ~1,500 copies, 34 ms of a
-    # 619 ms Qwen3-4B x 2 x 4096 step on the H200). Each matrix's gradient comes back through
-    # its slice (`unstack`), stacked once. Same kernels, same inputs: the same bits. The layer
-    # is one jitted function of its inputs, called once per layer: JAX lowers it (and its
-    # derivatives) once, where lowering each layer's Pallas calls again took 15 s at Qwen3-8B.
+    # scan stacks them for the backward and slices them back out: a copy of each). Each matrix's
+    # gradient comes back through its slice (`unstack`), stacked once. Same kernels, same inputs:
+    # the same bits. The layer is one jitted function of its inputs, called once per layer: JAX
+    # lowers it (and its derivatives) once, not each layer's Pallas calls again.
     stacks = {name: jax.lax.stop_gradient(p.params["layers"][name]) for name in MATRICES}
     pieces = {name: unstack(w) for name, w in p.params["layers"].items()}
     step = jax.jit(functools.partial(layer_step, p))
@@ -408,11 +406,8 @@ def completion_logprobs(
     to the prompt); then the scored columns' hidden states are gathered (`take_rows`) and only those
     B x C rows enter the logprob kernel, forward and backward. Each row's logprob is the same kernel
     on the same hidden state, so it has the bits `sequence_logprobs` gives at that position (and the
-    sampler's). Chosen over laying completions out from one column (left-padded prompts: a static
-    slice, but a second batch layout for attention and positions to honour) and over a kernel that
-    skips row blocks without completion tokens (the blocks of a right-padded batch mix prompt and
-    completion rows, so little would be skipped, and the backward's products would still walk every
-    row). Gradients are not promised bits across the two: the lm_head's sums the same scored rows'
+    sampler's; bench/results/2026-12-02_h200_learner_completion_columns.json times it). Gradients
+    are not promised bits across the two: the lm_head's sums the same scored rows'
     products grouped into other tiles, and the logprob backward's vocabulary chunk is sized by the
     row count on a GPU, so with many rows the hidden states' cotangent is summed over other chunks;
     where the chunk is the same (always, interpreted), every other weight's gradient is the full

@@ -92,8 +92,8 @@ def decode_round(
 
     The loop always runs num_steps steps: a loop that ended once every row stopped would need the
     host to read its condition after every step, and XLA:GPU's dispatch then blocks the host for
-    the whole round (measured on the H200: 7.1 of 8.2 s of a server burst in dispatch), so the host
-    could not plan the next round while this one runs. A round whose rows all stop early (the last
+    the whole round (bench/results/2026-11-30_h200_server_burst_0.6b.json), so the host could not
+    plan the next round while this one runs. A round whose rows all stop early (the last
     one of a batch) runs its remaining steps on padding.
     """
     rows = tokens.shape[0]
