@@ -11,7 +11,7 @@ import numpy as np
 
 from bench._timing import BF16, F32, loop_time, median_time, rand
 from pallas_kernels import attention, logprob, matmul, swiglu
-from pallas_kernels._common import interpret_mode
+from pallas_kernels.common import interpret_mode
 from rlkjax import numerics
 from rlkjax.numerics import PAGE_SIZE
 
@@ -21,7 +21,7 @@ def attention_only(q, pages, plan, config, side):
     time a copy of the whole cache): the strict kernel, or the fast path's XLA attention. plan:
     `attention_plan(...)` with the same config, made outside the timed call."""
     if side == "strict":
-        return attention._padded_attention(q, pages, pages, jnp.int32(0), plan, config, interpret_mode())[0]
+        return attention.padded_attention(q, pages, pages, jnp.int32(0), plan, config, interpret_mode())[0]
     _, hkv, _, ps, dh = pages.shape
     b, p = plan.page_table.shape
     keys = pages[0][:, plan.page_table].reshape(hkv, b, p * ps, dh).transpose(1, 2, 0, 3)
@@ -55,7 +55,7 @@ def matmul_stacked_time(m, k, n, layers, config, repeats, which="strict"):
 
     def step(i, x, ws):
         if which == "strict":
-            y = matmul.matmul_layer(x, ws, i, None, config, interp)
+            y = matmul.product(x, ws, config, interp, layer=i)
         elif which == "sliced":
             y = matmul.matmul(x, ws[i], None, config, interp)
         else:
@@ -199,8 +199,8 @@ def logprob_rows(s, bw, rate, repeats):
     for n_rows in s.logprob_rows:
         h = rand(11, (n_rows, s.width))
         tg, tp = jnp.zeros((n_rows,), jnp.int32), jnp.ones((n_rows,), F32)
-        fs = jax.jit(lambda h, w: logprob.token_logprobs(h, w, tg, tp, numerics.LOGPROB, interp))
-        fx = jax.jit(lambda h, w: logprob.token_logprobs_reference(h, w, tg, tp))
+        fs = jax.jit(lambda h, w: logprob.head(h, w, tp, numerics.LOGPROB, interp, targets=tg).logprobs)
+        fx = jax.jit(lambda h, w: logprob.head_reference(h, w, tp, targets=tg).logprobs)
         flops = 2 * n_rows * s.vocab * s.width
         rows.append(
             kernel_row(

@@ -39,7 +39,7 @@ def decode_loop(params, tokens, start, cache, page_table, seeds, temps, rope, cf
     def body(i, carry):
         tok, cache, _ = carry
         hidden, cache = model.forward(params, tok, (start + i)[:, None], cache, page_table, rope, cfg, numerics)
-        nxt, lp = model.sample(params, hidden[:, 0], seeds, jnp.full_like(seeds, i), temps, numerics)
+        nxt, lp = model.sample(params, hidden[:, 0], seeds, jnp.full_like(seeds, i), temps, numerics)[:2]
         return nxt[:, None], cache, lp
 
     tok, cache, lp = jax.lax.fori_loop(0, steps, body, (tokens, cache, jnp.zeros(tokens.shape[0], F32)))

@@ -12,7 +12,7 @@ import numpy as np
 from bench._timing import BF16, F32, loop_time, median_time, rand
 from bench.speed_kernels import attention_case, attention_only, attention_plan, causal_flops
 from pallas_kernels import attention, matmul, rmsnorm
-from pallas_kernels._common import interpret_mode
+from pallas_kernels.common import interpret_mode
 from rlkjax import numerics
 
 # Matmul tiles (block_m, block_n, block_k, warps, stages) tried per decode M; the last config of every
@@ -74,7 +74,7 @@ def decode_matmul_sweep(bw, repeats, add):
                     def step(i, carry, ws, c=c, how=how):
                         x, _ = carry
                         if how == "stacked":
-                            y = matmul.matmul_layer(x, ws, i, None, c, interpret_mode())
+                            y = matmul.product(x, ws, c, interpret_mode(), layer=i)
                         else:
                             y = matmul.matmul(x, ws[i], None, c, interpret_mode())
                         return (jnp.tile(y, (1, -(-k // n)))[:, :k] if n < k else y[:, :k]), y[0, :64]
@@ -108,9 +108,9 @@ def qkv_sweep(bw, repeats, add):
         def qkv_step(i, x, ws, how=how):
             c = numerics.MATMUL_DECODE
             if how == "fused":
-                ys = matmul.matmul_layer_fused(x, ws, i, c, interpret_mode())
+                ys = matmul.fused_product(x, ws, i, c, interpret_mode())
             else:
-                ys = [matmul.matmul_layer(x, w, i, None, c, interpret_mode()) for w in ws]
+                ys = [matmul.product(x, w, c, interpret_mode(), layer=i) for w in ws]
             return ys[0] + jnp.tile(ys[1], (1, 4)) + jnp.tile(ys[2], (1, 4))
 
         x0 = rand(1, (16, 4096))

@@ -45,8 +45,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _math
-from pallas_kernels._common import F32, acc_dtype, check_block, compiler_params, dot_nn, dot_nt, pad_dim, round_up
 from pallas_kernels.attention_bwd import AttentionBwdConfig, attention_bwd
+from pallas_kernels.common import F32, acc_dtype, check_block, compiler_params, dot_nn, dot_nt, pad_dim, round_up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +104,7 @@ def plan(page_table, positions, group: int, page_size: int, config: "AttentionCo
     slot = jnp.where(valid, pos % page_size, 0).reshape(-1)
     if config is None:
         return Plan(page_table, positions, page, slot, None)
-    g_p = pl.next_power_of_2(group)  # query heads per KV head in the kernel (see _padded_attention)
+    g_p = pl.next_power_of_2(group)  # query heads per KV head in the kernel (see padded_attention)
     bq = max(1, config.block_rows // g_p)
     row_pos = jnp.repeat(pad_dim(positions, 1, bq, value=-1), g_p, axis=1)
     # whole blocks: extra entries read the trash page
@@ -236,7 +236,7 @@ def _fused_kernel(layer_ref, pt_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, lse_re
         o_ref[pl.ds(t * rows, rows), :], lse_ref[pl.ds(t * rows, rows)] = _finish(state, o_ref.dtype)
 
 
-def _padded_attention(q, k_pages, v_pages, layer, plan: Plan, config, interpret):
+def padded_attention(q, k_pages, v_pages, layer, plan: Plan, config, interpret):
     """Triton tiles are powers of two: a head dim that is not one (or is < 16, the smallest dot)
     gets zero features on q, k and v (exact zero products; the zero output columns are sliced
     away), with the scale from the true head dim; a group size that is not one gets zero query
@@ -382,7 +382,7 @@ def _forward(q, k, v, k_pages, v_pages, layer, plan: Plan, config: AttentionConf
     _check(q, k, v, k_pages, v_pages, plan)
     k_pages = write_kv(k_pages, k, layer, plan)
     v_pages = write_kv(v_pages, v, layer, plan)
-    return *_padded_attention(q, k_pages, v_pages, layer, plan, config, interpret), k_pages, v_pages
+    return *padded_attention(q, k_pages, v_pages, layer, plan, config, interpret), k_pages, v_pages
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))

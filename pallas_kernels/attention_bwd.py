@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import F32, check_block, compiler_params, dot_nn, dot_nt, pad_dim
+from pallas_kernels.common import F32, check_block, compiler_params, dot_nn, dot_nt, pad_dim
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,22 +18,26 @@ Temperature 0 is greedy: the kernel divides by 1 and adds no noise, so the drawn
 of the logits (ties to the lowest id) and its logprob is the temperature-1 one; scoring at T = 0 is
 scoring at T = 1, so `score(..., temperature=1)` gives the same bits.
 
-Top alternatives (`*_with_alternatives`) need the k largest logits of a row: `_logits_kernel`
-writes the fp32 logits / T of every vocab tile with the fused kernel's own tile code, XLA's top_k
-selects (no rounding), and `_minus_kernel` subtracts the fused kernel's log-sum-exp, the one
-rounding a logprob has (logit - lse, as in `_merge_kernel`). That materialises [rows, vocab] fp32,
-so it is a separate variant for the few rows that ask, never the default path.
+`head` is the one entry, for both sides: score targets or draw keyed by (seed, step), with top
+alternatives and truncation (pallas_kernels.truncation) as options. Those options need a row's
+materialised logits: `_logits_kernel` writes the fp32 logits / T of every vocab tile with the fused
+kernel's own tile code, XLA's top_k selects (no rounding), and `_minus_kernel` subtracts the fused
+kernel's log-sum-exp, the one rounding a logprob has (logit - lse, as in `_merge_kernel`). That is
+[rows, vocab] fp32, so only the rows that ask run it. `head_reference` is the same signature in
+plain XLA (`numerics="fast"`).
 """
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _math, matmul
-from pallas_kernels._common import F32, acc_dtype, check_block, compiler_params, dot_nt, pad_dim
+from pallas_kernels.common import F32, acc_dtype, check_block, compiler_params, dot_nt, pad_dim
+from pallas_kernels.truncation import truncate, truncate_reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,40 +297,65 @@ def _alternatives(h, w, temperature, lse, k: int, config: LogprobConfig, interpr
     return ids.astype(jnp.int32), _minus_lse(values, lse, config, interpret)
 
 
+class Logprobs(NamedTuple):
+    """What the head returns per row (None where the option was not asked for)."""
+
+    tokens: jax.Array | None  # [N] int32: the drawn tokens, or the targets scored (None: the caller has them)
+    logprobs: jax.Array  # [N] fp32: their logprobs under softmax(logits / T)
+    renormalised: jax.Array | None = None  # [N] fp32: under the truncated, renormalised distribution
+    top_ids: jax.Array | None = None  # [N, k] int32: the k most likely ids, descending
+    top_logprobs: jax.Array | None = None  # [N, k] fp32: their logprobs
+
+
+def head(
+    h, w, temperature, config, interpret: bool, targets=None, seeds=None, steps=None, alternatives=0, truncation=None
+) -> Logprobs:
+    """The lm_head and log-softmax over h [N, D] @ w [V, D].T / temperature [N], for the learner or the
+    sampler: scores `targets` [N], or draws one token per row keyed by (seeds, steps) [N].
+
+    alternatives = k > 0: also each row's k most likely ids and their logprobs (the full
+    distribution's; materialises [N, V] fp32 logits). truncation = (top_k [N] int32 in [1, V], top_p
+    [N] fp32 in (0, 1], min_p [N] fp32 in [0, 1]) (pallas_kernels.truncation): draw from (or score
+    under) the truncated, renormalised distribution, and give that logprob as `renormalised`; the
+    full distribution's logprob comes from the same fused kernel either way (the learner's bits by
+    construction). Scoring targets without options is differentiable (a streamed backward that
+    never holds [N, V]); the rest is not. A drawn token and a scored target have the same logprob
+    bits, with or without alternatives."""
+    sampling = targets is None
+    if sampling == (seeds is None or steps is None):
+        raise ValueError("head takes targets (to score) or seeds and steps (to sample), not both")
+    if not sampling and not alternatives and truncation is None:
+        return Logprobs(targets, _token_logprobs(h, w, targets, temperature, config, interpret))
+    _check(h, w, temperature, *((seeds, steps) if sampling else (targets,)), *(truncation or ()))
+    if sampling:
+        targets = jnp.zeros(seeds.shape, jnp.int32)
+        keys = _math.row_key(seeds, steps)
+    else:
+        keys = jnp.zeros(targets.shape, jnp.uint32)
+    if truncation is not None:
+        z = _logits(h, w, temperature, config, interpret)
+        tok, renorm, tgt_renorm, values, ids = truncate(z, targets, keys, temperature, *truncation, config, interpret)
+        scored = tok if sampling else targets
+        lp, _, _, lse = _fused(h, w, scored, temperature, keys, config, interpret)  # the learner's kernel
+        out = Logprobs(scored, lp, renorm if sampling else tgt_renorm)
+        if alternatives:  # the k largest of the logits the kept set was chosen from
+            top_ids = ids[:, :alternatives].astype(jnp.int32)
+            out = out._replace(
+                top_ids=top_ids, top_logprobs=_minus_lse(values[:, :alternatives], lse, config, interpret)
+            )
+        return out
+    target_lp, tokens, sampled_lp, lse = _fused(h, w, targets, temperature, keys, config, interpret)
+    out = Logprobs(tokens, sampled_lp) if sampling else Logprobs(targets, target_lp)
+    if alternatives:
+        top_ids, top_lp = _alternatives(h, w, temperature, lse, alternatives, config, interpret)
+        out = out._replace(top_ids=top_ids, top_logprobs=top_lp)
+    return out
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def token_logprobs(h, w, targets, temperature, config: LogprobConfig, interpret: bool):
-    """log softmax(h @ w.T / temperature)[targets] -> [N] fp32 (the learner's side)."""
-    _check(h, w, targets, temperature)
-    keys = jnp.zeros(targets.shape, jnp.uint32)
-    return _fused(h, w, targets, temperature, keys, config, interpret)[0]
-
-
-def sample_tokens(h, w, seeds, steps, temperature, config: LogprobConfig, interpret: bool):
-    """Draw one token per row from softmax(h @ w.T / temperature), keyed by (seed, step); returns
-    (tokens [N] int32, their logprobs [N] fp32) (the sampler's side)."""
-    _check(h, w, seeds, steps, temperature)
-    targets = jnp.zeros(seeds.shape, jnp.int32)
-    _, tokens, logprobs, _ = _fused(h, w, targets, temperature, _math.row_key(seeds, steps), config, interpret)
-    return tokens, logprobs
-
-
-def sample_tokens_with_alternatives(h, w, seeds, steps, temperature, k: int, config: LogprobConfig, interpret: bool):
-    """`sample_tokens` plus the k most likely ids of each row's distribution and their logprobs
-    (top_ids [N, k] int32, top_logprobs [N, k] fp32). The tokens and logprobs are `sample_tokens`'s
-    bits; a drawn token that is among the k has the same bits in both lists."""
-    _check(h, w, seeds, steps, temperature)
-    targets = jnp.zeros(seeds.shape, jnp.int32)
-    _, tokens, logprobs, lse = _fused(h, w, targets, temperature, _math.row_key(seeds, steps), config, interpret)
-    return (tokens, logprobs, *_alternatives(h, w, temperature, lse, k, config, interpret))
-
-
-def token_logprobs_with_alternatives(h, w, targets, temperature, k: int, config: LogprobConfig, interpret: bool):
-    """`token_logprobs` (same bits) plus each row's k most likely ids and their logprobs. Not
-    differentiable: it is for reporting (prompt logprobs), not for the loss."""
-    _check(h, w, targets, temperature)
-    keys = jnp.zeros(targets.shape, jnp.uint32)
-    logprobs, _, _, lse = _fused(h, w, targets, temperature, keys, config, interpret)
-    return (logprobs, *_alternatives(h, w, temperature, lse, k, config, interpret))
+def _token_logprobs(h, w, targets, temperature, config: LogprobConfig, interpret: bool):
+    """log softmax(h @ w.T / temperature)[targets] -> [N] fp32, differentiable (`_bwd`)."""
+    return _fwd(h, w, targets, temperature, config, interpret)[0]
 
 
 def _fwd(h, w, targets, temperature, config, interpret):
@@ -338,15 +367,14 @@ def _fwd(h, w, targets, temperature, config, interpret):
 
 BWD_CHUNK_BYTES = 1 << 29  # the backward's [N, chunk] tile, counted at 4 bytes an entry: 512 MiB at most
 # Interpreted (the CPU), every grid step of a Pallas kernel copies the kernel's whole output, so a
-# chunk's cost grows with its steps times its size: at Qwen3's 151,936 ids x 80 rows the backward took
-# 17 CPU-s as one chunk and 1.0 as 2,048-id chunks (640 rows: 4.8 CPU-s). A fixed width there also
+# chunk's cost grows with its steps times its size: narrow chunks there, of a fixed width, which also
 # makes the CPU's gradient bits independent of the row count.
 INTERPRET_CHUNK_IDS = 2048
 
 
-def _vocab_chunk(rows, vocab, step, interpret=False):
+def vocab_chunk(rows, vocab, step, interpret=False):
     """Vocab ids per backward step: as wide as BWD_CHUNK_BYTES allows (each step is a
-    [rows, chunk] GEMM; 128-wide steps made the backward 39% of a 1.7B learner step), at most
+    [rows, chunk] GEMM, too small a one when narrow), at most
     INTERPRET_CHUNK_IDS interpreted, a multiple of `step` (whole vocab tiles and whole output tiles
     of the dz kernel), at most the (padded) vocab."""
     fit = max(step, (BWD_CHUNK_BYTES // (4 * max(rows, 1))) // step * step)
@@ -357,11 +385,10 @@ def _vocab_chunk(rows, vocab, step, interpret=False):
 
 def _dz_kernel(v0_ref, h_ref, w_ref, inv_t_ref, lse_ref, tgt_ref, g_ref, o_ref, *, block_k, k_steps, vocab, interpret):
     """One [rows, ids] tile of dz = g / T * (onehot - softmax(logits / T)): the logits from the
-    matmul's own tile code (`matmul._product`, fp32 accumulator, K ascending), the rest in the
-    epilogue, so the fp32 logits never leave the kernel (they were written and read back per chunk:
-    3.3 of 250 ms a step at Qwen3-1.7B x 8192 tokens)."""
+    matmul's own tile code (`matmul.accumulate`, fp32 accumulator, K ascending), the rest in the
+    epilogue, so the fp32 logits are never written out and read back."""
     block_n = o_ref.shape[1]
-    z = matmul._product(h_ref, lambda ks: w_ref[:, ks], o_ref.shape, block_k, k_steps, interpret)
+    z = matmul.accumulate(lambda ks: h_ref[:, ks], lambda ks: w_ref[:, ks], o_ref.shape, block_k, k_steps, interpret)
     inv_t = inv_t_ref[...]
     z = z * inv_t[:, None]
     ids = v0_ref[0] + pl.program_id(1) * block_n + jnp.arange(block_n, dtype=jnp.int32)[None, :]
@@ -410,12 +437,12 @@ def _bwd(config, interpret, saved, g):
     they read dz, w and h where they lie instead of transposed copies)."""
     h, w, targets, temperature, lse = saved
     vocab = w.shape[0]
-    chunk = _vocab_chunk(h.shape[0], vocab, max(config.block_vocab, config.backward.block_n), interpret)
+    chunk = vocab_chunk(h.shape[0], vocab, max(config.block_vocab, config.backward.block_n), interpret)
     wc = pad_dim(w, 0, chunk).reshape(-1, chunk, w.shape[1])  # an odd vocab: padded ids masked in _dz
     inv_t = 1.0 / _greedy_and_temperature(temperature.astype(F32))[1]  # a greedy row was scored at T = 1
     dot = functools.partial(matmul.product, config=config.backward, interpret=interpret)
-    if config.backward.backward_in_place:  # 6.6 of 255 ms a step in transposes at Qwen3-1.7B x 8192 tokens
-        d_h = lambda dz, w_tile: dot(dz, w_tile, out_dtype=F32, layout="nn")  # noqa: E731
+    if config.backward.backward_in_place:  # no transposed copies of dz, w and h
+        d_h = lambda dz, w_tile: dot(dz, w_tile, layout="nn", out_dtype=F32)  # noqa: E731
         d_w = lambda dz: dot(dz, h, layout="tn")  # noqa: E731
     else:
         h_t = h.T
@@ -431,43 +458,58 @@ def _bwd(config, interpret, saved, g):
     return dh.astype(h.dtype), dw.reshape(-1, w.shape[1])[:vocab], None, None
 
 
-token_logprobs.defvjp(_fwd, _bwd)
+_token_logprobs.defvjp(_fwd, _bwd)
 
 
-def _logits_reference(h, w, temperature):
+def logits_reference(h, w, temperature):
+    """fp32 logits / T [N, V] in plain XLA (greedy rows: T = 1)."""
     acc = acc_dtype(h.dtype)
     temperature = temperature.astype(acc)
     temperature = jnp.where(temperature == 0, jnp.ones_like(temperature), temperature)  # greedy: T = 1
     return jnp.dot(h, w.T, preferred_element_type=acc) / temperature[:, None]
 
 
-def token_logprobs_reference(h, w, targets, temperature, config=None, interpret=None):
-    """Plain XLA: materialised fp32 logits + jax.nn.log_softmax. What `numerics="fast"` runs."""
-    logp = jax.nn.log_softmax(_logits_reference(h, w, temperature), axis=-1)
-    return jnp.take_along_axis(logp, targets[:, None].astype(jnp.int32), axis=1)[:, 0]
-
-
-def sample_tokens_reference(h, w, seeds, steps, temperature, config=None, interpret=None):
-    """Same Gumbel noise as the kernel, so fast and strict draw the same tokens up to rounding;
-    temperature 0 rows take the argmax (jnp.argmax: ties to the lowest id)."""
-    logits = _logits_reference(h, w, temperature)
-    cols = jnp.arange(w.shape[0], dtype=jnp.int32)[None, :]
+def _gumbel_argmax(scores, temperature, seeds, steps):
+    """The sampler's draw in plain XLA: the kernel's Gumbel noise (greedy rows: none), argmax with
+    ties to the lowest id (jnp.argmax), so fast and strict draw the same tokens up to rounding."""
+    cols = jnp.arange(scores.shape[1], dtype=jnp.int32)[None, :]
     noise = _math.gumbel_noise(_math.row_key(seeds, steps)[:, None], cols)
-    scores = jnp.where((temperature == 0)[:, None], logits, logits + noise)
-    tokens = jnp.argmax(scores, axis=1).astype(jnp.int32)
+    return jnp.argmax(jnp.where((temperature == 0)[:, None], scores, scores + noise), axis=1).astype(jnp.int32)
+
+
+def head_reference(
+    h,
+    w,
+    temperature,
+    config=None,
+    interpret=None,
+    targets=None,
+    seeds=None,
+    steps=None,
+    alternatives=0,
+    truncation=None,
+) -> Logprobs:
+    """`head` in plain XLA (materialised fp32 logits, jax.nn.log_softmax): what `numerics="fast"` runs."""
+    if truncation is not None:
+        z, lse, lse_kept, zk, values, ids = truncate_reference(logits_reference(h, w, temperature), *truncation)
+        if targets is None:
+            tok = _gumbel_argmax(zk, temperature, seeds, steps)
+            logit = jnp.take_along_axis(z, tok[:, None], axis=1)[:, 0]
+            out = Logprobs(tok, logit - lse, logit - lse_kept)
+        else:
+            at = targets[:, None].astype(jnp.int32)
+            lp = jnp.take_along_axis(z, at, axis=1)[:, 0] - lse
+            out = Logprobs(targets, lp, jnp.take_along_axis(zk, at, axis=1)[:, 0] - lse_kept)
+        if alternatives:
+            k = alternatives
+            out = out._replace(top_ids=ids[:, :k].astype(jnp.int32), top_logprobs=values[:, :k] - lse[:, None])
+        return out
+    logits = logits_reference(h, w, temperature)
+    if targets is None:
+        targets = _gumbel_argmax(logits, temperature, seeds, steps)
     logp = jax.nn.log_softmax(logits, axis=-1)
-    return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=1)[:, 0]
-
-
-def _alternatives_reference(h, w, temperature, k):
-    values, ids = jax.lax.top_k(jax.nn.log_softmax(_logits_reference(h, w, temperature), axis=-1), k)
-    return ids.astype(jnp.int32), values
-
-
-def sample_tokens_with_alternatives_reference(h, w, seeds, steps, temperature, k, config=None, interpret=None):
-    return (*sample_tokens_reference(h, w, seeds, steps, temperature), *_alternatives_reference(h, w, temperature, k))
-
-
-def token_logprobs_with_alternatives_reference(h, w, targets, temperature, k, config=None, interpret=None):
-    lp = token_logprobs_reference(h, w, targets, temperature)
-    return (lp, *_alternatives_reference(h, w, temperature, k))
+    out = Logprobs(targets, jnp.take_along_axis(logp, targets[:, None].astype(jnp.int32), axis=1)[:, 0])
+    if alternatives:
+        values, ids = jax.lax.top_k(jax.nn.log_softmax(logits_reference(h, w, temperature), axis=-1), alternatives)
+        out = out._replace(top_ids=ids.astype(jnp.int32), top_logprobs=values)
+    return out

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _math
-from pallas_kernels._common import F32, acc_dtype, check_block, compiler_params, pad_dim
+from pallas_kernels.common import F32, acc_dtype, check_block, compiler_params, pad_dim
 
 
 @dataclasses.dataclass(frozen=True)

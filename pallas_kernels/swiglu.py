@@ -11,7 +11,7 @@ import jax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _math
-from pallas_kernels._common import acc_dtype, check_block, compiler_params, pad_dim
+from pallas_kernels.common import acc_dtype, check_block, compiler_params, pad_dim
 
 
 @dataclasses.dataclass(frozen=True)

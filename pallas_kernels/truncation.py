@@ -7,13 +7,13 @@ The kept set of a row, each filter applied to what the previous one kept (HF's a
       always stays; ids with the logit of the last one kept stay too);
   min_p (0: off): exp(logit - max logit) >= min_p, i.e. p >= min_p * p_max (renormalising does not
       change that ratio, so the order does not matter for it).
-The draw is Gumbel-max over the kept ids with `logprob.sample_tokens`'s noise (greedy rows: plain
+The draw is Gumbel-max over the kept ids with the untruncated sampler's noise (greedy rows: plain
 argmax), so it samples the renormalised distribution, and with nothing truncated it draws the
-untruncated token (`logprob._logits` runs the fused kernel's tile code: tested). Returned per row:
-the token, its logprob under the full distribution at T (the fused kernel of logprob.py scores the
-drawn token: the learner's bits by construction) and its logprob under the renormalised kept set
-(logit - log-sum-exp of the kept logits). The learner's side, `token_logprobs_truncated`, runs the
-same kernels on target ids and gives the same bits for the same row (rows never mix).
+untruncated token (the logits come from the fused kernel's tile code: tested). `truncate` gives
+per row the drawn token and its logprob under the renormalised kept set (logit - log-sum-exp of the
+kept logits), and a target's; `logprob.head` adds the full distribution's logprob from its fused
+kernel (the learner's bits by construction). Scoring targets runs the same kernels and gives the
+sampler's bits for the same row (rows never mix).
 
 Float arithmetic (exp, sums, the cumulative mass, log) runs in the two kernels below, over vocab
 tiles in ascending order; XLA only sorts (top_k over the whole vocabulary: selection) and gathers.
@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _math, logprob
-from pallas_kernels._common import F32, compiler_params, pad_dim
+from pallas_kernels import _math
+from pallas_kernels.common import F32, compiler_params, pad_dim
 
 
 def _top_p_kernel(sorted_ref, thr_k_ref, top_p_ref, count_ref, *, block_vocab, num_tiles):
@@ -109,21 +109,12 @@ def _sample_kernel(
     tgt_renorm_ref[...] = tgt_logit - lse_kept
 
 
-def _check_rows(n, *rows):
-    for r in rows:
-        if r.shape != (n,):
-            raise ValueError(f"per-row input of shape {r.shape} does not match {n} rows")
-
-
-def _truncated(h, w, targets, keys, temperature, top_k, top_p, min_p, config, interpret):
-    """Returns the drawn tokens and their renormalised logprobs, the targets' renormalised logprobs
-    [N], and the row's logits sorted descending with their ids [N, V]. Full-distribution logprobs
-    come from the fused kernel itself (`logprob._fused` with the token as target), so they are the
-    learner's bits by construction, not by the two kernels' logits agreeing."""
-    n, vocab = h.shape[0], w.shape[0]
-    _check_rows(n, targets, keys, temperature, top_k, top_p, min_p)
+def truncate(z, targets, keys, temperature, top_k, top_p, min_p, config, interpret: bool):
+    """z [N, V]: the rows' fp32 logits / T (logprob.head's `_logits`). Returns the drawn tokens and
+    their renormalised logprobs, the targets' renormalised logprobs [N], and the logits sorted
+    descending with their ids [N, V]. config: the head's LogprobConfig (row and vocab tiles)."""
+    n, vocab = z.shape
     c = config
-    z = logprob._logits(h, w, temperature, c, interpret)  # [N, V]
     values, ids = jax.lax.top_k(z, vocab)  # a full sort, descending (selection: no rounding)
     thr_k = jnp.take_along_axis(values, (top_k - 1)[:, None], axis=1)[:, 0]
     br, bv = c.block_rows, c.block_vocab
@@ -157,34 +148,9 @@ def _truncated(h, w, targets, keys, temperature, top_k, top_p, min_p, config, in
     return tok[:n], renorm[:n], tgt_renorm[:n], values, ids
 
 
-def sample_tokens_truncated(h, w, seeds, steps, temperature, top_k, top_p, min_p, k, config, interpret):
-    """Draw one token per row from the truncated, renormalised softmax(h @ w.T / T) (temperature 0:
-    the argmax). top_k [N] int32 in [1, V] (V: off), top_p [N] fp32 in (0, 1], min_p [N] fp32 in
-    [0, 1]. Returns (tokens, logprobs under the full distribution, logprobs under the renormalised
-    kept set), each [N], and with k > 0 also the k most likely ids of the full distribution and their
-    logprobs [N, k] (the same values `sample_tokens_with_alternatives` gives)."""
-    targets = jnp.zeros(seeds.shape, jnp.int32)
-    keys = _math.row_key(seeds, steps)
-    tok, renorm, _, values, ids = _truncated(h, w, targets, keys, temperature, top_k, top_p, min_p, config, interpret)
-    lp, _, _, lse = logprob._fused(h, w, tok, temperature, keys, config, interpret)  # scores the drawn token
-    out = (tok, lp, renorm)
-    if k:
-        out += (ids[:, :k].astype(jnp.int32), logprob._minus_lse(values[:, :k], lse, config, interpret))
-    return out
-
-
-def token_logprobs_truncated(h, w, targets, temperature, top_k, top_p, min_p, config, interpret):
-    """The learner's side: each target's logprob under the full distribution (`token_logprobs`'
-    bits) and under the truncated, renormalised one (-inf outside the kept set): the bits the
-    sampler records for a drawn token with truncated_logprobs. Not differentiable."""
-    keys = jnp.zeros(targets.shape, jnp.uint32)
-    renorm = _truncated(h, w, targets, keys, temperature, top_k, top_p, min_p, config, interpret)[2]
-    return logprob._fused(h, w, targets, temperature, keys, config, interpret)[0], renorm
-
-
-def _truncated_reference(h, w, temperature, top_k, top_p, min_p):
-    """The same rules in plain XLA: (logits, lse, kept-set lse, kept mask, sorted values and ids)."""
-    z = logprob._logits_reference(h, w, temperature)
+def truncate_reference(z, top_k, top_p, min_p):
+    """The same rules in plain XLA over logits z [N, V]: (z, its log-sum-exp, the kept set's, the kept
+    logits (-inf elsewhere), the sorted values and their ids)."""
     vocab = z.shape[1]
     values, ids = jax.lax.top_k(z, vocab)
     thr_k = jnp.take_along_axis(values, (top_k - 1)[:, None], axis=1)
@@ -195,24 +161,3 @@ def _truncated_reference(h, w, temperature, top_k, top_p, min_p):
     kept = (z >= thr) & (jnp.exp(z - values[:, :1]) >= min_p[:, None])
     zk = jnp.where(kept, z, -jnp.inf)
     return z, jax.nn.logsumexp(z, axis=1), jax.nn.logsumexp(zk, axis=1), zk, values, ids
-
-
-def sample_tokens_truncated_reference(
-    h, w, seeds, steps, temperature, top_k, top_p, min_p, k, config=None, interpret=None
-):
-    """What `numerics="fast"` runs: plain XLA."""
-    z, lse, lse_kept, zk, values, ids = _truncated_reference(h, w, temperature, top_k, top_p, min_p)
-    cols = jnp.arange(z.shape[1], dtype=jnp.int32)[None, :]
-    noise = _math.gumbel_noise(_math.row_key(seeds, steps)[:, None], cols)
-    tok = jnp.argmax(jnp.where((temperature == 0)[:, None], zk, zk + noise), axis=1).astype(jnp.int32)
-    logit = jnp.take_along_axis(z, tok[:, None], axis=1)[:, 0]
-    out = (tok, logit - lse, logit - lse_kept)
-    if k:
-        out += (ids[:, :k].astype(jnp.int32), values[:, :k] - lse[:, None])
-    return out
-
-
-def token_logprobs_truncated_reference(h, w, targets, temperature, top_k, top_p, min_p, config=None, interpret=None):
-    z, lse, lse_kept, zk, _, _ = _truncated_reference(h, w, temperature, top_k, top_p, min_p)
-    at = targets[:, None].astype(jnp.int32)
-    return jnp.take_along_axis(z, at, axis=1)[:, 0] - lse, jnp.take_along_axis(zk, at, axis=1)[:, 0] - lse_kept

@@ -11,12 +11,7 @@ import numpy as np
 
 from rlkjax.config import ModelConfig
 from rlkjax.engine import Engine, EngineConfig
-from rlkjax.model import (
-    rope_tables,
-    sequence_logprobs,
-    sequence_logprobs_truncated,
-    sequence_logprobs_with_alternatives,
-)
+from rlkjax.model import rope_tables, sequence_logprobs
 from rlkjax.numerics import PAGE_SIZE, Numerics, ops
 from rlkjax.requests import (
     check_batch,
@@ -112,11 +107,7 @@ def _add_prompt_logprobs(params, cfg, prompts, rows: list[SamplingParams], resul
                     comp.prompt_logprobs = row
 
 
-_sequence_logprobs = jax.jit(sequence_logprobs, static_argnames=("cfg", "numerics"))
-_sequence_logprobs_with_alternatives = jax.jit(
-    sequence_logprobs_with_alternatives, static_argnames=("cfg", "numerics", "k")
-)
-_sequence_logprobs_truncated = jax.jit(sequence_logprobs_truncated, static_argnames=("cfg", "numerics"))
+_sequence_logprobs = jax.jit(sequence_logprobs, static_argnames=("cfg", "numerics", "alternatives"))
 
 
 def score(
@@ -168,18 +159,18 @@ def score(
     temps = np.pad(temps, (0, b - n), constant_values=1.0)
     rows = [slice(p - 1, len(s) - 1) for s, p in zip(sequences, plens)]
     if truncated_logprobs:
-        truncation = [np.pad(a, (0, b - n), mode="edge") for a in truncation]
-        outs = _sequence_logprobs_truncated(
-            params, tokens, positions, temps, *truncation, rope_tables(cfg), cfg, numerics
+        truncation = tuple(np.pad(a, (0, b - n), mode="edge") for a in truncation)
+        outs = _sequence_logprobs(
+            params, tokens, positions, temps, rope_tables(cfg), cfg, numerics, truncation=truncation
         )
-        logp = np.asarray(outs[1])
+        logp = np.asarray(outs.renormalised)
         return [logp[i, r].copy() for i, r in enumerate(rows)]
     if k == 0:
         logp = np.asarray(_sequence_logprobs(params, tokens, positions, temps, rope_tables(cfg), cfg, numerics))
         return [logp[i, r].copy() for i, r in enumerate(rows)]
     # one program for every k, as the engine's rounds: `most` alternatives, the first k kept
-    outs = _sequence_logprobs_with_alternatives(params, tokens, positions, temps, rope_tables(cfg), cfg, numerics, most)
-    logp, ids, top = (np.asarray(o) for o in outs)
+    outs = _sequence_logprobs(params, tokens, positions, temps, rope_tables(cfg), cfg, numerics, alternatives=most)
+    logp, ids, top = (np.asarray(o) for o in (outs.logprobs, outs.top_ids, outs.top_logprobs))
     return [(logp[i, r].copy(), ids[i, r, :k].copy(), top[i, r, :k].copy()) for i, r in enumerate(rows)]
 
 

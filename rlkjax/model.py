@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels._common import pad_dim
+from pallas_kernels.common import pad_dim
+from pallas_kernels.logprob import Logprobs
 from rlkjax.config import ModelConfig
 from rlkjax.numerics import PAGE_SIZE, Numerics, ops, options, padded_rows
 from rlkjax.shapes import cdiv, fresh_page_table
@@ -88,8 +89,7 @@ def embed(table, ids):
     """table [V, D][ids [N]]: a gather (the same bits as plain indexing). Its gradient is summed by
     `_embed_bwd`, not by the scatter-add XLA would emit: on a GPU that runs as atomic adds in the
     table's dtype (bf16), so repeated tokens' gradients were added in a different order each run
-    (measured: on 2 H200s, two processes and one process driving the same devices ended one update
-    apart in every weight)."""
+    (two runs of one training on 2 H200s ended apart in every weight)."""
     return table[ids]
 
 
@@ -207,9 +207,9 @@ def layer_step(p: _Pass, carry, xs, shared):
 
     def mm(a, name, r=None):
         if p.weights_in_place:
-            return op.matmul_layer(a, p.params["layers"][name], index, r)
+            return op.matmul(a, None, r, p.params["layers"][name], index)
         if p.layer_weights is None:
-            return op.matmul_in_place(a, layer[name], stacks[name], index, r)
+            return op.matmul(a, layer[name], r, stacks[name], index)
         return jax.checkpoint(lambda a, w, r: op.matmul(a, p.layer_weights(name, w), r))(a, layer[name], r)
 
     def norm(a, name, cos=None, sin=None):
@@ -222,7 +222,7 @@ def layer_step(p: _Pass, carry, xs, shared):
 
     def mms(a, *names):  # several projections of one input: one launch when reading in place
         if p.weights_in_place:
-            return op.matmul_layer_fused(a, tuple(p.params["layers"][n] for n in names), index)
+            return op.matmul_fused(a, tuple(p.params["layers"][n] for n in names), index)
         return tuple(mm(a, n) for n in names)
 
     def qkv(x):
@@ -278,8 +278,8 @@ def forward(
     remat: (the learner's pass, weights_in_place=False) recompute each layer's two halves (norm +
     q/k/v + q/k norms; o_proj + norm + gate/up + swiglu + down_proj) in the backward instead of
     keeping their intermediates: the layer scan then stacks only each layer's input and the
-    attention's q, k, v and output (Qwen3-4B, 4 x 1024 tokens: 100 instead of 428 MiB per layer)
-    for about a quarter more matmul work. Same kernels on the same inputs: the same bits.
+    attention's q, k, v and output (about a quarter of the memory) for about a quarter more matmul
+    work. Same kernels on the same inputs: the same bits.
     numerics: "strict", "fast" or a NumericsOptions (its layer_unroll sets the sampler's layer loop)."""
     if (layer_weights is not None or remat) and weights_in_place:
         raise ValueError("layer_weights and remat need weights_in_place=False (the learner's pass)")
@@ -313,11 +313,10 @@ def _layers(p: _Pass, x, kv_cache, shared):
         return x, (k_pages, v_pages)
     # The learner's pass on whole weights: layers unrolled, matrices read in place from their
     # stacks (no per-layer copy), each layer's activations kept where its kernels wrote them (a
-    # scan stacks them for the backward and slices them back out: ~1,500 copies, 34 ms of a
-    # 619 ms Qwen3-4B x 2 x 4096 step on the H200). Each matrix's gradient comes back through
-    # its slice (`unstack`), stacked once. Same kernels, same inputs: the same bits. The layer
-    # is one jitted function of its inputs, called once per layer: JAX lowers it (and its
-    # derivatives) once, where lowering each layer's Pallas calls again took 15 s at Qwen3-8B.
+    # scan stacks them for the backward and slices them back out: a copy of each). Each matrix's
+    # gradient comes back through its slice (`unstack`), stacked once. Same kernels, same inputs:
+    # the same bits. The layer is one jitted function of its inputs, called once per layer: JAX
+    # lowers it (and its derivatives) once, not each layer's Pallas calls again.
     stacks = {name: jax.lax.stop_gradient(p.params["layers"][name]) for name in MATRICES}
     pieces = {name: unstack(w) for name, w in p.params["layers"].items()}
     step = jax.jit(functools.partial(layer_step, p))
@@ -328,14 +327,21 @@ def _layers(p: _Pass, x, kv_cache, shared):
     return x, (k_pages, v_pages)
 
 
+def sample(params, hidden, seeds, steps, temperature, numerics: Numerics, alternatives: int = 0, truncation=None):
+    """The sampler's head: hidden [N, D] -> a `Logprobs` of tokens [N] drawn with keys (seed, step) and
+    their logprobs; alternatives = k > 0 adds each row's k most likely ids and their logprobs [N, k];
+    truncation = (top_k, top_p, min_p) [N] draws from the truncated, renormalised distribution and adds
+    that logprob (pallas_kernels.logprob.head). The tokens and logprobs are the same bits with or
+    without alternatives, and the learner's for those tokens."""
+    w = lm_head(params)
+    return ops(numerics).logprob(
+        hidden, w, temperature, seeds=seeds, steps=steps, alternatives=alternatives, truncation=truncation
+    )
+
+
 def token_logprobs(params, hidden, targets, temperature, numerics: Numerics):
-    """hidden [N, D], targets [N], temperature [N] -> logprobs [N] fp32 (the learner's side)."""
-    return ops(numerics).token_logprobs(hidden, lm_head(params), targets, temperature)
-
-
-def sample(params, hidden, seeds, steps, temperature, numerics: Numerics):
-    """hidden [N, D] -> (tokens [N], logprobs [N]) drawn with keys (seed, step) (the sampler's side)."""
-    return ops(numerics).sample_tokens(hidden, lm_head(params), seeds, steps, temperature)
+    """The learner's head: hidden [N, D], targets [N], temperature [N] -> logprobs [N] fp32. Differentiable."""
+    return ops(numerics).logprob(hidden, lm_head(params), temperature, targets=targets).logprobs
 
 
 def sequence_logprobs(
@@ -349,13 +355,24 @@ def sequence_logprobs(
     layer_weights=None,
     remat=False,
     columns=None,
+    alternatives: int = 0,
+    truncation=None,
+    chunk: int = 64,
 ):
     """The learner's pass: whole sequences [B, T] into fresh pages; returns logp [B, T - 1] where
     [b, t] is log p(tokens[b, t + 1] | tokens[b, :t + 1]). temperature [B]. Differentiable.
     layer_weights, remat: see `forward` (the FSDP learner's per-layer all-gather; recompute in the backward).
     columns: None scores every position (what `score` and prompt logprobs need); [B, C] scores only
-    those columns (`completion_logprobs`) and leaves 0 in every other."""
+    those columns (`completion_logprobs`) and leaves 0 in every other.
+    alternatives = k > 0 or truncation = (top_k, top_p, min_p) [B] (as `sample` takes them): a
+    `Logprobs` of [B, T - 1] (tokens None; top ids and logprobs [B, T - 1, k]) instead, logp with the same bits, the
+    rest the sampler's for the same tokens; `chunk` positions at a time (their [chunk, vocab] logits
+    are materialised). Not differentiable."""
     b, t = tokens.shape
+    if alternatives or truncation is not None:
+        return _scored_with_options(
+            params, tokens, positions, temperature, rope, cfg, numerics, alternatives, truncation, chunk
+        )
     if columns is not None:
         logp = completion_logprobs(
             params, tokens, positions, columns, temperature, rope, cfg, numerics, layer_weights, remat
@@ -389,11 +406,8 @@ def completion_logprobs(
     to the prompt); then the scored columns' hidden states are gathered (`take_rows`) and only those
     B x C rows enter the logprob kernel, forward and backward. Each row's logprob is the same kernel
     on the same hidden state, so it has the bits `sequence_logprobs` gives at that position (and the
-    sampler's). Chosen over laying completions out from one column (left-padded prompts: a static
-    slice, but a second batch layout for attention and positions to honour) and over a kernel that
-    skips row blocks without completion tokens (the blocks of a right-padded batch mix prompt and
-    completion rows, so little would be skipped, and the backward's products would still walk every
-    row). Gradients are not promised bits across the two: the lm_head's sums the same scored rows'
+    sampler's; bench/results/2026-12-02_h200_learner_completion_columns.json times it). Gradients
+    are not promised bits across the two: the lm_head's sums the same scored rows'
     products grouped into other tiles, and the logprob backward's vocabulary chunk is sized by the
     row count on a GPU, so with many rows the hidden states' cotangent is summed over other chunks;
     where the chunk is the same (always, interpreted), every other weight's gradient is the full
@@ -406,19 +420,6 @@ def completion_logprobs(
     targets = jnp.take(tokens.reshape(-1), at + 1, mode="fill", fill_value=0)  # the next token; empty slots: 0
     logp = token_logprobs(params, h, targets, jnp.repeat(temperature, c), numerics).reshape(b, c)
     return jnp.where(columns >= 0, logp, jnp.zeros_like(logp))
-
-
-def sample_with_alternatives(params, hidden, seeds, steps, temperature, k: int, numerics: Numerics):
-    """`sample` (same bits) plus each row's k most likely ids and their logprobs [N, k]."""
-    return ops(numerics).sample_tokens_with_alternatives(hidden, lm_head(params), seeds, steps, temperature, k)
-
-
-def sample_truncated(params, hidden, seeds, steps, temperature, top_k, top_p, min_p, k: int, numerics: Numerics):
-    """Draw from the top_k / top_p / min_p truncated, renormalised distribution (pallas_kernels.truncation):
-    (tokens, full-distribution logprobs, renormalised logprobs[, top ids, top logprobs [N, k]])."""
-    return ops(numerics).sample_tokens_truncated(
-        hidden, lm_head(params), seeds, steps, temperature, top_k, top_p, min_p, k
-    )
 
 
 def _learner_hidden(
@@ -454,39 +455,20 @@ def _over_chunks(fn, chunk: int, *per_position):
     return tuple(o.reshape(rows, *o.shape[2:])[:n] for o in jax.lax.map(lambda x: fn(*x), xs))
 
 
-def sequence_logprobs_truncated(
-    params, tokens, positions, temperature, top_k, top_p, min_p, rope, cfg: ModelConfig, numerics: Numerics, chunk=64
-):
-    """`sequence_logprobs` (same bits) and the logprobs under each row's truncated, renormalised
-    distribution (top_k, top_p, min_p [B]; pallas_kernels.truncation): the bits the sampler records
-    with truncated_logprobs. [B, T - 1] each. Not differentiable."""
+def _scored_with_options(params, tokens, positions, temperature, rope, cfg, numerics, alternatives, truncation, chunk):
+    """`sequence_logprobs` with alternatives or truncation: the head over `chunk` positions at a time."""
     b, t = tokens.shape
     hidden = _learner_hidden(params, tokens, positions, rope, cfg, numerics)
-    per_row = [jnp.repeat(a, t - 1) for a in (temperature, top_k, top_p, min_p)]
-    op = ops(numerics)
-    out = _over_chunks(
-        lambda h, tgt, *trunc: op.token_logprobs_truncated(h, lm_head(params), tgt, *trunc),
-        chunk,
-        hidden[:, :-1].reshape(b * (t - 1), -1),
-        tokens[:, 1:].reshape(-1),
-        *per_row,
-    )
-    return tuple(o.reshape(b, t - 1) for o in out)
+    per_row = [jnp.repeat(a, t - 1) for a in (temperature, *(truncation or ()))]
+    op, w = ops(numerics), lm_head(params)
 
+    def head(h, targets, temps, *trunc):
+        out = op.logprob(h, w, temps, targets=targets, alternatives=alternatives, truncation=trunc or None)
+        return tuple(x for x in out[1:] if x is not None)
 
-def sequence_logprobs_with_alternatives(
-    params, tokens, positions, temperature, rope, cfg: ModelConfig, numerics: Numerics, k: int, chunk: int = 64
-):
-    """`sequence_logprobs` (same bits) plus, per position, the k most likely next ids and their
-    logprobs ([B, T - 1, k]), `chunk` positions at a time. Not differentiable."""
-    b, t = tokens.shape
-    hidden = _learner_hidden(params, tokens, positions, rope, cfg, numerics)
-    op = ops(numerics)
-    lp, ids, top = _over_chunks(
-        lambda h, tgt, temp: op.token_logprobs_with_alternatives(h, lm_head(params), tgt, temp, k),
-        chunk,
-        hidden[:, :-1].reshape(b * (t - 1), -1),
-        tokens[:, 1:].reshape(-1),
-        jnp.repeat(temperature, t - 1),
-    )
-    return lp.reshape(b, t - 1), ids.reshape(b, t - 1, k), top.reshape(b, t - 1, k)
+    out = _over_chunks(head, chunk, hidden[:, :-1].reshape(b * (t - 1), -1), tokens[:, 1:].reshape(-1), *per_row)
+    out = iter(o.reshape(b, t - 1, *o.shape[1:]) for o in out)
+    lp = next(out)
+    renormalised = next(out) if truncation is not None else None
+    top_ids, top_logprobs = (next(out), next(out)) if alternatives else (None, None)
+    return Logprobs(None, lp, renormalised, top_ids, top_logprobs)  # the targets: tokens[:, 1:]

@@ -15,7 +15,7 @@ from typing import Literal, NamedTuple
 
 import jax
 
-from pallas_kernels import attention, attention_bwd, logprob, matmul, rmsnorm, swiglu, truncation
+from pallas_kernels import attention, attention_bwd, logprob, matmul, rmsnorm, swiglu
 
 Mode = Literal["strict", "fast"]
 
@@ -38,44 +38,34 @@ PRECISION = {
     "logprob": ("act hidden + lm_head", "fp32 logits / T, fp32 running max/sum over vocab tiles ascending", "fp32"),
 }
 
-# Matmul tiles per shape class. Nothing here changes a row's bits: compiled, each output's K
-# accumulation is one ascending chain whatever the tile (measured on the H200 for every M/N/K tile,
-# warp and stage count tried: bench.speed's sweep, tests/test_kernels.py
-# `test_matmul_tile_configs_agree` run compiled); interpreted, a tile walks K in 32-wide dots
-# whatever block_k is. Decode rows get GEMV-like tiles (16 rows, narrow N tiles so even a
-# 1024-wide output spreads over the GPU, long K tiles, 6 stages in flight: 8-18% faster than 4 at
-# 8B decode shapes on the H200, bench.speed --only sweep); 65-256 rows (batch-256 decode, short
-# prefill chunks) 64x128x128 with 4 stages (1.25-1.4x 64x64x128 at 256 rows of the 8B projections, the
-# fastest of 10 tiles timed, 2026-11-30 sweep on the H200); the
-# learner gets 128x256x64 tensor-core tiles (1.4x the 128x128x128 rate at 8192x4096x12288).
+# Matmul tiles per row-count class. Nothing here changes a row's bits: compiled, each output's K
+# accumulation is one ascending chain whatever the tile (tests/test_kernels.py
+# test_matmul_tile_configs_agree, run compiled on the H200); interpreted, a tile walks K in 32-wide
+# dots whatever block_k is. Decode rows get GEMV-like tiles (16 rows, narrow N tiles so even a
+# 1024-wide output spreads over the GPU, long K tiles, deep pipelining), the other classes the
+# fastest tiles timed: bench/results/2026-11-30_h200_sweep_qkv_rmsnorm_matmul.json and
+# 2026-11-30_h200_sweep_matmul_medium_tiles.json.
 MATMUL_BLOCK_K = 128
 MATMUL_DECODE = matmul.MatmulConfig(block_m=16, block_n=32, block_k=MATMUL_BLOCK_K, num_warps=4, num_stages=6)
 MATMUL_SMALL = matmul.MatmulConfig(block_m=64, block_n=32, block_k=MATMUL_BLOCK_K, num_warps=4, num_stages=4)
 MATMUL_MEDIUM = matmul.MatmulConfig(block_m=64, block_n=128, block_k=MATMUL_BLOCK_K, num_warps=4, num_stages=4)
 MATMUL = matmul.MatmulConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
 
-# RMSNorm: one row per program for the hidden-size norms (a decode step's single real row was one
-# program walking 16 padded rows: 21 us per call at 4096 wide on the H200, 73 calls a step); the
-# per-head q/k norms (+RoPE, 128 wide, heads x tokens rows) keep 16-row programs. The row tile
-# sets the reduction layout on the GPU, so each kind has one config on both sides.
+# RMSNorm: one row per program for the hidden-size norms (a decode step has one real row in 16:
+# bench/results/2026-11-30_h200_sweep_qkv_rmsnorm_matmul.json); the per-head q/k norms (+RoPE, 128
+# wide, heads x tokens rows) keep 16-row programs. The row tile sets the reduction layout on the
+# GPU, so each kind has one config on both sides.
 RMSNORM = rmsnorm.RMSNormConfig(block_rows=1, block_d=1024, num_warps=4)
 RMSNORM_HEADS = rmsnorm.RMSNormConfig(block_rows=16, block_d=256, num_warps=4)
 SWIGLU = swiglu.SwiGLUConfig(block_rows=16, block_cols=128, num_warps=4)
-# Attention: 4 pages (64 keys) per online-softmax step: a decode step's attention was a chain of
-# one-page steps (19 us per layer at 8B, batch 1, context 512 on the H200 for 1 MB of KV).
-# The learner's attention gradient: the Pallas flash backward (pallas_kernels/attention_bwd.py). XLA's
-# dense backward (NumericsOptions.attention_backward="dense") holds [B, H, T, T] fp32 arrays and runs
-# XLA dots, whose algorithm XLA's autotuner picks per compilation by timing: two processes training on
-# the same two H200s got gradients that differed in the last bits (2026-11-30), and the flash backward
-# has no XLA dot.
-# Forward programs: 2 warps and 2 query tiles per program (where a call has 2): the learner's
-# attention at Qwen3-4B x 2 x 4096 tokens 4.06 -> 2.80 ms a layer, 8 x 1024 1.37 -> 1.02 ms, a
-# decode step at batch 64 x 2048 (8B heads) 373 -> 299 us (H200, 2026-11-30, bench.speed --only
-# sweep --sweep attention). Neither changes a bit (tests/test_kernels.py
-# test_attention_tiles_per_program_agree, compiled: 1-8 tiles, 2-8 warps); 1 warp does. Calls of 8
-# or more query tiles per row merge their KV splits inside the attention kernel
-# (AttentionConfig.merge_in_kernel_from: the same bits): the learner's attention at 4B x 2 x 4096
-# 2.85 -> 2.59 ms a layer (H200, 2026-11-30).
+# Attention: 4 pages (64 keys) per online-softmax step, 2 warps and 2 query tiles per program, and
+# calls of 8 or more query tiles per row merging their KV splits inside the kernel
+# (AttentionConfig.merge_in_kernel_from): the fastest timed, and none changes a bit (1 warp does:
+# tests/test_kernels.py test_attention_tiles_per_program_agree, compiled);
+# bench/results/2026-11-30_h200_sweep_attention.json. The learner's attention gradient is the Pallas
+# flash backward (pallas_kernels/attention_bwd.py): XLA's dense one (NumericsOptions.attention_backward
+# "dense") holds [B, H, T, T] fp32 and runs XLA dots, whose algorithm the autotuner picks per
+# compilation, so two processes training alike could get gradients that differ in the last bits.
 ATTENTION = attention.AttentionConfig(
     page_size=16,
     block_rows=16,
@@ -89,11 +79,10 @@ ATTENTION = attention.AttentionConfig(
 LOGPROB = logprob.LogprobConfig(
     block_rows=64, block_vocab=128, block_k=64, vocab_splits=128, num_warps=4, num_stages=4, backward=MATMUL
 )
-# 4 stages: a decode step streams the 1.24 GB lm_head (8B) through 128 programs, one per SM, and 2
-# stages in flight held it at 44% of the copy bandwidth.
-# One LOGPROB config for every row count: block_rows changes the layout of the [rows, vocab tile]
-# reductions (max, sum of exp) and with it their order, so a row's bits depend on it (measured on
-# the H200 and in interpret mode: 16- vs 64-row programs differ in the last bit for some rows).
+# 4 stages: a decode step streams the whole lm_head through 128 programs (one per SM), bound by the
+# loads in flight. One LOGPROB config for every row count: block_rows changes the layout of the
+# [rows, vocab tile] reductions (max, sum of exp) and with it their order, so a row's bits depend on
+# it (16- and 64-row programs differ in the last bit for some rows, on the H200 and interpreted).
 # A decode step reads the lm_head once anyway: row blocks of one vocab range run next to each
 # other (rows are the fastest grid axis) and share it through L2.
 PAGE_SIZE = ATTENTION.page_size  # the fast path uses the same cache layout, and so does every tile table
@@ -192,9 +181,8 @@ class NumericsOptions:
     their last bits), `layer_unroll` nothing."""
 
     mode: Mode = "strict"
-    # The matmuls' gradient: kernels that read dy, w and x in place, or transposed copies through the
-    # forward kernel. In place: learner 34.9 -> 38.0% MFU at Qwen3-1.7B x 8 x 1024, 37.2 -> 40.1% at 4B
-    # (H200, 2026-11-30, bench.speed --learner-copies side by side). Forward bits are the same.
+    # The matmuls' gradient: kernels that read dy, w and x in place (the faster; bench.speed
+    # --learner-copies times both), or transposed copies through the forward kernel. Forward bits are the same.
     matmul_backward: Literal["in_place", "copies"] = "in_place"
     # The learner's attention gradient: the Pallas flash backward, or XLA's dense one (to compare speed
     # and memory; it runs XLA dots). Forward bits are the same.
@@ -339,25 +327,18 @@ def check_xla_flags() -> None:
 
 
 class Ops(NamedTuple):
-    matmul: Callable  # (x, w, residual=None)
-    matmul_layer: Callable  # (x, w_stacked [L, N, K], layer, residual=None): reads w[layer] in place
-    # (x, w[layer], w_stacked, layer, residual=None): differentiable through w[layer], reads w_stacked in place
-    matmul_in_place: Callable
-    matmul_layer_fused: Callable  # (x, (w_stacked, ...), layer) -> (x @ w[layer].T, ...) in one launch
+    # (x, w, residual=None, stack=None, layer=None): x @ w.T (+ residual), differentiable through w; with
+    # stack [L, N, K] and layer (w = stack[layer]) the kernels read the stack in place; w None: forward only
+    matmul: Callable
+    matmul_fused: Callable  # (x, (stack, ...), layer) -> (x @ stack[layer].T, ...) in one launch, forward only
     rmsnorm: Callable  # (x, weight, cos, sin, eps)
     rmsnorm_layer: Callable  # (x, weights_stacked [L, D], layer, cos, sin, eps): reads weights[layer] in place
     swiglu: Callable  # (gate, up)
     attention_plan: Callable  # (page_table, positions, group) -> the index arrays every layer's attention reads
     attention: Callable  # (q, k, v, k_pages, v_pages, layer, plan) -> (out, k_pages, v_pages)
-    token_logprobs: Callable  # (h, w, targets, temperature)
-    sample_tokens: Callable  # (h, w, seeds, steps, temperature) -> (tokens, logprobs)
-    # (h, w, seeds, steps, temperature, k) -> (tokens, logprobs, top_ids [N, k], top_logprobs [N, k])
-    sample_tokens_with_alternatives: Callable
-    token_logprobs_with_alternatives: Callable  # (h, w, targets, temperature, k) -> (logprobs, top_ids, top_logprobs)
-    # (h, w, seeds, steps, temperature, top_k, top_p, min_p, k) -> (tokens, logprobs, renormalised logprobs[, alts])
-    sample_tokens_truncated: Callable
-    # (h, w, targets, temperature, top_k, top_p, min_p) -> (logprobs, renormalised logprobs)
-    token_logprobs_truncated: Callable
+    # (h, w, temperature, targets= | seeds=, steps=, alternatives=0, truncation=None) -> logprob.Logprobs:
+    # the lm_head's logprobs of targets, or a sample keyed by (seed, step) (pallas_kernels.logprob.head)
+    logprob: Callable
 
 
 def ops(numerics: Numerics) -> Ops:
@@ -372,43 +353,33 @@ def ops(numerics: Numerics) -> Ops:
 def _ops(opts: NumericsOptions) -> Ops:
     if opts.mode == "fast":
         return Ops(
-            matmul=lambda x, w, r=None: matmul.matmul_reference(x, w, r),
-            matmul_layer=lambda x, w, layer, r=None: matmul.matmul_reference(x, w[layer], r),
-            matmul_in_place=lambda x, w_layer, w, layer, r=None: matmul.matmul_reference(x, w_layer, r),
-            matmul_layer_fused=lambda x, ws, layer: tuple(matmul.matmul_reference(x, w[layer]) for w in ws),
+            matmul=lambda x, w, r=None, stack=None, layer=None: matmul.matmul_reference(
+                x, stack[layer] if w is None else w, r
+            ),
+            matmul_fused=lambda x, ws, layer: tuple(matmul.matmul_reference(x, w[layer]) for w in ws),
             rmsnorm=rmsnorm.rmsnorm_reference,
             rmsnorm_layer=lambda x, w, layer, cos, sin, eps: rmsnorm.rmsnorm_reference(x, w[layer], cos, sin, eps),
             swiglu=swiglu.swiglu_reference,
             attention_plan=lambda pt, pos, g: attention.plan(pt, pos, g, PAGE_SIZE),
             attention=attention.paged_attention_reference,
-            token_logprobs=logprob.token_logprobs_reference,
-            sample_tokens=logprob.sample_tokens_reference,
-            sample_tokens_with_alternatives=logprob.sample_tokens_with_alternatives_reference,
-            token_logprobs_with_alternatives=logprob.token_logprobs_with_alternatives_reference,
-            sample_tokens_truncated=truncation.sample_tokens_truncated_reference,
-            token_logprobs_truncated=truncation.token_logprobs_truncated_reference,
+            logprob=logprob.head_reference,
         )
     interp = opts.platform == "cpu"
     mm, norm = opts.matmul_config, opts.rmsnorm_config
-    att, lp = opts.attention_config(), opts.tiles.logprob
+    att, lp = opts.attention_config(), opts.logprob_config()
+
+    def strict_matmul(x, w, r=None, stack=None, layer=None):
+        if w is None:  # nothing differentiates it: the one Pallas call
+            return matmul.product(x, stack, mm(x.shape[0]), interp, layer=layer, residual=r)
+        return matmul.matmul(x, w, r, mm(x.shape[0]), interp, stack, layer)
+
     return Ops(
-        matmul=lambda x, w, r=None: matmul.matmul(x, w, r, mm(x.shape[0]), interp),
-        matmul_layer=lambda x, w, layer, r=None: matmul.matmul_layer(x, w, layer, r, mm(x.shape[0]), interp),
-        matmul_in_place=lambda x, wl, w, i, r=None: matmul.matmul_in_place(x, wl, w, i, r, mm(x.shape[0]), interp),
-        matmul_layer_fused=lambda x, ws, layer: matmul.matmul_layer_fused(x, ws, layer, mm(x.shape[0]), interp),
+        matmul=strict_matmul,
+        matmul_fused=lambda x, ws, layer: matmul.fused_product(x, ws, layer, mm(x.shape[0]), interp),
         rmsnorm=lambda x, w, cos, sin, eps: rmsnorm.rmsnorm(x, w, cos, sin, eps, norm(cos), interp),
         rmsnorm_layer=lambda x, w, i, cos, sin, eps: rmsnorm.rmsnorm_layer(x, w, i, cos, sin, eps, norm(cos), interp),
         swiglu=lambda g, u: swiglu.swiglu(g, u, opts.tiles.swiglu, interp),
         attention_plan=lambda pt, pos, g: attention.plan(pt, pos, g, att.page_size, att),
         attention=lambda *a: attention.paged_attention(*a, att, interp),
-        token_logprobs=lambda h, w, t, temp: logprob.token_logprobs(h, w, t, temp, opts.logprob_config(), interp),
-        sample_tokens=lambda h, w, s, st, temp: logprob.sample_tokens(h, w, s, st, temp, lp, interp),
-        sample_tokens_with_alternatives=lambda h, w, s, st, temp, k: logprob.sample_tokens_with_alternatives(
-            h, w, s, st, temp, k, lp, interp
-        ),
-        token_logprobs_with_alternatives=lambda h, w, t, temp, k: logprob.token_logprobs_with_alternatives(
-            h, w, t, temp, k, lp, interp
-        ),
-        sample_tokens_truncated=lambda *a: truncation.sample_tokens_truncated(*a, lp, interp),
-        token_logprobs_truncated=lambda *a: truncation.token_logprobs_truncated(*a, lp, interp),
+        logprob=functools.partial(logprob.head, config=lp, interpret=interp),
     )

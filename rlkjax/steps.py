@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlkjax.model import forward, sample, sample_truncated, sample_with_alternatives
+from rlkjax.model import forward, sample
 from rlkjax.sampling_params import at_stop
 
 
@@ -55,21 +55,13 @@ def decode_step(
     logprobs are the same bits either way. With `sampling.truncation` draws from the truncated
     distribution (a row with nothing truncated draws the default path's token and bits) and records
     the full or, where `renormalised`, the renormalised logprob."""
-    seeds, steps, temps = sampling.seeds, sampling.steps, sampling.temps
     hidden, kv_cache = forward(params, tokens, positions, kv_cache, page_table, rope, cfg, numerics)
-    if sampling.truncation is not None:
-        top_k, top_p, min_p, renormalised = sampling.truncation
-        nxt, lp, renorm_lp, *top = sample_truncated(
-            params, hidden[:, 0], seeds, steps, temps, top_k, top_p, min_p, alternatives, numerics
-        )
-        return nxt, jnp.where(renormalised, renorm_lp, lp), kv_cache, *top
-    if alternatives:
-        nxt, lp, top_ids, top_lp = sample_with_alternatives(
-            params, hidden[:, 0], seeds, steps, temps, alternatives, numerics
-        )
-        return nxt, lp, kv_cache, top_ids, top_lp
-    next_tokens, logprobs = sample(params, hidden[:, 0], seeds, steps, temps, numerics)
-    return next_tokens, logprobs, kv_cache
+    truncation = None if sampling.truncation is None else sampling.truncation[:3]  # (top_k, top_p, min_p)
+    out = sample(
+        params, hidden[:, 0], sampling.seeds, sampling.steps, sampling.temps, numerics, alternatives, truncation
+    )
+    logprobs = out.logprobs if truncation is None else jnp.where(sampling.truncation[3], out.renormalised, out.logprobs)
+    return out.tokens, logprobs, kv_cache, *((out.top_ids, out.top_logprobs) if alternatives else ())
 
 
 @functools.partial(
@@ -100,8 +92,8 @@ def decode_round(
 
     The loop always runs num_steps steps: a loop that ended once every row stopped would need the
     host to read its condition after every step, and XLA:GPU's dispatch then blocks the host for
-    the whole round (measured on the H200: 7.1 of 8.2 s of a server burst in dispatch), so the host
-    could not plan the next round while this one runs. A round whose rows all stop early (the last
+    the whole round (bench/results/2026-11-30_h200_server_burst_0.6b.json), so the host could not
+    plan the next round while this one runs. A round whose rows all stop early (the last
     one of a batch) runs its remaining steps on padding.
     """
     rows = tokens.shape[0]

@@ -196,7 +196,7 @@ def test_learner_remat_keeps_the_bits(tiny, default_step):
 @pytest.mark.slow
 def test_learner_reads_weights_in_place_with_the_same_bits(monkeypatch):
     """The learner's pass on whole weights (model.forward without layer_weights) runs its layers
-    unrolled, with every matrix read in place from its stack (matmul.matmul_in_place), forward and
+    unrolled, with every matrix read in place from its stack (matmul.matmul with its stack), forward and
     dx. Against the scan over per-layer slices (an identity layer_weights, the FSDP path's
     structure), and with --remat, the GRPO loss, logp_new and every gradient have the same bits, and
     the in-place kernels did run: the model's matrices here are tile multiples, unlike qwen3-tiny's."""
@@ -216,11 +216,11 @@ def test_learner_reads_weights_in_place_with_the_same_bits(monkeypatch):
         tis=jnp.ones((b, t - 1), jnp.float32),
     )
     stacked_reads = []
-    grad_product = matmul._grad_product
+    product = matmul.product
     monkeypatch.setattr(
         matmul,
-        "_grad_product",
-        lambda *a, **k: stacked_reads.append(len(a) > 5 and a[5] is not None) or grad_product(*a, **k),
+        "product",
+        lambda *a, **k: stacked_reads.append(len(a) > 5 and a[4] == "nn" and a[5] is not None) or product(*a, **k),
     )
     rope, ref = model.rope_tables(cfg), jnp.zeros((b, t - 1), jnp.float32)
 

@@ -30,14 +30,14 @@ def lowered(cfg, fn, numerics_mode, b=2, t=16, pages=4):
             f, params, tok, tok, jax.ShapeDtypeStruct((b,), jnp.float32), rope, cfg, numerics_mode
         )
     if fn == "learner_truncation":  # score(..., truncated_logprobs=True)
-        f = jax.jit(model.sequence_logprobs_truncated, static_argnames=("cfg", "numerics"))
+        f = jax.jit(model.sequence_logprobs, static_argnames=("cfg", "numerics"))
         trunc = (jax.ShapeDtypeStruct((b,), jnp.int32),) + (jax.ShapeDtypeStruct((b,), jnp.float32),) * 2
         temps = jax.ShapeDtypeStruct((b,), jnp.float32)
-        return audit.lower_for_gpu(f, params, tok, tok, temps, *trunc, rope, cfg, numerics_mode)
+        return audit.lower_for_gpu(f, params, tok, tok, temps, rope, cfg, numerics_mode, truncation=trunc)
     if fn == "learner_alternatives":  # prompt logprobs with top alternatives (score(..., top_logprobs=k))
-        f = jax.jit(model.sequence_logprobs_with_alternatives, static_argnames=("cfg", "numerics", "k"))
+        f = jax.jit(model.sequence_logprobs, static_argnames=("cfg", "numerics", "alternatives"))
         return audit.lower_for_gpu(
-            f, params, tok, tok, jax.ShapeDtypeStruct((b,), jnp.float32), rope, cfg, numerics_mode, k=5
+            f, params, tok, tok, jax.ShapeDtypeStruct((b,), jnp.float32), rope, cfg, numerics_mode, alternatives=5
         )
     cache = abstract(lambda: model.init_kv_cache(cfg, 1 + b * pages))
     pt = jax.ShapeDtypeStruct((b, pages), jnp.int32)

@@ -117,8 +117,8 @@ def test_matmul_backward_in_place(m, k, n):
 
 
 _matmul = jax.jit(matmul.matmul, static_argnums=(3, 4))
-_matmul_layer = jax.jit(matmul.matmul_layer, static_argnums=(4, 5))
-_matmul_layer_fused = jax.jit(matmul.matmul_layer_fused, static_argnums=(3, 4))
+_product = jax.jit(matmul.product, static_argnums=(2, 3), static_argnames=("layout",))
+_fused_product = jax.jit(matmul.fused_product, static_argnums=(3, 4))
 
 
 def test_matmul_row_invariance():
@@ -255,10 +255,10 @@ def test_interpreted_backward_chunk_is_fixed():
     at 80 rows), so CPU gradient bits do not depend on the row count; a small vocabulary is one chunk;
     compiled, the chunk is as wide as memory allows for the rows."""
     for rows in (1, 80, 640, 20000):
-        assert logprob._vocab_chunk(rows, 151936, 256, interpret=True) == 2048
-        assert logprob._vocab_chunk(rows, 300, 256, interpret=True) == 512
-    assert logprob._vocab_chunk(80, 151936, 256) == 152064
-    assert logprob._vocab_chunk(20000, 151936, 256) == 6656
+        assert logprob.vocab_chunk(rows, 151936, 256, interpret=True) == 2048
+        assert logprob.vocab_chunk(rows, 300, 256, interpret=True) == 512
+    assert logprob.vocab_chunk(80, 151936, 256) == 152064
+    assert logprob.vocab_chunk(20000, 151936, 256) == 6656
 
 
 @pytest.mark.parametrize("in_place", [True, slow(False)])  # the backward's products reading dz, w, h in place or copies
@@ -271,8 +271,8 @@ def test_logprob_values_and_grads(d, vocab, in_place):
     c = dataclasses.replace(
         numerics.LOGPROB, backward=dataclasses.replace(numerics.LOGPROB.backward, backward_in_place=in_place)
     )
-    ker = lambda h, w: logprob.token_logprobs(h, w, targets, temps, c, INTERPRET)  # noqa: E731
-    ref = lambda h, w: logprob.token_logprobs_reference(h, w, targets, temps)  # noqa: E731
+    ker = lambda h, w: logprob.head(h, w, temps, c, INTERPRET, targets=targets).logprobs  # noqa: E731
+    ref = lambda h, w: logprob.head_reference(h, w, temps, targets=targets).logprobs  # noqa: E731
     check_against_truth(ker, ref, [h, w], "token_logprobs")
     check_grads(ker, ref, [f32(h), f32(w)], (0, 1), "token_logprobs")
 
@@ -286,7 +286,7 @@ def test_logprob_gradient_of_a_greedy_row_is_temperature_1s():
 
     def grads(temperature):
         temps = host_full((n,), temperature)
-        loss = lambda h, w: jnp.sum(logprob.token_logprobs(h, w, targets, temps, numerics.LOGPROB, INTERPRET))  # noqa: E731
+        loss = lambda h, w: jnp.sum(logprob.head(h, w, temps, numerics.LOGPROB, INTERPRET, targets=targets).logprobs)  # noqa: E731
         return jax.jit(jax.grad(loss, argnums=(0, 1)))(h, w)
 
     for greedy, tempered, name in zip(grads(0.0), grads(1.0), ("dh", "dw")):
@@ -305,11 +305,11 @@ def test_logprob_backward_in_vocab_chunks(monkeypatch):
     targets = jnp.asarray(np.array([0, 127, 128, 299] * 9 + [256], np.int32))  # ids on both sides of chunk edges
     temps = host_full((n,), 0.8)
     c = dataclasses.replace(numerics.LOGPROB, backward=dataclasses.replace(numerics.LOGPROB.backward, block_n=128))
-    ker = lambda h, w: logprob.token_logprobs(h, w, targets, temps, c, INTERPRET)  # noqa: E731
-    ref = lambda h, w: logprob.token_logprobs_reference(h, w, targets, temps)  # noqa: E731
+    ker = lambda h, w: logprob.head(h, w, temps, c, INTERPRET, targets=targets).logprobs  # noqa: E731
+    ref = lambda h, w: logprob.head_reference(h, w, temps, targets=targets).logprobs  # noqa: E731
     one_chunk = jax.jit(jax.grad(lambda w: jnp.sum(ker(h, w))))(w)
     monkeypatch.setattr(logprob, "BWD_CHUNK_BYTES", 4 * 64 * 128)  # room for 128 ids of 37 rows, not 256
-    assert logprob._vocab_chunk(n, vocab, 128) == 128
+    assert logprob.vocab_chunk(n, vocab, 128) == 128
     check_grads(ker, ref, [f32(h), f32(w)], (0, 1), "token_logprobs, 3 vocab chunks")
     assert_bits_equal(jax.jit(jax.grad(lambda w: jnp.sum(ker(h, w))))(w), one_chunk, "dw: 3 chunks vs 1")
 
@@ -321,9 +321,11 @@ def test_sample_logprob_is_score_logprob(d, vocab):
     h, w = randn(1, (n, d), BF16), randn(2, (vocab, d), BF16, 0.3)
     temps = host_full((n,), 0.9)
     seeds, steps = jnp.asarray(np.arange(n, dtype=np.uint32)), jnp.asarray(np.arange(n, dtype=np.int32))
-    tokens, lp = logprob.sample_tokens(h, w, seeds, steps, temps, numerics.LOGPROB, INTERPRET)
-    assert_bits_equal(lp, logprob.token_logprobs(h, w, tokens, temps, numerics.LOGPROB, INTERPRET), "sample vs score")
-    ref_tokens, _ = logprob.sample_tokens_reference(h, w, seeds, steps, temps)
+    tokens, lp = logprob.head(h, w, temps, numerics.LOGPROB, INTERPRET, seeds=seeds, steps=steps)[:2]
+    assert_bits_equal(
+        lp, logprob.head(h, w, temps, numerics.LOGPROB, INTERPRET, targets=tokens).logprobs, "sample vs score"
+    )
+    ref_tokens = logprob.head_reference(h, w, temps, seeds=seeds, steps=steps).tokens
     assert (np.asarray(tokens) == np.asarray(ref_tokens)).mean() > 0.9  # same noise, logits equal up to rounding
 
 
@@ -337,7 +339,7 @@ def test_sampling_follows_the_distribution(vocab):
     n, d = 20000, 64
     h, w = jnp.asarray(np.zeros((n, d), BF16)), randn(2, (vocab, d), BF16)
     seeds, steps = jnp.asarray(np.arange(n, dtype=np.uint32)), jnp.asarray(np.zeros(n, np.int32))
-    tokens, lp = logprob.sample_tokens(h, w, seeds, steps, host_full(n, 1.0), numerics.LOGPROB, INTERPRET)
+    tokens, lp = logprob.head(h, w, host_full(n, 1.0), numerics.LOGPROB, INTERPRET, seeds=seeds, steps=steps)[:2]
     assert np.asarray(tokens).max() < vocab
     counts = np.bincount(np.asarray(tokens), minlength=vocab)
     chi2 = ((counts - n / vocab) ** 2 / (n / vocab)).sum()
@@ -364,14 +366,14 @@ def test_logprob_uneven_vocab_splits(splits):
     h, w = randn(1, (n, d), BF16), randn(2, (vocab, d), BF16, 0.3)
     targets = host_ints(3, (n,), vocab)
     temps = host_full((n,), 1.1)
-    ker = lambda h, w: logprob.token_logprobs(h, w, targets, temps, config, INTERPRET)  # noqa: E731
+    ker = lambda h, w: logprob.head(h, w, temps, config, INTERPRET, targets=targets).logprobs  # noqa: E731
     check_against_truth(
-        ker, lambda h, w: logprob.token_logprobs_reference(h, w, targets, temps), [h, w], "split logprobs"
+        ker, lambda h, w: logprob.head_reference(h, w, temps, targets=targets).logprobs, [h, w], "split logprobs"
     )
     seeds, steps = jnp.asarray(np.arange(n, dtype=np.uint32)), jnp.asarray(np.zeros(n, np.int32))
-    tokens, lp = logprob.sample_tokens(h, w, seeds, steps, temps, config, INTERPRET)
-    assert_bits_equal(lp, logprob.token_logprobs(h, w, tokens, temps, config, INTERPRET), "sample vs score")
-    ref_tokens, _ = logprob.sample_tokens_reference(h, w, seeds, steps, temps)
+    tokens, lp = logprob.head(h, w, temps, config, INTERPRET, seeds=seeds, steps=steps)[:2]
+    assert_bits_equal(lp, logprob.head(h, w, temps, config, INTERPRET, targets=tokens).logprobs, "sample vs score")
+    ref_tokens = logprob.head_reference(h, w, temps, seeds=seeds, steps=steps).tokens
     assert (np.asarray(tokens) == np.asarray(ref_tokens)).mean() > 0.9
 
 
@@ -394,7 +396,7 @@ def test_matmul_tile_configs_agree():
         for lo, hi in [(0, 1), (5, 21), (0, 300)]:
             assert_bits_equal(_matmul(x[lo:hi], ws[1], r[lo:hi], c, INTERPRET), ref[lo:hi], f"{c} rows {lo}:{hi}")
             assert_bits_equal(
-                _matmul_layer(x[lo:hi], ws, np.int32(1), r[lo:hi], c, INTERPRET), ref[lo:hi], f"{c} stacked"
+                _product(x[lo:hi], ws, c, INTERPRET, layer=np.int32(1), residual=r[lo:hi]), ref[lo:hi], f"{c} stacked"
             )
 
 
@@ -409,7 +411,7 @@ def test_matmul_fused_projections_agree():
     for widths in ((256, 64, 64), (96, 40)):
         ws = [np.asarray(randn(2 + i, (3, n, 256), BF16, 0.1)) for i, n in enumerate(widths)]
         for c in (numerics.MATMUL_DECODE, numerics.MATMUL):
-            fused = _matmul_layer_fused(x, ws, np.int32(2), c, INTERPRET)
+            fused = _fused_product(x, ws, np.int32(2), c, INTERPRET)
             for w, y in zip(ws, fused, strict=True):
                 assert_bits_equal(y, _matmul(x, w[2], None, numerics.MATMUL, INTERPRET), f"{c} {widths}")
 

@@ -96,7 +96,7 @@ def test_gradients_are_the_full_passs(tiny):
     embedding's own bf16 gradient. Both fp32 sums lie within about K * 2^-24 relative of the exact
     value (K = 4 x 15 scored rows here), far below bf16's 2^-9 half step, so each bf16 rounding can
     land at most on the neighbouring value: at most one bf16 step apart per rounding, two in all.
-    Bit-equal layer gradients need the backward's vocabulary chunk (logprob._vocab_chunk) to be the same
+    Bit-equal layer gradients need the backward's vocabulary chunk (logprob.vocab_chunk) to be the same
     for both row counts: interpreted (here) it is fixed; compiled for a GPU it is sized by the row count,
     and with many rows the full pass sums the hidden states' cotangent over more chunks and the last
     bits differ."""

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import rlkjax
-from pallas_kernels import logprob, truncation
+from pallas_kernels import logprob
 from rlkjax import numerics
 from rlkjax.engine import Engine
 from tests.helpers import ENGINE, INTERPRET, assert_bits_equal, bits, float64_on_cpu, randn, rel_err, slow
@@ -46,7 +46,7 @@ def test_greedy_is_the_argmax_and_scores_at_temperature_one():
     n = h.shape[0]
     temps = jnp.asarray(np.where(np.arange(n) % 3 == 0, 0.8, 0.0), F32)  # greedy rows mixed with sampled ones
     seeds, steps = jnp.arange(n, dtype=jnp.uint32), jnp.arange(n, dtype=jnp.int32)
-    tokens, lp = logprob.sample_tokens(h, w, seeds, steps, temps, CONFIG, INTERPRET)
+    tokens, lp = logprob.head(h, w, temps, CONFIG, INTERPRET, seeds=seeds, steps=steps)[:2]
     tokens, lp, greedy = np.asarray(tokens), np.asarray(lp), np.asarray(temps) == 0
     z, err = logits64(h, w, temps), logits_error(h, w, temps)
     top2 = np.sort(z, axis=1)[:, -2:]
@@ -55,7 +55,9 @@ def test_greedy_is_the_argmax_and_scores_at_temperature_one():
     np.testing.assert_array_equal(tokens[clear], z[clear].argmax(axis=1))
     ones = jnp.where(temps == 0, 1.0, temps)
     for t in (ones, temps):  # scoring at T = 1 and at T = 0 is the same computation
-        assert_bits_equal(lp, logprob.token_logprobs(h, w, jnp.asarray(tokens), t, CONFIG, INTERPRET), "greedy lp")
+        assert_bits_equal(
+            lp, logprob.head(h, w, t, CONFIG, INTERPRET, targets=jnp.asarray(tokens)).logprobs, "greedy lp"
+        )
     # Sampled rows are not greedy: over 13 rows some draw is not the argmax.
     assert (tokens[~greedy] != z[~greedy].argmax(axis=1)).any()
 
@@ -72,12 +74,12 @@ def test_greedy_ties_go_to_the_lowest_id(tied, expected):
         w = w.at[i].set(u)
     n = h.shape[0]
     temps = jnp.zeros(n, F32)
-    args = (h, w, jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.int32), temps)
-    tokens, lp, top_ids, top_lp = logprob.sample_tokens_with_alternatives(*args, 6, CONFIG, INTERPRET)
+    keys = {"seeds": jnp.arange(n, dtype=jnp.uint32), "steps": jnp.zeros(n, jnp.int32)}
+    tokens, lp, _, top_ids, top_lp = logprob.head(h, w, temps, CONFIG, INTERPRET, **keys, alternatives=6)
     np.testing.assert_array_equal(np.asarray(tokens), expected)
     np.testing.assert_array_equal(np.asarray(top_ids)[:, : len(tied)], np.sort(tied)[None, :].repeat(n, 0))
     assert (bits(np.asarray(top_lp)[:, : len(tied)]) == bits(np.asarray(lp))[:, None]).all()
-    ref_tokens, _ = logprob.sample_tokens_reference(*args)  # the fast path's argmax: the same rule
+    ref_tokens = logprob.head_reference(h, w, temps, **keys).tokens  # the fast path's argmax: the same rule
     np.testing.assert_array_equal(np.asarray(ref_tokens), expected)
 
 
@@ -124,9 +126,8 @@ def test_alternatives_are_the_top_k_of_the_same_distribution():
     n, k = h.shape[0], 8
     temps = jnp.asarray([0.0, 0.7, 1.0, 1.3] * 9 + [1.0], F32)
     seeds, steps = jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.int32)
-    tokens, lp, ids, top = (
-        np.asarray(a) for a in logprob.sample_tokens_with_alternatives(h, w, seeds, steps, temps, k, CONFIG, INTERPRET)
-    )
+    out = logprob.head(h, w, temps, CONFIG, INTERPRET, seeds=seeds, steps=steps, alternatives=k)
+    tokens, lp, ids, top = (np.asarray(a) for a in (out.tokens, out.logprobs, out.top_ids, out.top_logprobs))
     assert (np.diff(top, axis=1) <= 0).all(), "alternatives sorted, most likely first"
     with float64_on_cpu():
         z = logits64(h, w, temps)
@@ -137,9 +138,9 @@ def test_alternatives_are_the_top_k_of_the_same_distribution():
     assert clear.sum() >= n - 3, "the case must test most rows"
     for i in np.flatnonzero(clear):
         assert set(ids[i]) == set(order[i, :k]), f"row {i}: top-{k} set differs from the float64 truth's"
-    _, _, _, top_ref = logprob.sample_tokens_with_alternatives_reference(h, w, seeds, steps, temps, k)
+    top_ref = logprob.head_reference(h, w, temps, seeds=seeds, steps=steps, alternatives=k).top_logprobs
     truth = np.take_along_axis(logp64, ids, axis=1)
-    ref = np.take_along_axis(np.asarray(jax.nn.log_softmax(logprob._logits_reference(h, w, temps), -1)), ids, axis=1)
+    ref = np.take_along_axis(np.asarray(jax.nn.log_softmax(logprob.logits_reference(h, w, temps), -1)), ids, axis=1)
     assert rel_err(top, truth) <= 2 * rel_err(ref, truth) + 1e-7
     assert rel_err(np.asarray(top_ref), np.sort(logp64, axis=1)[:, ::-1][:, :k]) < 1e-5  # the fast path's alternatives
     listed = ids == tokens[:, None]
@@ -291,14 +292,18 @@ def test_truncated_sampling_keeps_the_reference_set_and_renormalises():
         return [np.concatenate([np.asarray(p[i]) for p in parts]) for i in range(len(parts[0]))]
 
     def sampler(h, seeds, steps, temps, top_k, top_p, min_p, w):
-        return truncation.sample_tokens_truncated(h, w, seeds, steps, temps, top_k, top_p, min_p, 0, CONFIG, INTERPRET)
+        return logprob.head(h, w, temps, CONFIG, INTERPRET, seeds=seeds, steps=steps, truncation=(top_k, top_p, min_p))[
+            :3
+        ]
 
     def learner(h, tokens, temps, top_k, top_p, min_p, w):
-        return truncation.token_logprobs_truncated(h, w, tokens, temps, top_k, top_p, min_p, CONFIG, INTERPRET)
+        return logprob.head(h, w, temps, CONFIG, INTERPRET, targets=tokens, truncation=(top_k, top_p, min_p))[1:3]
 
     tokens, lp, renorm = by_setting(sampler, h, seeds, steps, temps, top_k, top_p, min_p)
     tokens_j = jnp.asarray(tokens)
-    (full,) = by_setting(lambda h, x, t, w: logprob.token_logprobs(h, w, x, t, CONFIG, INTERPRET), h, tokens_j, temps)
+    (full,) = by_setting(
+        lambda h, x, t, w: logprob.head(h, w, t, CONFIG, INTERPRET, targets=x).logprobs, h, tokens_j, temps
+    )
     assert_bits_equal(lp, full, "full lp")
     # The learner's side of the same rule: the drawn tokens score to the same bits, both ways, and
     # an id outside the kept set (the least likely one) scores -inf renormalised.
@@ -340,10 +345,12 @@ def test_untruncated_rows_draw_the_default_tokens_and_bits():
     n = h.shape[0]
     temps = jnp.asarray([0.0, 0.8, 1.0, 1.2] * 9 + [1.0], F32)
     seeds, steps = jnp.arange(n, dtype=jnp.uint32) * 7, jnp.arange(n, dtype=jnp.int32)
-    tok, lp, renorm, ids, top = truncation.sample_tokens_truncated(
-        h, w, seeds, steps, temps, jnp.full(n, w.shape[0]), jnp.ones(n, F32), jnp.zeros(n, F32), 3, CONFIG, INTERPRET
+    nothing_truncated = (jnp.full(n, w.shape[0]), jnp.ones(n, F32), jnp.zeros(n, F32))
+    keys = {"seeds": seeds, "steps": steps}
+    tok, lp, renorm, ids, top = logprob.head(
+        h, w, temps, CONFIG, INTERPRET, **keys, alternatives=3, truncation=nothing_truncated
     )
-    tok0, lp0, ids0, top0 = logprob.sample_tokens_with_alternatives(h, w, seeds, steps, temps, 3, CONFIG, INTERPRET)
+    tok0, lp0, _, ids0, top0 = logprob.head(h, w, temps, CONFIG, INTERPRET, **keys, alternatives=3)
     np.testing.assert_array_equal(np.asarray(tok), np.asarray(tok0))
     assert_bits_equal(lp, lp0, "truncation variant vs default")
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids0))
