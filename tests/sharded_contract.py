@@ -153,7 +153,7 @@ def compile_8b(out: Path) -> dict:
     next to its global one, and XLA's memory analysis."""
     programs = learner_programs(ModelConfig.preset("qwen3-8b"), devices=8, rows=16, tokens=384, only=("step", "update"))
     result = {}
-    for name in ("learner step (value and grad)", "optimiser update"):
+    for name in ("learner step (value and grad)", "optimiser update (one layer)"):
         lowered = programs[name]
         compiled = lowered.compile()
         result[name] = {

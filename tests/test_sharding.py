@@ -237,29 +237,32 @@ def test_learner_step_keeps_few_activations_per_layer(sharded):
 @pytest.mark.slow  # 2.5 min on 2 idle cores (5.5 loaded), 1.3 GB: the layer scan compiles its body once
 def test_8b_learner_compiles_sharded_over_8_devices(sharded):
     """The Qwen3-8B learner step (all 36 layers; train.grpo's default micro-batch of 16 rows of 384
-    tokens: 64 prompt + 256 new, padded as train.batch pads) and the AdamW update compile for 8
-    devices with the parameters, their gradients and both AdamW moments split 8 ways, in the inputs
-    and in what XLA chose for the outputs (the update's outputs are not pinned: a replicated master
-    or moment costs each device 8x its share, 92 GiB for the three, and would first show on 8 GPUs).
-    Interpret mode's compile on CPU; the shardings and buffer sizes are the program's, not a GPU
-    measurement."""
+    tokens: 128 prompt + 256 new) and the AdamW update's step of one layer compile for 8 devices with the
+    parameters, their gradients and both AdamW moments split 8 ways, in the inputs and in what XLA chose
+    for the outputs (the update's outputs are not pinned: a replicated master or moment costs each device
+    8x its share, and would first show on 8 GPUs). Interpret mode's compile on CPU; the shardings and
+    buffer sizes are the program's, not a GPU measurement."""
     _, programs = part(sharded, "8b")
     shapes = jax.tree.leaves(jax.eval_shape(lambda: rlkjax.init_params(rlkjax.ModelConfig.preset("qwen3-8b"))))
     n, p = len(shapes), sum(x.size for x in shapes)  # parameter tensors, parameters (8.2e9)
-    step, update = programs["learner step (value and grad)"], programs["optimiser update"]
+    step, update = programs["learner step (value and grad)"], programs["optimiser update (one layer)"]
+    layer_shapes = rlkjax.model.layer_shapes(rlkjax.ModelConfig.preset("qwen3-8b"))
+    per_layer, leaves = sum(math.prod(s) for s in layer_shapes.values()), len(layer_shapes)
     split = {
         "step's master weights": step["inputs"][:n],
         "step's gradients in": step["inputs"][-n:],
         "step's gradients out": step["outputs"][-n:],
-        # (grads, opt_state, master) -> (master, opt_state): all parameter-shaped but AdamW's step count
+        # (layers' master, layers' gradients, the layer's two moments, index, counts, norm) -> (layers' master,
+        # the layer's two moments, counts, finiteness): all layer-shaped but the scalars
         "update's inputs": [s for s in update["inputs"] if s[0] > 1],
         "update's outputs": [s for s in update["outputs"] if s[0] > 1],
     }
-    assert len(split["update's inputs"]) == len(split["update's outputs"]) + n == 4 * n  # grads, moments, master
+    assert len(split["update's inputs"]) == len(split["update's outputs"]) + leaves == 4 * leaves
     for what, sizes in split.items():
         whole = [size for size, shard, _ in sizes if shard * 8 != size]
         assert not whole, f"{what}: {len(whole)} tensors not split 8 ways (sizes {whole[:5]})"
     # The buffers XLA assigned agree: fp32 master + gradients (+ the batch and RoPE tables, < 64 MiB) for
-    # the step; gradients, both moments and master for the update, each 4 bytes x p / 8.
+    # the step; the layers' master and gradients and one layer's two moments for the update's layer step.
     assert 8 * p / 8 <= step["memory"]["arguments"] < 8 * p / 8 + 2**26, step["memory"]
-    assert 16 * p / 8 <= update["memory"]["arguments"] < 16 * p / 8 + 2**10, update["memory"]
+    layers = 36 * per_layer
+    assert (8 * layers + 8 * per_layer) / 8 <= update["memory"]["arguments"] < (8 * layers + 8 * per_layer) / 8 + 2**10
