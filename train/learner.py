@@ -67,12 +67,10 @@ def build_learner(config: "GRPOConfig", cfg, params, devices, loss: Callable, lo
     return Learner(devices, mesh, rope, grad_fn, score_fn, update), master, optimizer.init(opt, master)
 
 
-# The learner's jitted functions are built once per process for each key, not once per run: a process that
-# calls train() again (a notebook, a sweep over seeds, a resumed run, the tests) reuses their traced, lowered and
-# compiled programs (building the strict step anew traced every kernel of the model again: 30 of the 33 CPU
-# seconds of a second 2-step tiny run). Each key is everything its programs close over: the functions, the mesh
-# (its devices, in order), the parameters' specs, the model, the numerics and the hyperparameters; the arguments'
-# shapes and dtypes are jit's own key. A few entries each: a sweep over one of them keeps the last few.
+# The learner's jitted functions are built once per process for each key, not once per run, so a process that
+# trains again (a notebook, a sweep, a resumed run, the tests) does not trace the whole model again. Each key is
+# everything its programs close over (functions, mesh, specs, model, numerics, hyperparameters); the arguments'
+# shapes and dtypes are jit's own key.
 def _hashable(specs) -> tuple:
     """The specs pytree as (leaves, treedef), hashable (a dict is not); _specs undoes it."""
     leaves, treedef = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))

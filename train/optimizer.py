@@ -135,6 +135,7 @@ def _piece_step(hyper: Hyper, layer: bool):
 
 @functools.lru_cache(maxsize=8)
 def _norm(mesh, spec_leaves, spec_tree):
+    """The jitted global norm and per-tensor finiteness of a gradient (specs flattened: a dict is not hashable)."""
     specs = jax.tree.unflatten(spec_tree, spec_leaves)
 
     def norm(grads):
