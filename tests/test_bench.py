@@ -35,6 +35,7 @@ ENTRY_POINTS = (
     "memory_plan",
     "mismatch",
     "peer_torch",
+    "prefix_cache_speed",
     "profile",
     "rollout",
     "server_e2e",
