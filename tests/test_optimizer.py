@@ -1,5 +1,7 @@
 """train/optimizer.py: AdamW applied a piece at a time, its moments on the device or in pinned host memory."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +10,7 @@ import pytest
 
 import rlkjax
 from tests.helpers import assert_bits_equal
-from train import fsdp, optimizer
+from train import fsdp, grpo, optimizer
 
 HYPER = optimizer.Hyper(learning_rate=1e-2, warmup_steps=1, decay_steps=10, max_grad_norm=1.0, weight_decay=0.1)
 
@@ -100,3 +102,23 @@ def test_a_non_finite_gradient_is_named(moments):
     # guards.nonfinite names the gradient first.
     assert not finite["parameter"].any()
     assert finite["optimiser state"].sum() == 2  # the two step counts
+
+
+@pytest.mark.slow  # three 2-step train.grpo runs (programs shared with tests/test_grpo.py's small runs)
+def test_grpo_with_host_moments_has_the_device_runs_bits_and_resumes_bit_identically(tmp_path):
+    """train.grpo --moments host: the same master weights as --moments device after 2 steps, and a run
+    stopped after step 1 (its checkpoint holding host moments) resumes to the same bits, step 2's metrics
+    row matching the straight run's."""
+    small = dict(prompts_per_step=2, group_size=4, max_new_tokens=4, max_prompt_tokens=16, progress=False)
+    base = grpo.GRPOConfig(steps=2, checkpoint_every=1, **small)
+    device = grpo.train(dataclasses.replace(base, moments="device", out=str(tmp_path / "device")))
+    host = grpo.train(dataclasses.replace(base, moments="host", out=str(tmp_path / "host")))
+    grpo.train(dataclasses.replace(base, steps=1, moments="host", out=str(tmp_path / "resumed")))
+    resumed = grpo.train(dataclasses.replace(base, moments="host", out=str(tmp_path / "resumed"), resume=True))
+    for other in (host, resumed):
+        for a, b in zip(
+            jax.tree.leaves(jax.device_get(device["master"])), jax.tree.leaves(jax.device_get(other["master"]))
+        ):
+            assert_bits_equal(a, b, "master weights")
+    timing = lambda row: {k: v for k, v in row.items() if not k.endswith(("_s", "per_s", "mfu", "per_device"))}  # noqa: E731
+    assert timing(resumed["history"][-1]) == timing(device["history"][-1])
