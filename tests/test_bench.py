@@ -39,6 +39,7 @@ ENTRY_POINTS = (
     "rollout",
     "server_e2e",
     "server_latency",
+    "serve_hops",
     "speed",
     "startup",
     "two_gpu",
