@@ -202,16 +202,6 @@ class EngineClient:
     def max_context(self) -> int:
         return self.engine.max_context
 
-    def encode(self, text: str) -> list[int]:
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:  # JSON can carry lone surrogates ("\ud800"), which are not text
-            raise BadRequest(f"prompt is not valid Unicode: {e.reason} at character {e.start}") from None
-        return self.tokenizer.encode(text)
-
-    def decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens)
-
     def metrics(self) -> dict:
         return self.engine.metrics()
 

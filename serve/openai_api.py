@@ -126,7 +126,7 @@ class Job:
 
     def _name(self, token: int) -> str:
         if token not in self.names:
-            self.names[token] = self.client.decode([token])
+            self.names[token] = self.client.tokenizer.decode([token])
         return self.names[token]
 
     def _top_entries(self, token: int, piece: str, top) -> list[tuple[int, str, float]]:
@@ -323,13 +323,13 @@ class Job:
 
 async def completions(client: EngineClient, config: ServerConfig, request: web.Request):
     body = await read_json(request, config.read_timeout)
-    req = CompletionRequest.parse(body, client.limits, client.encode)
+    req = CompletionRequest.parse(body, client.limits, client.tokenizer)
     return await _serve(client, config, request, req, chat=False)
 
 
 async def chat_completions(client: EngineClient, config: ServerConfig, request: web.Request):
     body = await read_json(request, config.read_timeout)
-    req = ChatCompletionRequest.parse(body, client.limits, client.encode, client.chat_template, config.model)
+    req = ChatCompletionRequest.parse(body, client.limits, client.tokenizer, client.chat_template, config.model)
     return await _serve(client, config, request, req, chat=True)
 
 

@@ -14,7 +14,6 @@ import dataclasses
 import math
 import secrets
 import uuid
-from collections.abc import Callable
 
 from rlkjax.chat import ChatTemplateError
 from rlkjax.requests import as_float, check_int, check_seed, check_tokens, most_alternatives, sample_seed, shown
@@ -83,6 +82,15 @@ def int_list(body: dict, name: str) -> list[int]:
     return value
 
 
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """A prompt's text as token ids; JSON can carry lone surrogates ("\\ud800"), which are not text: a 400."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRequest(f"prompt is not valid Unicode: {e.reason} at character {e.start}") from None
+    return tokenizer.encode(text)
+
+
 def top_k_field(body: dict):
     top_k = optional(body, "top_k", 0)
     return 0 if top_k == -1 and not isinstance(top_k, bool) else top_k  # vLLM's "off" is -1 (ours: 0)
@@ -106,58 +114,38 @@ def seeds_for(seed, prompts: int, n: int) -> tuple[list, int | list]:
 
 
 # ----- the engine's options, shared by every route -----
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    """A request's engine options under the engine's names, as read from its body; `seeds` one per prompt."""
+def sampling_params(fields: dict, top_logprobs_name: str = "top_logprobs") -> SamplingParams:
+    """The engine's SamplingParams from a body's values under the engine's names; ValueError naming a bad
+    field. top_logprobs is checked against truncated_logprobs under the name the route's clients send it as."""
+    if fields.get("truncated_logprobs") and fields.get("top_logprobs"):
+        SamplingParams(**fields | {"top_logprobs": 0})  # every other check first, in SamplingParams' order
+        raise ValueError(
+            f"truncated_logprobs cannot be combined with {top_logprobs_name} (alternatives are full-distribution)"
+        )
+    return SamplingParams(**fields)
 
-    n: int = 1
-    max_tokens: int = 16
-    temperature: float = 1.0
-    stop_token_ids: tuple = ()
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    top_logprobs: int = 0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    truncated_logprobs: bool = False
-    seeds: tuple = ()
-    seed: int | list = 0  # as reported: the request's seed, or the fresh one it got
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    """What every generation route's body gives the engine: one SamplingParams, built and checked once,
+    and one seed per prompt."""
+
+    params: SamplingParams
+    seeds: tuple[int, ...]  # prompt i's seed (its samples' derive from it)
+    seed: int | list  # as the response reports it: the request's seed, or the fresh one it got
 
     def to_sampling_params(self) -> SamplingParams:
-        """The engine's SamplingParams (each prompt's seed is given at submission)."""
-        return SamplingParams(
-            n=self.n,
-            max_tokens=max(self.max_tokens, 1),  # 0 (echo only) samples nothing: the route submits nothing
-            temperature=self.temperature,
-            stop_token_ids=self.stop_token_ids,
-            min_tokens=self.min_tokens,
-            ignore_eos=self.ignore_eos,
-            top_logprobs=self.top_logprobs,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            min_p=self.min_p,
-            truncated_logprobs=self.truncated_logprobs,
-        )
-
-    def check(self, top_logprobs_name: str = "top_logprobs") -> SamplingParams:
-        """Build the SamplingParams once, ValueError naming a bad field; top_logprobs is checked against
-        truncated_logprobs under the name the route's clients send it as."""
-        params = dataclasses.replace(self, top_logprobs=0).to_sampling_params()
-        if params.truncated_logprobs and self.top_logprobs:
-            raise ValueError(
-                f"truncated_logprobs cannot be combined with {top_logprobs_name} (alternatives are full-distribution)"
-            )
-        return dataclasses.replace(params, top_logprobs=self.top_logprobs)
+        """The engine's options for every prompt (each prompt's seed is given at submission)."""
+        return self.params
 
 
 # ----- POST /generate -----
 @dataclasses.dataclass(frozen=True)
-class GenerateRequest(Sampling):
+class GenerateRequest(GenerationRequest):
     """POST /generate: {"prompt": ids or a list of them, "n", "max_new_tokens", "temperature", "seed",
     "stop_token_ids", "ignore_eos"}; max_new_tokens is this route's name for max_tokens."""
 
-    prompts: tuple = ()
+    prompts: tuple[tuple[int, ...], ...]
     FIELDS = {"prompt", "n", "max_new_tokens", "temperature", "seed", "stop_token_ids", "ignore_eos"}
     MAX_TOKENS = "max_new_tokens"  # what the engine's max_tokens is called in this route's messages
 
@@ -177,11 +165,11 @@ class GenerateRequest(Sampling):
                 stop_token_ids=optional(body, "stop_token_ids", []),
                 ignore_eos=optional(body, "ignore_eos", False),
             )
-            Sampling(**fields).check()
+            params = sampling_params(fields)
         except ValueError as e:
             raise BadRequest(str(e)) from None
         seeds, seed = seeds_for(body.get("seed"), len(prompts), n)
-        return cls(**fields, seeds=tuple(seeds), seed=seed, prompts=tuple(prompts))
+        return cls(params, tuple(seeds), seed, prompts=tuple(map(tuple, prompts)))
 
 
 # ----- POST /inference/v1/generate (vLLM's token route) -----
@@ -250,14 +238,14 @@ def _check_vllm_fields(sp: dict) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class TokenGenerateRequest(Sampling):
+class TokenGenerateRequest(GenerationRequest):
     """POST /inference/v1/generate: {"token_ids", "sampling_params": {vLLM's SamplingParams fields},
     "request_id", "timeout", ...}; sampling_params.logprobs=k is top_logprobs (null: no logprobs)."""
 
-    token_ids: tuple = ()
-    logprobs: bool = False  # sampling_params.logprobs was given: the response carries logprobs
-    request_id: str = ""
-    timeout: float | None = None
+    token_ids: tuple[int, ...]
+    logprobs: bool  # sampling_params.logprobs was given: the response carries logprobs
+    request_id: str
+    timeout: float | None
 
     @classmethod
     def parse(cls, body: dict, limits: Limits) -> "TokenGenerateRequest":
@@ -292,13 +280,13 @@ class TokenGenerateRequest(Sampling):
             truncated_logprobs=optional(sp, "truncated_logprobs", False),
         )
         try:
-            params = Sampling(**fields).check()
+            params = sampling_params(fields)
         except ValueError as e:
             raise BadRequest(f"sampling_params: {e}") from None
         check_context(limits.max_context, len(tokens), params.max_tokens, "sampling_params.max_tokens")
         seeds, seed = seeds_for(sp.get("seed"), 1, params.n)
         extra = dict(token_ids=tuple(tokens), logprobs=logprobs is not None, request_id=request_id, timeout=timeout)
-        return cls(**fields, seeds=tuple(seeds), seed=seed, **extra)
+        return cls(params, tuple(seeds), seed, **extra)
 
     @staticmethod
     def _request_fields(body: dict) -> tuple[str, float | None]:
@@ -320,18 +308,19 @@ class TokenGenerateRequest(Sampling):
 
 # ----- POST /v1/completions and /v1/chat/completions -----
 @dataclasses.dataclass(frozen=True)
-class OpenAIRequest(Sampling):
-    """What both OpenAI routes ask besides the engine's options. max_tokens may be 0 here: echo only."""
+class OpenAIRequest(GenerationRequest):
+    """What both OpenAI routes ask besides the engine's options."""
 
-    prompts: tuple = ()
-    stop: tuple = ()  # stop strings, found in the text as it grows
-    include_stop: bool = False  # vLLM's include_stop_str_in_output
-    logprobs: bool = False  # the response carries token logprobs
-    echo: bool = False
-    return_token_ids: bool = False
-    stream: bool = False
-    include_usage: bool = False
-    timeout: float | None = None
+    prompts: tuple[tuple[int, ...], ...]
+    max_tokens: int  # as asked: 0 is echo only (nothing sampled; params.max_tokens is 1)
+    stop: tuple[str, ...]  # stop strings, found in the text as it grows
+    include_stop: bool  # vLLM's include_stop_str_in_output
+    logprobs: bool  # the response carries token logprobs
+    echo: bool
+    return_token_ids: bool
+    stream: bool
+    include_usage: bool
+    timeout: float | None
 
 
 def _openai_fields(body: dict, limits: Limits, prompts: list, chat: bool) -> dict:
@@ -375,7 +364,7 @@ def _openai_fields(body: dict, limits: Limits, prompts: list, chat: bool) -> dic
     try:
         fields = dict(
             n=optional(body, "n", 1),
-            max_tokens=max_tokens,
+            max_tokens=max(max_tokens, 1),  # 0 (echo only) samples nothing: the route submits nothing
             temperature=optional(body, "temperature", 1.0),
             stop_token_ids=int_list(body, "stop_token_ids"),
             min_tokens=optional(body, "min_tokens", 0),
@@ -386,17 +375,18 @@ def _openai_fields(body: dict, limits: Limits, prompts: list, chat: bool) -> dic
             min_p=optional(body, "min_p", 0.0),
             truncated_logprobs=optional(body, "truncated_logprobs", False),
         )
-        params = Sampling(**fields).check("top_logprobs" if chat else "logprobs (top alternatives)")
+        params = sampling_params(fields, "top_logprobs" if chat else "logprobs (top alternatives)")
         params.check_model(limits.vocab_size, limits.max_context)
         check_int("n", params.n, 1, limits.max_batch)  # before the route sizes anything by n
     except ValueError as e:
         raise BadRequest(str(e)) from None
     stop = stop_strings(body["stop"]) if body.get("stop") is not None else []
-    fields |= dict(stop=tuple(stop), include_stop=bool_field(body, "include_stop_str_in_output"), logprobs=logprobs)
-    fields |= dict(echo=echo, return_token_ids=bool_field(body, "return_token_ids"), stream=stream)
-    fields |= dict(include_usage=bool_field(options, "include_usage"), timeout=timeout, prompts=tuple(prompts))
+    out = dict(prompts=tuple(map(tuple, prompts)), max_tokens=max_tokens, stop=tuple(stop))
+    out |= dict(include_stop=bool_field(body, "include_stop_str_in_output"), logprobs=logprobs, echo=echo)
+    out |= dict(return_token_ids=bool_field(body, "return_token_ids"), stream=stream)
+    out |= dict(include_usage=bool_field(options, "include_usage"), timeout=timeout)
     seeds, seed = seeds_for(body.get("seed"), len(prompts), params.n)
-    return fields | dict(seeds=tuple(seeds), seed=seed)
+    return dict(params=params, seeds=tuple(seeds), seed=seed) | out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -404,11 +394,11 @@ class CompletionRequest(OpenAIRequest):
     """POST /v1/completions: prompt as text, a list of texts, token ids or a list of those."""
 
     @classmethod
-    def parse(cls, body: dict, limits: Limits, encode: Callable[[str], list[int]]) -> "CompletionRequest":
+    def parse(cls, body: dict, limits: Limits, tokenizer) -> "CompletionRequest":
         check_fields(body, COMPLETION_FIELDS, {"prompt"})
         prompt = body["prompt"]
         if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
-            prompts = [encode(p) for p in ([prompt] if isinstance(prompt, str) else prompt)]
+            prompts = [encode_prompt(tokenizer, p) for p in ([prompt] if isinstance(prompt, str) else prompt)]
         else:
             prompts = token_prompts(prompt)
         return cls(**_openai_fields(body, limits, prompts, chat=False))
@@ -418,11 +408,11 @@ class CompletionRequest(OpenAIRequest):
 class ChatCompletionRequest(OpenAIRequest):
     """POST /v1/chat/completions: messages rendered with the model's chat template (tools too: tool_calls.py)."""
 
-    has_tools: bool = False  # the request had tools: a message carries tool_calls, even empty
-    parse_tools: bool = False  # the completion's tool calls are parsed (tool_choice "auto")
+    has_tools: bool  # the request had tools: a message carries tool_calls, even empty
+    parse_tools: bool  # the completion's tool calls are parsed (tool_choice "auto")
 
     @classmethod
-    def parse(cls, body: dict, limits: Limits, encode, template, model: str) -> "ChatCompletionRequest":
+    def parse(cls, body: dict, limits: Limits, tokenizer, template, model: str) -> "ChatCompletionRequest":
         """`template`: the model's ChatTemplate (None: it has none, a 400 naming `model`)."""
         check_fields(body, CHAT_FIELDS, {"messages"})
         if template is None:
@@ -457,5 +447,5 @@ class ChatCompletionRequest(OpenAIRequest):
             text = template.render(rendered, add, tools=tools, **kwargs)
         except ChatTemplateError as e:
             raise BadRequest(str(e)) from None
-        fields = _openai_fields(body, limits, [encode(text)], chat=True)
+        fields = _openai_fields(body, limits, [encode_prompt(tokenizer, text)], chat=True)
         return cls(**fields, has_tools=tools is not None, parse_tools=parse)
