@@ -12,9 +12,11 @@ are not hops. A coroutine's resumption counts as a call (its awaiting frame is i
 included in the count, and none runs: the step functions were compiled by the first request, so
 pallas_kernels/ code executes only when tracing.
 
-Reported: files, hops (distinct caller file -> callee file pairs), calls across files (distinct caller
-function -> callee function pairs), and the same per direction of interest: the library calling server
-code (rlkjax -> serve), and the OpenAI route modules calling the Server class's module.
+Reported: files, hops (distinct caller file -> callee file pairs; those with serve/ on either side apart),
+calls across files (distinct caller function -> callee function pairs; and every call, which varies a
+little from run to run with how the engine's steps fall), and two directions that point upwards: the
+library calling server code (rlkjax -> serve), and the OpenAI route modules calling the Server class's
+module.
 
     PYTHONPATH=$PWD .venv/bin/python -m bench.serve_hops [-v]
 """
@@ -79,6 +81,7 @@ class Trace:
         return {
             "files": len(self.files),
             "hops": len(pairs),
+            "hops_to_or_from_serve": sum("serve/" in a or "serve/" in c for a, c in pairs),
             "calls_across_files": len(self.calls),
             "calls_across_files_dynamic": sum(self.calls.values()),
             "library_to_serve": sorted(
