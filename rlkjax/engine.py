@@ -47,7 +47,7 @@ from rlkjax.numerics import PAGE_SIZE, Numerics, ops, padded_rows
 from rlkjax.requests import check_int, check_tokens, most_alternatives, sample_seed
 from rlkjax.sampling_params import SamplingParams
 from rlkjax.scheduler import EngineConfig, Scheduler
-from rlkjax.sequences import Request, Round, Sequence, round_rows
+from rlkjax.sequences import Listener, Request, Round, Sequence, round_rows
 from rlkjax.shapes import bucket, cdiv
 from rlkjax.steps import RowSampling
 
@@ -129,7 +129,7 @@ class Engine:
 
     # ----- requests -----
     def submit(
-        self, prompt, sampling: SamplingParams | None = None, *, group=None, on_tokens=None, **fields
+        self, prompt, sampling: SamplingParams | None = None, *, group=None, listener: Listener | None = None, **fields
     ) -> Request:
         """Validate and queue a request; raises ValueError naming the bad field.
 
@@ -137,18 +137,16 @@ class Engine:
         `fields` replace some of them (`submit(p, n=4, seed=1)`). A sample stops at max_tokens, or at
         a stop id (stop_token_ids, and the engine's eos_token_id unless ignore_eos) once it has
         min_tokens tokens. Requests with the same `group` (e.g. the prompts of one HTTP request)
-        count as one in admission's fair turns. `on_tokens`: see Request.on_tokens."""
+        count as one in admission's fair turns. `listener` (a sequences.Listener) is told, on the engine
+        thread, of each round's tokens where it follows them, and of the request's end."""
         sampling = sampling or SamplingParams()
         if fields:
             sampling = dataclasses.replace(sampling, **fields)
         prompt = check_tokens("prompt", prompt, self.cfg.vocab_size)
         check_int("n", sampling.n, 1, self.config.max_batch)
         sampling.check_model(self.cfg.vocab_size, self.max_context, len(prompt))
-        if cdiv(len(prompt) + sampling.max_tokens, PAGE_SIZE) > self.config.num_pages - 1:
-            raise ValueError(
-                f"prompt + max_tokens needs more KV pages than the cache holds ({self.config.num_pages - 1})"
-            )
-        req = Request(next(self._ids), prompt, sampling, sampling.stop_ids(self.eos_token_id), on_tokens=on_tokens)
+        self.check_pages(len(prompt), sampling.max_tokens)
+        req = Request(next(self._ids), prompt, sampling, sampling.stop_ids(self.eos_token_id), listener=listener)
         req.group = ("request", req.id) if group is None else group
         req.results = [None] * sampling.n
         seed = sampling.seed
@@ -160,6 +158,12 @@ class Engine:
         self._inbox.append((req, seqs))  # deque.append is thread-safe: no waiting for a step to end
         self.stats["requests"] += 1
         return req
+
+    def check_pages(self, prompt_len: int, max_tokens: int, field: str = "max_tokens") -> None:
+        """ValueError unless a sequence of prompt_len + max_tokens tokens fits the KV cache (`field`: the
+        caller's name for max_tokens)."""
+        if cdiv(prompt_len + max_tokens, PAGE_SIZE) > self.config.num_pages - 1:
+            raise ValueError(f"prompt + {field} needs more KV pages than the cache holds ({self.config.num_pages - 1})")
 
     def cancel(self, request: Request):
         """Cancel a request (from any thread); its sequences and pages are released at the next step."""
@@ -430,7 +434,7 @@ class Engine:
     def _collect_decode(self, round_: Round) -> list[Request]:
         """Read a round's tokens (this waits for the device) and finish the sequences that stopped.
         A sequence that finished while the round was in flight (a stop the host found in the round
-        before: a hook's stop, cancellation) is skipped: what the round sampled for it is dropped."""
+        before: a listener's stop, cancellation) is skipped: what the round sampled for it is dropped."""
         start = time.perf_counter()
         out_tok, out_lp, *top = (np.asarray(a) for a in round_.out)
         top_ids, top_lp = top if top else (None, None)
@@ -443,7 +447,8 @@ class Engine:
             new = s.extend(out_tok[i], out_lp[i], *((top_ids[i], top_lp[i]) if top else ()))
             self.stats["decode_tokens"] += new
             reason = s.stop_reason()
-            if s.request.on_tokens is not None and s.hook_stops(new, reason):
+            listener = s.request.listener
+            if listener is not None and listener.follows_tokens and s.hook_stops(new, reason):
                 reason = "stop"
             if reason and self._finish(s, reason):  # its pages, those the round did not fill included, are freed now
                 finished.append(s.request)

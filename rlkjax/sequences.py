@@ -1,6 +1,6 @@
-"""The engine's host-side records: a request (its SamplingParams, its samples' results), each
-sample's sequence (tokens, logprobs, KV pages), the page allocator they share, a decode round in
-flight, and the finished Completion."""
+"""The engine's host-side records: a request (its SamplingParams, its samples' results, the Listener
+it reports to), each sample's sequence (tokens, logprobs, KV pages), the page allocator they share, a
+decode round in flight, and the finished Completion."""
 
 import dataclasses
 import threading
@@ -135,14 +135,14 @@ class Sequence:
         return "length" if self.generated >= sampling.max_tokens else None
 
     def hook_stops(self, new: int, reason: str | None) -> bool:
-        """Show the request's hook the round's `new` tokens (and, when it asked for top_logprobs, their
+        """Show the request's listener the round's `new` tokens (and, when it asked for top_logprobs, their
         alternatives: (top ids, top logprobs), one [k] array each per token; else None) and the engine's
         finish reason (None: the sample goes on); if it keeps only k of them, drop the rest (their K/V
         is never read: the sequence ends here) and report that the sequence stopped."""
         tokens, logprobs = self.tokens[len(self.tokens) - new :], self.logprobs[len(self.logprobs) - new :]
         top = (self.top_ids[len(self.top_ids) - new :], self.top_logprobs[len(self.top_logprobs) - new :])
         asked = self.request.sampling.top_logprobs
-        keep = self.request.on_tokens(self.index, tokens, logprobs, top if asked else None, reason)
+        keep = self.request.listener.on_tokens(self.index, tokens, logprobs, top if asked else None, reason)
         if keep is None:
             return False
         drop = new - check_int("on_tokens' keep", keep, 0, new)
@@ -162,6 +162,25 @@ class Sequence:
         return comp
 
 
+class Listener:
+    """What the engine tells whoever submitted a request, on the engine thread (`Engine.submit(listener=...)`):
+    the tokens of each decode round, where `follows_tokens` asks for them, and the request's end. Both
+    methods do nothing here; a subclass overrides what it needs. A listener must not block: the engine's
+    step waits for it."""
+
+    follows_tokens = False  # on_tokens is called only when True (no per-round work for the others)
+
+    def on_tokens(self, index: int, tokens, logprobs, top, reason) -> int | None:
+        """After each decode round: sample `index`'s new tokens, their logprobs, their alternatives (top
+        ids, top logprobs: a [k] array each per token) if top_logprobs, else None, and the engine's finish
+        reason ("stop" | "length", None while the sample goes on). Returning an int k keeps the first k
+        tokens and stops that sample ("stop"), e.g. on a stop string; None goes on."""
+        return None
+
+    def on_end(self) -> None:
+        """The request ended (finished, cancelled or failed): its `done` is set, its results or error final."""
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     id: int
@@ -174,18 +193,12 @@ class Request:
     cancelled: bool = False
     error: str | None = None  # why the engine failed it (Engine.abort); None otherwise
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    callbacks: list = dataclasses.field(default_factory=list)  # called (engine thread) when done
-    # Called (engine thread) after each decode round with (sample index, new tokens, their logprobs, their
-    # alternatives (top ids, top logprobs: a [k] array each per token) if top_logprobs, else None, the
-    # engine's finish reason: "stop" | "length" | None while the sample goes on); returning an int k keeps
-    # the first k of them and stops that sample ("stop"), e.g. on a stop string (the server's streaming and
-    # stop strings). None: no hook.
-    on_tokens: object = None
+    listener: Listener | None = None  # told of its tokens and its end, on the engine thread
 
     def finish(self):
         self.done.set()
-        for callback in self.callbacks:
-            callback()
+        if self.listener is not None:
+            self.listener.on_end()
 
 
 @dataclasses.dataclass

@@ -17,7 +17,7 @@ import time
 
 from aiohttp import web
 
-from serve.http import _error
+from serve.http import error_response
 
 log = logging.getLogger("serve.rollout")
 
@@ -65,9 +65,9 @@ class AdminAuth:
                 WINDOW_S,
             )
         if count <= MAX_FAILURES:
-            return _error(401, "missing or wrong admin key (Authorization: Bearer <key>)")
+            return error_response(401, "missing or wrong admin key (Authorization: Bearer <key>)")
         retry = max(1, round(start + WINDOW_S - now))
-        response = _error(
+        response = error_response(
             429,
             f"wrong admin key, {count} from {peer} in {WINDOW_S:.0f} s: retry in {retry} s (the right key is accepted)",
         )

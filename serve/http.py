@@ -43,7 +43,7 @@ class Starting(Exception):
         self.retry_after = retry_after
 
 
-def _fields(body: dict, allowed: set[str], required: set[str]) -> dict:
+def check_fields(body: dict, allowed: set[str], required: set[str]) -> dict:
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise BadRequest(f"unknown field(s) {shown(unknown)}; allowed: {sorted(allowed)}")
@@ -70,13 +70,13 @@ def check_context(context: int, prompt_len: int, max_tokens: int, field: str = "
         )
 
 
-def _opt(body: dict, name: str, default):
+def optional(body: dict, name: str, default):
     """An optional field: absent or an explicit null mean the default (as OpenAI's API reads them)."""
     value = body.get(name)
     return default if value is None else value
 
 
-def _prompts(value, name="prompt"):
+def token_prompts(value, name="prompt"):
     """One prompt (list of ids) or a batch (list of lists) -> list of lists."""
     if isinstance(value, list) and value and all(isinstance(p, list) for p in value):
         return value
@@ -85,7 +85,7 @@ def _prompts(value, name="prompt"):
     raise BadRequest(f"{name} must be a list of token ids or a list of such lists")
 
 
-async def _json(request: web.Request, read_timeout: float) -> dict:
+async def read_json(request: web.Request, read_timeout: float) -> dict:
     """The body as a JSON object, or BadRequest saying what is wrong with it: whatever the bytes
     (bad compression, an unknown charset, invalid UTF-8, nesting deep enough to exhaust the parser,
     integers longer than Python will parse) the answer is a 4xx, never a 500."""
@@ -117,7 +117,7 @@ async def _json(request: web.Request, read_timeout: float) -> dict:
     return body
 
 
-def _json_response(data, status: int = 200) -> web.Response:
+def json_response(data, status: int = 200) -> web.Response:
     """JSON that is JSON: NaN or Infinity (which json.dumps writes by default, and no parser accepts)
     raise here, so a non-finite value becomes a logged 500, never a 200 with invalid JSON."""
     return web.json_response(data, status=status, dumps=functools.partial(json.dumps, allow_nan=False))
@@ -132,34 +132,34 @@ _ERROR_TYPES = {
 }
 
 
-def _error(status: int, message: str):
+def error_response(status: int, message: str):
     """OpenAI's error shape, so its clients show the message (not just the status code)."""
     kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return _json_response({"error": {"message": message, "type": kind, "param": None, "code": None}}, status=status)
+    return json_response({"error": {"message": message, "type": kind, "param": None, "code": None}}, status=status)
 
 
 @web.middleware
-async def _errors(request, handler):
+async def error_middleware(request, handler):
     try:
         return await handler(request)
     except BadRequest as e:
-        return _error(400, str(e))
+        return error_response(400, str(e))
     except ShuttingDown as e:
-        return _error(503, str(e))
+        return error_response(503, str(e))
     except Starting as e:
-        response = _error(503, str(e))
+        response = error_response(503, str(e))
         response.headers["Retry-After"] = str(e.retry_after)
         return response
     except (ReadTimeout, RequestTimeout) as e:
-        return _error(408, str(e))
+        return error_response(408, str(e))
     except EngineFailed as e:
-        return _error(500, str(e))
+        return error_response(500, str(e))
     except web.HTTPRequestEntityTooLarge:
-        return _error(413, f"request body over the limit of {request.client_max_size} bytes")
+        return error_response(413, f"request body over the limit of {request.client_max_size} bytes")
     except web.HTTPException as e:
-        return _error(e.status, e.reason)
+        return error_response(e.status, e.reason)
     except asyncio.CancelledError:
         raise
     except Exception:  # a bug of ours: logged with its traceback, answered as JSON, the server keeps serving
         log.exception("unhandled error on %s %s", request.method, request.path)
-        return _error(500, "internal error (logged on the server)")
+        return error_response(500, "internal error (logged on the server)")

@@ -17,7 +17,7 @@ SHUTDOWN_GRACE_S, SECOND_SIGNAL_GRACE_S = 5.0, 0.5
 
 
 async def serve(server) -> None:
-    """Serve `server` (a serve.rollout.Server) on its host and port until a signal drained it."""
+    """Serve `server` (a serve.server.Server) on its host and port until a signal drained it."""
     config = server.config
     # handler_cancellation: a client that disconnects cancels its handler, which cancels its sequences.
     # shutdown_timeout: the drain has waited for the handlers already; what is left is not worth a longer wait
@@ -40,7 +40,7 @@ async def serve(server) -> None:
         config.port,
         config.model,
         config.numerics,
-        f"; ready once {len(server.warm_up_todo)} shapes are compiled" if server.warm_up_todo else "",
+        f"; ready once {server.warm_up_shapes()} shapes are compiled" if server.warm_up_shapes() else "",
     )
     try:
         await server.wait_until_drained()

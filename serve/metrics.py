@@ -4,19 +4,17 @@ import time
 
 from prometheus_client.core import GaugeMetricFamily
 
-from rlkjax.engine import Engine
-
 
 class EngineMetrics:
     """Prometheus collector (register it with a CollectorRegistry): one gauge per engine counter."""
 
-    def __init__(self, engine: Engine, started: float):
-        self.engine = engine
+    def __init__(self, source, started: float):
+        self.source = source  # the engine or its client: metrics() gives the engine's counters
         self.started = started  # time.time() at start-up, for the tokens-per-second rate
 
     def collect(self):
         """Prometheus collector: read the engine's counters at scrape time."""
-        m = self.engine.metrics()
+        m = self.source.metrics()
         uptime = max(time.time() - self.started, 1e-9)
         for name, value, doc in [
             (

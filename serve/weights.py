@@ -11,7 +11,10 @@ from aiohttp import web
 from rlkjax.checkpoint import load_model
 from rlkjax.config import ModelConfig
 from rlkjax.requests import shown
-from serve.http import BadRequest, ShuttingDown, _error, _fields, _json, _json_response
+from serve.auth import AdminAuth
+from serve.config import ServerConfig
+from serve.engine_client import EngineClient
+from serve.http import BadRequest, check_fields, error_response, json_response, read_json
 
 
 @jax.jit
@@ -28,24 +31,20 @@ def non_finite(params) -> list[str]:
     return [path for path, ok in zip(paths, flags, strict=True) if not ok]
 
 
-async def update_weights(server, request: web.Request):
+async def update_weights(client: EngineClient, admin: AdminAuth | None, config: ServerConfig, request: web.Request):
     """Swap in the checkpoint at the body's "path" once the admin key checks; answers the new policy_version."""
-    if server.admin is None:
-        return _error(403, "weight updates are disabled: start the server with --admin-key-file or RLKJAX_ADMIN_KEY")
-    refused = server.admin.check(request)
+    if admin is None:
+        return error_response(
+            403, "weight updates are disabled: start the server with --admin-key-file or RLKJAX_ADMIN_KEY"
+        )
+    refused = admin.check(request)
     if refused is not None:
         return refused
-    body = _fields(await _json(request, server.config.read_timeout), {"path"}, {"path"})
+    body = check_fields(await read_json(request, config.read_timeout), {"path"}, {"path"})
     if not isinstance(body["path"], str):
         raise BadRequest("path must be a string")
-    params = await asyncio.to_thread(load_update, body["path"], server.cfg)
-    swapped = server.engine.update_weights(params)
-    server.kick()
-    while not swapped.is_set():  # polled, not a blocked thread: a shutdown must not wait on it
-        if server.deadline_passed:
-            raise ShuttingDown("the server shut down before the new weights went live")
-        await asyncio.sleep(0.02)
-    return _json_response({"policy_version": server.engine.policy_version})
+    params = await asyncio.to_thread(load_update, body["path"], client.model_config)
+    return json_response({"policy_version": await client.update_weights(params)})
 
 
 def load_update(path: str, served: ModelConfig):

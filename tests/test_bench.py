@@ -40,6 +40,7 @@ ENTRY_POINTS = (
     "rollout",
     "server_e2e",
     "server_latency",
+    "serve_hops",
     "speed",
     "startup",
     "two_gpu",

@@ -12,7 +12,7 @@ from rlkjax.engine import Engine
 from rlkjax.numerics import NumericsOptions
 from rlkjax.requests import sample_seed
 from rlkjax.scheduler import Scheduler
-from tests.helpers import ENGINE, ENGINE_4, ENGINE_TIGHT, assert_bits_equal, slow
+from tests.helpers import ENGINE, ENGINE_4, ENGINE_TIGHT, Hook, assert_bits_equal, slow
 
 
 @pytest.mark.slow  # the default run's no-recompile check: test_no_recompiles_after_warmup
@@ -214,7 +214,7 @@ def test_every_request_ends_once_and_is_counted(tiny):
     engine.cancel(mid)
     engine.cancel(before)  # ended already: nothing changes
     engine.run_until_done()
-    bad = engine.submit([6], max_tokens=50, seed=4, on_tokens=lambda *args: -1)
+    bad = engine.submit([6], max_tokens=50, seed=4, listener=Hook(lambda *args: -1))
     bystander = engine.submit([5, 6], max_tokens=50, seed=5)
     with pytest.raises(ValueError, match="keep"):
         engine.run_until_done()
@@ -379,7 +379,9 @@ def test_rounds_continue_on_the_device_exactly(tiny, monkeypatch):
         if not chained:  # the engine's own fallback when pages are short: read the round first
             monkeypatch.setattr(Scheduler, "pages_ahead", lambda self, previous: False)
         engine = Engine(params, cfg, config=ENGINE)
-        reqs = [engine.submit(**(kw | {"on_tokens": stop_after_six()} if i == 1 else kw)) for i, kw in enumerate(work)]
+        reqs = [
+            engine.submit(**(kw | {"listener": Hook(stop_after_six())} if i == 1 else kw)) for i, kw in enumerate(work)
+        ]
         engine.run_until_done()
         assert engine.pages.used == 0 and not engine.busy
         assert (engine.stats["chained_rows"] > 0) == chained, engine.stats

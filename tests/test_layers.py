@@ -45,3 +45,28 @@ def test_the_check_sees_imports(tmp_path):
     src = tmp_path / "m.py"
     src.write_text("def f():\n    from serve.rollout import Server\n    import train.grpo\n")
     assert project_imports(src) == {"serve", "train"}
+
+
+def engine_reaches(path: Path) -> list[str]:
+    """`x.engine.<attr>` and `x.in_flight` in a module: the engine's state read around the engine client."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Attribute):
+            continue
+        inner = node.value
+        if node.attr == "in_flight" or (isinstance(inner, ast.Attribute) and inner.attr == "engine"):
+            found.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_only_the_engine_client_reaches_the_engine(tmp_path):
+    """serve's routes and server talk to the engine through serve/engine_client.py only: no other module
+    reads `something.engine.<attr>` or a set of requests in flight (as `server.engine.config.max_batch`
+    and `server.in_flight.difference_update` once did from four modules). Not vacuous: a module that
+    does is caught."""
+    modules = sorted(p for p in (ROOT / "serve").glob("*.py") if p.name != "engine_client.py")
+    assert {p.name for p in modules} >= {"server.py", "openai_api.py", "protocol.py", "token_route.py"}
+    assert [hit for p in modules for hit in engine_reaches(p)] == []
+    src = tmp_path / "m.py"
+    src.write_text("def f(server):\n    server.in_flight.clear()\n    return server.engine.config.max_batch\n")
+    assert len(engine_reaches(src)) == 2

@@ -16,7 +16,7 @@ import pytest
 import rlkjax
 from rlkjax.chat import DEFAULT_TEMPLATE, ChatTemplate
 from rlkjax.tokenizer import load_tokenizer
-from serve.openai_params import CHAT_FIELDS, COMPLETION_FIELDS
+from serve.protocol import CHAT_FIELDS, COMPLETION_FIELDS
 from serve.text import token_pieces
 from tests.helpers import ENGINE, assert_bits_equal
 from tests.server_process import metric, post_raw, start_server

@@ -8,7 +8,7 @@ from rlkjax.chat import DEFAULT_TEMPLATE, ChatTemplate, ChatTemplateError, load_
 from rlkjax.engine import Engine
 from rlkjax.tokenizer import ByteTokenizer, load_tokenizer
 from serve.text import SampleText, offsets, token_pieces
-from tests.helpers import ENGINE, assert_bits_equal
+from tests.helpers import ENGINE, Hook, assert_bits_equal
 from tests.tokenizer_files import TEXT, make_bpe_checkpoint
 
 
@@ -106,7 +106,7 @@ def test_chat_templates_render_as_hugging_face_does(bpe):
 
 @pytest.mark.slow  # compiles the engine's step functions (those of tests.helpers.ENGINE)
 def test_the_engine_hook_stops_one_sample_and_not_the_others(tiny):
-    """Engine.submit(on_tokens=...), what stop strings and streams ride on: the hook sees every token once,
+    """Engine.submit(listener=...), what stop strings and streams ride on: the hook sees every token once,
     in order, a round at a time; returning k stops that sample with the first k tokens of the round kept
     (finish_reason stop, its pages freed), and the request's other samples run to their length with the
     tokens and logprob bits of a run without the hook; the hook is told the engine's finish reason."""
@@ -123,7 +123,7 @@ def test_the_engine_hook_stops_one_sample_and_not_the_others(tiny):
         return 2 if j == 1 and sum(map(len, rounds[1])) >= 5 else None
 
     engine = Engine(params, cfg, "strict", ENGINE)
-    hooked = engine.submit([5, 6, 7], n=3, max_tokens=10, seed=3, on_tokens=hook)
+    hooked = engine.submit([5, 6, 7], n=3, max_tokens=10, seed=3, listener=Hook(hook))
     engine.run_until_done()
     kept = sum(map(len, rounds[1][:-1])) + 2
     stopped = hooked.results[1]

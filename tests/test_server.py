@@ -543,9 +543,9 @@ def test_warm_up_before_serving(tiny):
 def test_no_response_carries_nan_or_infinity():
     """json.dumps writes NaN/Infinity by default, which is not JSON: every response goes through a
     writer that refuses them (the middleware turns that into a logged 500, never a 200)."""
-    from serve.http import _json_response
+    from serve.http import json_response
 
-    assert json.loads(_json_response({"logprobs": [-0.5]}).body) == {"logprobs": [-0.5]}
+    assert json.loads(json_response({"logprobs": [-0.5]}).body) == {"logprobs": [-0.5]}
     for bad in (float("nan"), float("inf")):
         with pytest.raises(ValueError):
-            _json_response({"logprobs": [bad]})
+            json_response({"logprobs": [bad]})

@@ -18,9 +18,9 @@ from aiohttp.test_utils import TestServer
 import rlkjax
 from serve.config import ServerConfig
 from serve.lifecycle import SHUTDOWN_GRACE_S
-from serve.rollout import Server
+from serve.server import Server
 from tests import fault_load
-from tests.helpers import ENGINE
+from tests.helpers import ENGINE, Hook
 from tests.server_process import ADMIN, post_raw, start_server, wait_for_metric
 
 pytestmark = pytest.mark.slow  # real servers, and a few hundred requests
@@ -119,7 +119,7 @@ def test_hostile_load_ends_every_request_then_a_clean_shutdown(tiny, tmp_path):
 
 
 def test_an_engine_failure_ends_requests_with_an_error_and_streams_with_done(tiny):
-    """A step that raises (here a request whose stop hook returns a bad count, submitted to the engine
+    """A step that raises (here a request whose listener keeps a bad count of tokens, submitted to the engine
     directly, in the same batch) fails every request the engine held: a plain request gets a 500 naming
     the failure, a stream its error event and then [DONE]; they count as failed, no page stays held,
     and the server serves the next request."""
@@ -132,10 +132,10 @@ def test_an_engine_failure_ends_requests_with_an_error_and_streams_with_done(tin
             async with session.post(url, json=body | {"stream": True}) as stream:
                 first = await stream.content.readline()  # the stream has started: its sequence runs
                 plain = asyncio.ensure_future(session.post(url, json=body))
-                while server.engine.metrics()["running"] < 2:
+                while server.client.metrics()["running"] < 2:
                     await asyncio.sleep(0.01)
-                server.engine.submit([1], max_tokens=200, on_tokens=lambda *args: -1)
-                server.kick()
+                server.client.engine.submit([1], max_tokens=200, listener=Hook(lambda *args: -1))
+                server.client.kick()
                 rest = await stream.content.read()
             async with await plain as answer:
                 failed = answer.status, await answer.json()
@@ -150,5 +150,5 @@ def test_an_engine_failure_ends_requests_with_an_error_and_streams_with_done(tin
     assert error["type"] == "server_error" and "engine failed" in error["message"], error
     assert status == 500 and "engine failed" in failed["error"]["message"], failed
     assert again == 200
-    m = server.engine.metrics()
+    m = server.client.metrics()
     assert m["failed"] == 3 and m["requests"] == sum(m[k] for k in ENDED) and m["pages_used"] == 0, m
