@@ -236,3 +236,41 @@ def test_grpo_env_trains_every_turn_with_zero_mismatch(tmp_path, monkeypatch):
         if len(added):
             assert s["tokens"][added[0] - 1] == EOS and s["tokens"][added[0]] == ord("\n")
             assert bytes(s["tokens"][i] for i in added[-2:]) == b"a:"
+
+
+@pytest.mark.slow  # starts a server (its programs compile in its own process)
+def test_local_and_remote_rollouts_give_the_same_episodes(tmp_path):
+    """The in-process engine and a server on loopback (vLLM's token route), same weights, examples and seeds: the
+    same episodes, every turn's tokens and logprob bits; both prefill later turns from the prefix cache."""
+    from rlkjax.chat import ChatTemplate
+    from rlkjax.checkpoint import load_hf_checkpoint
+    from rlkjax.sampling_params import SamplingParams
+    from rlkjax.tasks import LowercaseTask
+    from rlkjax.tokenizer import ByteTokenizer
+    from tests.helpers import assert_bits_equal
+    from tests.server_process import ADMIN, start_server
+    from train import fsdp, rollout
+
+    model_dir = eos_model(tmp_path / "model")
+    cfg, params = load_hf_checkpoint(model_dir)
+    devices = fsdp.pick_devices("learner_devices", "0")
+    local = rollout.LocalRollout(
+        params, cfg, "strict", fsdp.make_mesh(devices), devices, rows=8, max_length=64, eos_token_id=EOS
+    )
+    run = EpisodeRunner(AskAgain(None), ByteTokenizer(), ChatTemplate(COMPACT, {}), EOS, 3, 40, 24)
+    examples = LowercaseTask().sample(np.random.default_rng(0), 2)
+    sampling = SamplingParams(n=4, max_tokens=40)
+    proc, client = start_server("--model", model_dir, "--tokenizer", "bytes")
+    try:
+        remote = rollout.RemoteRollout(client.url, ADMIN)
+        ours, theirs = (run.run(r, examples, [5, 6], sampling) for r in (local, remote))
+        ours, theirs = list(ours), list(theirs)
+        assert remote.prefix_cache()["hit_tokens"] > 0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+    assert local.prefix_cache()["hit_tokens"] > 0
+    assert sum(len(e.turns) for g in ours for e in g) > 8  # several turns
+    for a, b in zip((e for g in ours for e in g), (e for g in theirs for e in g), strict=True):
+        assert a.tokens == b.tokens and a.ended_by == b.ended_by and a.reward == b.reward
+        assert_bits_equal(a.logprobs, b.logprobs, "local vs remote episode logprobs")
