@@ -185,3 +185,22 @@ def continuation(template, tokenizer, messages: list, after_eos: bool, **kwargs)
     "\\n<|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n" for a user message."""
     text = template.render(messages, add_generation_prompt=True, **kwargs)
     return tokenizer.encode(("\n" if after_eos else "") + text)
+
+
+def worked_episode(template, tokenizer, turns: list, eos: int, **kwargs) -> tuple[list[int], list[int]]:
+    """A written episode after its first prompt (chat messages: assistant turns, and the tool results or user
+    turns between them) as tokens, assembled as a sampled one is: each assistant turn's content + eos (mask 1),
+    each run of other messages as the template's continuation (mask 0). -> (tokens, mask). For a supervised
+    warm-up on the sequences the rollout will sample (train.sft --env)."""
+    if not turns or turns[0].get("role") != "assistant" or turns[-1].get("role") != "assistant":
+        raise ValueError("turns must start and end with an assistant message")
+    tokens, mask, i = [], [], 0
+    while i < len(turns):
+        if turns[i].get("role") == "assistant":
+            ids, trained, i = tokenizer.encode(turns[i]["content"]) + [eos], 1, i + 1
+        else:
+            j = next((k for k in range(i, len(turns)) if turns[k].get("role") == "assistant"), len(turns))
+            ids, trained, i = continuation(template, tokenizer, turns[i:j], after_eos=True, **kwargs), 0, j
+        tokens += ids
+        mask += [trained] * len(ids)
+    return tokens, mask

@@ -274,3 +274,29 @@ def test_local_and_remote_rollouts_give_the_same_episodes(tmp_path):
     for a, b in zip((e for g in ours for e in g), (e for g in theirs for e in g), strict=True):
         assert a.tokens == b.tokens and a.ended_by == b.ended_by and a.reward == b.reward
         assert_bits_equal(a.logprobs, b.logprobs, "local vs remote episode logprobs")
+
+
+def test_a_worked_episode_has_the_tokens_the_rollout_assembles(qwen, tmp_path):
+    """train.sft --env trains on the sequence train.grpo --env would sample for the same turns: the calculator
+    word problems' worked `turns` give the EpisodeRunner's tokens and mask, and the SFT batch trains exactly the
+    assistant turns' tokens (eos included)."""
+    from rlkjax.environments import worked_episode
+    from train import sft
+    from train.word_problems import write
+
+    tokenizer, template, _ = qwen
+    train, _ = write(tmp_path, train=2, eval=1, kind="calculator")
+    row = json.loads(train.read_text().splitlines()[0])
+    task = make_task("math", str(train))
+    run = runner((tokenizer, template, task))
+    episode = run.start(task.examples[0])
+    for message in row["turns"][::2]:
+        run.advance(episode, sampled(tokenizer, message["content"]))
+    assert episode.done and episode.reward == 1.0 and len(episode.turns) == 2
+    tokens, mask = worked_episode(template, tokenizer, row["turns"], IM_END, enable_thinking=True)
+    assert tokens == episode.completion and mask == episode.mask.tolist()
+    batch = sft.make_batch([(episode.prompt, tokens, mask)])
+    cols = batch["columns"][0][batch["mask"][0] > 0]
+    assert batch["tokens"][0, cols + 1].tolist() == [t for turn in episode.turns for t in turn.sampled]
+    with pytest.raises(ValueError, match="start and end with an assistant"):
+        worked_episode(template, tokenizer, row["turns"][:2], IM_END)
