@@ -15,12 +15,12 @@ the learner's logprobs of the same sequence (the numerics contract covers every 
 and the engine's prefix cache finds each turn's prompt already computed up to its last full page.
 
 Qwen3's `<think>` blocks: rendering a whole conversation, Qwen3's chat template drops the `<think>...</think>`
-reasoning of assistant turns before the last user query. Here the conversation is never rendered again: the
-sampled tokens stay in the sequence exactly as sampled (reasoning included, so later turns condition on it), and
-only the NEW messages are rendered, as the template renders a continuation (the text after an assistant turn's
-`<|im_end|>`: a newline, the new turns, then the generation prompt), and appended. A later turn therefore sees
-what the model wrote, not the shortened history a re-rendered prompt would show; the loss trains what was
-sampled, in the context it was sampled in.
+reasoning of the assistant turns before the last user query (a tool response is not a query: within one query
+it keeps them). Here the conversation is never rendered again: the sampled tokens stay in the sequence exactly
+as sampled (reasoning included, so later turns condition on it), and only the NEW messages are rendered, as the
+template renders a continuation (the text after an assistant turn's `<|im_end|>`: a newline, the new turns, then
+the generation prompt), and appended. A later turn therefore sees what the model wrote, not the shortened history
+a re-rendered prompt would show; the loss trains what was sampled, in the context it was sampled in.
 
 Why in rlkjax and not train/: an environment is host code over rlkjax's tools, chat templates and rewards,
 useful to any driver (train.grpo's rollouts, or an outside trainer speaking to the server's token route); the
