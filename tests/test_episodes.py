@@ -300,3 +300,48 @@ def test_a_worked_episode_has_the_tokens_the_rollout_assembles(qwen, tmp_path):
     assert batch["tokens"][0, cols + 1].tolist() == [t for turn in episode.turns for t in turn.sampled]
     with pytest.raises(ValueError, match="start and end with an assistant"):
         worked_episode(template, tokenizer, row["turns"][:2], IM_END)
+
+
+@pytest.mark.slow  # a warm-up and a GRPO step of the real-vocabulary model at the calculator's prompt length
+def test_calculator_warm_up_then_grpo_episodes_call_the_tool(tmp_path):
+    """The README's calculator path in miniature: train.sft --env calculator on one worked episode, then a
+    train.grpo --env calculator step. The episodes call the calculator and read its <tool_response>, the
+    environment's tokens are never trained (the row's sampled tokens are exactly those compared), and every
+    sampled token of every turn has the learner's bits."""
+    from train import sft
+    from train.word_problems import write
+
+    model = write_tiny_qwen3(tmp_path / "tiny")
+    train, _ = write(tmp_path / "data", train=1, eval=1, kind="calculator")
+    common = dict(data=str(train), env="calculator", enable_thinking=False)
+    sft.train(
+        sft.SFTConfig(
+            model=str(model),
+            out=str(tmp_path / "sft"),
+            steps=40,
+            batch_size=2,
+            log_every=40,
+            learning_rate=1e-2,
+            warmup_steps=2,
+            **common,
+        )
+    )
+    config = GRPOConfig(
+        model=str(tmp_path / "sft"),
+        task="math",
+        max_turns=3,
+        prompts_per_step=1,
+        group_size=2,
+        temperature=0.5,
+        max_prompt_tokens=240,
+        max_new_tokens=80,
+        steps=1,
+        checkpoint_every=0,
+        progress=False,
+        out=str(tmp_path / "grpo"),
+        **common,
+    )
+    (row,) = grpo.train(config)["history"]
+    assert row["tool_results_mean"] > 0 and row["turns_mean"] > 1 and row["env_tokens_mean"] > 0, row
+    assert row["tokens_bits_differ"] == 0 and row["first_update_tokens_compared"] == row["tokens_compared"]
+    assert row["tokens_compared"] == 2 * row["sampled_tokens_mean"]
