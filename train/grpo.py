@@ -5,6 +5,9 @@ The algorithm, per step:
   1. Sample P prompts x G completions with the rollout engine (in process, or a `serve.rollout`
      server via --rollout-url). Each token's logprob is recorded by the sampler. A sampled eos (the
      tokenizer's) ends a completion and is trained on as its last token (--ignore-eos samples past it).
+     With --env, G multi-turn episodes per prompt instead (train/episodes.py): one token sequence each, the
+     sampled tokens of every turn trained and checked, the tokens the environment and template add between
+     turns masked out; an episode's reward is its environment's, and its advantage applies to all its turns.
   2. Rewards from the task; group-normalised advantages A = (r - mean_group) / (std_group + eps)
      (--no-scale-advantages drops the std division: Dr. GRPO).
   3. `--updates-per-batch` optimiser steps on the batch, each over micro-batches with gradient
