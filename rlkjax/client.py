@@ -3,6 +3,7 @@
 client = RolloutClient("http://127.0.0.1:8000", admin_key="...")
 results = client.generate([[1, 2, 3]], n=4, max_new_tokens=64, temperature=1.0, seed=0)
 results[0][j]["tokens"], np.float32(results[0][j]["logprobs"])   # sample j of prompt 0
+client.generate_tokens([1, 2, 3], SamplingParams(n=2, max_tokens=8), seed=0)  # vLLM's token route
 client.update_weights("/path/to/checkpoint")                     # -> new policy version
 client.wait_until_ready()                                        # through the server's start-up
 """
@@ -68,6 +69,36 @@ class RolloutClient:
                     np.float32
                 )  # exact: they are float32 values
         return out["results"]
+
+    def generate_tokens(self, prompt, sampling, seed: int) -> list[dict]:
+        """One request through vLLM's token route (/inference/v1/generate): prompt token ids and an
+        rlkjax SamplingParams (its n, max_tokens, temperature, stop_token_ids, ignore_eos) -> its n samples, each
+        {tokens, logprobs (float32), policy_version, finish_reason}, as `generate` gives them."""
+        params = dict(n=sampling.n, max_tokens=sampling.max_tokens, temperature=sampling.temperature, seed=seed)
+        params |= dict(stop_token_ids=list(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos, logprobs=0)
+        out = self._call(
+            "POST", "/inference/v1/generate", {"token_ids": list(map(int, prompt)), "sampling_params": params}
+        )
+        return [
+            {
+                "tokens": c["token_ids"],
+                # exact: JSON doubles written from float32 values
+                "logprobs": np.asarray([t["logprob"] for t in c["logprobs"]["content"]], np.float64).astype(np.float32),
+                "policy_version": c["policy_version"],
+                "finish_reason": c["finish_reason"],
+            }
+            for c in out["choices"]
+        ]
+
+    def prefix_cache(self) -> dict:
+        """The server's prefix-cache counters from /metrics: query_tokens (prompt positions admitted after a
+        lookup) and hit_tokens (those the cache held: prefill saved)."""
+        values = {}
+        for line in self.metrics().splitlines():
+            name, _, value = line.partition(" ")
+            if name in ("rlkjax_prefix_cache_query_tokens_total", "rlkjax_prefix_cache_hit_tokens_total"):
+                values[name.removeprefix("rlkjax_prefix_cache_").removesuffix("_total")] = int(float(value))
+        return values
 
     def update_weights(self, path: str) -> int:
         return self._call("POST", "/update_weights", {"path": str(path)}, auth=True)["policy_version"]

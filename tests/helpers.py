@@ -111,3 +111,29 @@ ODD = rlkjax.ModelConfig(
     tie_embeddings=False,
     max_position=256,
 )
+
+
+EOS = 256  # the byte tokenizer's (rlkjax.tokenizer.ByteTokenizer)
+
+
+def eos_model(directory):
+    """The tiny model made to draw the byte tokenizer's eos (256) often, saved as an HF checkpoint.
+
+    Why it draws eos: residual channel 0 is set to 1 in every token's embedding, and no layer writes to
+    it (row 0 of every o_proj and down_proj is zero), so at every position x_0 = 1 exactly. The other 63
+    channels are the init's ~0.02, so rms(x) ~ sqrt((1 + 63 x 0.02^2) / 64) ~ 0.126 and the final
+    norm's output has h_0 ~ 1 / 0.126 ~ 7.9 (norm weight 1), the others ~ 0.16. The embeddings are
+    tied: logit_v = h . E[v]. Every row has E[v, 0] = 1, a shift softmax ignores; eos's has 1.5, so
+    its logit stands ~ 7.9 x 0.5 ~ 4 above the rest (whose spread is ~ 0.03): p(eos) ~ e^4 / (e^4 + 511)
+    ~ 0.1 per token, and about half of 8-token completions end early. Prompts are bytes (< 256), so
+    the eos row is only ever read as an output."""
+    cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
+    params = rlkjax.init_params(cfg, seed=0)
+    layers = params["layers"]
+    params = {
+        **params,
+        "embed_tokens": params["embed_tokens"].at[:, 0].set(1.0).at[EOS, 0].set(1.5),
+        "layers": {**layers, **{name: layers[name].at[:, 0].set(0) for name in ("o_proj", "down_proj")}},
+    }
+    rlkjax.save_hf_checkpoint(directory, cfg, params)
+    return str(directory)

@@ -20,7 +20,7 @@ import rlkjax
 from rlkjax import model
 from rlkjax.tasks import ArithmeticTask, Example, GSM8KTask, LowercaseTask
 from rlkjax.tokenizer import ByteTokenizer
-from tests.helpers import assert_bits_equal
+from tests.helpers import EOS, assert_bits_equal, eos_model
 from tests.server_process import ADMIN, start_server
 from train import fsdp, grpo, guards, metrics, rollout
 from train.batch import PAD, Batch, LossStats, micro_batches, pack, pad_rows, padded_length, reduce_stats
@@ -494,32 +494,6 @@ def test_hf_tokenizer_json(tmp_path):
         load_tokenizer(bare)
     assert isinstance(load_tokenizer(bare, "bytes"), ByteTokenizer)
     assert load_tokenizer(bare, tmp_path).encode("hello") == [1]
-
-
-EOS = ByteTokenizer.eos_token_id
-
-
-def eos_model(directory):
-    """The tiny model made to draw the byte tokenizer's eos (256) often, saved as an HF checkpoint.
-
-    Why it draws eos: residual channel 0 is set to 1 in every token's embedding, and no layer writes to
-    it (row 0 of every o_proj and down_proj is zero), so at every position x_0 = 1 exactly. The other 63
-    channels are the init's ~0.02, so rms(x) ~ sqrt((1 + 63 x 0.02^2) / 64) ~ 0.126 and the final
-    norm's output has h_0 ~ 1 / 0.126 ~ 7.9 (norm weight 1), the others ~ 0.16. The embeddings are
-    tied: logit_v = h . E[v]. Every row has E[v, 0] = 1, a shift softmax ignores; eos's has 1.5, so
-    its logit stands ~ 7.9 x 0.5 ~ 4 above the rest (whose spread is ~ 0.03): p(eos) ~ e^4 / (e^4 + 511)
-    ~ 0.1 per token, and about half of 8-token completions end early. Prompts are bytes (< 256), so
-    the eos row is only ever read as an output."""
-    cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
-    params = rlkjax.init_params(cfg, seed=0)
-    layers = params["layers"]
-    params = {
-        **params,
-        "embed_tokens": params["embed_tokens"].at[:, 0].set(1.0).at[EOS, 0].set(1.5),
-        "layers": {**layers, **{name: layers[name].at[:, 0].set(0) for name in ("o_proj", "down_proj")}},
-    }
-    rlkjax.save_hf_checkpoint(directory, cfg, params)
-    return str(directory)
 
 
 def check_completions_end_at_eos(groups, max_new_tokens):

@@ -19,8 +19,10 @@ class Batch(NamedTuple):
 
     tokens: np.ndarray  # [B, T] int32
     positions: np.ndarray  # [B, T] int32; -1 on padding (written to the trash page, never attended)
-    logp_old: np.ndarray  # [B, T-1] f32: the sampler's recorded logprob on completion tokens, 0 elsewhere
-    mask: np.ndarray  # [B, T-1] f32: 1 on completion tokens (the ones trained), 0 elsewhere
+    logp_old: np.ndarray  # [B, T-1] f32: the sampler's recorded logprob on sampled tokens, 0 elsewhere
+    # [B, T-1] f32: 1 on sampled tokens (the ones trained: a completion's, or every turn's of an episode), 0 on
+    # prompts, tokens an environment or chat template added between turns, and padding
+    mask: np.ndarray
     adv: np.ndarray  # [B] f32: the sequence's advantage
     temps: np.ndarray  # [B] f32: the sampling temperature the learner scores at
     tis: np.ndarray  # [B, T-1] f32: truncated importance weight (1 = none; only --numerics fast sets it)
@@ -46,19 +48,23 @@ def padded_length(n: int) -> int:
 
 
 def pack(samples) -> Batch:
-    """Samples (dicts with prompt, tokens, logprobs, adv, temperature) -> a Batch of T =
-    padded_length(the longest sequence) tokens and C = the longest completion's power of two columns (a
-    handful of shapes; a page's minimum, as T has, made short completions' head work twice or more)."""
+    """Samples (dicts with prompt, tokens, logprobs, adv, temperature, and optionally mask) -> a Batch of T =
+    padded_length(the longest sequence) tokens and C = the most sampled tokens of a row, as a power of two (a
+    handful of shapes; a page's minimum, as T has, made short completions' head work twice or more).
+    mask: per token of `tokens`, 1 where it was sampled (trained, logprobs the sampler's) and 0 where an
+    environment or chat template added it (an episode's tool results and turn wrappers: conditioned on, never
+    trained, never scored); absent, every token of `tokens` was sampled."""
     sequences = [s["prompt"] + s["tokens"] for s in samples]
+    sampled = [np.flatnonzero(s["mask"]) if "mask" in s else np.arange(len(s["tokens"])) for s in samples]
     rows, length = len(samples), padded_length(max(map(len, sequences)))
     tokens, positions = pad_sequences(sequences, rows, length)
     logp_old, mask = np.zeros((rows, length - 1), np.float32), np.zeros((rows, length - 1), np.float32)
-    columns = np.full((rows, bucket(max(len(s["tokens"]) for s in samples))), -1, np.int32)
-    for i, s in enumerate(samples):
-        first, n = len(s["prompt"]) - 1, len(s["tokens"])  # column of the first completion token
-        logp_old[i, first : first + n] = s["logprobs"]
-        mask[i, first : first + n] = 1
-        columns[i, :n] = np.arange(first, first + n)
+    columns = np.full((rows, bucket(max(map(len, sampled)))), -1, np.int32)
+    for i, (s, which) in enumerate(zip(samples, sampled)):
+        cols = len(s["prompt"]) - 1 + which  # column t predicts token t + 1
+        logp_old[i, cols] = np.asarray(s["logprobs"], np.float32)[which]
+        mask[i, cols] = 1
+        columns[i, : len(cols)] = cols
     return Batch(
         tokens=tokens,
         positions=positions,

@@ -49,6 +49,15 @@ class GRPOConfig:
     --eval-every steps through the same rollout: greedy and sampled pass@1, pass@k for k <= --group-size."""
     eval_every: int = 10
     """Steps between evaluations of --eval-data (and one after the last step)."""
+    env: str | None = None
+    """A multi-turn environment (rlkjax/environments.py) sampling G episodes per example: `calculator` (the model
+    may call the calculator tool; its results come back as <tool_response> turns; rewarded by the task on the
+    final turn), `single` (one turn, the task's reward), or `module:Class` (built as Class(task), with reset and
+    step). Needs a chat template. The loss trains every turn's sampled tokens, never the tokens the environment or
+    the template adds; --max-new-tokens bounds everything after the first prompt."""
+    max_turns: int = 1
+    """--env: the most sampled turns of an episode (it ends earlier when the environment says done, a turn ends
+    without the eos, or the next turn would not fit --max-new-tokens)."""
     reward: str | None = None
     """Optional user reward `module:function(prompt_text, completion_text) -> float`, replacing the task's."""
     steps: int = 80
@@ -58,7 +67,8 @@ class GRPOConfig:
     group_size: int = 8
     """G: completions per prompt; advantages are normalised within each group."""
     max_new_tokens: int = 8
-    """Most tokens sampled per completion (a completion ends earlier at the tokenizer's eos)."""
+    """Most tokens sampled per completion (a completion ends earlier at the tokenizer's eos). With --env, the budget
+    of everything after an episode's first prompt: every turn's sampled tokens and the tokens added between them."""
     ignore_eos: bool = False
     """Sample every completion to --max-new-tokens, past the tokenizer's eos. By default a sampled eos ends the
     completion: the eos is its last token, trained on like the others, and nothing after it is sampled."""
@@ -165,6 +175,7 @@ class GRPOConfig:
             "num_processes",
             "keep_checkpoints",
             "eval_every",
+            "max_turns",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -217,6 +228,12 @@ class GRPOConfig:
             )
         if self.eval_data is not None and self.task not in ("gsm8k", "math"):
             raise ValueError(f"--eval-data {self.eval_data!r} is for --task gsm8k and math (a file of problems)")
+        if self.max_turns > 1 and self.env is None:
+            raise ValueError(f"--max-turns={self.max_turns} needs --env (an environment that answers each turn)")
+        if self.env is not None and self.ignore_eos:
+            raise ValueError(f"--env {self.env!r} with --ignore-eos: a turn ends at the eos, so none would end")
+        if self.env is not None and self.eval_data is not None:
+            raise ValueError(f"--eval-data with --env {self.env!r}: evaluation samples single completions")
         if not (math.isfinite(self.reward_timeout) and self.reward_timeout > 0):
             raise ValueError(f"--reward-timeout={self.reward_timeout!r} must be a positive number of seconds")
         compilation_cache.check(self.compilation_cache)

@@ -5,6 +5,9 @@ The algorithm, per step:
   1. Sample P prompts x G completions with the rollout engine (in process, or a `serve.rollout`
      server via --rollout-url). Each token's logprob is recorded by the sampler. A sampled eos (the
      tokenizer's) ends a completion and is trained on as its last token (--ignore-eos samples past it).
+     With --env, G multi-turn episodes per prompt instead (train/episodes.py): one token sequence each, the
+     sampled tokens of every turn trained and checked, the tokens the environment and template add between
+     turns masked out; an episode's reward is its environment's, and its advantage applies to all its turns.
   2. Rewards from the task; group-normalised advantages A = (r - mean_group) / (std_group + eps)
      (--no-scale-advantages drops the std division: Dr. GRPO).
   3. `--updates-per-batch` optimiser steps on the batch, each over micro-batches with gradient
@@ -65,6 +68,7 @@ import rlkjax
 from rlkjax import compilation_cache, model
 from rlkjax.chat import PromptFormat, prompt_format
 from rlkjax.checkpoint import load_model
+from rlkjax.environments import load_environment
 from rlkjax.sampling_params import SamplingParams
 from rlkjax.shapes import cdiv
 from rlkjax.tasks import make_task
@@ -73,6 +77,7 @@ from train import fsdp
 from train.batch import Batch, LossStats, pack
 from train.checkpoints import Checkpoints, file_sha256, restore_run, run_config, save_run
 from train.config import GRPOConfig
+from train.episodes import EpisodeRunner, episode_row, learner_samples
 from train.evaluate import due, evaluate, load_eval_set
 from train.guards import check_prompt_lengths, check_rewards
 from train.learner import Learner, build_learner, learn, verify
@@ -80,7 +85,7 @@ from train.loggers import Loggers, sample_table
 from train.memory import PhasePeaks, RunShape, check_fits, choose_moments
 from train.metrics import plot, throughput
 from train.rollout import LocalRollout, RemoteRollout, model_eos
-from train.scoring import group_rewards
+from train.scoring import episode_rewards, group_rewards
 
 
 # ----- the algorithm: advantages and the learner's loss -----
@@ -156,13 +161,16 @@ class Run(NamedTuple):
     eval_set: list  # --eval-data's examples, or []
     data_sha256: str | None  # of the --data file, saved with each checkpoint and checked on --resume
     phases: PhasePeaks  # each phase's peak device memory, for the metrics rows
+    episodes: EpisodeRunner | None  # --env: multi-turn episodes; None: one completion per prompt
 
 
 def rollout_batch(step: int, run: Run, data_rng) -> tuple[list, list, Batch, dict, list]:
-    """1-2. Sample P prompts x G completions, reward them, group-normalise -> (prompts, groups, Batch, row, the
-    samples' table: prompt, completion and reward text)."""
+    """1-2. Sample P prompts x G completions (or, with --env, G episodes per example), reward them, group-normalise
+    -> (prompts, groups, Batch, row, the samples' table: prompt, completion and reward text)."""
     config = run.config
     examples = run.task.sample(data_rng, config.prompts_per_step)
+    if run.episodes is not None:
+        return episode_batch(step, run, examples, data_rng)
     prompts = [run.tokenizer.encode(run.render(e.prompt)) for e in examples]
     seeds = [int(s) for s in data_rng.integers(0, 2**32, config.prompts_per_step)]
     groups = run.rollout.sample(prompts, seeds, run.sampling)
@@ -182,15 +190,47 @@ def rollout_batch(step: int, run: Run, data_rng) -> tuple[list, list, Batch, dic
         for s, a in zip(g, ar)
     ]
     batch = pack(samples)
+    return (
+        prompts,
+        groups,
+        batch,
+        batch_row(step, rewards, batch, len(samples)) | failures,
+        sample_table(step, examples, texts, rewards),
+    )
+
+
+def episode_batch(step: int, run: Run, examples, data_rng) -> tuple[list, list, Batch, dict, list]:
+    """rollout_batch with --env: G episodes per example, turn by turn (train/episodes.py); one advantage per
+    episode, from its reward against its group's; the loss and the contract cover every sampled token of every
+    turn, and no token the environment or the template added."""
+    config = run.config
+    seeds = [int(s) for s in data_rng.integers(0, 2**32, config.prompts_per_step)]
+    before = run.rollout.prefix_cache()
+    episodes = run.episodes.run(run.rollout, examples, seeds, run.sampling)
+    after = run.rollout.prefix_cache()
+    run.rollout.release_cache()
+    rewards, failures = episode_rewards(f"step {step}", episodes)
+    check_rewards(step, rewards, [e.prompt for e in examples])
+    adv = group_advantages(rewards, config.scale_advantages)
+    samples = learner_samples(episodes, adv, config.temperature)
+    batch = pack(samples)
+    row = batch_row(step, rewards, batch, len(samples)) | failures | episode_row(episodes, before, after)
+    prompts = [g[0].prompt for g in episodes]
+    groups = [[{"tokens": ep.completion, "policy_version": ep.turns[0].policy_version} for ep in g] for g in episodes]
+    texts = [[run.tokenizer.decode(ep.completion) for ep in g] for g in episodes]
+    return prompts, groups, batch, row, sample_table(step, examples, texts, rewards)
+
+
+def batch_row(step: int, rewards: np.ndarray, batch: Batch, sequences: int) -> dict:
     total_tokens = float(batch.mask.sum())
-    row = {
+    return {
         "step": step,
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()),
         "entropy_estimate": float(-(batch.logp_old * batch.mask).sum() / total_tokens),
-        "completion_tokens_mean": total_tokens / len(samples),  # below --max-new-tokens when eos ends some
-    } | failures
-    return prompts, groups, batch, row, sample_table(step, examples, texts, rewards)
+        # sampled tokens per sequence: below --max-new-tokens when eos ends some
+        "completion_tokens_mean": total_tokens / sequences,
+    }
 
 
 def grpo_step(step: int, run: Run, state: dict, data_rng) -> tuple[dict, dict, list]:
@@ -310,8 +350,13 @@ def start_run(config: GRPOConfig) -> tuple[Run, dict, int, np.random.Generator]:
     )
     render = prompt_format(config.chat_template, tokenizer, config.system_prompt, config.enable_thinking)
     eval_set = load_eval_set(config, make_task)
+    episodes = episode_runner(config, task, tokenizer, render, model_eos(tokenizer, cfg))
     for examples in (getattr(task, "examples", ()), eval_set):
-        check_prompt_lengths(examples, tokenizer, config.max_prompt_tokens, render)
+        if episodes is None:
+            check_prompt_lengths(examples, tokenizer, config.max_prompt_tokens, render)
+        else:  # the environment's first prompts, as sampled
+            for example in examples:
+                episodes.start(example)
     sampling = SamplingParams(
         n=config.group_size,
         max_tokens=config.max_new_tokens,
@@ -350,8 +395,33 @@ def start_run(config: GRPOConfig) -> tuple[Run, dict, int, np.random.Generator]:
         eval_set,
         data_sha256,
         phases,
+        episodes,
     )
     return run, state, start, data_rng
+
+
+def episode_runner(config: GRPOConfig, task, tokenizer, render: PromptFormat, eos) -> EpisodeRunner | None:
+    """--env's environment and what samples its episodes (train/episodes.py), or None for single-turn runs."""
+    if config.env is None:
+        return None
+    if render.template is None:
+        raise ValueError(
+            f"--env {config.env!r} needs a chat template (its turns are chat messages); --chat-template "
+            f"{config.chat_template!r} gives plain prompts"
+        )
+    if eos is None:
+        raise ValueError(f"--env {config.env!r} needs a tokenizer with an eos token: a turn ends at it")
+    return EpisodeRunner(
+        load_environment(config.env, task),
+        tokenizer,
+        render.template,
+        eos,
+        config.max_turns,
+        config.max_new_tokens,
+        config.max_prompt_tokens,
+        config.system_prompt,
+        {"enable_thinking": config.enable_thinking},
+    )
 
 
 def plan_memory(config: GRPOConfig, cfg, learner_devices, sampler_devices) -> str:

@@ -2,7 +2,10 @@
 running `serve.rollout` server (`RemoteRollout`). Both have `sample(prompts, seeds, sampling) -> [P][n]
 {tokens, logprobs (float32), policy_version}` (prompt i sampled with seed seeds[i] and the one SamplingParams
 value) and `push(policy, cfg, out_dir)`, and for the same weights, prompts, seeds and sampling both return the
-same tokens and logprob bits.
+same tokens and logprob bits. `sample_turns(prompts, seeds, samplings)` is the same with one SamplingParams per
+prompt, for an episode's turns (train/episodes.py): the in-process engines keep their KV caches between calls and
+the server is asked through vLLM's token route, so each next turn's prompt finds the previous turn's pages in the
+prefix cache; `prefix_cache()` reads the counters that show it.
 """
 
 import os
@@ -51,24 +54,30 @@ class LocalRollout:
                     self.engines[device] = Engine(jax.device_put(local, device), cfg, numerics, sizing, eos_token_id)
 
     def sample(self, prompts, seeds, sampling: SamplingParams):
+        groups = self.sample_turns(prompts, seeds, [sampling] * len(prompts))
+        self.release_cache()
+        return groups
+
+    def sample_turns(self, prompts, seeds, samplings: list[SamplingParams]):
+        """Like sample, with one SamplingParams per prompt (an episode's turns ask for what their context has left),
+        and the KV caches kept, so the prefix cache holds every ended turn for the next (release_cache() after
+        the last)."""
         owners = [self.devices[i % len(self.devices)] for i in range(len(prompts))]
         reqs = {
             i: self.engines[device].submit(p, sampling, seed=s)
-            for i, (p, s, device) in enumerate(zip(prompts, seeds, owners))
+            for i, (p, s, sampling, device) in enumerate(zip(prompts, seeds, samplings, owners, strict=True))
             if device in self.engines
         }
         # One thread per engine, so engines on different devices decode at the same time (JAX releases
         # the GIL while a device works); each engine's bits do not depend on the others.
         with ThreadPoolExecutor(len(self.engines) or 1) as pool:
             list(pool.map(Engine.run_until_done, self.engines.values()))
-        for device, engine in self.engines.items():
-            if device in self.mesh.devices.flat:  # the learner's step gets the KV cache's memory until the next rollout
-                engine.release_cache()
         # Every process fills the rows it sampled; the exchange moves them as int32 bits.
-        shape = (len(prompts), sampling.n)
+        shape = (len(prompts), max(s.n for s in samplings))
+        width = max(s.max_tokens for s in samplings)
         mine = {
-            "tokens": np.zeros((*shape, sampling.max_tokens), np.int32),
-            "logprob_bits": np.zeros((*shape, sampling.max_tokens), np.int32),
+            "tokens": np.zeros((*shape, width), np.int32),
+            "logprob_bits": np.zeros((*shape, width), np.int32),
             "length": np.zeros(shape, np.int32),
             "version": np.zeros(shape, np.int32),
         }
@@ -90,10 +99,22 @@ class LocalRollout:
                         "logprobs": theirs["logprob_bits"][j, :n].view(np.float32),
                         "policy_version": int(theirs["version"][j]),
                     }
-                    for j, n in enumerate(theirs["length"])
+                    for j, n in enumerate(theirs["length"][: samplings[i].n])
                 ]
             )
         return groups
+
+    def release_cache(self):
+        """The learner's step gets the KV caches' memory (on its devices) until the next rollout."""
+        for device, engine in self.engines.items():
+            if device in self.mesh.devices.flat:
+                engine.release_cache()
+
+    def prefix_cache(self) -> dict:
+        """This process's engines' prefix-cache counters since they started: query_tokens (prompt positions
+        admitted) and hit_tokens (those the cache held: prefill saved)."""
+        metrics = [engine.metrics() for engine in self.engines.values()]
+        return {k: sum(m[f"prefix_cache_{k}"] for m in metrics) for k in ("query_tokens", "hit_tokens")}
 
     def release_weights(self):
         """Free the weights of the engines on the learner's devices until push() gives the next ones (cast from the
@@ -132,6 +153,19 @@ class RemoteRollout:
             stop_token_ids=sampling.stop_token_ids,
             ignore_eos=sampling.ignore_eos,  # the server's eos is its tokenizer's, the one the engines here stop at
         )
+
+    def sample_turns(self, prompts, seeds, samplings: list[SamplingParams]):
+        """Like LocalRollout.sample_turns, through vLLM's token route (/inference/v1/generate), one request per
+        prompt, sent together so the server batches them."""
+        with ThreadPoolExecutor(min(len(prompts), 64) or 1) as pool:
+            return list(pool.map(self.client.generate_tokens, prompts, samplings, seeds))
+
+    def release_cache(self):
+        """Nothing to free here: the server's memory is its own."""
+
+    def prefix_cache(self) -> dict:
+        """The server's prefix-cache counters since it started (its /metrics)."""
+        return self.client.prefix_cache()
 
     def release_weights(self):
         """Nothing to free here: the server's memory is its own."""

@@ -47,3 +47,24 @@ def group_rewards(where: str, task, examples: list, texts: list[list[str]]) -> t
         "reward_timeouts": sum(r.failure == "timeout" for r in results),
     }
     return rewards, counts
+
+
+def episode_rewards(where: str, episodes: list) -> tuple[np.ndarray, dict]:
+    """episodes [P][G] (train/episodes.py, finished) -> (rewards [P, G] float64: each episode's sum of its steps'
+    rewards, the row's failure counts), warning about each failed reward as group_rewards does."""
+    for index, episode in enumerate(e for g in episodes for e in g):
+        for result in episode.failures:
+            log.warning(
+                "%s: a reward of episode %d (%s) failed (%s: %s); it counts as 0",
+                where,
+                index,
+                episode.example.source or repr(episode.example.prompt[:80]),
+                result.failure,
+                result.detail,
+            )
+    rewards = np.array([[e.reward for e in g] for g in episodes], np.float64)
+    failures = [r for g in episodes for e in g for r in e.failures]
+    return rewards, {
+        "reward_failures": len(failures),
+        "reward_timeouts": sum(r.failure == "timeout" for r in failures),
+    }

@@ -2,7 +2,9 @@
 
 Trains a Hugging Face checkpoint on worked answers to a problems file (the fields --task math reads): each
 example is the prompt, rendered with the checkpoint's chat template exactly as train.grpo renders it, then the
-completion `\\boxed{ANSWER}` and the checkpoint's eos (`<|im_end|>` for Qwen3). The loss is the mean negative
+completion `\\boxed{ANSWER}` and the checkpoint's eos (`<|im_end|>` for Qwen3). With --env, each example is
+an episode as train.grpo --env samples it (the environment's first prompt with its tools, then the row's worked
+`turns`: tool calls, their results, the answer), trained on its assistant turns only. The loss is the mean negative
 log-likelihood of the completion's tokens (eos included, so the model learns to stop); the prompt is not
 trained on. Writes OUT/ as an HF checkpoint (the weights in the model's dtype, beside the input's tokenizer
 files), so `python -m train.grpo --model OUT` starts from it, plus OUT/sft_metrics.jsonl.
@@ -30,9 +32,10 @@ import optax
 import tyro
 
 from rlkjax import compilation_cache, model
-from rlkjax.chat import prompt_format
+from rlkjax.chat import load_chat_template, prompt_format
 from rlkjax.checkpoint import load_hf_checkpoint, save_hf_checkpoint
-from rlkjax.data import load_examples
+from rlkjax.data import load_examples, read_rows
+from rlkjax.environments import first_prompt, load_environment, worked_episode
 from rlkjax.shapes import pad_sequences
 from rlkjax.tokenizer import load_tokenizer
 from train.batch import padded_length
@@ -59,6 +62,11 @@ class SFTConfig:
     """A system message before each prompt (needs a chat template)."""
     enable_thinking: bool = True
     """Qwen3's thinking switch, as train.grpo's: --no-enable-thinking trains answers after an empty think block."""
+    env: str | None = None
+    """Train on episodes as train.grpo --env ENV samples them: each prompt rendered as the environment's first
+    prompt (with its tools), then the row's `turns` (assistant turns, and the tool results or user turns between
+    them; default: one assistant turn \\boxed{ANSWER}) assembled as a sampled episode is. Only the assistant
+    turns (each with its eos) are trained; the tokens between them are context."""
     steps: int = 200
     """Optimiser steps."""
     batch_size: int = 16
@@ -105,16 +113,39 @@ def encode(examples, tokenizer, render, eos: int) -> list[tuple[list[int], list[
     return [(tokenizer.encode(render(e.prompt)), tokenizer.encode(completion_text(e.answer)) + [eos]) for e in examples]
 
 
+def encode_episodes(config: SFTConfig, tokenizer, eos: int) -> list[tuple[list[int], list[int], list[int]]]:
+    """--env: each row -> (the environment's first prompt ids, the worked episode's ids, its mask: 1 on the
+    assistant turns' tokens)."""
+    template = load_chat_template(tokenizer) if config.chat_template == "auto" else None
+    if config.chat_template != "auto" or template is None:
+        raise ValueError(f"--env {config.env!r} needs the checkpoint's chat template (--chat-template auto)")
+    env, kwargs = load_environment(config.env, None), {"enable_thinking": config.enable_thinking}
+    examples = load_examples(config.data, config.prompt_field, config.answer_field)
+    rows = read_rows(config.data, (config.prompt_field, config.answer_field))  # `turns`: JSONL rows
+    out = []
+    for example, (source, row) in zip(examples, rows, strict=True):
+        system = [{"role": "system", "content": config.system_prompt}] if config.system_prompt is not None else []
+        prompt = first_prompt(env, system + env.reset(example), template, tokenizer, **kwargs)
+        turns = row.get("turns") or [{"role": "assistant", "content": completion_text(example.answer)}]
+        try:
+            out.append((prompt, *worked_episode(template, tokenizer, turns, eos, **kwargs)))
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise ValueError(f"{source}: 'turns': {e}") from None
+    return out
+
+
 def make_batch(pairs) -> dict[str, np.ndarray]:
-    """(prompt, completion) id lists -> the padded sequences and, per completion token, the column of the
-    hidden state that predicts it (-1 past a row's completion): tokens, positions [B, T]; columns, mask [B, C]."""
-    sequences = [p + c for p, c in pairs]
-    rows, width = len(pairs), max(len(c) for _, c in pairs)
+    """(prompt, completion[, mask]) id lists -> the padded sequences and, per trained completion token (mask 1;
+    every one without a mask), the column of the hidden state that predicts it (-1 past a row's trained
+    tokens): tokens, positions [B, T]; columns, mask [B, C]."""
+    sequences = [p + c for p, c, *_ in pairs]
+    trained = [np.flatnonzero(rest[0]) if rest else np.arange(len(c)) for _, c, *rest in pairs]
+    rows, width = len(pairs), max(map(len, trained))
     tokens, positions = pad_sequences(sequences, rows, padded_length(max(map(len, sequences))))
     columns, mask = np.full((rows, width), -1, np.int32), np.zeros((rows, width), np.float32)
-    for i, (prompt, completion) in enumerate(pairs):
-        n = len(completion)
-        columns[i, :n] = np.arange(len(prompt) - 1, len(prompt) - 1 + n)
+    for i, ((prompt, *_), which) in enumerate(zip(pairs, trained)):
+        n = len(which)
+        columns[i, :n] = len(prompt) - 1 + which
         mask[i, :n] = 1
     return {"tokens": tokens, "positions": positions, "columns": columns, "mask": mask}
 
@@ -165,10 +196,13 @@ def train(config: SFTConfig) -> list[dict]:
     tokenizer = load_tokenizer(config.model)
     if tokenizer.eos_token_id is None:
         raise ValueError(f"{config.model}: tokenizer_config.json names no eos token; the completions end with it")
-    render = prompt_format(config.chat_template, tokenizer, config.system_prompt, config.enable_thinking)
-    examples = load_examples(config.data, config.prompt_field, config.answer_field)
-    pairs = encode(examples, tokenizer, render, tokenizer.eos_token_id)
-    longest = max(len(p) + len(c) for p, c in pairs)
+    if config.env is None:
+        render = prompt_format(config.chat_template, tokenizer, config.system_prompt, config.enable_thinking)
+        examples = load_examples(config.data, config.prompt_field, config.answer_field)
+        pairs = encode(examples, tokenizer, render, tokenizer.eos_token_id)
+    else:
+        pairs = encode_episodes(config, tokenizer, tokenizer.eos_token_id)
+    longest = max(len(p) + len(c) for p, c, *_ in pairs)
     if longest > cfg.max_position:
         raise ValueError(f"{config.data}: an example is {longest} tokens, past the model's {cfg.max_position}")
     optimizer, update = make_update(config, cfg)

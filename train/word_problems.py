@@ -2,6 +2,10 @@
 OUT_DIR/train.jsonl and OUT_DIR/eval.jsonl ({"prompt": ..., "answer": ...}, the fields --task math reads by
 default). Each prompt asks for the answer in \\boxed{}; answers are whole numbers, checked by math-verify.
 The two files share no problem, so the evaluation is on held-out data.
+
+`--kind calculator`: products of two 4- or 5-digit numbers, too large to do in one's head, for the calculator
+environment (train.grpo --env calculator). Each row also has `turns`, a worked episode after the prompt (a
+calculator call, its result, the \\boxed{} answer) that train.sft --env calculator trains on.
 """
 
 import argparse
@@ -29,11 +33,27 @@ def problem(rng) -> dict:
     return {"prompt": text + INSTRUCTION, "answer": str(answer)}
 
 
-def write(out_dir, train: int = 256, eval: int = 32, seed: int = 0) -> tuple[Path, Path]:
-    """Write `train` and `eval` distinct problems -> (train.jsonl, eval.jsonl)."""
+def calculator_problem(rng) -> dict:
+    name, thing = rng.choice(NAMES), rng.choice(THINGS)
+    a, b = (int(rng.integers(1000, 100_000)) for _ in range(2))
+    text = f"{name} buys {a} bags with {b} {thing}s in each. How many {thing}s is that?" + INSTRUCTION
+    call = json.dumps({"name": "calculator", "arguments": {"expression": f"{a} * {b}"}})
+    turns = [
+        {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+        {"role": "tool", "content": str(a * b)},
+        {"role": "assistant", "content": f"\\boxed{{{a * b}}}"},
+    ]
+    return {"prompt": text, "answer": str(a * b), "turns": turns}
+
+
+KINDS = {"small": problem, "calculator": calculator_problem}
+
+
+def write(out_dir, train: int = 256, eval: int = 32, seed: int = 0, kind: str = "small") -> tuple[Path, Path]:
+    """Write `train` and `eval` distinct problems of `kind` -> (train.jsonl, eval.jsonl)."""
     rng, seen = np.random.default_rng(seed), {}
     for _ in range(100 * (train + eval)):
-        p = problem(rng)
+        p = KINDS[kind](rng)
         seen.setdefault(p["prompt"], p)
         if len(seen) == train + eval:
             break
@@ -54,6 +74,7 @@ if __name__ == "__main__":
     parser.add_argument("--train", type=int, default=256, help="training problems")
     parser.add_argument("--eval", type=int, default=32, help="held-out problems")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kind", choices=sorted(KINDS), default="small", help="small sums and products, or calculator")
     args = parser.parse_args()
-    for path in write(args.out_dir, args.train, args.eval, args.seed):
+    for path in write(args.out_dir, args.train, args.eval, args.seed, args.kind):
         print(path)
