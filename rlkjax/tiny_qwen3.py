@@ -3,7 +3,7 @@
 Random weights of a few layers 64 wide, saved with `save_hf_checkpoint` beside Qwen3's tokenizer.json
 and tokenizer_config.json (chat template, eos `<|im_end|>`), so every path a real Qwen3 checkpoint takes
 (tokenizer loading, chat rendering, eos, the full-vocabulary log-softmax) runs in seconds on a laptop.
-`python -m rlkjax.tiny_qwen3 DIR` writes one.
+`python -m rlkjax.tiny_qwen3 DIR` writes one (`--preset qwen3-0.6b`: random weights at a real model's shapes).
 """
 
 import argparse
@@ -37,5 +37,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("directory", help="where to write the checkpoint (created if missing)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the random weights")
+    parser.add_argument("--preset", help="a preset's shapes instead of the tiny ones (e.g. qwen3-0.6b: a GPU's size)")
     args = parser.parse_args()
-    print(write_tiny_qwen3(args.directory, args.seed))
+    print(write_tiny_qwen3(args.directory, args.seed, ModelConfig.preset(args.preset) if args.preset else TINY_QWEN3))
