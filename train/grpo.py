@@ -427,7 +427,9 @@ def episode_runner(config: GRPOConfig, task, tokenizer, render: PromptFormat, eo
 def plan_memory(config: GRPOConfig, cfg, learner_devices, sampler_devices) -> str:
     """Where AdamW's moments live (--moments, auto resolved by the memory plan), after refusing a run whose plan
     does not fit a learner GPU, before anything compiles (train/memory.py)."""
-    limit = (learner_devices[0].memory_stats() or {}).get("bytes_limit")
+    # This process's learner devices (another process's cannot be asked; with none, make_mesh refuses the run).
+    local = [d for d in learner_devices if d.process_index == jax.process_index()]
+    limit = (local[0].memory_stats() or {}).get("bytes_limit") if local else None
     shape = RunShape(
         prompts=config.prompts_per_step,
         group=config.group_size,
@@ -443,7 +445,7 @@ def plan_memory(config: GRPOConfig, cfg, learner_devices, sampler_devices) -> st
     elif limit is not None:
         shape = dataclasses.replace(shape, moments=choose_moments(cfg, shape, limit))
     if limit is not None:
-        check_fits(cfg, shape, limit, f"{learner_devices[0].device_kind} {learner_devices[0].id}")
+        check_fits(cfg, shape, limit, f"{local[0].device_kind} {local[0].id}")
     return shape.moments
 
 
