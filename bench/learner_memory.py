@@ -1,7 +1,7 @@
 """XLA's compiled memory analysis of train.grpo's sharded learner step (no execution, no weights).
 
 `python -m bench.learner_memory --model qwen3-8b --devices=2 --layers 1,2` lowers and compiles
-fsdp.sharded_value_and_grad(grpo.grpo_loss) (and the scoring pass, fsdp.sharded_logprobs) with
+fsdp.sharded_value_and_grad(grpo_loss) (and the scoring pass, fsdp.sharded_logprobs) with
 abstract inputs (jax.ShapeDtypeStruct + shardings) on N fake CPU devices, and prints what one device
 holds: arguments, outputs, temporaries (XLA's compiled memory analysis on CPU, not a GPU
 measurement). Several layer counts show the per-layer slope; the scan compiles its body once, so
@@ -28,8 +28,9 @@ from jax.sharding import NamedSharding
 
 from rlkjax import model, numerics
 from rlkjax.config import ModelConfig
-from train import fsdp, grpo, optimizer
+from train import fsdp, optimizer
 from train.batch import PAD, Batch, padded_length
+from train.loss import grpo_loss, policy_logprobs
 
 GIB = 2**30
 
@@ -90,9 +91,9 @@ def learner_programs(
     ref_logp = jax.ShapeDtypeStruct((rows, t - 1), jnp.float32, sharding=NamedSharding(mesh, fsdp.ROWS))
     total = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, fsdp.REPLICATED))
     grad_fn = fsdp.sharded_value_and_grad(
-        grpo.grpo_loss, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics=numerics, clip_eps=0.2, beta=0.0, remat=remat
+        grpo_loss, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics=numerics, clip_eps=0.2, beta=0.0, remat=remat
     )
-    score_fn = fsdp.sharded_logprobs(grpo.policy_logprobs, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics=numerics)
+    score_fn = fsdp.sharded_logprobs(policy_logprobs, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics=numerics)
     opt = optimizer.make(optimizer.Hyper(1e-6, 0, 10, 1.0, 0.0), mesh, specs)
     lower = {
         "step": lambda: grad_fn.lower(master, batch, ref_logp, rope, total, master),

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 import rlkjax
-from rlkjax import audit, model, steps
+from rlkjax import audit, model, programs
 from rlkjax.numerics import NumericsOptions
 
 S = jax.ShapeDtypeStruct
@@ -82,7 +82,7 @@ def step_args(cfg, b: int, t: int, pages: int):
     cache = jax.eval_shape(lambda: model.init_kv_cache(cfg, 1 + b * pages))
     vec = lambda dt: S((b,), dt)  # noqa: E731
     i32 = vec(jnp.int32)
-    sampling = steps.RowSampling(vec(jnp.uint32), i32, vec(jnp.float32), i32, S((b, 2), jnp.int32), i32)
+    sampling = programs.RowSampling(vec(jnp.uint32), i32, vec(jnp.float32), i32, S((b, 2), jnp.int32), i32)
     truncating = sampling._replace(truncation=(i32, vec(jnp.float32), vec(jnp.float32), vec(jnp.bool_)))
     return params, cache, rope, S((b, pages), jnp.int32), sampling, truncating
 
@@ -93,13 +93,26 @@ def engine_programs(cfg, numerics, lower):
     params, cache, rope, table, sampling, truncating = step_args(cfg, b, c, pages)
     chunk, one, vec = S((b, c), jnp.int32), S((b, 1), jnp.int32), S((b,), jnp.int32)
     carry = (S((8,), jnp.int32), S((8,), jnp.bool_))
-    out = {"prefill_chunk": lower(steps.prefill_chunk, params, chunk, chunk, cache, table, rope, cfg, numerics)}
+    out = {"prefill_chunk": lower(programs.prefill_chunk, params, chunk, chunk, cache, table, rope, cfg, numerics)}
     for name, rows, k in (("", sampling, 0), ("_alternatives", sampling, 5), ("_truncation", truncating, 3)):
         out[f"decode_step{name}"] = lower(
-            steps.decode_step, params, one, one, cache, table, rows, rope, cfg, numerics, alternatives=k
+            programs.decode_step, params, one, one, cache, table, rows, rope, cfg, numerics, alternatives=k
         )
         out[f"next_round{name}"] = lower(
-            steps.next_round, params, carry, vec, vec, vec, cache, table, rows, rope, cfg, numerics, 3, alternatives=k
+            programs.next_round,
+            params,
+            carry,
+            vec,
+            vec,
+            vec,
+            cache,
+            table,
+            rows,
+            rope,
+            cfg,
+            numerics,
+            3,
+            alternatives=k,
         )
     return out
 
@@ -146,11 +159,11 @@ def score_programs(cfg, numerics, lower):
 
 def learner_programs(cfg, numerics):
     """train.grpo's step and scoring pass on one device (bench.learner_memory's lowering)."""
-    from bench.learner_memory import learner_programs as programs
+    from bench.learner_memory import learner_programs as lower_learner
 
     out = {}
     for remat in (False, True):
-        lowered = programs(cfg, 1, 2, 32, numerics, remat=remat, only=("step", "score"))
+        lowered = lower_learner(cfg, 1, 2, 32, numerics, remat=remat, only=("step", "score"))
         for name, low in lowered.items():
             out[f"grpo_{name.split()[0]}{'_remat' if remat else ''}"] = low.as_text(debug_info=False)
     return out
@@ -164,7 +177,7 @@ def lower_cuda(fn, *args, **kwargs):
     return without_locations(audit.export_for_gpu(fn, *args, platform="cuda", **kwargs))
 
 
-def programs(only: str = "") -> dict[str, str]:
+def all_texts(only: str = "") -> dict[str, str]:
     out = {}
     for shape, cfg in SHAPES.items():
         for side, numerics, lower in (
@@ -190,7 +203,7 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for name, text in programs(args.only).items():
+    for name, text in all_texts(args.only).items():
         (out / f"{name}.mlir").write_text(text)
         print(f"{hashlib.sha256(text.encode()).hexdigest()[:16]}  {name}  {len(text)} chars")
 

@@ -31,8 +31,8 @@ from bench._timing import median_time
 from rlkjax import executable_cache, model
 from rlkjax.engine import Engine, EngineConfig
 from rlkjax.numerics import PAGE_SIZE
+from rlkjax.programs import RowSampling, decode_round
 from rlkjax.shapes import cdiv
-from rlkjax.steps import RowSampling, decode_round
 
 
 def engine_rate(params, cfg, numerics, batch, context, new_tokens, repeats):

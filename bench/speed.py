@@ -12,7 +12,7 @@ Sections (each row: fast, strict, strict/fast time, fraction of a ceiling):
   bytes read per step) / step time / copy bandwidth. The cache is filled with random values (the
   time does not depend on them; prefilling 256 x 2048 tokens would take longer than the decode);
 - prefill: 16 x 2048 prompt tokens, one call;
-- learner: value and gradient of the GRPO loss (train.grpo.grpo_loss: bf16 policy from fp32 master
+- learner: value and gradient of the GRPO loss (train.loss.grpo_loss: bf16 policy from fp32 master
   weights, token-level PPO-clip) on random sequences; MFU = (6 x matmul params x tokens + causal
   attention 6 x L x Hq x Dh x T^2 per sequence) / time / 989 TFLOP/s; memory from XLA's compiled
   memory analysis (arguments + outputs + temporaries: the peak of that call); `--learner-remat` adds

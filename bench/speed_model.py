@@ -13,9 +13,10 @@ import numpy as np
 from bench._timing import F32, compiled_bytes, median_time, rand
 from rlkjax import flops, model
 from rlkjax.numerics import PAGE_SIZE, NumericsOptions
-from rlkjax.steps import prefill_chunk
-from train import fsdp, grpo
+from rlkjax.programs import prefill_chunk
+from train import fsdp
 from train.batch import Batch
+from train.loss import grpo_loss
 
 SIDES = ("fast", "strict")
 
@@ -141,7 +142,7 @@ def train_learner_step(master, batch, ref, rope, cfg, remat, options="strict"):
     mesh = fsdp.make_mesh(jax.devices()[:1])
     specs = fsdp.param_specs(master, 1)
     step = fsdp.sharded_value_and_grad(
-        grpo.grpo_loss, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics=options, clip_eps=0.2, beta=0.0, remat=remat
+        grpo_loss, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics=options, clip_eps=0.2, beta=0.0, remat=remat
     )
     on_mesh = fsdp.put(master, mesh, specs, dtype=F32)
     tokens = float(np.asarray(batch.mask).sum())
@@ -156,7 +157,7 @@ def train_learner_step(master, batch, ref, rope, cfg, remat, options="strict"):
 
 
 def learner_row(cfg, name, seq, tokens_per_call, repeats, rate, remat=False, sides=SIDES, strict="strict"):
-    """sides: "fast" and "strict" run grpo.grpo_loss on whole weights (the library's learner pass:
+    """sides: "fast" and "strict" run grpo_loss on whole weights (the library's learner pass:
     layers unrolled, weights read in place); "train" runs train.grpo's one-device learner step
     (`train_learner_step`, strict), so the two can be compared in one run."""
     b = max(1, tokens_per_call // seq)
@@ -172,7 +173,7 @@ def learner_row(cfg, name, seq, tokens_per_call, repeats, rate, remat=False, sid
             fn, args, grads = train_learner_step(master, batch, ref, rope, cfg, remat, strict)
             args = (*args, grads)
         else:
-            loss = functools.partial(grpo.grpo_loss, remat=remat)
+            loss = functools.partial(grpo_loss, remat=remat)
             fn = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=(4, 5, 6, 7))
             args = (master, batch, ref, rope, cfg, strict if side == "strict" else side, 0.2, 0.0, jnp.float32(b * seq))
         try:

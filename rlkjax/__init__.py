@@ -10,8 +10,8 @@ from rlkjax.checkpoint import load_hf_checkpoint, save_hf_checkpoint  # noqa: E4
 from rlkjax.config import PRESETS, ModelConfig  # noqa: E402
 from rlkjax.engine import Engine, EngineConfig  # noqa: E402
 from rlkjax.model import forward, init_params, sequence_logprobs, token_logprobs  # noqa: E402
+from rlkjax.records import Completion  # noqa: E402
 from rlkjax.sampling_params import SamplingParams  # noqa: E402
-from rlkjax.sequences import Completion  # noqa: E402
 
 __all__ = [
     "PRESETS",

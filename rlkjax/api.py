@@ -1,5 +1,5 @@
 """`generate` (through the rollout engine) and `score` (the learner's pass over finished
-sequences). Inputs are checked by rlkjax.requests, the one place every entry point uses. Shapes are
+sequences). Inputs are checked by rlkjax.checks, the one place every entry point uses. Shapes are
 padded to power-of-two buckets so a long run compiles a handful of functions, and padding never
 changes a real row's bits (see pallas_kernels).
 """
@@ -9,11 +9,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from rlkjax.config import ModelConfig
-from rlkjax.engine import Engine, EngineConfig
-from rlkjax.model import rope_tables, sequence_logprobs
-from rlkjax.numerics import PAGE_SIZE, Numerics, ops
-from rlkjax.requests import (
+from rlkjax.checks import (
     check_batch,
     check_bool,
     check_fraction,
@@ -23,8 +19,12 @@ from rlkjax.requests import (
     most_alternatives,
     per_row,
 )
+from rlkjax.config import ModelConfig
+from rlkjax.engine import Engine, EngineConfig
+from rlkjax.model import rope_tables, sequence_logprobs
+from rlkjax.numerics import PAGE_SIZE, Numerics, ops
+from rlkjax.records import Completion
 from rlkjax.sampling_params import SamplingParams
-from rlkjax.sequences import Completion
 from rlkjax.shapes import bucket, pad_sequences
 
 

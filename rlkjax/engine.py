@@ -17,7 +17,7 @@ Shapes (compiled once per bucket): prefill tokens [B, prefill_chunk], decode tok
 table [B, pages_per_seq]; B is a power of two up to max_batch, and for decode at least the rows the
 strict forward carries anyway (`min_decode_rows`).
 
-The device functions are rlkjax.steps', the request and sequence records rlkjax.sequences', the
+The device functions are rlkjax.programs', the request and sequence records rlkjax.records', the
 scheduling policy (admission in fair turns, pages, preemption, forks, each call's rows)
 rlkjax.scheduler's.
 The public surface for a server or a learner: `submit`, `cancel`, `update_weights`, `step`,
@@ -40,22 +40,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlkjax import executable_cache, prefix_cache, steps
+from rlkjax import executable_cache, prefix_cache, programs
+from rlkjax.checks import check_int, check_tokens, most_alternatives, sample_seed
 from rlkjax.config import ModelConfig
 from rlkjax.model import init_kv_cache, rope_tables
 from rlkjax.numerics import PAGE_SIZE, Numerics, ops, padded_rows
-from rlkjax.requests import check_int, check_tokens, most_alternatives, sample_seed
+from rlkjax.programs import RowSampling
+from rlkjax.records import Listener, Request, Round, Sequence, round_rows
 from rlkjax.sampling_params import SamplingParams
 from rlkjax.scheduler import EngineConfig, Scheduler
-from rlkjax.sequences import Listener, Request, Round, Sequence, round_rows
 from rlkjax.shapes import bucket, cdiv
-from rlkjax.steps import RowSampling
 
 # The step functions, through the executable cache where compilation_cache.enable() set one (a restarted
 # server loads them instead of tracing, lowering and compiling again), else through jax.jit alone.
-prefill_chunk = executable_cache.cached(steps.prefill_chunk, "cfg", "numerics")
-next_round = executable_cache.cached(steps.next_round, "cfg", "numerics", "num_steps", "alternatives")
-copy_pages = executable_cache.cached(steps.copy_pages)
+prefill_chunk = executable_cache.cached(programs.prefill_chunk, "cfg", "numerics")
+next_round = executable_cache.cached(programs.next_round, "cfg", "numerics", "num_steps", "alternatives")
+copy_pages = executable_cache.cached(programs.copy_pages)
 
 
 class Engine:
@@ -388,13 +388,13 @@ class Engine:
             self.cache = copy_pages(self.cache, src_a, dst_a)
 
     def _round_args(self, carry, src, tokens, positions, table, sampling, length, alternatives) -> tuple:
-        """steps.next_round's arguments, all positional (warm-up and rounds alike: jit keys positional
+        """programs.next_round's arguments, all positional (warm-up and rounds alike: jit keys positional
         and keyword arguments apart, so both pass the same way)."""
         params, cache, rope, cfg, numerics = self.params, self.cache, self.rope, self.cfg, self.numerics
         return params, carry, src, tokens, positions, cache, table, sampling, rope, cfg, numerics, length, alternatives
 
     def _next_round(self, *args):
-        """The one call of steps.next_round (arguments as `_round_args`'); returns its outputs but the
+        """The one call of programs.next_round (arguments as `_round_args`'); returns its outputs but the
         cache, kept here."""
         out_tok, out_lp, self.cache, carry, *top = next_round(*self._round_args(*args))
         return out_tok, out_lp, carry, *top

@@ -25,7 +25,7 @@ from collections import OrderedDict
 import numpy as np
 
 from rlkjax.numerics import PAGE_SIZE
-from rlkjax.sequences import PageAllocator
+from rlkjax.records import PageAllocator
 
 
 def page_keys(tokens, pages: int):

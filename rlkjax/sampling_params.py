@@ -10,7 +10,7 @@ import dataclasses
 
 import numpy as np
 
-from rlkjax.requests import (
+from rlkjax.checks import (
     MAX_TOP_LOGPROBS,
     check_bool,
     check_fraction,

@@ -17,10 +17,10 @@ victim is the newest sequence of the group that holds the most slots, not the ne
 import dataclasses
 from collections import Counter, deque
 
+from rlkjax.checks import sample_seed
 from rlkjax.numerics import PAGE_SIZE
 from rlkjax.prefix_cache import PrefixCache
-from rlkjax.requests import sample_seed
-from rlkjax.sequences import PageAllocator, Round, Sequence
+from rlkjax.records import PageAllocator, Round, Sequence
 from rlkjax.shapes import bucket, cdiv
 
 

@@ -9,7 +9,7 @@ import logging
 
 from aiohttp import web
 
-from rlkjax.requests import shown
+from rlkjax.checks import shown
 
 log = logging.getLogger("serve.rollout")
 

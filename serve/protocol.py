@@ -16,7 +16,7 @@ import secrets
 import uuid
 
 from rlkjax.chat import ChatTemplateError
-from rlkjax.requests import as_float, check_int, check_seed, check_tokens, most_alternatives, sample_seed, shown
+from rlkjax.checks import as_float, check_int, check_seed, check_tokens, most_alternatives, sample_seed, shown
 from rlkjax.sampling_params import SamplingParams
 from serve.http import BadRequest, check_context, check_fields, optional, token_prompts
 from serve.tool_calls import history_message, request_tools

@@ -19,7 +19,7 @@ import json
 import uuid
 
 from rlkjax.chat import message_text
-from rlkjax.requests import shown
+from rlkjax.checks import shown
 from rlkjax.tools import parse_tool_calls
 from serve.http import BadRequest
 

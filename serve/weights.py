@@ -9,8 +9,8 @@ import jax.numpy as jnp
 from aiohttp import web
 
 from rlkjax.checkpoint import load_model
+from rlkjax.checks import shown
 from rlkjax.config import ModelConfig
-from rlkjax.requests import shown
 from serve.auth import AdminAuth
 from serve.config import ServerConfig
 from serve.engine_client import EngineClient

@@ -15,7 +15,7 @@ import rlkjax
 from rlkjax import audit
 from rlkjax.engine import EngineConfig
 from rlkjax.numerics import NumericsOptions
-from rlkjax.sequences import Listener
+from rlkjax.records import Listener
 
 INTERPRET = jax.default_backend() == "cpu"  # Pallas kernels run interpreted on the CPU, compiled on a GPU
 # The strict path on the audited GPU's tile table (this machine's GPU, or CUDA's on a machine without one),

@@ -12,8 +12,8 @@ import numpy as np
 import rlkjax
 from rlkjax import model
 from tests.helpers import assert_bits_equal
-from train import grpo
 from train.batch import Batch
+from train.loss import grpo_loss
 
 PROMPTS = ([5, 17, 33, 2, 9], [40, 41, 42])
 TEMPERATURES = [0.7, 1.3]
@@ -37,7 +37,7 @@ def digest() -> str:
     adv, temps = np.array([1.0, -1.0], np.float32), np.array(TEMPERATURES, np.float32)
     batch = Batch(tokens, positions, logp_old, mask, adv, temps, np.ones_like(mask))
     master = jax.tree.map(lambda w: w.astype(jnp.float32), params)
-    step = jax.jit(jax.value_and_grad(grpo.grpo_loss, has_aux=True), static_argnums=(4, 5, 6, 7))
+    step = jax.jit(jax.value_and_grad(grpo_loss, has_aux=True), static_argnums=(4, 5, 6, 7))
     rope, ref = model.rope_tables(cfg), jnp.zeros_like(mask)
     (loss, (_, logp)), grads = step(master, batch, ref, rope, cfg, "strict", 0.2, 0.0, jnp.float32(mask.sum()))
 

@@ -38,6 +38,7 @@ from rlkjax.numerics import ATTENTION
 from tests.helpers import assert_bits_equal
 from train import fsdp, grpo
 from train.batch import pack, pad_rows
+from train.loss import grpo_loss
 
 GRPO_RUN = dict(steps=2, prompts_per_step=4, group_size=4, max_new_tokens=4, micro_batch=8, progress=False)
 # The layouts' runs are GRPO_RUN's with a first update that moves the weights (no warmup), so a sampler
@@ -64,7 +65,7 @@ LONG_PROMPTS = (250, 300, 520)
 
 
 def learner_step_matches_sampler(cfg, params, devices, prompt_lens, max_new_tokens: int) -> dict:
-    """train.grpo's learner step itself (fsdp.sharded_value_and_grad of grpo.grpo_loss, weights
+    """train.grpo's learner step itself (fsdp.sharded_value_and_grad of grpo_loss, weights
     gathered as the policy's dtype, as train.grpo builds it) on a mesh of `devices`, against the
     sampler (rlkjax.generate on the default device): the step's own logp_new must have the
     sampler's bits on every completion token, so its ratio is exactly 1, and its gradient (random
@@ -80,7 +81,7 @@ def learner_step_matches_sampler(cfg, params, devices, prompt_lens, max_new_toke
     mesh = fsdp.make_mesh(devices)
     specs = fsdp.param_specs(params, len(devices))
     grad_fn = fsdp.sharded_value_and_grad(
-        grpo.grpo_loss, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics="strict", clip_eps=0.2, beta=0.0
+        grpo_loss, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics="strict", clip_eps=0.2, beta=0.0
     )
     master = fsdp.put(params, mesh, specs, dtype=jnp.float32)
     (_, (stats, logp)), grads = grad_fn(

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import rlkjax
+from rlkjax.checks import sample_seed
 from rlkjax.engine import Engine
 from rlkjax.numerics import NumericsOptions
-from rlkjax.requests import sample_seed
 from rlkjax.scheduler import Scheduler
 from tests.helpers import ENGINE, ENGINE_4, ENGINE_TIGHT, Hook, assert_bits_equal, slow
 

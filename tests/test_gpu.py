@@ -10,7 +10,7 @@ import pytest
 
 import rlkjax
 from rlkjax import audit, model
-from rlkjax.steps import RowSampling, decode_round, decode_step
+from rlkjax.programs import RowSampling, decode_round, decode_step
 from tests import helpers
 from tests.contract import check_case, random_case
 from tests.sharded_contract import LONG_PROMPTS, SHORT_PROMPTS, learner_step_matches_sampler

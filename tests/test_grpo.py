@@ -17,6 +17,7 @@ import pytest
 import tyro
 
 import rlkjax
+import train.loss
 from rlkjax import model
 from rlkjax.tasks import ArithmeticTask, Example, GSM8KTask, LowercaseTask
 from rlkjax.tokenizer import ByteTokenizer
@@ -25,6 +26,7 @@ from tests.server_process import ADMIN, start_server
 from train import fsdp, grpo, guards, metrics, rollout
 from train.batch import PAD, Batch, LossStats, micro_batches, pack, pad_rows, padded_length, reduce_stats
 from train.grpo import group_advantages
+from train.loss import grpo_loss, policy_logprobs
 
 SMALL = dict(prompts_per_step=2, group_size=4, max_new_tokens=4, max_prompt_tokens=16, progress=False)
 
@@ -44,7 +46,7 @@ def test_loss_by_hand(tiny, monkeypatch):
     Both ratios are outside [0.8, 1.2]: clip fraction 1."""
     cfg, _ = tiny
     logp_new = jnp.array([[0.0, -1.0, -2.0]])
-    monkeypatch.setattr(grpo, "policy_logprobs", lambda *a: jnp.concatenate([logp_new, logp_new]))
+    monkeypatch.setattr(train.loss, "policy_logprobs", lambda *a: jnp.concatenate([logp_new, logp_new]))
     batch = Batch(
         tokens=None,
         positions=None,
@@ -54,12 +56,12 @@ def test_loss_by_hand(tiny, monkeypatch):
         adv=jnp.array([1.0, -1.0]),
         tis=jnp.ones((2, 3)),
     )
-    loss, (stats, _) = grpo.grpo_loss(None, batch, None, None, cfg, "strict", 0.2, 0.0, 2.0)
+    loss, (stats, _) = grpo_loss(None, batch, None, None, cfg, "strict", 0.2, 0.0, 2.0)
     np.testing.assert_allclose(float(loss), -0.2, rtol=1e-6)
     assert float(stats.clipped) == 2
     np.testing.assert_allclose([float(stats.ratio_min), float(stats.ratio_max)], [0.5, 1.5], rtol=1e-6)
     # k3 KL: ref - new = log 2 on both tokens -> exp(log 2) - log 2 - 1 = 1 - log 2 per token, beta 0.5
-    loss_kl, _ = grpo.grpo_loss(None, batch, logp_new + np.log(2.0), None, cfg, "strict", 0.2, 0.5, 2.0)
+    loss_kl, _ = grpo_loss(None, batch, logp_new + np.log(2.0), None, cfg, "strict", 0.2, 0.5, 2.0)
     np.testing.assert_allclose(float(loss_kl), -0.2 + 0.5 * (1 - np.log(2.0)), rtol=1e-6)
 
 
@@ -106,7 +108,7 @@ def test_learner_logprobs_do_not_depend_on_micro_batch(tiny):
     ]
     batch = pack(samples)
     rope = model.rope_tables(cfg)
-    score_fn = jax.jit(grpo.policy_logprobs, static_argnames=("cfg", "numerics"))
+    score_fn = jax.jit(policy_logprobs, static_argnames=("cfg", "numerics"))
     whole = np.asarray(score_fn(master, batch.tokens, batch.positions, batch.temps, rope, cfg, "strict"))
     for size in (1, 4):
         parts = [
@@ -132,7 +134,7 @@ def test_learner_logprobs_do_not_depend_on_the_padded_length(tiny):
     assert batch.tokens.shape == (2, 320)
     wider = [np.pad(batch.tokens, ((0, 0), (0, 192))), np.pad(batch.positions, ((0, 0), (0, 192)), constant_values=-1)]
     rope = model.rope_tables(cfg)
-    score_fn = jax.jit(grpo.policy_logprobs, static_argnames=("cfg", "numerics"))
+    score_fn = jax.jit(policy_logprobs, static_argnames=("cfg", "numerics"))
     at_320 = np.asarray(score_fn(master, batch.tokens, batch.positions, batch.temps, rope, cfg, "strict"))
     at_512 = np.asarray(score_fn(master, *wider, batch.temps, rope, cfg, "strict"))
     assert_bits_equal(at_512[:, :319], at_320, "T = 512 vs 320")
@@ -161,7 +163,7 @@ def learner_step(cfg, params, **options):
     ref_logp = fsdp.put(np.zeros(batch.logp_old.shape, np.float32), mesh, fsdp.ROWS)
     on_mesh = fsdp.put(batch, mesh, fsdp.ROWS)
     grad_fn = fsdp.sharded_value_and_grad(
-        grpo.grpo_loss,
+        grpo_loss,
         mesh,
         specs,
         dtype=cfg.dtype,
@@ -225,7 +227,7 @@ def test_learner_reads_weights_in_place_with_the_same_bits(monkeypatch):
     rope, ref = model.rope_tables(cfg), jnp.zeros((b, t - 1), jnp.float32)
 
     def step(layer_weights, remat=False):
-        loss = functools.partial(grpo.grpo_loss, layer_weights=layer_weights, remat=remat)
+        loss = functools.partial(grpo_loss, layer_weights=layer_weights, remat=remat)
         fn = jax.value_and_grad(loss, has_aux=True)
         return fn(master, batch, ref, rope, cfg, "strict", 0.2, 0.0, jnp.float32(b * (t - 1)))
 

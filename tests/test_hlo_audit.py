@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 import rlkjax
-from rlkjax import audit, model, steps
+from rlkjax import audit, model, programs
 from tests.helpers import ODD, STRICT, slow
 
 
@@ -45,7 +45,7 @@ def lowered(cfg, fn, numerics_mode, b=2, t=16, pages=4):
     vec = lambda dt: jax.ShapeDtypeStruct((b,), dt)  # noqa: E731
     stops = jax.ShapeDtypeStruct((b, 2), jnp.int32)
     truncation = (vec(jnp.int32), vec(jnp.float32), vec(jnp.float32), vec(jnp.bool_))
-    sampling = steps.RowSampling(
+    sampling = programs.RowSampling(
         vec(jnp.uint32),
         vec(jnp.int32),
         vec(jnp.float32),
@@ -56,7 +56,7 @@ def lowered(cfg, fn, numerics_mode, b=2, t=16, pages=4):
     )
     if fn in ("sampler", "sampler_alternatives"):
         return audit.lower_for_gpu(
-            steps.decode_step,
+            programs.decode_step,
             params,
             one,
             one,
@@ -70,7 +70,7 @@ def lowered(cfg, fn, numerics_mode, b=2, t=16, pages=4):
         )
     carry = (jax.ShapeDtypeStruct((2 * b,), jnp.int32), jax.ShapeDtypeStruct((2 * b,), jnp.bool_))
     return audit.lower_for_gpu(  # the engine's round: decode_round continuing the round in flight
-        steps.next_round,
+        programs.next_round,
         params,
         carry,
         vec(jnp.int32),

@@ -13,8 +13,8 @@ import pytest
 import rlkjax
 from rlkjax import audit, model
 from tests.helpers import STRICT, assert_bits_equal
-from train import grpo
 from train.batch import PAD, micro_batches, pack
+from train.loss import grpo_loss, policy_logprobs
 
 
 def samples(rng, prompt_lengths, completion_lengths, vocab, temperatures=(1.0, 0.7, 0.0, 1.3)):
@@ -66,7 +66,7 @@ def loss_and_grads(master, batch, cfg):
     ref = jnp.zeros(batch.logp_old.shape, jnp.float32)
 
     def loss(m, b):
-        return grpo.grpo_loss(m, b, ref, rope, cfg, "strict", 0.2, 0.1, total)
+        return grpo_loss(m, b, ref, rope, cfg, "strict", 0.2, 0.1, total)
 
     return jax.jit(jax.value_and_grad(loss, has_aux=True))(master, batch)
 
@@ -112,7 +112,7 @@ def test_micro_batches_score_as_the_whole_batch(tiny):
     cfg, params = tiny
     batch = pack(samples(np.random.default_rng(3), (7, 30, 2, 12), (9, 1, 20, 5), cfg.vocab_size))
     rope = model.rope_tables(cfg)
-    fn = jax.jit(grpo.policy_logprobs, static_argnames=("cfg", "numerics"))
+    fn = jax.jit(policy_logprobs, static_argnames=("cfg", "numerics"))
     master = jax.tree.map(lambda w: w.astype(jnp.float32), params)
     whole = np.asarray(
         fn(master, batch.tokens, batch.positions, batch.temps, rope, cfg, "strict", columns=batch.columns)

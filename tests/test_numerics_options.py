@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 import rlkjax
-from rlkjax import audit, model, numerics, steps
+from rlkjax import audit, model, numerics, programs
 from rlkjax.numerics import NumericsOptions
 
 
@@ -37,14 +37,14 @@ def test_options_are_static_and_part_of_the_compilation():
     rope = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), model.rope_tables(cfg))
     one, vec = jax.ShapeDtypeStruct((b, 1), jnp.int32), lambda dt: jax.ShapeDtypeStruct((b,), dt)
     i32 = vec(jnp.int32)
-    sampling = steps.RowSampling(
+    sampling = programs.RowSampling(
         vec(jnp.uint32), i32, vec(jnp.float32), i32, jax.ShapeDtypeStruct((b, 1), jnp.int32), i32
     )
     args = (params, one, one, cache, jax.ShapeDtypeStruct((b, pages), jnp.int32), sampling)
     cuda = NumericsOptions(platform="cuda")
 
     def text(options):
-        return audit.lower_for_gpu(steps.decode_step, *args, rope, cfg, options)
+        return audit.lower_for_gpu(programs.decode_step, *args, rope, cfg, options)
 
     once, twice = text(cuda), text(dataclasses.replace(cuda, layer_unroll=2))
     assert once != twice

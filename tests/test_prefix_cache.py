@@ -12,7 +12,7 @@ import rlkjax
 from rlkjax.engine import Engine
 from rlkjax.numerics import PAGE_SIZE
 from rlkjax.prefix_cache import PrefixCache, page_keys
-from rlkjax.sequences import PageAllocator
+from rlkjax.records import PageAllocator
 from tests.helpers import ENGINE, assert_bits_equal
 
 COLD = dataclasses.replace(ENGINE, prefix_cache=False)  # the same programs: the switch is host-side only

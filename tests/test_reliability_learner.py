@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import tyro
 
-from rlkjax.requests import MIN_TEMPERATURE
+from rlkjax.checks import MIN_TEMPERATURE
 from rlkjax.tasks import GSM8KTask, make_task
 from train import grpo, guards, metrics
 from train.checkpoints import CheckpointError, Checkpoints

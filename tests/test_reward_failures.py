@@ -13,7 +13,7 @@ from rlkjax.data import Example
 from rlkjax.tasks import ArithmeticTask, make_task
 from tests.helpers import SLOW_ANSWER
 from train import grpo
-from train.scoring import group_rewards
+from train.rewards import group_rewards
 
 
 def failing_reward(prompt, completion):

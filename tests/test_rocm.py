@@ -12,12 +12,11 @@ import numpy as np
 import pytest
 
 import rlkjax
-from rlkjax import audit, model, numerics
-from rlkjax import steps as steps_
+from rlkjax import audit, model, numerics, programs
 from rlkjax.numerics import NumericsOptions
 from tests.helpers import assert_bits_equal, slow
-from train import grpo
 from train.batch import Batch
+from train.loss import grpo_loss
 
 
 def strict_programs(cfg, options, b=2, t=16, pages=4, steps=4):
@@ -31,7 +30,7 @@ def strict_programs(cfg, options, b=2, t=16, pages=4, steps=4):
     cache = jax.eval_shape(lambda: model.init_kv_cache(cfg, 1 + b * pages))
     pt, one, vec = S((b, pages), jnp.int32), S((b, 1), jnp.int32), lambda dt: S((b,), dt)
     i32 = vec(jnp.int32)
-    sampling = steps_.RowSampling(vec(jnp.uint32), i32, vec(jnp.float32), i32, S((b, 2), jnp.int32), i32)
+    sampling = programs.RowSampling(vec(jnp.uint32), i32, vec(jnp.float32), i32, S((b, 2), jnp.int32), i32)
     carry = (S((2 * b,), jnp.int32), S((2 * b,), jnp.bool_))
     round_args = (params, carry, i32, i32, i32, cache, pt, sampling, rope)
     tok, per_token = S((b, t), jnp.int32), S((b, t - 1), jnp.float32)
@@ -39,14 +38,14 @@ def strict_programs(cfg, options, b=2, t=16, pages=4, steps=4):
     rope_tables = model.rope_tables(cfg)
 
     def learner_step(master, batch):
-        loss = jax.value_and_grad(grpo.grpo_loss, has_aux=True)
+        loss = jax.value_and_grad(grpo_loss, has_aux=True)
         return loss(master, batch, None, rope_tables, cfg, options, 0.2, 0.0, 100.0)
 
     logprobs = jax.jit(model.sequence_logprobs, static_argnames=("cfg", "numerics"))
     return {
-        "decode_step": (steps_.decode_step, (params, one, one, cache, pt, sampling, rope, cfg, options), {}),
+        "decode_step": (programs.decode_step, (params, one, one, cache, pt, sampling, rope, cfg, options), {}),
         "learner_logprobs": (logprobs, (params, tok, tok, vec(jnp.float32), rope, cfg, options), {}),
-        "decode_round": (steps_.next_round, (*round_args, cfg, options), {"num_steps": steps}),
+        "decode_round": (programs.next_round, (*round_args, cfg, options), {"num_steps": steps}),
         "learner_step": (jax.jit(learner_step), (master, batch), {}),
     }
 

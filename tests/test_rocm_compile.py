@@ -24,7 +24,7 @@ from jax._src.lib.mlir import ir as jax_ir
 from jax._src.pallas.triton.lowering import _new_ir_context  # JAX's Triton dialect, to read its kernels' IR
 
 import rlkjax
-from rlkjax import audit, model, steps
+from rlkjax import audit, model, programs
 from rlkjax.numerics import NumericsOptions
 
 triton = pytest.importorskip("triton")
@@ -113,9 +113,9 @@ def side_kernels(platform: str) -> dict[str, dict]:
     cache = jax.eval_shape(lambda: model.init_kv_cache(cfg, 1 + b * pages))
     one, vec = S((b, 1), jnp.int32), lambda dt: S((b,), dt)
     i32 = vec(jnp.int32)
-    sampling = steps.RowSampling(vec(jnp.uint32), i32, vec(jnp.float32), i32, S((b, 1), jnp.int32), i32)
+    sampling = programs.RowSampling(vec(jnp.uint32), i32, vec(jnp.float32), i32, S((b, 1), jnp.int32), i32)
     decode = (params, one, one, cache, S((b, pages), jnp.int32), sampling, rope, cfg, options)
-    sampler = audit.export_for_gpu(steps.decode_step, *decode, platform=platform)
+    sampler = audit.export_for_gpu(programs.decode_step, *decode, platform=platform)
     logprobs = jax.jit(model.sequence_logprobs, static_argnames=("cfg", "numerics"))
     tok = S((b, t), jnp.int32)
     learner = audit.export_for_gpu(logprobs, params, tok, tok, vec(jnp.float32), rope, cfg, options, platform=platform)

@@ -11,7 +11,7 @@ from typing import Literal
 import numpy as np
 
 from rlkjax import compilation_cache
-from rlkjax.requests import check_seed, check_temperature
+from rlkjax.checks import check_seed, check_temperature
 from train import fsdp
 
 

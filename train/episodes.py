@@ -20,8 +20,8 @@ import dataclasses
 
 import numpy as np
 
+from rlkjax.checks import sample_seed
 from rlkjax.environments import Episode, Step, Turn, continuation, first_prompt
-from rlkjax.requests import sample_seed
 from rlkjax.sampling_params import SamplingParams
 
 END_REASONS = ("env", "length", "turns", "context")

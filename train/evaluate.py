@@ -19,7 +19,7 @@ import math
 import numpy as np
 
 from rlkjax.sampling_params import SamplingParams
-from train.scoring import group_rewards
+from train.rewards import group_rewards
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:

@@ -19,7 +19,7 @@ The algorithm, per step:
      is their bf16 cast, pushed to the sampler (device to device, or through /update_weights).
   5. Metrics (JSONL, progress bar, PNG plot at the end) and orbax checkpoints.
 
-This file holds the loss and the loop, in that order. Elsewhere: the flags and their checks in
+This file holds the advantages and the loop; the loss is train/loss.py's. Elsewhere: the flags and their checks in
 train/config.py, the rollout backends in train/rollout.py, the learner's jitted functions and updates in
 train/learner.py, the checks that stop a run in train/guards.py, the metrics rows (FLOPs and MFU from
 rlkjax.flops) and the plot in train/metrics.py, the batch layout in train/batch.py, checkpoints and
@@ -59,13 +59,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import tyro
 from tqdm import tqdm
 
 import rlkjax
-from rlkjax import compilation_cache, model
+from rlkjax import compilation_cache
 from rlkjax.chat import PromptFormat, prompt_format
 from rlkjax.checkpoint import load_model
 from rlkjax.environments import load_environment
@@ -74,7 +73,7 @@ from rlkjax.shapes import cdiv
 from rlkjax.tasks import make_task
 from rlkjax.tokenizer import load_tokenizer
 from train import fsdp
-from train.batch import Batch, LossStats, pack
+from train.batch import Batch, pack
 from train.checkpoints import Checkpoints, file_sha256, restore_run, run_config, save_run
 from train.config import GRPOConfig
 from train.episodes import EpisodeRunner, episode_row, learner_samples
@@ -82,66 +81,19 @@ from train.evaluate import due, evaluate, load_eval_set
 from train.guards import check_prompt_lengths, check_rewards
 from train.learner import Learner, build_learner, learn, verify
 from train.loggers import Loggers, sample_table
+from train.loss import to_policy
 from train.memory import PhasePeaks, RunShape, check_fits, choose_moments
 from train.metrics import plot, throughput
+from train.rewards import episode_rewards, group_rewards
 from train.rollout import LocalRollout, RemoteRollout, model_eos
-from train.scoring import episode_rewards, group_rewards
 
 
-# ----- the algorithm: advantages and the learner's loss -----
+# ----- the algorithm: advantages (the loss is train/loss.py's) -----
 def group_advantages(rewards: np.ndarray, scale: bool = True, eps: float = 1e-6) -> np.ndarray:
     """rewards [P, G] -> advantages [P, G]: reward minus its group's mean, divided by the group's
     std when `scale` (GRPO) or not (Dr. GRPO)."""
     adv = rewards - rewards.mean(axis=1, keepdims=True)
     return adv / (rewards.std(axis=1, keepdims=True) + eps) if scale else adv
-
-
-def to_policy(master, cfg):
-    """fp32 master weights -> the policy (cfg.dtype): what the sampler runs and the learner scores with."""
-    return jax.tree.map(lambda w: w.astype(cfg.dtype), master)
-
-
-def policy_logprobs(
-    master, tokens, positions, temps, rope, cfg, numerics, layer_weights=None, remat=False, columns=None
-):
-    """logp [B, T-1] of the policy. layer_weights: the FSDP learner's per-layer all-gather (train/fsdp.py
-    gather); master["layers"] are then this device's shards, passed on uncast and cast after the gather (a
-    no-op when the gather already casts to the policy dtype, as train() asks: half the bytes moved and held).
-    remat: recompute each layer in the backward (model.forward; --remat). columns: the Batch's (the
-    completion's columns): the log-softmax runs there only and every other column holds 0
-    (model.completion_logprobs); None scores every column."""
-    if layer_weights is None:
-        policy = to_policy(master, cfg)
-    else:
-        policy = {**to_policy({k: w for k, w in master.items() if k != "layers"}, cfg), "layers": master["layers"]}
-        gather = layer_weights
-        layer_weights = lambda name, shard: gather(name, shard).astype(cfg.dtype)  # noqa: E731
-    return model.sequence_logprobs(policy, tokens, positions, temps, rope, cfg, numerics, layer_weights, remat, columns)
-
-
-def grpo_loss(
-    master, batch: Batch, ref_logp, rope, cfg, numerics, clip_eps, beta, total_tokens, layer_weights=None, remat=False
-):
-    """Token-level PPO-clip (+ k3 KL) summed over this micro-batch, divided by the whole batch's
-    token count, so summing micro-batch gradients gives the full-batch gradient.
-    Returns (loss, (LossStats, logp_new [B, T-1])); logp_new lets the first update check the contract."""
-    logp = policy_logprobs(
-        master, batch.tokens, batch.positions, batch.temps, rope, cfg, numerics, layer_weights, remat, batch.columns
-    )
-    mask, adv = batch.mask, batch.adv[:, None]
-    ratio = jnp.exp(logp - batch.logp_old)
-    surrogate = jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - clip_eps, 1 + clip_eps) * adv) * batch.tis
-    per_token = -surrogate
-    if beta:
-        per_token = per_token + beta * (jnp.exp(ref_logp - logp) - (ref_logp - logp) - 1)
-    loss = jnp.sum(per_token * mask) / total_tokens
-    stats = LossStats(
-        ratio_min=jnp.min(jnp.where(mask > 0, ratio, jnp.inf)),
-        ratio_max=jnp.max(jnp.where(mask > 0, ratio, -jnp.inf)),
-        ratio_sum=jnp.sum(ratio * mask),
-        clipped=jnp.sum((jnp.abs(ratio - 1) > clip_eps) & (mask > 0)),
-    )
-    return loss, (stats, logp)
 
 
 # ----- one GRPO step, and the run -----
@@ -366,9 +318,7 @@ def start_run(config: GRPOConfig) -> tuple[Run, dict, int, np.random.Generator]:
     learner_devices = fsdp.pick_devices("--learner-devices", config.learner_devices)
     sampler_devices = fsdp.pick_devices("--sampler-devices", config.sampler_devices)
     moments = plan_memory(config, cfg, learner_devices, sampler_devices)
-    learner, master, opt_state = build_learner(
-        config, cfg, params, learner_devices, grpo_loss, policy_logprobs, moments
-    )
+    learner, master, opt_state = build_learner(config, cfg, params, learner_devices, moments)
     del params  # the sampler gets the policy from the mesh, as it will after every update
     data_rng = np.random.default_rng(config.seed)
     # The KL reference is the initial policy; it is saved with each checkpoint (a resumed policy is not it).

@@ -1,7 +1,7 @@
 """train.grpo's learner on its mesh: the jitted gradient, scoring and optimiser functions, built once per run
 (`build_learner`), and what a step does with them: score a batch (`score`), check the sampler's logprobs
 against the learner's (`verify`), and the updates (`learn`: gradients summed over micro-batches, the first
-update's contract check, AdamW, the non-finite check). The loss itself is train.grpo's `grpo_loss`.
+update's contract check, AdamW, the non-finite check). The loss is train/loss.py's `grpo_loss`.
 """
 
 import functools
@@ -24,6 +24,7 @@ from train.guards import (
     first_update_violation,
     nonfinite,
 )
+from train.loss import grpo_loss, policy_logprobs
 
 if TYPE_CHECKING:
     from train.config import GRPOConfig
@@ -47,17 +48,16 @@ class Learner(NamedTuple):
         return (fsdp.put(mb, self.mesh, fsdp.BATCH_SPECS) for mb in micro_batches(batch, size, len(self.devices)))
 
 
-def build_learner(config: "GRPOConfig", cfg, params, devices, loss: Callable, logprobs: Callable, moments="device"):
-    """-> (Learner, fp32 master weights sharded over `devices`, their optimiser state). loss: train.grpo's
-    grpo_loss; logprobs: its policy_logprobs (the learner's scoring pass); moments: where AdamW's moments live
-    (train/optimizer.py)."""
+def build_learner(config: "GRPOConfig", cfg, params, devices, moments="device"):
+    """-> (Learner, fp32 master weights sharded over `devices`, their optimiser state). moments: where AdamW's
+    moments live (train/optimizer.py)."""
     mesh = fsdp.make_mesh(devices)
     specs = fsdp.param_specs(params, len(devices))
     master = fsdp.put(params, mesh, specs, dtype=jnp.float32)
     rope = fsdp.put(model.rope_tables(cfg), mesh, fsdp.REPLICATED)
     layout = (mesh, *_hashable(specs))
-    grad_fn = _grad_fn(loss, *layout, cfg, config.numerics, config.clip_eps, config.beta, config.remat)
-    score_fn = _score_fn(logprobs, *layout, cfg, config.numerics)
+    grad_fn = _grad_fn(*layout, cfg, config.numerics, config.clip_eps, config.beta, config.remat)
+    score_fn = _score_fn(*layout, cfg, config.numerics)
     decay_steps = max(config.steps * config.updates_per_batch, config.warmup_steps + 1)
     hyper = optimizer.Hyper(
         config.learning_rate, config.warmup_steps, decay_steps, config.max_grad_norm, config.weight_decay
@@ -82,19 +82,19 @@ def _specs(leaves, treedef):
 
 
 @functools.lru_cache(maxsize=4)
-def _grad_fn(loss, mesh, spec_leaves, spec_tree, cfg, numerics, clip_eps, beta, remat):
-    # The weights are gathered as the policy's dtype (train.grpo's policy_logprobs' own cast is then a no-op): the same
+def _grad_fn(mesh, spec_leaves, spec_tree, cfg, numerics, clip_eps, beta, remat):
+    # The weights are gathered as the policy's dtype (policy_logprobs' own cast is then a no-op): the same
     # bits as casting after the gather, with half the bytes moved and held.
     specs = _specs(spec_leaves, spec_tree)
     return fsdp.sharded_value_and_grad(
-        loss, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics=numerics, clip_eps=clip_eps, beta=beta, remat=remat
+        grpo_loss, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics=numerics, clip_eps=clip_eps, beta=beta, remat=remat
     )
 
 
 @functools.lru_cache(maxsize=4)
-def _score_fn(logprobs, mesh, spec_leaves, spec_tree, cfg, numerics):
+def _score_fn(mesh, spec_leaves, spec_tree, cfg, numerics):
     specs = _specs(spec_leaves, spec_tree)
-    return fsdp.sharded_logprobs(logprobs, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics=numerics)
+    return fsdp.sharded_logprobs(policy_logprobs, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics=numerics)
 
 
 def score(learner: Learner, weights, batch: Batch, micro_batch: int) -> np.ndarray:

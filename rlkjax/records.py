@@ -8,10 +8,10 @@ from collections import deque
 
 import numpy as np
 
-from rlkjax.requests import check_int
+from rlkjax.checks import check_int
+from rlkjax.programs import RowSampling
 from rlkjax.sampling_params import SamplingParams, at_stop
 from rlkjax.shapes import bucket
-from rlkjax.steps import RowSampling
 
 
 @dataclasses.dataclass

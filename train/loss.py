@@ -1,0 +1,57 @@
+"""The learner's objective, imported by the learner (train/learner.py) and by train.grpo's loop: the policy's
+logprobs from the fp32 master weights, and the token-level PPO-clip surrogate (+ k3 KL) GRPO minimises.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from rlkjax import model
+from train.batch import Batch, LossStats
+
+
+def to_policy(master, cfg):
+    """fp32 master weights -> the policy (cfg.dtype): what the sampler runs and the learner scores with."""
+    return jax.tree.map(lambda w: w.astype(cfg.dtype), master)
+
+
+def policy_logprobs(
+    master, tokens, positions, temps, rope, cfg, numerics, layer_weights=None, remat=False, columns=None
+):
+    """logp [B, T-1] of the policy. layer_weights: the FSDP learner's per-layer all-gather (train/fsdp.py
+    gather); master["layers"] are then this device's shards, passed on uncast and cast after the gather (a
+    no-op when the gather already casts to the policy dtype, as train() asks: half the bytes moved and held).
+    remat: recompute each layer in the backward (model.forward; --remat). columns: the Batch's (the
+    completion's columns): the log-softmax runs there only and every other column holds 0
+    (model.completion_logprobs); None scores every column."""
+    if layer_weights is None:
+        policy = to_policy(master, cfg)
+    else:
+        policy = {**to_policy({k: w for k, w in master.items() if k != "layers"}, cfg), "layers": master["layers"]}
+        gather = layer_weights
+        layer_weights = lambda name, shard: gather(name, shard).astype(cfg.dtype)  # noqa: E731
+    return model.sequence_logprobs(policy, tokens, positions, temps, rope, cfg, numerics, layer_weights, remat, columns)
+
+
+def grpo_loss(
+    master, batch: Batch, ref_logp, rope, cfg, numerics, clip_eps, beta, total_tokens, layer_weights=None, remat=False
+):
+    """Token-level PPO-clip (+ k3 KL) summed over this micro-batch, divided by the whole batch's
+    token count, so summing micro-batch gradients gives the full-batch gradient.
+    Returns (loss, (LossStats, logp_new [B, T-1])); logp_new lets the first update check the contract."""
+    logp = policy_logprobs(
+        master, batch.tokens, batch.positions, batch.temps, rope, cfg, numerics, layer_weights, remat, batch.columns
+    )
+    mask, adv = batch.mask, batch.adv[:, None]
+    ratio = jnp.exp(logp - batch.logp_old)
+    surrogate = jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - clip_eps, 1 + clip_eps) * adv) * batch.tis
+    per_token = -surrogate
+    if beta:
+        per_token = per_token + beta * (jnp.exp(ref_logp - logp) - (ref_logp - logp) - 1)
+    loss = jnp.sum(per_token * mask) / total_tokens
+    stats = LossStats(
+        ratio_min=jnp.min(jnp.where(mask > 0, ratio, jnp.inf)),
+        ratio_max=jnp.max(jnp.where(mask > 0, ratio, -jnp.inf)),
+        ratio_sum=jnp.sum(ratio * mask),
+        clipped=jnp.sum((jnp.abs(ratio - 1) > clip_eps) & (mask > 0)),
+    )
+    return loss, (stats, logp)
