@@ -42,7 +42,7 @@ SHAPES = {
 _TRITON = re.compile(r'ir = "((?:[^"\\]|\\.)*)"')
 
 
-def _unescape(s: str) -> bytes:
+def unescape(s: str) -> bytes:
     """An MLIR string attribute's bytes (\\XX hex escapes, \\\\ and \\")."""
     out, i = bytearray(), 0
     while i < len(s):
@@ -67,7 +67,7 @@ def without_locations(text: str) -> str:
 
     def kernel(m):
         with _new_ir_context():
-            asm = ir.Module.parse(_unescape(m.group(1))).operation.get_asm(enable_debug_info=False)
+            asm = ir.Module.parse(unescape(m.group(1))).operation.get_asm(enable_debug_info=False)
         return f'ir = "<triton>\n{asm}</triton>"'
 
     with make_ir_context():

@@ -24,6 +24,7 @@ from jax._src.lib.mlir import ir as jax_ir
 from jax._src.pallas.triton.lowering import _new_ir_context  # JAX's Triton dialect, to read its kernels' IR
 
 import rlkjax
+from bench.lowered_programs import unescape
 from rlkjax import audit, model, programs
 from rlkjax.numerics import NumericsOptions
 
@@ -44,22 +45,6 @@ _INSTRUCTION = re.compile(r"v_mfma_\w+|\bmma\.sync\.aligned\.[\w.]+|wgmma\.mma_a
 _CALL = re.compile(r'ir = "((?:[^"\\]|\\.)*)"(.*?)\}')
 
 
-def _unescape(s: str) -> bytes:
-    """An MLIR string attribute's bytes (\\XX hex escapes, \\\\ and \\")."""
-    out, i = bytearray(), 0
-    while i < len(s):
-        if s[i] != "\\":
-            out += s[i].encode()
-            i += 1
-        elif s[i + 1] in '\\"':
-            out.append(ord(s[i + 1]))
-            i += 2
-        else:
-            out.append(int(s[i + 1 : i + 3], 16))
-            i += 3
-    return bytes(out)
-
-
 def triton_kernels(text: str) -> dict[tuple[str, int, int], str]:
     """{(kernel name, warps, stages): Triton IR as text} of a lowered module's Triton custom calls.
     The IR is bytecode of jaxlib's Triton dialect: printed as text with JAX's context, which the
@@ -73,7 +58,7 @@ def triton_kernels(text: str) -> dict[tuple[str, int, int], str]:
             int(re.search(r"num_stages = (\d+)", rest).group(1)),
         )
         with _new_ir_context():
-            out[key] = jax_ir.Module.parse(_unescape(m.group(1))).operation.get_asm(enable_debug_info=False)
+            out[key] = jax_ir.Module.parse(unescape(m.group(1))).operation.get_asm(enable_debug_info=False)
     return out
 
 
