@@ -30,9 +30,13 @@ import numpy as np
 from bench._report import provenance
 
 # train.grpo's row fields that are timings (train/metrics.py defines the two MFUs and their FLOP/s)
-TIMINGS = {"tokens_per_s", "step_s", "rollout_s", "learn_s", "sync_s", "learner_pass_mfu", "grpo_step_mfu"}
-TIMINGS |= {"learner_pass_tflops_per_device", "grpo_step_tflops_per_device"}
-TIMINGS |= {"peak_bytes_per_device"}  # allocator state, not a result of the run
+TIMINGS = {"tokens_per_s", "step_s", "rollout_s", "verify_s", "learn_s", "update_s", "sync_s", "host_s"}
+TIMINGS |= {"learner_pass_mfu", "grpo_step_mfu", "learner_pass_tflops_per_device", "grpo_step_tflops_per_device"}
+
+
+def is_timing(field: str) -> bool:
+    """A row field that measures time or the allocator (peak bytes, per device and per phase), not the run's result."""
+    return field in TIMINGS or field.startswith("peak_bytes_")
 
 
 def metrics(run: Path) -> list[dict]:
@@ -92,7 +96,7 @@ def compare(run_a: Path, run_b: Path) -> dict:
     metrics_differ = [
         f"step {a['step']}: {key} {a.get(key)!r} vs {b.get(key)!r}"
         for a, b in zip(rows_a, rows_b)
-        for key in sorted((set(a) | set(b)) - TIMINGS)
+        for key in sorted(k for k in set(a) | set(b) if not is_timing(k))
         if a.get(key) != b.get(key)
     ]
     arrays_a, arrays_b = checkpoint_arrays(run_a), checkpoint_arrays(run_b)
