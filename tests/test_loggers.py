@@ -2,6 +2,7 @@
 run in offline mode read back from its files, and samples.jsonl."""
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -58,7 +59,11 @@ def test_wandb_offline_run(tmp_path, monkeypatch):
     (run,) = (tmp_path / "wandb").glob("offline-run-*")
     # The run's records (protobuf, uncompressed) hold each logged key and value as JSON text; `wandb sync` uploads them.
     (records,) = run.glob("run-*.wandb")
-    data = records.read_bytes()
+    # wandb's service process writes the records file; on a loaded machine it can still be writing when
+    # finish() has returned (the file then holds its header alone): wait for it, bounded.
+    deadline = time.monotonic() + 60
+    while b"0.75" not in (data := records.read_bytes()) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert b"reward_mean" in data and b"eval_pass@1" in data and b"0.75" in data and b"peak_bytes" not in data
     (table,) = (run / "files" / "media" / "table").glob("samples_1_*.table.json")
     assert json.loads(table.read_text())["data"] == [["1+1?", "\\boxed{2}", 1.0], ["1+1?", "three", 0.0]]
