@@ -219,7 +219,7 @@ def grpo_step(step: int, run: Run, state: dict, data_rng) -> tuple[dict, dict, l
         "sync_s": t4 - t3,
         "policy_version": int(groups[0][0]["policy_version"]),
     }
-    # What no phase above covers: the learner's host work between its device calls (the contract and finiteness
+    # What no phase above covers: the learner's host work between its jitted calls (the contract and finiteness
     # checks, the batch's micro-batches onto the mesh).
     timed = ("rollout_s", "verify_s", "learn_s", "update_s", "sync_s")
     row["host_s"] = row["step_s"] - sum(row[k] for k in timed)
