@@ -19,7 +19,7 @@ import tyro
 from rlkjax.checks import MIN_TEMPERATURE
 from rlkjax.tasks import GSM8KTask, make_task
 from train import grpo, guards, metrics
-from train.checkpoints import CheckpointError, Checkpoints
+from train.checkpoints import CheckpointError, Checkpoints, check_disk
 
 SMALL = dict(prompts_per_step=2, group_size=4, max_new_tokens=4, max_prompt_tokens=16, progress=False)
 
@@ -348,3 +348,20 @@ def test_resume_past_a_corrupt_checkpoint_is_bit_identical(tmp_path, caplog):
     assert [r["step"] for r in rows] == [1, 2, 3]
     versions = [r["policy_version"] for r in rows]
     assert versions == [r["policy_version"] for r in straight["history"]] == [0, 1, 2]
+
+
+def test_a_checkpoint_larger_than_the_free_disk_is_refused_before_the_first_step(tmp_path, monkeypatch, caplog):
+    """Qwen3-8B's checkpoint (91.5 GiB) on a 64 GiB disk would fail at the first save; it is refused at the start."""
+    checkpoints = Checkpoints(tmp_path / "run" / "checkpoints", keep=2)
+    state = {"master": {"w": np.zeros(1024, np.float32)}, "opt_state": (np.zeros(2048, np.float32),), "ref": None}
+    usage = shutil.disk_usage(tmp_path)
+    for free, refused, warned in ((10_000, True, False), (20_000, False, True), (10**9, False, False)):
+        monkeypatch.setattr(shutil, "disk_usage", lambda path, free=free: usage._replace(free=free))
+        caplog.clear()
+        if refused:
+            with pytest.raises(ValueError, match=r"holds 0.0 GiB .* --checkpoint-every 0"):
+                check_disk(checkpoints, state, 2)
+        else:
+            check_disk(checkpoints, state, 2)
+        assert any("--keep-checkpoints 2" in r.getMessage() for r in caplog.records) == warned
+    checkpoints.close()

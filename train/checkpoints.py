@@ -245,6 +245,33 @@ def save_run(checkpoints: Checkpoints, step: int, state: dict, data_rng, config,
     checkpoints.save(step, checkpoint_state(state), meta)
 
 
+def check_disk(checkpoints: Checkpoints, state: dict, keep: int) -> None:
+    """Refuse, before the first step, a run whose checkpoint cannot fit the disk under it: otherwise the first
+    save fails --checkpoint-every steps in. Warn when the --keep-checkpoints newest (plus the one being written)
+    will not fit."""
+    size = sum(x.nbytes for x in jax.tree.leaves(checkpoint_state(state)))
+    where = checkpoints.directory
+    while not where.exists():
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    gib = 2**30
+    if size > free:
+        raise ValueError(
+            f"a checkpoint of this run holds {size / gib:.1f} GiB (fp32 master weights and AdamW's moments) and "
+            f"{where} has {free / gib:.1f} GiB free: free space, give --out a larger disk, or --checkpoint-every 0 "
+            "(no checkpoints, so no --resume)"
+        )
+    if size * (keep + 1) > free:
+        log.warning(
+            "checkpoints of %.1f GiB each: --keep-checkpoints %d (and one being written) need %.1f GiB, %s has %.1f",
+            size / gib,
+            keep,
+            size * (keep + 1) / gib,
+            where,
+            free / gib,
+        )
+
+
 def restore_run(config, checkpoints: Checkpoints, state: dict, data_rng, data_sha256: str | None) -> tuple[dict, int]:
     """With --resume, the newest checkpoint that verifies -> (its state, its step), the data RNG restored in
     place; without, (state, 0), refusing an --out that holds an earlier run's checkpoints."""

@@ -74,7 +74,7 @@ from rlkjax.tasks import make_task
 from rlkjax.tokenizer import load_tokenizer
 from train import fsdp
 from train.batch import Batch, pack
-from train.checkpoints import Checkpoints, file_sha256, restore_run, run_config, save_run
+from train.checkpoints import Checkpoints, check_disk, file_sha256, restore_run, run_config, save_run
 from train.config import GRPOConfig
 from train.episodes import EpisodeRunner, episode_row, learner_samples
 from train.evaluate import due, evaluate, load_eval_set
@@ -327,6 +327,8 @@ def start_run(config: GRPOConfig) -> tuple[Run, dict, int, np.random.Generator]:
     checkpoints = Checkpoints(out / "checkpoints", config.keep_checkpoints)
     data_sha256 = file_sha256(config.data)
     state, start = restore_run(config, checkpoints, state, data_rng, data_sha256)
+    if config.checkpoint_every and jax.process_index() == 0:
+        check_disk(checkpoints, state, config.keep_checkpoints)
     rollout = make_rollout(
         config, cfg, model_eos(tokenizer, cfg), state["master"], learner, sampler_devices, start, out
     )
