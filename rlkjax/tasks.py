@@ -2,10 +2,12 @@
 `reward(example, completion_text) -> float`.
 
 Built-ins: `lowercase` (the default demo: a random model learns to answer in lowercase letters),
-`arithmetic` (a+b=), `gsm8k` (a GSM8K-format JSONL file; numeric answers checked), `math` (a JSONL,
-Parquet or CSV file of problems with named prompt and answer fields; answers checked by math-verify),
-and any user reward given as `module:function` taking (prompt_text, completion_text) -> float.
+`synthetic-token-ids` (a reward over sampled token ids, for random weights at any model size), `arithmetic`
+(a+b=), `gsm8k` (a GSM8K-format JSONL file; numeric answers checked), `math` (a JSONL, Parquet or CSV file of
+problems with named prompt and answer fields; answers checked by math-verify), and any user reward given as
+`module:function` taking (prompt_text, completion_text) -> float.
 
+A task whose `reads_token_ids` is true is given the completion's token ids instead of its text.
 A task may also have `check(example, completion_text) -> RewardResult`: the reward plus, when the check
 raised or ran past its time, why (rlkjax.rewards.checked_reward gives every task that form).
 """
@@ -29,6 +31,23 @@ class LowercaseTask:
 
     def reward(self, example, completion):
         return sum("a" <= c <= "z" for c in completion) / max(len(completion), 1)
+
+
+class TokenIdsTask:
+    """Synthetic: prompts as lowercase's; reward = the fraction of the completion's token ids that are multiples
+    of 64. It reads ids, not text, so it works where the tokenizer cannot spell what a random model samples (the
+    bytes tokenizer under a 151,936-id vocabulary). One id in 64 is rare enough that each one sampled moves its
+    completion's reward against its group's, and common enough that a random model's 256-token completion holds
+    about 4 of them."""
+
+    reads_token_ids = True
+    EVERY = 64
+
+    def sample(self, rng, count):
+        return LowercaseTask().sample(rng, count)
+
+    def reward(self, example, completion):
+        return sum(int(t) % self.EVERY == 0 for t in completion) / max(len(completion), 1)
 
 
 class ArithmeticTask:
@@ -147,6 +166,8 @@ def make_task(
     its reward; prompt_field, answer_field and reward_timeout configure `math`."""
     if name == "lowercase":
         task = LowercaseTask()
+    elif name == "synthetic-token-ids":
+        task = TokenIdsTask()
     elif name == "arithmetic":
         task = ArithmeticTask()
     elif name == "gsm8k":
@@ -158,5 +179,5 @@ def make_task(
             raise ValueError("task 'math' needs data: a .jsonl, .parquet or .csv file of problems")
         task = MathTask(data, prompt_field, answer_field, reward_timeout)
     else:
-        raise ValueError(f"unknown task {name!r}: choose lowercase, arithmetic, gsm8k or math")
+        raise ValueError(f"unknown task {name!r}: choose lowercase, synthetic-token-ids, arithmetic, gsm8k or math")
     return CustomReward(task, reward) if reward else task

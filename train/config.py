@@ -22,9 +22,10 @@ class GRPOConfig:
     tokenizer: str | None = None
     """'bytes' or a directory with tokenizer.json. Default: bytes for a preset, the checkpoint's tokenizer.json
     otherwise."""
-    task: Literal["lowercase", "arithmetic", "gsm8k", "math"] = "lowercase"
-    """Prompts and reward: lowercase (default demo), arithmetic (a+b=), gsm8k (needs --data), math (needs --data;
-    answers checked by math-verify: LaTeX, \\boxed{}, fractions, plain numbers)."""
+    task: Literal["lowercase", "synthetic-token-ids", "arithmetic", "gsm8k", "math"] = "lowercase"
+    """Prompts and reward: lowercase (default demo), synthetic-token-ids (reward = the fraction of sampled token ids
+    that are multiples of 64: a reward random weights can raise at any model size), arithmetic (a+b=), gsm8k (needs
+    --data), math (needs --data; answers checked by math-verify: LaTeX, \\boxed{}, fractions, plain numbers)."""
     data: str | None = None
     """The task's local data file: GSM8K-format JSONL for --task gsm8k; a .jsonl, .parquet or .csv file of problems
     for --task math."""
@@ -232,6 +233,10 @@ class GRPOConfig:
             raise ValueError(f"--max-turns={self.max_turns} needs --env (an environment that answers each turn)")
         if self.env is not None and self.ignore_eos:
             raise ValueError(f"--env {self.env!r} with --ignore-eos: a turn ends at the eos, so none would end")
+        if self.env is not None and self.task == "synthetic-token-ids":
+            raise ValueError(
+                f"--env {self.env!r} rewards an episode's final text; --task synthetic-token-ids reads ids"
+            )
         if self.env is not None and self.eval_data is not None:
             raise ValueError(f"--eval-data with --env {self.env!r}: evaluation samples single completions")
         if not (math.isfinite(self.reward_timeout) and self.reward_timeout > 0):

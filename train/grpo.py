@@ -127,7 +127,8 @@ def rollout_batch(step: int, run: Run, data_rng) -> tuple[list, list, Batch, dic
     seeds = [int(s) for s in data_rng.integers(0, 2**32, config.prompts_per_step)]
     groups = run.rollout.sample(prompts, seeds, run.sampling)
     texts = [[run.tokenizer.decode(s["tokens"]) for s in g] for g in groups]
-    rewards, failures = group_rewards(f"step {step}", run.task, examples, texts)
+    rewarded = [[s["tokens"] for s in g] for g in groups] if getattr(run.task, "reads_token_ids", False) else texts
+    rewards, failures = group_rewards(f"step {step}", run.task, examples, rewarded)
     check_rewards(step, rewards, [e.prompt for e in examples])
     adv = group_advantages(rewards, config.scale_advantages)
     samples = [

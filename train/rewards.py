@@ -14,21 +14,22 @@ from rlkjax.rewards import RewardResult, checked_reward
 log = logging.getLogger("train.grpo")
 
 
-def score(task, examples: list, texts: list[str]) -> list[RewardResult]:
-    """One RewardResult per (example, completion text): a batch checked in parallel where the task can
+def score(task, examples: list, completions: list) -> list[RewardResult]:
+    """One RewardResult per (example, completion): a batch checked in parallel where the task can
     (math-verify's worker pool), else one by one."""
     check_many = getattr(task, "check_many", None)
     if check_many is not None:
-        return check_many(examples, texts)
-    return [checked_reward(task, e, t) for e, t in zip(examples, texts, strict=True)]
+        return check_many(examples, completions)
+    return [checked_reward(task, e, c) for e, c in zip(examples, completions, strict=True)]
 
 
-def group_rewards(where: str, task, examples: list, texts: list[list[str]]) -> tuple[np.ndarray, dict]:
-    """texts [P][G] completions of `examples` [P] -> (rewards [P, G] float64, the row's failure counts).
+def group_rewards(where: str, task, examples: list, completions: list[list]) -> tuple[np.ndarray, dict]:
+    """completions [P][G] of `examples` [P] (texts, or token ids for a task that `reads_token_ids`) -> (rewards
+    [P, G] float64, the row's failure counts).
     `where` names the step (or evaluation) in the warnings."""
-    flat_examples = [e for e, g in zip(examples, texts, strict=True) for _ in g]
-    results = score(task, flat_examples, [t for g in texts for t in g])
-    group = len(texts[0]) if texts else 1
+    flat_examples = [e for e, g in zip(examples, completions, strict=True) for _ in g]
+    results = score(task, flat_examples, [c for g in completions for c in g])
+    group = len(completions[0]) if completions else 1
     for index, result in enumerate(results):
         if result.failure is not None:
             example = flat_examples[index]
@@ -41,7 +42,7 @@ def group_rewards(where: str, task, examples: list, texts: list[list[str]]) -> t
                 result.failure,
                 result.detail,
             )
-    rewards = np.array([r.reward for r in results], np.float64).reshape(len(texts), group)
+    rewards = np.array([r.reward for r in results], np.float64).reshape(len(completions), group)
     counts = {
         "reward_failures": sum(r.failure is not None for r in results),
         "reward_timeouts": sum(r.failure == "timeout" for r in results),
