@@ -52,20 +52,34 @@ def summarize(run: Path) -> dict:
         return float(np.mean(values)) if values else None
 
     peaks = [r["peak_bytes_per_device"] for r in rows if "peak_bytes_per_device" in r]
+    phases = sorted({k for r in rows for k in r if k.startswith("peak_bytes_") and k != "peak_bytes_per_device"})
+    rewards = [r["reward_mean"] for r in rows]
     return {
         "run": str(run),
         "steps": len(rows),
         "logprobs_compared": sum(r.get("tokens_compared", 0) for r in rows),
         "logprobs_bits_differ": sum(r.get("tokens_bits_differ", 0) for r in rows),
+        # strict: the first update's logprobs against the sampler's, bit for bit, every step (a differing bit
+        # stops the run, or with --on-mismatch warn is logged)
+        "first_update_logprobs_compared": sum(r.get("first_update_tokens_compared", 0) for r in rows),
         "max_abs_delta": max((r.get("max_abs_delta", 0.0) for r in rows), default=None),
         "first_update_ratio_min": min(r["ratio_min"] for r in rows),
         "first_update_ratio_max": max(r["ratio_max"] for r in rows),
         "reward_first": rows[0]["reward_mean"],
         "reward_last": rows[-1]["reward_mean"],
-        "step_s": sum(mean(k) for k in ("rollout_s", "learn_s", "sync_s")),
+        "reward_first_10_mean": float(np.mean(rewards[:10])),
+        "reward_last_10_mean": float(np.mean(rewards[-10:])),
+        "first_step_s": rows[0].get("step_s"),
+        "step_s": mean("step_s") or sum(mean(k) or 0.0 for k in ("rollout_s", "learn_s", "sync_s")),
         "rollout_s": mean("rollout_s"),
         "learn_s": mean("learn_s"),
+        "update_s": mean("update_s"),
+        "verify_s": mean("verify_s"),
         "sync_s": mean("sync_s"),
+        "host_s": mean("host_s"),
+        "peak_gib_per_phase": {
+            k[len("peak_bytes_") :]: round(max(r.get(k, 0) for r in rows) / 2**30, 2) for k in phases
+        },
         "learner_tflops_per_device": mean("learner_pass_tflops_per_device"),
         "learner_pass_mfu": mean("learner_pass_mfu"),
         "grpo_step_mfu": mean("grpo_step_mfu"),

@@ -130,9 +130,10 @@ def test_two_gpu_summary_gives_both_mfus_from_train_grpo_s_metrics(tmp_path, cap
     """bench.two_gpu summarize on hand-written metrics: the first step (compilation) is left out of the
     means; both MFUs are train.grpo's own (train/metrics.py), read from its rows."""
     row = dict(ratio_min=1.0, ratio_max=1.0, reward_mean=0.5, tokens_compared=8, tokens_bits_differ=0)
+    row |= dict(first_update_tokens_compared=8, peak_bytes_rollout=2**30)
     steps = [
-        row | dict(step=1, step_s=100.0, rollout_s=50.0, sync_s=1.0, learn_s=40.0),
-        row | dict(step=2, step_s=10.0, rollout_s=4.0, sync_s=1.0, learn_s=4.5),
+        row | dict(step=1, step_s=100.0, rollout_s=50.0, sync_s=1.0, learn_s=40.0, update_s=9.0),
+        row | dict(step=2, step_s=10.0, rollout_s=4.0, sync_s=1.0, learn_s=4.5, update_s=0.5, reward_mean=1.0),
     ]
     steps[0] |= dict(learner_pass_mfu=0.01, grpo_step_mfu=0.005)
     steps[1] |= dict(learner_pass_mfu=0.4, grpo_step_mfu=0.2)
@@ -143,6 +144,9 @@ def test_two_gpu_summary_gives_both_mfus_from_train_grpo_s_metrics(tmp_path, cap
     assert json.loads(capsys.readouterr().out) == summary
     assert_provenance(summary, "python -m ")
     assert summary["logprobs_compared"] == 16 and summary["logprobs_bits_differ"] == 0
+    assert summary["first_update_logprobs_compared"] == 16 and summary["peak_gib_per_phase"] == {"rollout": 1.0}
+    assert (summary["first_step_s"], summary["step_s"], summary["update_s"]) == (100.0, 10.0, 0.5)
+    assert (summary["reward_first_10_mean"], summary["reward_last"]) == (0.75, 1.0)
     assert summary["learner_pass_mfu"] == 0.4 and summary["grpo_step_mfu"] == 0.2
 
 
