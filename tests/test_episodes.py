@@ -296,8 +296,8 @@ def test_a_worked_episode_has_the_tokens_the_rollout_assembles(qwen, tmp_path):
     tokens, mask = worked_episode(template, tokenizer, row["turns"], IM_END, enable_thinking=True)
     assert tokens == episode.completion and mask == episode.mask.tolist()
     batch = sft.make_batch([(episode.prompt, tokens, mask)])
-    cols = batch["columns"][0][batch["mask"][0] > 0]
-    assert batch["tokens"][0, cols + 1].tolist() == [t for turn in episode.turns for t in turn.sampled]
+    cols = np.flatnonzero(batch.mask[0])
+    assert batch.tokens[0, cols + 1].tolist() == [t for turn in episode.turns for t in turn.sampled]
     with pytest.raises(ValueError, match="start and end with an assistant"):
         worked_episode(template, tokenizer, row["turns"][:2], IM_END)
 
