@@ -11,13 +11,13 @@ without a known peak, such as the CPU) and the sampler/learner mismatch (strict 
 The report is rewritten after every run, so a run cut short keeps the rows it finished.
 """
 
-import argparse
 import json
 import tempfile
 
 import numpy as np
 
 import rlkjax
+from bench import _flags
 from bench._report import new_report, save_report
 from rlkjax import flops
 from train import grpo
@@ -96,8 +96,8 @@ def run(name, numerics, args):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="qwen3-0.6b,qwen3-1.7b", help="comma-separated presets (random weights)")
+    ap = _flags.parser(__doc__)
+    _flags.add_models(ap, "qwen3-0.6b,qwen3-1.7b")
     ap.add_argument("--steps", type=int, default=3, help="GRPO steps per run; the first (compilation) is not averaged")
     ap.add_argument("--prompts", type=int, default=16, help="P prompts per step")
     ap.add_argument("--group", type=int, default=8, help="G completions per prompt")
@@ -105,7 +105,7 @@ def main():
     ap.add_argument("--micro-batch", type=int, default=32, help="sequences per gradient micro-batch")
     ap.add_argument("--remat", action="store_true", help="train.grpo --remat (recompute layers in the backward)")
     ap.add_argument("--numerics", default="fast,strict", help="comma-separated: fast, strict or both")
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    _flags.add_out(ap)
     args = ap.parse_args()
     grpo.claim_device_memory()  # as `python -m train.grpo` does
     report = new_report("bench.grpo_compare")
