@@ -20,7 +20,9 @@ import rlkjax
 from bench import _flags
 from bench._report import new_report, save_report
 from rlkjax import flops
+from rlkjax.entry_config import ModelSource, Runtime
 from train import grpo
+from train.config import Optimiser
 
 
 def percent(x):
@@ -44,8 +46,8 @@ def print_table(results):
 def run(name, numerics, args):
     """One train.grpo run (verify on) and its row."""
     config = grpo.GRPOConfig(
-        model=name,
-        numerics=numerics,
+        source=ModelSource(name),
+        runtime=Runtime(numerics=numerics),
         steps=args.steps,
         prompts_per_step=args.prompts,
         group_size=args.group,
@@ -53,7 +55,7 @@ def run(name, numerics, args):
         verify_every=1,
         micro_batch=args.micro_batch,
         remat=args.remat,
-        learning_rate=1e-6,
+        optimiser=Optimiser(learning_rate=1e-6),
         out=tempfile.mkdtemp(prefix=f"grpo_{name}_{numerics}_"),
         progress=False,
         checkpoint_every=10**6,

@@ -2,7 +2,6 @@
 \\boxed{} answers, math-verify rewards, eos honoured, evaluation and the TensorBoard logger; the supervised
 warm-up (train.sft) that gives GRPO a policy with some right answers; and the README's demo end to end."""
 
-import dataclasses
 import json
 import os
 import shlex
@@ -16,10 +15,12 @@ import pytest
 import tyro
 
 from rlkjax import model
+from rlkjax.entry_config import ModelSource, flat_defaults
 from rlkjax.tasks import make_task
 from rlkjax.tiny_qwen3 import write_tiny_qwen3
 from tests.helpers import assert_bits_equal
 from train import grpo, sft
+from train.config import Optimiser
 from train.word_problems import write
 
 IM_END = 151645
@@ -44,7 +45,7 @@ def test_math_demo_runs(tmp_path):
     # each, at every evaluation); held-out sets that are not a multiple of P: tests/test_evaluation.py
     train, held_out = write(tmp_path / "data", train=16, eval=2)
     config = grpo.GRPOConfig(
-        model=str(model),
+        source=ModelSource(str(model)),
         task="math",
         data=str(train),
         eval_data=str(held_out),
@@ -103,7 +104,7 @@ def test_sft_step_lowers_the_completion_loss(tiny):
     loss (about log 512 = 6.2 nats over the tiny preset's vocabulary) by more than half the drop measured on a
     CPU (6.22 -> 1.82 in 8 steps)."""
     cfg, params = tiny
-    config = sft.SFTConfig(model="", data="", steps=8, learning_rate=1e-2, warmup_steps=0)
+    config = sft.SFTConfig(model="", data="", steps=8, optimiser=Optimiser(learning_rate=1e-2, warmup_steps=0))
     update, master, opt_state = sft.make_update(config, cfg, params)
     batch = sft.make_batch([([5, 6, 7, 20], [8, 9, 256]), ([1, 2], [3, 4, 256])])
     losses = []
@@ -119,11 +120,12 @@ def test_sft_flags_are_documented_and_checked(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         tyro.cli(sft.SFTConfig, args=["--help"])
     text = capsys.readouterr().out
-    for field in dataclasses.fields(sft.SFTConfig):
-        assert f"--{field.name.replace('_', '-')}" in text
-    for bad, message in (({"steps": 0}, "--steps=0 must be positive"), ({"learning_rate": float("nan")}, "finite")):
-        with pytest.raises(ValueError, match=message):
-            sft.SFTConfig(model="m", data="d", **bad)
+    for name in ("model", "data", *flat_defaults(sft.SFTConfig)):
+        assert f"--{name.replace('_', '-')}" in text
+    with pytest.raises(ValueError, match="--steps=0 must be positive"):
+        sft.SFTConfig(model="m", data="d", steps=0)
+    with pytest.raises(ValueError, match="--learning-rate=nan must be finite"):
+        sft.SFTConfig(model="m", data="d", optimiser=Optimiser(learning_rate=float("nan")))
 
 
 # ----- the README's demo, end to end -----

@@ -26,7 +26,7 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Annotated
 
 import jax
 import jax.numpy as jnp
@@ -37,10 +37,12 @@ from rlkjax import compilation_cache, model
 from rlkjax.chat import load_chat_template, prompt_format
 from rlkjax.checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from rlkjax.data import load_examples, read_rows
+from rlkjax.entry_config import Runtime
 from rlkjax.environments import first_prompt, load_environment, worked_episode
 from rlkjax.tokenizer import load_tokenizer
 from train import fsdp, optimizer
 from train.batch import Batch, pack
+from train.config import Optimiser
 from train.loss import policy_logprobs, to_policy
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "generation_config.json")
@@ -74,36 +76,19 @@ class SFTConfig:
     """Optimiser steps."""
     batch_size: int = 16
     """Examples per step, drawn at random (with replacement) from --data."""
-    learning_rate: float = 3e-3
-    """Peak AdamW learning rate."""
-    warmup_steps: int = 10
-    """Linear warmup steps, then cosine decay to 10% of the peak."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    max_grad_norm: float = 1.0
-    """Global gradient-norm clip."""
-    numerics: Literal["fast", "strict"] = "fast"
-    """fast: plain XLA (the warm-up is not on the logprob contract). strict: the learner's Pallas kernels."""
+    optimiser: Annotated[Optimiser, tyro.conf.OmitArgPrefixes] = Optimiser(warmup_steps=10)
+    """train.grpo's AdamW settings."""
+    runtime: Annotated[Runtime, tyro.conf.OmitArgPrefixes] = Runtime(numerics="fast")
+    """The numerics (fast by default: the warm-up is not on the logprob contract) and the compilation cache."""
     seed: int = 0
     """Seeds the order of the examples."""
     log_every: int = 10
     """Steps between rows of sft_metrics.jsonl (and the last step)."""
-    compilation_cache: str = compilation_cache.default_dir()
-    """JAX's persistent compilation cache (a directory), so a second run loads its programs; 'off' compiles all."""
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "log_every"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be positive")
-        if self.warmup_steps < 0:
-            raise ValueError(f"--warmup-steps={self.warmup_steps} must be >= 0")
-        for name, low in (("learning_rate", 0.0), ("max_grad_norm", 0.0)):
-            value = getattr(self, name)
-            if not (np.isfinite(np.float32(value)) and value > low):
-                raise ValueError(f"--{name.replace('_', '-')}={value!r} must be finite and > {low}")
-        if not (np.isfinite(np.float32(self.weight_decay)) and self.weight_decay >= 0):
-            raise ValueError(f"--weight-decay={self.weight_decay!r} must be finite and >= 0")
-        compilation_cache.check(self.compilation_cache)
 
 
 def completion_text(answer: str) -> str:
@@ -167,12 +152,8 @@ def make_update(config: SFTConfig, cfg, params):
     specs = fsdp.param_specs(params, 1)
     master = fsdp.put(params, mesh, specs, dtype=jnp.float32)
     rope = fsdp.put(model.rope_tables(cfg), mesh, fsdp.REPLICATED)
-    decay_steps = max(config.steps, config.warmup_steps + 1)
-    hyper = optimizer.Hyper(
-        config.learning_rate, config.warmup_steps, decay_steps, config.max_grad_norm, config.weight_decay
-    )
-    opt = optimizer.make(hyper, mesh, specs)
-    gradient = _gradient(cfg, config.numerics)
+    opt = optimizer.make(config.optimiser.hyper(config.steps), mesh, specs)
+    gradient = _gradient(cfg, config.runtime.numerics)
 
     def update(master, opt_state, batch):
         loss, grads = gradient(master, batch, rope)
@@ -231,5 +212,5 @@ def train(config: SFTConfig) -> list[dict]:
 
 if __name__ == "__main__":
     config = tyro.cli(SFTConfig, description=__doc__)
-    compilation_cache.enable(config.compilation_cache)  # before the first compilation
+    compilation_cache.enable(config.runtime.compilation_cache)  # before the first compilation
     train(config)
