@@ -7,7 +7,6 @@ The hardware is read through JAX (device kind, count, platform version, the memo
 `device.memory_stats()` where the platform has it), so the same record comes out on NVIDIA, AMD and CPU.
 """
 
-import argparse
 import datetime
 import importlib.metadata
 import json
@@ -16,6 +15,8 @@ import platform
 import subprocess
 import sys
 from pathlib import Path
+
+from bench import _flags
 
 REPO = Path(__file__).resolve().parents[1]
 # Packages whose versions decide bits or speed (jax-cuda*/jax-rocm* plugins are added as found).
@@ -105,9 +106,9 @@ def save_report(report: dict, path: str | None) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _flags.parser(__doc__)
     ap.add_argument("--command", required=True, help='the command line to record (a shell script\'s "$0 $*")')
-    ap.add_argument("--out", default=None, help="also write the provenance as JSON here")
+    _flags.add_out(ap, "also write the provenance as JSON here")
     args = ap.parse_args()
     record = provenance(args.command)
     print(json.dumps(record, indent=2))

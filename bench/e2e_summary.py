@@ -5,9 +5,10 @@
 A piece whose JSON is missing (cut by its timeout, or skipped) is named as missing, not guessed.
 """
 
-import argparse
 import json
 from pathlib import Path
+
+from bench import _flags
 
 NAN = float("nan")
 
@@ -119,7 +120,7 @@ def rollout_lines(out: Path) -> list[str]:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _flags.parser(__doc__)
     ap.add_argument("out", nargs="?", default="/tmp/out", type=Path, help="bench/e2e.sh's output folder")
     out = ap.parse_args().out
     for lines in (grpo_lines(out), server_lines(out), latency_lines(out), rollout_lines(out)):

@@ -11,16 +11,18 @@ without a known peak, such as the CPU) and the sampler/learner mismatch (strict 
 The report is rewritten after every run, so a run cut short keeps the rows it finished.
 """
 
-import argparse
 import json
 import tempfile
 
 import numpy as np
 
 import rlkjax
+from bench import _flags
 from bench._report import new_report, save_report
 from rlkjax import flops
+from rlkjax.entry_config import ModelSource, Runtime
 from train import grpo
+from train.config import Optimiser
 
 
 def percent(x):
@@ -44,8 +46,8 @@ def print_table(results):
 def run(name, numerics, args):
     """One train.grpo run (verify on) and its row."""
     config = grpo.GRPOConfig(
-        model=name,
-        numerics=numerics,
+        source=ModelSource(name),
+        runtime=Runtime(numerics=numerics),
         steps=args.steps,
         prompts_per_step=args.prompts,
         group_size=args.group,
@@ -53,7 +55,7 @@ def run(name, numerics, args):
         verify_every=1,
         micro_batch=args.micro_batch,
         remat=args.remat,
-        learning_rate=1e-6,
+        optimiser=Optimiser(learning_rate=1e-6),
         out=tempfile.mkdtemp(prefix=f"grpo_{name}_{numerics}_"),
         progress=False,
         checkpoint_every=10**6,
@@ -96,8 +98,8 @@ def run(name, numerics, args):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="qwen3-0.6b,qwen3-1.7b", help="comma-separated presets (random weights)")
+    ap = _flags.parser(__doc__)
+    _flags.add_models(ap, "qwen3-0.6b,qwen3-1.7b")
     ap.add_argument("--steps", type=int, default=3, help="GRPO steps per run; the first (compilation) is not averaged")
     ap.add_argument("--prompts", type=int, default=16, help="P prompts per step")
     ap.add_argument("--group", type=int, default=8, help="G completions per prompt")
@@ -105,7 +107,7 @@ def main():
     ap.add_argument("--micro-batch", type=int, default=32, help="sequences per gradient micro-batch")
     ap.add_argument("--remat", action="store_true", help="train.grpo --remat (recompute layers in the backward)")
     ap.add_argument("--numerics", default="fast,strict", help="comma-separated: fast, strict or both")
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    _flags.add_out(ap)
     args = ap.parse_args()
     grpo.claim_device_memory()  # as `python -m train.grpo` does
     report = new_report("bench.grpo_compare")

@@ -16,7 +16,6 @@ if __name__ == "__main__":  # fake CPU devices, before jax is imported
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import argparse
 import dataclasses
 import json
 import math
@@ -26,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from bench import _flags
 from rlkjax import model, numerics
 from rlkjax.config import ModelConfig
 from train import fsdp, optimizer
@@ -142,12 +142,12 @@ def compiled_memory(programs: dict) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen3-8b", help="model preset (shapes only)")
+    parser = _flags.parser(__doc__)
+    _flags.add_model(parser, "qwen3-8b", "model preset (shapes only)")
     parser.add_argument("--devices", type=int, default=2, help="fake CPU devices of the FSDP mesh (write --devices=N)")
     parser.add_argument("--layers", default="1,2", help="layer counts to compile (the preset's own if empty)")
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch (padded to the mesh)")
-    parser.add_argument("--numerics", choices=["strict", "fast"], default="strict", help="the learner's numerics")
+    _flags.add_numerics(parser, "strict", "the learner's numerics")
     parser.add_argument("--tokens", type=int, default=64 + 256, help="prompt + new tokens (padded as pack pads)")
     parser.add_argument("--programs", default="step,score", help=f"which to compile, of {','.join(PROGRAMS)}")
     parser.add_argument("--remat", action="store_true", help="the learner step with train.grpo --remat")

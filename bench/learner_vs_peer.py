@@ -10,13 +10,13 @@ Everything lands under --out-dir: speed.json, peer_torch.json, peer_torch_profil
 when it runs out, and the peer starts no variant once less than --peer-margin-s is left.
 """
 
-import argparse
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from bench import _flags
 from bench.peer_torch import best_rows, markdown
 
 
@@ -72,12 +72,12 @@ def side_by_side(ours: dict, peer: list, models, side) -> str:
 
 
 def parser():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _flags.parser(__doc__)
     ap.add_argument("--out-dir", required=True, help="folder for every file this writes (made if missing)")
-    ap.add_argument("--models", default="qwen3-4b,qwen3-8b", help="presets, comma-separated (random weights)")
+    _flags.add_models(ap, "qwen3-4b,qwen3-8b")
     ap.add_argument("--batch", type=int, default=8, help="sequences per pass (B)")
     ap.add_argument("--seq", type=int, default=1024, help="tokens per sequence (T)")
-    ap.add_argument("--repeats", type=int, default=3, help="timed passes per row (median), both sides")
+    _flags.add_repeats(ap, 3, "timed passes per row (median), both sides")
     ap.add_argument("--side", default="strict", help="our learner side to compare (bench.speed --learner-sides)")
     ap.add_argument("--variants", default="eager,compile,checkpoint,compile_checkpoint", help="peer variants")
     ap.add_argument("--compile-scope", default="layers", help="the peer's torch.compile scope: layers or model")

@@ -16,7 +16,6 @@ import sys
 if __name__ == "__main__":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import argparse
 import dataclasses
 import functools
 import hashlib
@@ -27,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 import rlkjax
+from bench import _flags
 from rlkjax import audit, model, programs
 from rlkjax.numerics import NumericsOptions
 
@@ -197,7 +197,7 @@ def all_texts(only: str = "") -> dict[str, str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _flags.parser(__doc__)
     parser.add_argument("out", help="directory for one .mlir file per program")
     parser.add_argument("--only", default="", help="programs whose 'shape.side.group' contains this")
     args = parser.parse_args()

@@ -11,7 +11,6 @@ train.grpo's programs on 8 fake CPU devices) with the room left on 8 x H200 and 
 provenance to PATH.md and PATH.json.
 """
 
-import argparse
 import dataclasses
 import json
 import os
@@ -19,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench import _flags
 from bench._report import new_report
 from rlkjax.config import ModelConfig
 from rlkjax.shapes import cdiv
@@ -171,8 +171,8 @@ def compiled_table(args) -> tuple[str, dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen3-8b", help="model preset (shapes only)")
+    parser = _flags.parser(__doc__)
+    _flags.add_model(parser, "qwen3-8b", "model preset (shapes only)")
     parser.add_argument(
         "--gpus",
         type=lambda s: [int(n) for n in s.split(",")],
@@ -195,7 +195,7 @@ def main() -> None:
         help="instead: the compiled table for these presets on the first of --gpus (every row from XLA's "
         "analysis but the sampler's; 3 compilations a model, minutes each on CPU)",
     )
-    parser.add_argument("--out", help="with --models: write the table (markdown, with provenance) and its JSON here")
+    _flags.add_out(parser, "with --models: write the table (markdown, with provenance) and its JSON here")
     args = parser.parse_args()
     if not args.models:
         print(table(args))

@@ -9,13 +9,13 @@ plus wall times.
     python -m bench.mismatch --models qwen3-0.6b,qwen3-8b --batch 64 --new-tokens 256 --out bench/results/x.json
 """
 
-import argparse
 import json
 import time
 
 import numpy as np
 
 import rlkjax
+from bench import _flags
 from bench._report import new_report, save_report
 from rlkjax.mismatch import mismatch_stats
 
@@ -47,16 +47,16 @@ def run(cfg, params, prompts, new_tokens, temperature, numerics, chunk):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="qwen3-tiny", help="comma-separated presets (random weights)")
+    ap = _flags.parser(__doc__)
+    _flags.add_models(ap, "qwen3-tiny")
     ap.add_argument("--batch", type=int, default=8, help="prompts per batch")
     ap.add_argument("--new-tokens", type=int, default=32, help="tokens sampled per prompt")
     ap.add_argument("--min-prompt", type=int, default=16, help="shortest random prompt")
     ap.add_argument("--max-prompt", type=int, default=128, help="longest random prompt")
     ap.add_argument("--temperature", type=float, default=1.0, help="sampling and scoring temperature")
     ap.add_argument("--chunk", type=int, default=64, help="prefill chunk size")
-    ap.add_argument("--repeats", type=int, default=2, help="runs per mode; the first includes compilation")
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    _flags.add_repeats(ap, 2, "runs per mode; the first includes compilation")
+    _flags.add_out(ap)
     args = ap.parse_args()
 
     report = new_report("bench.mismatch")

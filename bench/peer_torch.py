@@ -25,7 +25,6 @@ regional compilation: the layers share one compiled graph, so a 36-layer model c
 torch and transformers come from the `peer` extra (`pip install -e .[peer]`); no other module imports them.
 """
 
-import argparse
 import collections
 import gc
 import json
@@ -35,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 import rlkjax
+from bench import _flags
 from bench._report import new_report, save_report
 from rlkjax import flops
 
@@ -242,8 +242,8 @@ def profile_text(best: dict, top: int) -> str:
 
 
 def parser():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="qwen3-4b,qwen3-8b", help="rlkjax presets whose shapes to build (random)")
+    ap = _flags.parser(__doc__)
+    _flags.add_models(ap, "qwen3-4b,qwen3-8b", "rlkjax presets whose shapes to build (random)")
     ap.add_argument("--batch", type=int, default=8, help="sequences per pass (B)")
     ap.add_argument("--seq", type=int, default=1024, help="tokens per sequence (T)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated: " + ", ".join(VARIANTS))
@@ -253,7 +253,7 @@ def parser():
         default="layers",
         help="what torch.compile compiles: each decoder layer and the logprob head, or the whole pass",
     )
-    ap.add_argument("--repeats", type=int, default=3, help="timed passes per variant (median)")
+    _flags.add_repeats(ap, 3, "timed passes per variant (median)")
     ap.add_argument("--budget-s", type=float, default=None, help="start no variant after this many seconds")
     ap.add_argument(
         "--profile",
@@ -263,7 +263,7 @@ def parser():
     )
     ap.add_argument("--top", type=int, default=30, help="kernels kept per profile table")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda where PyTorch sees a GPU)")
-    ap.add_argument("--out", default=None, help="JSON path (default bench/results/peer_torch_<date>.json)")
+    _flags.add_out(ap, "JSON path (default bench/results/peer_torch_<date>.json)")
     return ap
 
 

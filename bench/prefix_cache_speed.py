@@ -10,12 +10,12 @@ and decode tokens per second; and whether the second turn's tokens and logprob b
 and off (they must be: a cached page holds what prefill would write).
 """
 
-import argparse
 import time
 
 import numpy as np
 
 import rlkjax
+from bench import _flags
 from bench._report import new_report, save_report
 from rlkjax.engine import Engine, EngineConfig
 from rlkjax.sampling_params import SamplingParams
@@ -56,13 +56,13 @@ def run_turns(params, cfg, args, prefix_cache: bool) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen3-0.6b", help="model preset (random weights)")
+    p = _flags.parser(__doc__)
+    _flags.add_model(p, "qwen3-0.6b")
     p.add_argument("--batch", type=int, default=64, help="requests per turn")
     p.add_argument("--prompt", type=int, default=512, help="first turn's prompt tokens")
     p.add_argument("--new", type=int, default=128, help="tokens sampled per turn")
     p.add_argument("--turn", type=int, default=32, help="tokens the second turn adds after the first completion")
-    p.add_argument("--out", default=None, help="write the report (JSON) here")
+    _flags.add_out(p)
     args = p.parse_args()
     cfg = rlkjax.ModelConfig.preset(args.model)
     params = rlkjax.init_params(cfg, seed=0)

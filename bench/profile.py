@@ -10,7 +10,6 @@ Prints a table sorted by time with the share of the traced device time, per deco
 learner step). Strict and fast side by side when `--sides strict,fast`.
 """
 
-import argparse
 import collections
 import glob
 import gzip
@@ -23,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import rlkjax
+from bench import _flags
 from bench._report import new_report, save_report
 from bench._timing import F32
 from bench.speed_model import decode_loop, learner_batch, random_cache
@@ -112,8 +112,8 @@ def show(title, result, top):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="decode: model preset (e.g. qwen3-8b)")
+    p = _flags.parser(__doc__)
+    _flags.add_model(p, None, "decode: model preset (e.g. qwen3-8b)")
     p.add_argument("--batch", type=int, default=1, help="decode batch")
     p.add_argument("--context", type=int, default=512, help="decode context length")
     p.add_argument("--steps", type=int, default=8, help="decode steps in the traced loop")
@@ -122,7 +122,7 @@ def main():
     p.add_argument("--tokens", type=int, default=8192, help="learner tokens per step")
     p.add_argument("--sides", default="strict", help="comma-separated: strict,fast")
     p.add_argument("--top", type=int, default=25, help="rows printed per table")
-    p.add_argument("--out", default=None, help="write the tables as JSON here")
+    _flags.add_out(p, "write the tables as JSON here")
     p.add_argument("--dense-backward", action="store_true", help="learner: XLA's dense attention backward, not flash")
     p.add_argument(
         "--copy-backward", action="store_true", help="learner: the matmul backward on transposed copies, not in place"

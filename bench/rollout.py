@@ -18,7 +18,6 @@
 Times are medians of `--repeats` runs after a warm-up run, strict and fast side by side.
 """
 
-import argparse
 import json
 import tempfile
 
@@ -26,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 import rlkjax
+from bench import _flags
 from bench._report import new_report, save_report
 from bench._timing import median_time
 from rlkjax import executable_cache, model
@@ -106,18 +106,18 @@ def settle():
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="qwen3-0.6b,qwen3-8b", help="comma-separated presets (random weights)")
+    ap = _flags.parser(__doc__)
+    _flags.add_models(ap, "qwen3-0.6b,qwen3-8b")
     ap.add_argument("--batches", default="16,64,256", help="comma-separated batch sizes")
     ap.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
     ap.add_argument(
         "--new-tokens", type=int, default=65, help="tokens sampled per sequence (1 + a multiple of decode_steps)"
     )
-    ap.add_argument("--repeats", type=int, default=3, help="timed runs (median) after one warm-up")
+    _flags.add_repeats(ap, 3, "timed runs (median) after one warm-up")
     ap.add_argument(
         "--sync-models", default="qwen3-0.6b,qwen3-4b,qwen3-8b", help="presets for the weight-sync timing ('' = none)"
     )
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    _flags.add_out(ap)
     args = ap.parse_args()
     report = new_report("bench.rollout")
     settle()

@@ -21,7 +21,6 @@ module.
     PYTHONPATH=$PWD .venv/bin/python -m bench.serve_hops [-v]
 """
 
-import argparse
 import asyncio
 import collections
 import json
@@ -30,6 +29,8 @@ from pathlib import Path
 
 import aiohttp
 from aiohttp.test_utils import TestServer
+
+from bench import _flags
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("serve", "rlkjax", "pallas_kernels")
@@ -118,7 +119,7 @@ async def measure(server) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _flags.parser(__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="also list the files and the hops")
     args = parser.parse_args()
     try:

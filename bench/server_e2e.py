@@ -16,7 +16,6 @@ and count the tokens whose logprob bits differ (strict must be 0).
   logprobs are the new weights' bits (scored here).
 """
 
-import argparse
 import concurrent.futures
 import json
 import os
@@ -25,6 +24,8 @@ import tempfile
 import time
 
 import numpy as np
+
+from bench import _flags
 
 ADMIN_KEY = "bench-server-e2e"  # loopback only; the server gets it through RLKJAX_ADMIN_KEY, not argv
 
@@ -117,9 +118,9 @@ def swap_weights(client, cfg, numerics):
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen3-tiny", help="preset served (random weights, seed 0)")
-    ap.add_argument("--numerics", default="strict", choices=["strict", "fast"], help="server numerics")
+    ap = _flags.parser(__doc__)
+    _flags.add_model(ap, "qwen3-tiny", "preset served (random weights, seed 0)")
+    _flags.add_numerics(ap, "strict", "server numerics")
     ap.add_argument("--requests", type=int, default=64, help="concurrent requests")
     ap.add_argument("--max-prompt", type=int, default=512, help="longest prompt (shortest is 1)")
     ap.add_argument("--min-new-tokens", type=int, default=None, help="fewest tokens per sample (default: the most)")
@@ -140,7 +141,7 @@ def parse_args(argv=None):
         help="more flags for serve.rollout, as one string (e.g. --server-flags='--no-warmup')",
     )
     ap.add_argument("--port", type=int, default=8765, help="loopback port")
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    _flags.add_out(ap)
     return ap.parse_args(argv)
 
 

@@ -12,7 +12,6 @@ chunk arrives and how many tokens it carries (`return_token_ids`). Reports p50/p
 - output tokens/s over the concurrency level's wall time.
 """
 
-import argparse
 import asyncio
 import json
 import os
@@ -22,6 +21,7 @@ import time
 import aiohttp
 import numpy as np
 
+from bench import _flags
 from bench._report import new_report, save_report
 from bench._server import running_server
 
@@ -88,9 +88,9 @@ async def level(url, concurrency, prompt_len, max_tokens, vocab, seed0):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen3-tiny", help="preset served (random weights, seed 0)")
-    ap.add_argument("--numerics", default="strict", choices=["strict", "fast"], help="server numerics")
+    ap = _flags.parser(__doc__)
+    _flags.add_model(ap, "qwen3-tiny", "preset served (random weights, seed 0)")
+    _flags.add_numerics(ap, "strict", "server numerics")
     ap.add_argument("--concurrency", default="1,16,256", help="comma-separated concurrent request counts")
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens per request")
     ap.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
@@ -107,7 +107,7 @@ def main():
         help="more flags for serve.rollout, as one string (e.g. --server-flags='--no-warmup')",
     )
     ap.add_argument("--port", type=int, default=8766, help="loopback port")
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    _flags.add_out(ap)
     args = ap.parse_args()
     # This process only sends requests, but new_report's jax.devices() starts a GPU client, which would take
     # JAX's default 75% of the GPU the server (45%) needs.

@@ -29,10 +29,10 @@ The rows live in bench/speed_model.py (decode, prefill, learner, score), bench/s
 bench/speed_sweep.py; merging and the table in bench/speed_table.py; timing and ceilings in bench/_timing.py.
 """
 
-import argparse
 import json
 
 import rlkjax
+from bench import _flags
 from bench._report import new_report, save_report
 from bench._timing import ceilings
 from bench.speed_kernels import kernel_rows
@@ -48,12 +48,12 @@ def ints(text):
 
 
 def parser():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="qwen3-0.6b,qwen3-4b,qwen3-8b", help="decode model shapes (random weights)")
+    ap = _flags.parser(__doc__)
+    _flags.add_models(ap, "qwen3-0.6b,qwen3-4b,qwen3-8b", "decode model shapes (random weights)")
     ap.add_argument("--batches", default="1,16,64,256", help="decode batch sizes (comma-separated)")
     ap.add_argument("--contexts", default="512,2048", help="decode context lengths (comma-separated)")
     ap.add_argument("--steps", type=int, default=32, help="decode steps per timed loop")
-    ap.add_argument("--repeats", type=int, default=3, help="timed calls per row (median)")
+    _flags.add_repeats(ap, 3, "timed calls per row (median)")
     ap.add_argument(
         "--layer-unroll",
         default="1",
@@ -95,7 +95,7 @@ def parser():
         "(forward: query tiles per program, warps, stages; bits compared), attention_bwd",
     )
     ap.add_argument("--quick", action="store_true", help="a subset that takes a few minutes on one H200")
-    ap.add_argument("--out", default=None, help="JSON path (default bench/results/speed_<date>.json)")
+    _flags.add_out(ap, "JSON path (default bench/results/speed_<date>.json)")
     ap.add_argument(
         "--merge",
         nargs="+",

@@ -14,7 +14,6 @@ logprobs, which must be the same bits on every start (a warm start runs the exec
 compiled).
 """
 
-import argparse
 import json
 import os
 import shlex
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import _flags
 from bench._report import new_report, save_report
 
 # Two prompts of one sample each: served with any --max-batch.
@@ -99,8 +99,8 @@ def one_start(args, cache_dir: str, log_path: Path) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen3-tiny", help="the server's --model")
+    ap = _flags.parser(__doc__)
+    _flags.add_model(ap, "qwen3-tiny", "the server's --model")
     ap.add_argument("--server-flags", default="", help='more flags for the server, one string (e.g. "--max-batch 16")')
     ap.add_argument("--starts", type=int, default=2, help="server starts: the first is cold, the others warm")
     ap.add_argument(
@@ -108,7 +108,7 @@ def main() -> None:
     )
     ap.add_argument("--port", type=int, default=8123, help="loopback port of the server")
     ap.add_argument("--notes", default="", help="a sentence for the results file (e.g. what else loaded the machine)")
-    ap.add_argument("--out", default=None, help="write the JSON report here")
+    _flags.add_out(ap, "write the JSON report here")
     args = ap.parse_args()
     if args.starts < 1:
         ap.error("--starts must be at least 1")

@@ -19,7 +19,6 @@ tokens about 2 bytes a step, so nearly every reward is 0 and so are the advantag
 letters, so the lowercase task's rewards vary within every group.
 """
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import _flags
 from bench._report import provenance
 
 # train.grpo's row fields that are timings (train/metrics.py defines the two MFUs and their FLOP/s)
@@ -151,14 +151,14 @@ def byte_vocabulary_model(directory: Path, like: str, layers: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _flags.parser(__doc__)
     parser.add_argument(
         "what", choices=["summarize", "compare", "model"], help="summarize one run, compare two, or write a model"
     )
     parser.add_argument(
         "runs", nargs="+", type=Path, help="train.grpo --out directories (model: the directory to write)"
     )
-    parser.add_argument("--out", help="also write the JSON (with its provenance) here")
+    _flags.add_out(parser, "also write the JSON (with its provenance) here")
     parser.add_argument("--like", default="qwen3-0.6b", help="model: the preset whose widths it takes")
     parser.add_argument("--layers", type=int, default=4, help="model: its layer count")
     args = parser.parse_args()

@@ -8,39 +8,58 @@ import jax
 
 from rlkjax.numerics import default_platform
 
-# Ops that move or select data exactly; anything else touching a float type is arithmetic.
-DATA_MOVEMENT = {
-    "constant",
-    "broadcast_in_dim",
-    "broadcast",
-    "reshape",
-    "transpose",
-    "slice",
-    "dynamic_slice",
-    "dynamic_update_slice",
-    "concatenate",
-    "pad",
-    "gather",
-    "scatter",
-    "select",
-    "iota",
-    "return",
-    "compare",
-    "while",
-    "case",
-    "if",
-    "tuple",
-    "get_tuple_element",
-    "optimization_barrier",
-    "bitcast_convert",
-    "reverse",
-    "custom_call",
-    "func",
-    "call",
-    # chlo.top_k: picks and orders the k largest values of a row by comparison (top alternatives
-    # over logits our kernel wrote); it copies values, it never rounds one.
-    "top_k",
-}
+# The ops that move or select data exactly, written once, each as (its StableHLO name, its name in XLA's
+# optimised HLO; None where one side has no such op). Anything else touching a float type is arithmetic.
+EXACT_OPS = (
+    ("constant", "constant"),
+    ("broadcast_in_dim", "broadcast"),
+    ("broadcast", "broadcast"),
+    ("reshape", "reshape"),
+    ("transpose", "transpose"),
+    ("slice", "slice"),
+    ("dynamic_slice", "dynamic-slice"),
+    ("dynamic_update_slice", "dynamic-update-slice"),
+    ("concatenate", "concatenate"),
+    ("pad", "pad"),
+    ("gather", "gather"),
+    ("scatter", "scatter"),
+    ("select", "select"),
+    ("iota", "iota"),
+    ("compare", "compare"),
+    ("while", "while"),
+    ("case", "conditional"),
+    ("if", "conditional"),
+    ("tuple", "tuple"),
+    ("get_tuple_element", "get-tuple-element"),
+    ("optimization_barrier", "opt-barrier"),
+    ("bitcast_convert", "bitcast-convert"),
+    ("reverse", "reverse"),
+    ("custom_call", "custom-call"),
+    ("call", "call"),
+    ("func", None),
+    ("return", None),
+    # chlo.top_k: picks and orders the k largest values of a row by comparison (top alternatives over logits
+    # our kernel wrote); it copies values, it never rounds one. XLA makes it a sort (or a TopK custom call):
+    # comparisons and a permutation.
+    ("top_k", "sort"),
+    # What XLA's compiled module adds around the ops above: its parameters, copies, fusions (their bodies
+    # are audited line by line) and asynchronous pairs.
+    (None, "parameter"),
+    (None, "bitcast"),
+    (None, "copy"),
+    (None, "copy-start"),
+    (None, "copy-done"),
+    (None, "fusion"),
+    (None, "fusion-start"),
+    (None, "fusion-done"),
+    (None, "async-start"),
+    (None, "async-update"),
+    (None, "async-done"),
+)
+DATA_MOVEMENT = {stablehlo for stablehlo, _ in EXACT_OPS if stablehlo}
+HLO_DATA_MOVEMENT = {hlo for _, hlo in EXACT_OPS if hlo}
+# Matrix products XLA runs itself (see xla_dots).
+XLA_DOTS = ("dot_general", "dot", "convolution")
 _FLOAT = re.compile(r"[x<](bf16|f16|f32|f64|f8E\w+)>")  # element type of a tensor<...>
 _OP = re.compile(r"(?:stablehlo|chlo)\.(\w+)")  # chlo ops too: anything not listed above is flagged
 
@@ -81,7 +100,7 @@ def xla_dots(stablehlo_text: str) -> list[str]:
     return [
         line.strip()[:200]
         for line in stablehlo_text.splitlines()
-        if re.search(r"stablehlo\.(dot_general|dot|convolution)\b", line)
+        if re.search(rf"stablehlo\.({'|'.join(XLA_DOTS)})\b", line)
     ]
 
 
@@ -125,44 +144,6 @@ def export_for_gpu(jitted, *args, platform: str, device_kind: str | None = None,
 
 
 _HLO_OP = re.compile(r"=\s*(?:\(|)([a-z0-9]+)\[[^=]*?\s([a-z][a-z0-9-]*)\(")
-HLO_DATA_MOVEMENT = {
-    "parameter",
-    "constant",
-    "broadcast",
-    "reshape",
-    "transpose",
-    "slice",
-    "dynamic-slice",
-    "dynamic-update-slice",
-    "concatenate",
-    "pad",
-    "gather",
-    "scatter",
-    "select",
-    "iota",
-    "compare",
-    "while",
-    "conditional",
-    "tuple",
-    "get-tuple-element",
-    "bitcast",
-    "copy",
-    "copy-start",
-    "copy-done",
-    "custom-call",
-    "call",
-    "fusion",
-    "fusion-start",
-    "fusion-done",
-    "async-start",
-    "async-update",
-    "async-done",
-    "reverse",
-    "opt-barrier",
-    "bitcast-convert",
-    # top_k (above) becomes a sort, or a TopK custom call: comparisons and permutation, no rounding.
-    "sort",
-}
 
 
 def float_arithmetic_hlo(optimized_hlo_text: str) -> list[str]:

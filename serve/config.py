@@ -5,21 +5,18 @@ import dataclasses
 import math
 import os
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated
 
 import tyro
 
-from rlkjax import compilation_cache
 from rlkjax.engine import EngineConfig
+from rlkjax.entry_config import ModelSource, Runtime
 
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
-    model: str = "qwen3-tiny"
-    """A preset (random weights from --seed), an HF checkpoint dir, or an orbax dir (config.json + params/)."""
-    tokenizer: str | None = None
-    """'bytes' (the tiny model's byte tokenizer) or a directory with tokenizer.json. Default: the byte tokenizer for
-    a preset, the checkpoint's own tokenizer.json otherwise (a checkpoint without one is an error)."""
+    source: Annotated[ModelSource, tyro.conf.OmitArgPrefixes] = ModelSource()
+    """The weights served and their tokenizer."""
     host: str = "127.0.0.1"
     """Interface to bind. The default serves this machine only; 0.0.0.0 exposes it to the network."""
     port: int = 8000
@@ -31,8 +28,8 @@ class ServerConfig:
     """File holding the admin key (its first line)."""
     seed: int = 0
     """Seed of the random weights when --model is a preset."""
-    numerics: Literal["strict", "fast"] = "strict"
-    """strict: our Pallas kernels, logprobs equal the learner's bit for bit. fast: plain XLA."""
+    runtime: Annotated[Runtime, tyro.conf.OmitArgPrefixes] = Runtime()
+    """The numerics and the compilation cache."""
     engine: Annotated[EngineConfig, tyro.conf.OmitArgPrefixes] = EngineConfig(max_context=4096)
     """The rollout engine: KV cache, batch and prefill sizes."""
     max_prompts: int = 256
@@ -57,10 +54,6 @@ class ServerConfig:
     /health answers 503 "starting" with the progress, generation routes 503 with Retry-After. Options such as
     top_logprobs, top_k/top_p/min_p or several stop ids still compile on first use. --no-warmup is ready at
     once."""
-    compilation_cache: str = compilation_cache.default_dir()
-    """JAX's persistent compilation cache: a directory (created if missing), or 'off'. A restarted server loads
-    the programs an earlier one compiled (the same executables, so the same bits) and warms up in a fraction of
-    the time. Delete the directory to reclaim its space."""
     shutdown_timeout: float = 300.0
     """On SIGTERM/SIGINT: /health turns 503 "draining" and new work gets 503; what is in flight finishes for up
     to this many seconds, then the rest is cancelled (its clients get 503, a stream its error event and [DONE])
@@ -75,7 +68,6 @@ class ServerConfig:
         for name in ("read_timeout", "header_timeout"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be a finite number > 0")
-        compilation_cache.check(self.compilation_cache)
 
 
 def admin_key(config: ServerConfig) -> str | None:

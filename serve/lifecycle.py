@@ -38,8 +38,8 @@ async def serve(server) -> None:
         "listening on http://%s:%d for %s (%s numerics)%s",
         config.host,
         config.port,
-        config.model,
-        config.numerics,
+        config.source.model,
+        config.runtime.numerics,
         f"; ready once {server.warm_up_shapes()} shapes are compiled" if server.warm_up_shapes() else "",
     )
     try:

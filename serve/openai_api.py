@@ -329,12 +329,12 @@ async def completions(client: EngineClient, config: ServerConfig, request: web.R
 
 async def chat_completions(client: EngineClient, config: ServerConfig, request: web.Request):
     body = await read_json(request, config.read_timeout)
-    req = ChatCompletionRequest.parse(body, client.limits, client.tokenizer, client.chat_template, config.model)
+    req = ChatCompletionRequest.parse(body, client.limits, client.tokenizer, client.chat_template, config.source.model)
     return await _serve(client, config, request, req, chat=True)
 
 
 async def _serve(client: EngineClient, config: ServerConfig, request: web.Request, req: OpenAIRequest, chat: bool):
-    job = Job(client, config.model, req, chat)
+    job = Job(client, config.source.model, req, chat)
     job.submit()
     if req.stream:
         return await job.stream(request)

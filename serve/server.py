@@ -65,16 +65,16 @@ class Server:
         self.config = config
         key = admin_key(config)
         self.admin = AdminAuth(key) if key else None
-        cfg, params = load_model(config.model, seed=config.seed)
+        cfg, params = load_model(config.source.model, seed=config.seed)
         bad = weights.non_finite(params)
         if bad:
             raise ValueError(
-                f"--model {config.model}: non-finite values in {', '.join(bad[:10])}; refusing to serve them"
+                f"--model {config.source.model}: non-finite values in {', '.join(bad[:10])}; refusing to serve them"
             )
-        tokenizer = load_tokenizer(config.model, config.tokenizer)
+        tokenizer = load_tokenizer(config.source.model, config.source.tokenizer)
         eos = tokenizer.eos_token_id  # the one eos policy (SamplingParams.stop_ids) applies on every route
         eos = eos if eos is not None and eos < cfg.vocab_size else None
-        engine = Engine(params, cfg, config.numerics, config.engine, eos_token_id=eos)
+        engine = Engine(params, cfg, config.runtime.numerics, config.engine, eos_token_id=eos)
         self.client = EngineClient(
             engine,
             tokenizer,
@@ -117,7 +117,7 @@ class Server:
                 "object": "list",
                 "data": [
                     {
-                        "id": self.config.model,
+                        "id": self.config.source.model,
                         "object": "model",
                         "created": int(self.started),
                         "owned_by": "rlkjax",
@@ -196,7 +196,7 @@ class Server:
 
 def main(config: ServerConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    compilation_cache.enable(config.compilation_cache)  # before the first compilation (loading checks weights)
+    compilation_cache.enable(config.runtime.compilation_cache)  # before the first compilation (loading checks weights)
     server = Server(config)
     asyncio.run(serve(server))
     if not server.client.stopped():

@@ -38,12 +38,13 @@ from rlkjax.numerics import ATTENTION
 from tests.helpers import assert_bits_equal
 from train import fsdp, grpo
 from train.batch import pack, pad_rows
+from train.config import Optimiser
 from train.loss import grpo_loss
 
 GRPO_RUN = dict(steps=2, prompts_per_step=4, group_size=4, max_new_tokens=4, micro_batch=8, progress=False)
 # The layouts' runs are GRPO_RUN's with a first update that moves the weights (no warmup), so a sampler
 # left with stale weights samples step 2 from another policy than the learner's and the rescoring differs.
-LAYOUT_RUN = GRPO_RUN | dict(warmup_steps=0)
+LAYOUT_RUN = GRPO_RUN | dict(optimiser=Optimiser(warmup_steps=0))
 # learner devices, sampler devices. XLA:CPU compiles a program for the devices it runs on, so the
 # devices repeat grpo_runs' where they can, and the runs share their programs: the sampler on device 0
 # (16 rows, one sampler) is grpo/single's, the samplers on 6 and 7 (8 rows each) are grpo/fsdp's, the

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from rlkjax.chat import load_chat_template
+from rlkjax.entry_config import ModelSource
 from rlkjax.environments import CalculatorEnvironment, Environment, Step, load_environment
 from rlkjax.tasks import make_task
 from rlkjax.tiny_qwen3 import write_tiny_qwen3
@@ -18,7 +19,7 @@ from rlkjax.tools import Tools, tool_turn
 from tests.helpers import EOS, eos_model
 from train import grpo
 from train.batch import pack
-from train.config import GRPOConfig
+from train.config import GRPOConfig, Optimiser
 from train.episodes import EpisodeRunner, episode_row, learner_samples
 
 IM_END, TOOL_CALL, TOOL_RESPONSE = 151645, 151657, 151665
@@ -210,8 +211,7 @@ def test_grpo_env_trains_every_turn_with_zero_mismatch(tmp_path, monkeypatch):
 
     monkeypatch.setattr(grpo, "pack", pack_and_keep)
     config = GRPOConfig(
-        model=eos_model(tmp_path / "model"),
-        tokenizer="bytes",
+        source=ModelSource(eos_model(tmp_path / "model"), tokenizer="bytes"),
         chat_template=str(template),
         env="tests.test_episodes:AskAgain",
         max_turns=3,
@@ -296,8 +296,8 @@ def test_a_worked_episode_has_the_tokens_the_rollout_assembles(qwen, tmp_path):
     tokens, mask = worked_episode(template, tokenizer, row["turns"], IM_END, enable_thinking=True)
     assert tokens == episode.completion and mask == episode.mask.tolist()
     batch = sft.make_batch([(episode.prompt, tokens, mask)])
-    cols = batch["columns"][0][batch["mask"][0] > 0]
-    assert batch["tokens"][0, cols + 1].tolist() == [t for turn in episode.turns for t in turn.sampled]
+    cols = np.flatnonzero(batch.mask[0])
+    assert batch.tokens[0, cols + 1].tolist() == [t for turn in episode.turns for t in turn.sampled]
     with pytest.raises(ValueError, match="start and end with an assistant"):
         worked_episode(template, tokenizer, row["turns"][:2], IM_END)
 
@@ -321,13 +321,12 @@ def test_calculator_warm_up_then_grpo_episodes_call_the_tool(tmp_path):
             steps=40,
             batch_size=2,
             log_every=40,
-            learning_rate=1e-2,
-            warmup_steps=2,
+            optimiser=Optimiser(learning_rate=1e-2, warmup_steps=2),
             **common,
         )
     )
     config = GRPOConfig(
-        model=str(tmp_path / "sft"),
+        source=ModelSource(str(tmp_path / "sft")),
         task="math",
         max_turns=3,
         prompts_per_step=1,

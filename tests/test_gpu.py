@@ -10,6 +10,7 @@ import pytest
 
 import rlkjax
 from rlkjax import audit, model
+from rlkjax.entry_config import ModelSource
 from rlkjax.programs import RowSampling, decode_round, decode_step
 from tests import helpers
 from tests.contract import check_case, random_case
@@ -145,7 +146,7 @@ def test_qwen3_0_6b_grpo_with_chat_template_and_math_verify(qwen3_tokenizer, tmp
     model_dir = write_tiny_qwen3(tmp_path / "qwen3-0.6b", cfg=rlkjax.ModelConfig.preset("qwen3-0.6b"))
     train, held_out = write(tmp_path / "data", train=64, eval=8)
     config = grpo.GRPOConfig(
-        model=str(model_dir),
+        source=ModelSource(str(model_dir)),
         task="math",
         data=str(train),
         eval_data=str(held_out),

@@ -19,6 +19,7 @@ import tyro
 import rlkjax
 import train.loss
 from rlkjax import model
+from rlkjax.entry_config import ModelSource, Runtime
 from rlkjax.tasks import ArithmeticTask, Example, GSM8KTask, LowercaseTask
 from rlkjax.tokenizer import ByteTokenizer
 from tests.helpers import EOS, assert_bits_equal, eos_model
@@ -467,7 +468,12 @@ def test_fast_numerics_with_tis_and_a_user_reward(tmp_path):
     the task's reward with a user function."""
     result = grpo.train(
         grpo.GRPOConfig(
-            steps=2, numerics="fast", tis_cap=2.0, reward="tests.test_grpo:length_reward", out=str(tmp_path), **SMALL
+            steps=2,
+            runtime=Runtime(numerics="fast"),
+            tis_cap=2.0,
+            reward="tests.test_grpo:length_reward",
+            out=str(tmp_path),
+            **SMALL,
         )
     )
     for row in result["history"]:
@@ -529,8 +535,7 @@ def test_training_stops_at_eos(tmp_path, monkeypatch):
 
     monkeypatch.setattr(rollout.LocalRollout, "sample", sample)
     config = grpo.GRPOConfig(
-        model=eos_model(tmp_path / "model"),
-        tokenizer="bytes",
+        source=ModelSource(eos_model(tmp_path / "model"), tokenizer="bytes"),
         steps=1,
         checkpoint_every=0,
         out=str(tmp_path / "run"),
@@ -586,8 +591,7 @@ def test_local_and_remote_rollouts_give_the_same_completions_and_remote_training
                     assert_bits_equal(sa["logprobs"], sb["logprobs"], "local vs remote logprobs")
 
         config = grpo.GRPOConfig(
-            model=model_dir,
-            tokenizer="bytes",
+            source=ModelSource(model_dir, tokenizer="bytes"),
             steps=2,
             out=str(tmp_path / "r"),
             rollout_url=client.url,

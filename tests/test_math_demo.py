@@ -2,7 +2,6 @@
 \\boxed{} answers, math-verify rewards, eos honoured, evaluation and the TensorBoard logger; the supervised
 warm-up (train.sft) that gives GRPO a policy with some right answers; and the README's demo end to end."""
 
-import dataclasses
 import json
 import os
 import shlex
@@ -10,17 +9,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import tyro
 
 from rlkjax import model
+from rlkjax.entry_config import ModelSource, flat_defaults
 from rlkjax.tasks import make_task
 from rlkjax.tiny_qwen3 import write_tiny_qwen3
 from tests.helpers import assert_bits_equal
 from train import grpo, sft
+from train.config import Optimiser
 from train.word_problems import write
 
 IM_END = 151645
@@ -45,7 +45,7 @@ def test_math_demo_runs(tmp_path):
     # each, at every evaluation); held-out sets that are not a multiple of P: tests/test_evaluation.py
     train, held_out = write(tmp_path / "data", train=16, eval=2)
     config = grpo.GRPOConfig(
-        model=str(model),
+        source=ModelSource(str(model)),
         task="math",
         data=str(train),
         eval_data=str(held_out),
@@ -73,42 +73,39 @@ def test_math_demo_runs(tmp_path):
 
 # ----- the supervised warm-up (train.sft) -----
 def test_sft_batch_lines_up_each_completion_token_with_the_column_that_predicts_it():
-    """Column t's hidden state predicts token t + 1: a completion starting at index len(prompt) is predicted
-    from column len(prompt) - 1 on; padding slots have column -1 and mask 0."""
+    """The warm-up packs the learner's Batch: column t's hidden state predicts token t + 1, so a completion
+    starting at index len(prompt) is trained from column len(prompt) - 1 on; padding slots have column -1."""
     batch = sft.make_batch([([5, 6, 7], [8, 9]), ([1, 2], [3, 4, 10])])
-    assert batch["tokens"].shape == batch["positions"].shape == (2, 16)  # padded to a page
-    np.testing.assert_array_equal(batch["tokens"][:, :5], [[5, 6, 7, 8, 9], [1, 2, 3, 4, 10]])
-    np.testing.assert_array_equal(batch["positions"][0, :6], [0, 1, 2, 3, 4, -1])
-    np.testing.assert_array_equal(batch["columns"], [[2, 3, -1], [1, 2, 3]])
-    np.testing.assert_array_equal(np.take_along_axis(batch["tokens"], batch["columns"] + 1, 1), [[8, 9, 5], [3, 4, 10]])
-    np.testing.assert_array_equal(batch["mask"], [[1, 1, 0], [1, 1, 1]])
+    assert batch.tokens.shape == batch.positions.shape == (2, 16)  # padded to a page
+    np.testing.assert_array_equal(batch.tokens[:, :5], [[5, 6, 7, 8, 9], [1, 2, 3, 4, 10]])
+    np.testing.assert_array_equal(batch.positions[0, :6], [0, 1, 2, 3, 4, -1])
+    np.testing.assert_array_equal(batch.columns, [[2, 3, -1, -1], [1, 2, 3, -1]])
+    assert [np.flatnonzero(row).tolist() for row in batch.mask] == [[2, 3], [1, 2, 3]]
+    np.testing.assert_array_equal(batch.temps, [1, 1])
 
 
-def test_sft_logprobs_are_the_learners_logprobs_of_the_completion(tiny):
-    """The warm-up's log-softmax at completion columns only must give the learner's full-sequence pass's
-    logprobs of those tokens, bit for bit in strict numerics (no token trained on the wrong position)."""
+def test_sft_loss_reads_the_learners_logprobs_of_the_completion_only(tiny):
+    """The warm-up's loss is the mean negative log-likelihood of the completion's tokens (columns 3, 4 of the
+    first row, 1, 2, 3 of the second) under the learner's full-sequence pass, bit for bit in strict numerics:
+    no token trained on the wrong position, no prompt token trained."""
     cfg, params = tiny
     batch = sft.make_batch([([5, 6, 7, 20], [8, 9]), ([1, 2], [3, 4, 10])])
     rope = model.rope_tables(cfg)
-    got = sft.completion_logprobs(params, batch, rope, cfg, "strict")
-    temps = np.ones(2, np.float32)
-    full = np.asarray(model.sequence_logprobs(params, batch["tokens"], batch["positions"], temps, rope, cfg, "strict"))
-    want = np.take_along_axis(full, np.maximum(batch["columns"], 0), 1)
-    mask = batch["mask"] > 0
-    assert_bits_equal(np.asarray(got)[mask], want[mask], "completion logprobs")
-    assert np.all(np.asarray(got)[~mask] == 0)
+    got = sft.sft_loss(params, batch, rope, cfg, "strict")
+    full = model.sequence_logprobs(params, batch.tokens, batch.positions, batch.temps, rope, cfg, "strict")
+    trained = np.zeros(full.shape, np.float32)
+    trained[0, [3, 4]] = trained[1, [1, 2, 3]] = 1
+    assert_bits_equal(np.asarray(got), np.asarray(-jnp.sum(full * trained) / jnp.sum(trained)), "warm-up loss")
 
 
-@pytest.mark.slow  # compiles the warm-up's update and runs 8 steps; the logprob test above checks its loss's inputs
+@pytest.mark.slow  # compiles the warm-up's update and runs 8 steps; the loss test above checks its inputs
 def test_sft_step_lowers_the_completion_loss(tiny):
-    """A few AdamW steps on one batch must fit its completions: from a random model's loss (about log 512 =
-    6.2 nats over the tiny preset's vocabulary) by more than half the drop measured on a CPU (6.22 -> 1.82 in
-    8 steps)."""
+    """A few AdamW steps (train.grpo's optimiser) on one batch must fit its completions: from a random model's
+    loss (about log 512 = 6.2 nats over the tiny preset's vocabulary) by more than half the drop measured on a
+    CPU (6.22 -> 1.82 in 8 steps)."""
     cfg, params = tiny
-    config = sft.SFTConfig(model="", data="", steps=8, learning_rate=1e-2, warmup_steps=0)
-    optimizer, update = sft.make_update(config, cfg)
-    master = jax.tree.map(lambda w: jnp.asarray(w, jnp.float32), params)
-    opt_state = optimizer.init(master)
+    config = sft.SFTConfig(model="", data="", steps=8, optimiser=Optimiser(learning_rate=1e-2, warmup_steps=0))
+    update, master, opt_state = sft.make_update(config, cfg, params)
     batch = sft.make_batch([([5, 6, 7, 20], [8, 9, 256]), ([1, 2], [3, 4, 256])])
     losses = []
     for _ in range(config.steps):
@@ -123,11 +120,12 @@ def test_sft_flags_are_documented_and_checked(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         tyro.cli(sft.SFTConfig, args=["--help"])
     text = capsys.readouterr().out
-    for field in dataclasses.fields(sft.SFTConfig):
-        assert f"--{field.name.replace('_', '-')}" in text
-    for bad, message in (({"steps": 0}, "--steps=0 must be positive"), ({"learning_rate": float("nan")}, "finite")):
-        with pytest.raises(ValueError, match=message):
-            sft.SFTConfig(model="m", data="d", **bad)
+    for name in ("model", "data", *flat_defaults(sft.SFTConfig)):
+        assert f"--{name.replace('_', '-')}" in text
+    with pytest.raises(ValueError, match="--steps=0 must be positive"):
+        sft.SFTConfig(model="m", data="d", steps=0)
+    with pytest.raises(ValueError, match="--learning-rate=nan must be finite"):
+        sft.SFTConfig(model="m", data="d", optimiser=Optimiser(learning_rate=float("nan")))
 
 
 # ----- the README's demo, end to end -----

@@ -17,9 +17,11 @@ import pytest
 import tyro
 
 from rlkjax.checks import MIN_TEMPERATURE
+from rlkjax.entry_config import flat_defaults
 from rlkjax.tasks import GSM8KTask, make_task
 from train import grpo, guards, metrics
 from train.checkpoints import CheckpointError, Checkpoints, check_disk
+from train.config import Optimiser
 
 SMALL = dict(prompts_per_step=2, group_size=4, max_new_tokens=4, max_prompt_tokens=16, progress=False)
 
@@ -49,7 +51,10 @@ def test_flags_are_checked_as_they_are_used(name, value):
     """NaN passes every comparison (`nan < 0` is False), so `--beta nan` trained today; 1e-46 passes a
     float64 `> 0` check and becomes 0 in float32 (NaN logprobs). Each error names the flag and the value."""
     with pytest.raises(ValueError) as error:
-        grpo.GRPOConfig(**{name: value})
+        if name in flat_defaults(Optimiser):
+            Optimiser(**{name: value})
+        else:
+            grpo.GRPOConfig(**{name: value})
     message = str(error.value)
     assert f"--{name.replace('_', '-')}" in message and repr(value) in message, message
 
@@ -66,22 +71,32 @@ def test_help_names_the_smallest_temperature(capsys, monkeypatch):
     assert f"at least {MIN_TEMPERATURE}" in capsys.readouterr().out
 
 
-def test_help_documents_every_flag(capsys, monkeypatch):
-    """Every GRPOConfig field is a flag in --help, shown with the docstring under it (tyro reads it from the
-    source): a field moved, added or renamed without its docstring would show up undocumented."""
-    tree = ast.parse(inspect.getsource(grpo.GRPOConfig))
-    body = tree.body[0].body
-    docs = {
+def field_docs(config_type) -> dict[str, str]:
+    """{field: the docstring under it} of a dataclass, read from its source as tyro reads it."""
+    body = ast.parse(inspect.getsource(config_type)).body[0].body
+    return {
         field.target.id: " ".join(doc.value.value.split())
         for field, doc in zip(body, body[1:])
         if isinstance(field, ast.AnnAssign) and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
     }
+
+
+def test_help_documents_every_flag(capsys, monkeypatch):
+    """Every GRPOConfig field is a flag in --help, shown with the docstring under it (tyro reads it from the
+    source), and so is every field of the configs it nests (ModelSource, Optimiser, Runtime: their flags keep
+    plain names): a field moved, added or renamed without its docstring would show up undocumented."""
+    docs = field_docs(grpo.GRPOConfig)
     assert set(docs) == {f.name for f in dataclasses.fields(grpo.GRPOConfig)}
+    nested = [f for f in dataclasses.fields(grpo.GRPOConfig) if dataclasses.is_dataclass(f.default)]
+    flags = {name: doc for name, doc in docs.items() if name not in {f.name for f in nested}}
+    for f in nested:
+        flags |= field_docs(type(f.default))
+    assert set(flags) == set(flat_defaults(grpo.GRPOConfig))
     monkeypatch.setenv("COLUMNS", "400")
     with pytest.raises(SystemExit):
         tyro.cli(grpo.GRPOConfig, args=["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    for name, doc in docs.items():
+    for name, doc in flags.items():
         assert f"--{name.replace('_', '-')}" in text, name
         assert " ".join(doc.split()[:4]) in text, (name, doc)
 
@@ -148,9 +163,7 @@ def test_nonfinite_parameters_stop_the_run_before_anything_is_written(tmp_path):
     final_hf, no metrics row for step 2."""
     config = grpo.GRPOConfig(
         steps=3,
-        warmup_steps=1,
-        learning_rate=1e30,
-        weight_decay=1e30,
+        optimiser=Optimiser(warmup_steps=1, learning_rate=1e30, weight_decay=1e30),
         checkpoint_every=1,
         keep_checkpoints=1,
         verify_every=0,
@@ -291,9 +304,9 @@ def test_resume_refuses_changed_flags_and_a_fresh_run_over_old_checkpoints(tmp_p
     base = grpo.GRPOConfig(steps=1, verify_every=0, out=str(tmp_path), admin_key="secret", **SMALL)
     grpo.train(base)
     meta = json.loads((tmp_path / "checkpoints" / "1" / "meta" / "metadata").read_text())
-    assert meta["config"]["learning_rate"] == base.learning_rate and "admin_key" not in meta["config"]
+    assert meta["config"]["learning_rate"] == base.optimiser.learning_rate and "admin_key" not in meta["config"]
     changed = dataclasses.replace(
-        base, resume=True, learning_rate=1e-2, group_size=2, temperature=0.5, keep_checkpoints=5
+        base, resume=True, optimiser=Optimiser(learning_rate=1e-2), group_size=2, temperature=0.5, keep_checkpoints=5
     )
     with pytest.raises(ValueError) as error:
         grpo.train(changed)
@@ -334,7 +347,12 @@ def test_resume_past_a_corrupt_checkpoint_is_bit_identical(tmp_path, caplog):
     re-taken from the resumed policy and 20 of 24 final tensors differed); the learning rate is high
     enough that the policy at step 2 is far from the initial one."""
     base = grpo.GRPOConfig(
-        steps=3, checkpoint_every=1, warmup_steps=10, beta=0.5, learning_rate=3e-2, verify_every=0, **SMALL
+        steps=3,
+        checkpoint_every=1,
+        optimiser=Optimiser(warmup_steps=10, learning_rate=3e-2),
+        beta=0.5,
+        verify_every=0,
+        **SMALL,
     )
     straight = grpo.train(dataclasses.replace(base, out=str(tmp_path / "a")))
     grpo.train(dataclasses.replace(base, steps=2, out=str(tmp_path / "c")))

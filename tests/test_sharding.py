@@ -177,8 +177,8 @@ def test_grpo_fsdp_learner_follows_the_single_device_trajectory(sharded):
             assert fsdp[key] == single[key], (fsdp["step"], key, fsdp[key], single[key])
         assert abs(fsdp["loss"] - single["loss"]) <= loss_atol, (fsdp["step"], fsdp["loss"], single["loss"], loss_atol)
 
-    config = GRPOConfig()
-    lr_1 = config.learning_rate / config.warmup_steps  # linear warmup from 0: the second update's rate
+    optimiser = GRPOConfig().optimiser
+    lr_1 = optimiser.learning_rate / optimiser.warmup_steps  # linear warmup from 0: the second update's rate
     b1, b2 = 0.9, 0.999  # optax.adamw's defaults
     m_weights = np.array([(1 - b1) * b1, 1 - b1]) / (1 - b1**2)  # bias-corrected first moment at t = 2
     v_weights = np.array([(1 - b2) * b2, 1 - b2]) / (1 - b2**2)

@@ -18,7 +18,7 @@ import pytest
 
 import rlkjax
 from rlkjax import compilation_cache
-from serve.config import ServerConfig
+from rlkjax.entry_config import Runtime
 from tests.helpers import assert_bits_equal
 from tests.server_process import launch
 
@@ -105,12 +105,12 @@ def test_compilation_cache_flag(monkeypatch, tmp_path):
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert compilation_cache.default_dir() == str(tmp_path / "home" / ".cache" / "rlkjax" / "jax")
-    ServerConfig(compilation_cache="off")
-    ServerConfig(compilation_cache=str(tmp_path / "new" / "dir"))
+    Runtime(compilation_cache="off")
+    Runtime(compilation_cache=str(tmp_path / "new" / "dir"))
     (tmp_path / "file").write_text("")
     for bad in ("", str(tmp_path / "file")):
         with pytest.raises(ValueError, match="--compilation-cache"):
-            ServerConfig(compilation_cache=bad)
+            Runtime(compilation_cache=bad)
 
 
 COMPILE_ONE = (

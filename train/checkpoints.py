@@ -20,7 +20,6 @@ an H200, 9.7 GB of fp32 arrays (qwen3-8b's stacked layers and embedding) took 2.
 into one pass with no memory beyond the arrays; the per-step all(isfinite) check took 2.5 ms.
 """
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -31,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+
+from rlkjax.entry_config import flat, flat_defaults
 
 log = logging.getLogger("train.grpo")
 FORMAT = 1
@@ -109,8 +110,8 @@ def checksums(tree) -> dict[str, str]:
 
 
 def run_config(config) -> dict:
-    """The config as saved with each checkpoint (secrets left out)."""
-    return {k: v for k, v in dataclasses.asdict(config).items() if k not in SECRETS}
+    """The config as saved with each checkpoint, one key per flag (secrets left out)."""
+    return {k: v for k, v in flat(config).items() if k not in SECRETS}
 
 
 def file_sha256(path) -> str | None:
@@ -120,7 +121,7 @@ def file_sha256(path) -> str | None:
 def config_changes(saved: dict, config) -> list[str]:
     """`--flag: saved -> now` for each flag that alters the trajectory and differs from the checkpoint's.
     A flag the checkpoint does not know (added later) counts as its default."""
-    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    defaults = flat_defaults(type(config))
     changes = []
     for name, now in run_config(config).items():
         before = saved.get(name, defaults[name])

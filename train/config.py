@@ -6,22 +6,56 @@ the start of train.grpo's run.
 
 import dataclasses
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
+import tyro
 
-from rlkjax import compilation_cache
 from rlkjax.checks import check_seed, check_temperature
-from train import fsdp
+from rlkjax.entry_config import ModelSource, Runtime
+from train import fsdp, optimizer
+
+
+def check_float(flag: str, value: float, bound: str) -> None:
+    """A float flag must be finite as the float32 it is used as (NaN passes every comparison, and 1e39 is a
+    finite Python float but inf in float32) and within `bound` ("> 0" or ">= 0")."""
+    with np.errstate(over="ignore"):
+        finite = bool(np.isfinite(np.float32(value)))
+    if not finite or (value <= 0 if bound == "> 0" else value < 0):
+        raise ValueError(f"--{flag.replace('_', '-')}={value!r} must be finite (as a float32) and {bound}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimiser:
+    """AdamW on the fp32 master weights (train/optimizer.py), as train.grpo and train.sft run it."""
+
+    learning_rate: float = 3e-3
+    """Peak AdamW learning rate."""
+    warmup_steps: int = 3
+    """Linear warmup optimiser steps, then cosine decay to 10% of the peak."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Global gradient-norm clip."""
+
+    def __post_init__(self):
+        if self.warmup_steps < 0:
+            raise ValueError(f"--warmup-steps={self.warmup_steps} must be >= 0")
+        for name, bound in (("learning_rate", "> 0"), ("max_grad_norm", "> 0"), ("weight_decay", ">= 0")):
+            check_float(name, getattr(self, name), bound)
+
+    def hyper(self, updates: int) -> optimizer.Hyper:
+        """The optimiser's settings for a run of `updates` optimiser steps (the cosine decays over them)."""
+        decay_steps = max(updates, self.warmup_steps + 1)
+        return optimizer.Hyper(
+            self.learning_rate, self.warmup_steps, decay_steps, self.max_grad_norm, self.weight_decay
+        )
 
 
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig:
-    model: str = "qwen3-tiny"
-    """A preset (random weights from --seed), an HF checkpoint dir, or an orbax dir."""
-    tokenizer: str | None = None
-    """'bytes' or a directory with tokenizer.json. Default: bytes for a preset, the checkpoint's tokenizer.json
-    otherwise."""
+    source: Annotated[ModelSource, tyro.conf.OmitArgPrefixes] = ModelSource()
+    """The policy's initial weights and its tokenizer."""
     task: Literal["lowercase", "synthetic-token-ids", "arithmetic", "gsm8k", "math"] = "lowercase"
     """Prompts and reward: lowercase (default demo), synthetic-token-ids (reward = the fraction of sampled token ids
     that are multiples of 64: a reward random weights can raise at any model size), arithmetic (a+b=), gsm8k (needs
@@ -78,14 +112,8 @@ class GRPOConfig:
     temperature: float = 1.0
     """Sampling temperature, at least 0.0001 (smaller ones underflow float32 in the kernels);
     the learner scores at the same temperature."""
-    learning_rate: float = 3e-3
-    """Peak AdamW learning rate."""
-    warmup_steps: int = 3
-    """Linear warmup optimiser steps, then cosine decay to 10% of the peak."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    max_grad_norm: float = 1.0
-    """Global gradient-norm clip."""
+    optimiser: Annotated[Optimiser, tyro.conf.OmitArgPrefixes] = Optimiser()
+    """AdamW's settings."""
     clip_eps: float = 0.2
     """PPO clip range: the ratio is clipped to [1 - eps, 1 + eps]."""
     beta: float = 0.0
@@ -106,8 +134,8 @@ class GRPOConfig:
     every layer: at Qwen3-4B, 4 x 1024 tokens, 100 instead of 428 MiB per layer, for about a quarter more
     matmul work per learner step. Same bits either way. For a step that does not fit (or a larger
     --micro-batch)."""
-    numerics: Literal["strict", "fast"] = "strict"
-    """strict: sampler and learner logprobs agree bit for bit. fast: plain XLA, for comparison."""
+    runtime: Annotated[Runtime, tyro.conf.OmitArgPrefixes] = Runtime()
+    """The numerics and the compilation cache."""
     tis_cap: float = 0.0
     """Truncated importance sampling cap for --numerics fast (0 = off)."""
     verify_every: int = 1
@@ -160,9 +188,6 @@ class GRPOConfig:
     table (0 = never)."""
     wandb_project: str = "rlkjax"
     """--logger wandb: the W&B project."""
-    compilation_cache: str = compilation_cache.default_dir()
-    """JAX's persistent compilation cache: a directory (created if missing), or 'off'. A later run loads the
-    programs an earlier one compiled (the same executables, so the same bits) instead of compiling them."""
 
     def __post_init__(self):
         positive = (
@@ -189,29 +214,13 @@ class GRPOConfig:
             raise ValueError(f"--table-every={self.table_every} must be >= 0 (0: no sample tables)")
         if self.checkpoint_every < 0:
             raise ValueError(f"--checkpoint-every={self.checkpoint_every} must be >= 0 (0: no checkpoints)")
-        if self.warmup_steps < 0:
-            raise ValueError(f"--warmup-steps={self.warmup_steps} must be >= 0")
         check_seed("--seed", self.seed)
         check_temperature("--temperature", self.temperature)  # as the float32 the kernels divide by
-        # Float flags must be finite as the float32 they are used as: NaN passes every comparison, and
-        # 1e39 is a finite Python float but inf in float32.
-        bounds = {
-            "learning_rate": "> 0",
-            "max_grad_norm": "> 0",
-            "clip_eps": "> 0",
-            "weight_decay": ">= 0",
-            "beta": ">= 0",
-            "tis_cap": ">= 0",
-        }
-        for name, bound in bounds.items():
-            value = getattr(self, name)
-            with np.errstate(over="ignore"):
-                finite = bool(np.isfinite(np.float32(value)))
-            if not finite or (value <= 0 if bound == "> 0" else value < 0):
-                raise ValueError(f"--{name.replace('_', '-')}={value!r} must be finite (as a float32) and {bound}")
+        for name, bound in (("clip_eps", "> 0"), ("beta", ">= 0"), ("tis_cap", ">= 0")):
+            check_float(name, getattr(self, name), bound)
         if not self.clip_eps < 1:
             raise ValueError(f"--clip-eps={self.clip_eps!r} must be in (0, 1)")
-        if self.tis_cap and self.numerics == "strict":
+        if self.tis_cap and self.runtime.numerics == "strict":
             raise ValueError("--tis-cap is for --numerics fast: in strict mode the ratio needs no correction")
         fsdp.parse_devices("--learner-devices", self.learner_devices)  # the syntax now; the indices at start
         fsdp.parse_devices("--sampler-devices", self.sampler_devices)
@@ -241,4 +250,3 @@ class GRPOConfig:
             raise ValueError(f"--eval-data with --env {self.env!r}: evaluation samples single completions")
         if not (math.isfinite(self.reward_timeout) and self.reward_timeout > 0):
             raise ValueError(f"--reward-timeout={self.reward_timeout!r} must be a positive number of seconds")
-        compilation_cache.check(self.compilation_cache)

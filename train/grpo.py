@@ -291,13 +291,13 @@ def start_run(config: GRPOConfig) -> tuple[Run, dict, int, np.random.Generator]:
     fsdp.join_processes(config.coordinator, config.num_processes, config.process_id)  # or from the environment
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg, params = load_model(config.model, seed=config.seed)
+    cfg, params = load_model(config.source.model, seed=config.seed)
     if config.max_prompt_tokens + config.max_new_tokens > cfg.max_position:
         raise ValueError(
             f"--max-prompt-tokens + --max-new-tokens = {config.max_prompt_tokens + config.max_new_tokens} "
             f"exceeds the model's context of {cfg.max_position} tokens"
         )
-    tokenizer = load_tokenizer(config.model, config.tokenizer)
+    tokenizer = load_tokenizer(config.source.model, config.source.tokenizer)
     task = make_task(
         config.task, config.data, config.reward, config.prompt_field, config.answer_field, config.reward_timeout
     )
@@ -413,7 +413,7 @@ def make_rollout(config: GRPOConfig, cfg, eos, master, learner: Learner, sampler
         rollout = LocalRollout(
             policy,
             cfg,
-            config.numerics,
+            config.runtime.numerics,
             learner.mesh,
             sampler_devices,
             rows=cdiv(config.prompts_per_step, len(sampler_devices)) * config.group_size,
@@ -437,5 +437,5 @@ def claim_device_memory(fraction: str = "0.95", host_gib: str = "96") -> None:
 if __name__ == "__main__":
     claim_device_memory()
     config = tyro.cli(GRPOConfig, description=__doc__)
-    compilation_cache.enable(config.compilation_cache)  # here, not in train(): a caller's process keeps its own
+    compilation_cache.enable(config.runtime.compilation_cache)  # here, not in train(): a caller's process keeps its own
     train(config)

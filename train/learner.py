@@ -56,13 +56,9 @@ def build_learner(config: "GRPOConfig", cfg, params, devices, moments="device"):
     master = fsdp.put(params, mesh, specs, dtype=jnp.float32)
     rope = fsdp.put(model.rope_tables(cfg), mesh, fsdp.REPLICATED)
     layout = (mesh, *_hashable(specs))
-    grad_fn = _grad_fn(*layout, cfg, config.numerics, config.clip_eps, config.beta, config.remat)
-    score_fn = _score_fn(*layout, cfg, config.numerics)
-    decay_steps = max(config.steps * config.updates_per_batch, config.warmup_steps + 1)
-    hyper = optimizer.Hyper(
-        config.learning_rate, config.warmup_steps, decay_steps, config.max_grad_norm, config.weight_decay
-    )
-    opt = optimizer.make(hyper, mesh, specs, moments)
+    grad_fn = _grad_fn(*layout, cfg, config.runtime.numerics, config.clip_eps, config.beta, config.remat)
+    score_fn = _score_fn(*layout, cfg, config.runtime.numerics)
+    opt = optimizer.make(config.optimiser.hyper(config.steps * config.updates_per_batch), mesh, specs, moments)
     update = functools.partial(optimizer.update, opt)
     return Learner(devices, mesh, rope, grad_fn, score_fn, update), master, optimizer.init(opt, master)
 
@@ -113,7 +109,7 @@ def verify(step: int, learner: Learner, master, batch: Batch, config: "GRPOConfi
     learner_old = score(learner, master, batch, config.micro_batch)
     sel = batch.mask > 0
     row = mismatch_stats(batch.logp_old[sel], learner_old[sel])
-    if config.numerics == "strict":
+    if config.runtime.numerics == "strict":
         problem = contract_violation(step, "sampler vs learner logprobs", batch, learner_old, config.group_size)
         enforce(problem, config.on_mismatch)
     if config.tis_cap:
@@ -167,7 +163,7 @@ def learn(step: int, learner: Learner, state: dict, batch: Batch, config: "GRPOC
                 "clip_fraction": float(st.clipped / total_tokens),
                 "loss": sum(losses),
             }
-            if config.numerics == "strict":  # before the update is applied
+            if config.runtime.numerics == "strict":  # before the update is applied
                 logp_new = np.concatenate([fsdp.to_host(x) for x in logp_new])[: len(batch.tokens)]
                 enforce(first_update_violation(step, batch, logp_new, st, config.group_size), config.on_mismatch)
                 row["first_update_tokens_compared"] = int(total_tokens)  # every completion token's bits

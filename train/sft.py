@@ -6,8 +6,11 @@ completion `\\boxed{ANSWER}` and the checkpoint's eos (`<|im_end|>` for Qwen3). 
 an episode as train.grpo --env samples it (the environment's first prompt with its tools, then the row's worked
 `turns`: tool calls, their results, the answer), trained on its assistant turns only. The loss is the mean negative
 log-likelihood of the completion's tokens (eos included, so the model learns to stop); the prompt is not
-trained on. Writes OUT/ as an HF checkpoint (the weights in the model's dtype, beside the input's tokenizer
-files), so `python -m train.grpo --model OUT` starts from it, plus OUT/sft_metrics.jsonl.
+trained on. The pieces are train.grpo's learner's: its batch packing (train/batch.py pack), its policy cast and
+scoring (train/loss.py policy_logprobs) and its optimiser (train/optimizer.py: the fixed-order gradient norm,
+the clip, AdamW and its schedule), on one device. Writes OUT/ as an HF checkpoint (the weights in the model's
+dtype, beside the input's tokenizer files), so `python -m train.grpo --model OUT` starts from it, plus
+OUT/sft_metrics.jsonl.
 
 A random model learns the answer format in a few dozen steps and the answers themselves much later: stopping
 early (--steps) leaves a policy that answers in the right form and is sometimes right, the room GRPO needs.
@@ -23,22 +26,24 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Annotated
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import tyro
 
 from rlkjax import compilation_cache, model
 from rlkjax.chat import load_chat_template, prompt_format
 from rlkjax.checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from rlkjax.data import load_examples, read_rows
+from rlkjax.entry_config import Runtime
 from rlkjax.environments import first_prompt, load_environment, worked_episode
-from rlkjax.shapes import pad_sequences
 from rlkjax.tokenizer import load_tokenizer
-from train.batch import padded_length
+from train import fsdp, optimizer
+from train.batch import Batch, pack
+from train.config import Optimiser
+from train.loss import policy_logprobs, to_policy
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "generation_config.json")
 
@@ -71,36 +76,19 @@ class SFTConfig:
     """Optimiser steps."""
     batch_size: int = 16
     """Examples per step, drawn at random (with replacement) from --data."""
-    learning_rate: float = 3e-3
-    """Peak AdamW learning rate."""
-    warmup_steps: int = 10
-    """Linear warmup steps, then cosine decay to 10% of the peak."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    max_grad_norm: float = 1.0
-    """Global gradient-norm clip."""
-    numerics: Literal["fast", "strict"] = "fast"
-    """fast: plain XLA (the warm-up is not on the logprob contract). strict: the learner's Pallas kernels."""
+    optimiser: Annotated[Optimiser, tyro.conf.OmitArgPrefixes] = Optimiser(warmup_steps=10)
+    """train.grpo's AdamW settings."""
+    runtime: Annotated[Runtime, tyro.conf.OmitArgPrefixes] = Runtime(numerics="fast")
+    """The numerics (fast by default: the warm-up is not on the logprob contract) and the compilation cache."""
     seed: int = 0
     """Seeds the order of the examples."""
     log_every: int = 10
     """Steps between rows of sft_metrics.jsonl (and the last step)."""
-    compilation_cache: str = compilation_cache.default_dir()
-    """JAX's persistent compilation cache (a directory), so a second run loads its programs; 'off' compiles all."""
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "log_every"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be positive")
-        if self.warmup_steps < 0:
-            raise ValueError(f"--warmup-steps={self.warmup_steps} must be >= 0")
-        for name, low in (("learning_rate", 0.0), ("max_grad_norm", 0.0)):
-            value = getattr(self, name)
-            if not (np.isfinite(np.float32(value)) and value > low):
-                raise ValueError(f"--{name.replace('_', '-')}={value!r} must be finite and > {low}")
-        if not (np.isfinite(np.float32(self.weight_decay)) and self.weight_decay >= 0):
-            raise ValueError(f"--weight-decay={self.weight_decay!r} must be finite and >= 0")
-        compilation_cache.check(self.compilation_cache)
 
 
 def completion_text(answer: str) -> str:
@@ -134,60 +122,50 @@ def encode_episodes(config: SFTConfig, tokenizer, eos: int) -> list[tuple[list[i
     return out
 
 
-def make_batch(pairs) -> dict[str, np.ndarray]:
-    """(prompt, completion[, mask]) id lists -> the padded sequences and, per trained completion token (mask 1;
-    every one without a mask), the column of the hidden state that predicts it (-1 past a row's trained
-    tokens): tokens, positions [B, T]; columns, mask [B, C]."""
-    sequences = [p + c for p, c, *_ in pairs]
-    trained = [np.flatnonzero(rest[0]) if rest else np.arange(len(c)) for _, c, *rest in pairs]
-    rows, width = len(pairs), max(map(len, trained))
-    tokens, positions = pad_sequences(sequences, rows, padded_length(max(map(len, sequences))))
-    columns, mask = np.full((rows, width), -1, np.int32), np.zeros((rows, width), np.float32)
-    for i, ((prompt, *_), which) in enumerate(zip(pairs, trained)):
-        n = len(which)
-        columns[i, :n] = len(prompt) - 1 + which
-        mask[i, :n] = 1
-    return {"tokens": tokens, "positions": positions, "columns": columns, "mask": mask}
+def make_batch(pairs) -> Batch:
+    """(prompt, completion[, mask]) id lists -> the learner's Batch (train/batch.py pack): the trained tokens
+    (mask 1; every completion token without a mask) are those the learner would train of a sampled completion,
+    scored at temperature 1 (logp_old, adv and tis are not read by the warm-up's loss)."""
+    samples = [
+        {"prompt": p, "tokens": c, "logprobs": np.zeros(len(c), np.float32), "adv": 0.0, "temperature": 1.0}
+        | ({"mask": rest[0]} if rest else {})
+        for p, c, *rest in pairs
+    ]
+    return pack(samples)
 
 
-def completion_logprobs(policy, batch: dict, rope, cfg, numerics) -> jax.Array:
-    """log p(completion token | everything before it) [B, C]: the learner's pass over whole sequences, with the
-    log-softmax over the vocabulary taken only at completion positions (model.completion_logprobs)."""
-    temps = np.ones(len(batch["tokens"]), np.float32)
-    return model.completion_logprobs(
-        policy, batch["tokens"], batch["positions"], batch["columns"], temps, rope, cfg, numerics
+def sft_loss(master, batch: Batch, rope, cfg, numerics) -> jax.Array:
+    """Mean negative log-likelihood per trained token, of the learner's policy (train/loss.py policy_logprobs:
+    the master weights cast to cfg.dtype, the log-softmax at the batch's columns only)."""
+    logp = policy_logprobs(
+        master, batch.tokens, batch.positions, batch.temps, rope, cfg, numerics, columns=batch.columns
     )
+    return -jnp.sum(logp * batch.mask) / jnp.sum(batch.mask)
 
 
-def sft_loss(master, batch: dict, rope, cfg, numerics) -> jax.Array:
-    """Mean negative log-likelihood per completion token, through the policy (the master weights' cfg.dtype
-    cast, as train.grpo's learner scores)."""
-    policy = jax.tree.map(lambda w: w.astype(cfg.dtype), master)
-    logp = completion_logprobs(policy, batch, rope, cfg, numerics)
-    return -jnp.sum(logp * batch["mask"]) / jnp.sum(batch["mask"])
+def make_update(config: SFTConfig, cfg, params):
+    """-> (a step (master, opt_state, batch) -> (master, opt_state, loss, gradient norm), the fp32 master weights
+    on a one-device mesh, their AdamW state). The step is train.grpo's optimiser (train/optimizer.py: the
+    fixed-order global norm, the clip, AdamW with its schedule) on the warm-up loss's gradient; master and
+    opt_state are consumed."""
+    mesh = fsdp.make_mesh(jax.devices()[:1])
+    specs = fsdp.param_specs(params, 1)
+    master = fsdp.put(params, mesh, specs, dtype=jnp.float32)
+    rope = fsdp.put(model.rope_tables(cfg), mesh, fsdp.REPLICATED)
+    opt = optimizer.make(config.optimiser.hyper(config.steps), mesh, specs)
+    gradient = _gradient(cfg, config.runtime.numerics)
 
-
-def make_update(config: SFTConfig, cfg):
-    """-> (the AdamW optimiser, a jitted step (master, opt_state, batch) -> (master, opt_state, loss, grad norm))."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0,
-        config.learning_rate,
-        config.warmup_steps,
-        max(config.steps, config.warmup_steps + 1),
-        end_value=0.1 * config.learning_rate,
-    )
-    optimizer = optax.chain(
-        optax.clip_by_global_norm(config.max_grad_norm), optax.adamw(schedule, weight_decay=config.weight_decay)
-    )
-    rope = model.rope_tables(cfg)
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
     def update(master, opt_state, batch):
-        loss, grads = jax.value_and_grad(sft_loss)(master, batch, rope, cfg, config.numerics)
-        updates, opt_state = optimizer.update(grads, opt_state, master)
-        return optax.apply_updates(master, updates), opt_state, loss, optax.tree.norm(grads)
+        loss, grads = gradient(master, batch, rope)
+        master, opt_state, grad_norm, _ = optimizer.update(opt, grads, opt_state, master)
+        return master, opt_state, loss, grad_norm
 
-    return optimizer, update
+    return update, master, optimizer.init(opt, master)
+
+
+@functools.lru_cache(maxsize=4)
+def _gradient(cfg, numerics):
+    return jax.jit(jax.value_and_grad(functools.partial(sft_loss, cfg=cfg, numerics=numerics)))
 
 
 def train(config: SFTConfig) -> list[dict]:
@@ -205,9 +183,7 @@ def train(config: SFTConfig) -> list[dict]:
     longest = max(len(p) + len(c) for p, c, *_ in pairs)
     if longest > cfg.max_position:
         raise ValueError(f"{config.data}: an example is {longest} tokens, past the model's {cfg.max_position}")
-    optimizer, update = make_update(config, cfg)
-    master = jax.tree.map(lambda w: jnp.asarray(w, jnp.float32), params)
-    opt_state = optimizer.init(master)
+    update, master, opt_state = make_update(config, cfg, params)
     rng = np.random.default_rng(config.seed)
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -226,7 +202,7 @@ def train(config: SFTConfig) -> list[dict]:
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
                 print(json.dumps(row), flush=True)
-    policy = jax.tree.map(lambda w: np.asarray(w.astype(cfg.dtype)), master)
+    policy = fsdp.to_host(to_policy(master, cfg))
     save_hf_checkpoint(out, cfg, policy)
     for name in TOKENIZER_FILES:
         if (Path(config.model) / name).is_file():
@@ -236,5 +212,5 @@ def train(config: SFTConfig) -> list[dict]:
 
 if __name__ == "__main__":
     config = tyro.cli(SFTConfig, description=__doc__)
-    compilation_cache.enable(config.compilation_cache)  # before the first compilation
+    compilation_cache.enable(config.runtime.compilation_cache)  # before the first compilation
     train(config)
