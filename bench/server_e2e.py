@@ -104,7 +104,7 @@ def swap_weights(client, cfg, numerics):
         version = client.update_weights(path)
         update_s = time.perf_counter() - t
     prompt = list(range(1, 17))
-    sample = client.generate([prompt], max_new_tokens=16, seed=5)[0][0]
+    sample = client.generate([prompt], max_tokens=16, seed=5)[0][0]
     scored = rlkjax.score(new_params, cfg, [prompt + sample["tokens"]], [len(prompt)], numerics=numerics)[0]
     same_bits = np.array_equal(np.asarray(sample["logprobs"], np.float32).view("uint32"), scored.view("uint32"))
     return {

@@ -37,7 +37,7 @@ DATA_MOVEMENT = {
     "custom_call",
     "func",
     "call",
-    # chlo.top_k: picks and orders the k largest values of a row by comparison (top alternatives
+    # chlo.top_k: picks and orders the k largest values of a row by comparison (top logprobs
     # over logits our kernel wrote); it copies values, it never rounds one.
     "top_k",
 }

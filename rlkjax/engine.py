@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlkjax import executable_cache, prefix_cache, programs
-from rlkjax.checks import check_int, check_tokens, most_alternatives, sample_seed
+from rlkjax.checks import check_int, check_tokens, most_top_logprobs, sample_seed
 from rlkjax.config import ModelConfig
 from rlkjax.model import init_kv_cache, rope_tables
 from rlkjax.numerics import PAGE_SIZE, Numerics, ops, padded_rows
@@ -54,7 +54,7 @@ from rlkjax.shapes import bucket, cdiv
 # The step functions, through the executable cache where compilation_cache.enable() set one (a restarted
 # server loads them instead of tracing, lowering and compiling again), else through jax.jit alone.
 prefill_chunk = executable_cache.cached(programs.prefill_chunk, "cfg", "numerics")
-next_round = executable_cache.cached(programs.next_round, "cfg", "numerics", "num_steps", "alternatives")
+next_round = executable_cache.cached(programs.next_round, "cfg", "numerics", "num_steps", "top_logprobs")
 copy_pages = executable_cache.cached(programs.copy_pages)
 
 
@@ -92,7 +92,7 @@ class Engine:
         # every matmul and norm, so its own bucket would only cost a compilation (each server start,
         # each generate call) and save no device time.
         self.min_decode_rows = min(bucket(config.max_batch), padded_rows(1, numerics))
-        self._alternatives = most_alternatives(cfg.vocab_size)
+        self._top_logprobs = most_top_logprobs(cfg.vocab_size)
         self.scheduler = Scheduler(config)
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
@@ -387,11 +387,11 @@ class Engine:
             self._note_shape("copy_pages", k)
             self.cache = copy_pages(self.cache, src_a, dst_a)
 
-    def _round_args(self, carry, src, tokens, positions, table, sampling, length, alternatives) -> tuple:
+    def _round_args(self, carry, src, tokens, positions, table, sampling, length, top_logprobs) -> tuple:
         """programs.next_round's arguments, all positional (warm-up and rounds alike: jit keys positional
         and keyword arguments apart, so both pass the same way)."""
         params, cache, rope, cfg, numerics = self.params, self.cache, self.rope, self.cfg, self.numerics
-        return params, carry, src, tokens, positions, cache, table, sampling, rope, cfg, numerics, length, alternatives
+        return params, carry, src, tokens, positions, cache, table, sampling, rope, cfg, numerics, length, top_logprobs
 
     def _next_round(self, *args):
         """The one call of programs.next_round (arguments as `_round_args`'); returns its outputs but the
@@ -411,21 +411,21 @@ class Engine:
         src = np.full(rows, -1, np.int32)
         src[: len(seqs)] = [row_of.get(s, -1) for s in seqs]
         self.stats["chained_rows"] += int((src >= 0).sum())
-        # One variant with alternatives (k = the most any request may ask, so every k shares one
+        # One variant with top logprobs (k = the most any request may ask, so every k shares one
         # compilation), used only by rounds where some row asked: the default round keeps its speed.
-        alternatives = self._alternatives if any(s.request.sampling.top_logprobs for s in seqs) else 0
+        top_logprobs = self._top_logprobs if any(s.request.sampling.top_logprobs for s in seqs) else 0
         # A round runs all its steps (decode_round), so when no row may sample more than one token
         # (max_tokens=1 requests, last tokens) it is a one-step round, not decode_steps steps of padding.
         length = 1 if int(sampling.budget.max()) == 1 else self.config.decode_steps
         truncates = sampling.truncation is not None
-        self._note_shape("decode_round", (rows, sampling.stop_ids.shape[1], alternatives, truncates, length))
+        self._note_shape("decode_round", (rows, sampling.stop_ids.shape[1], top_logprobs, truncates, length))
         start = time.perf_counter()
         if self._round_read_at is not None and previous is None:
             self.stats["gap_s"] += start - self._round_read_at
         carry = previous.carry if previous else self._no_carry
         table = self._page_table(seqs, rows)
         out_tok, out_lp, carry, *top = self._next_round(
-            carry, src, tokens, positions, table, sampling, length, alternatives
+            carry, src, tokens, positions, table, sampling, length, top_logprobs
         )
         self.stats["dispatch_s"] += time.perf_counter() - start
         self._round_read_at = None

@@ -38,7 +38,7 @@ class EngineConfig:
     next tokens. Qwen3-0.6B on an H200, 256 concurrent requests: 4096 against 1024 took p99 time to
     first token from 1.57 to 0.72 s and tokens/s from 15.5k to 21.4k."""
     max_context: int | None = None
-    """Longest prompt + max_new_tokens accepted (default: the model's max_position)."""
+    """Longest prompt + max_tokens accepted (default: the model's max_position)."""
     decode_steps: int = 8
     """Decode steps per host round trip (a loop on the device; sequences join and leave between rounds)."""
     prefix_cache: bool = True

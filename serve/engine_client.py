@@ -355,7 +355,7 @@ class EngineClient:
 
     async def score(self, prompts, temperature: float, top_logprobs: int, version: int | None):
         """The learner's logprobs of each prompt (rlkjax.score from its second token, with `top_logprobs`
-        alternatives), by the weights of policy `version` (None: the current ones): (version, rows)."""
+        top logprobs), by the weights of policy `version` (None: the current ones): (version, rows)."""
         engine = self.engine
         served, params = engine.policy_version, engine.params
         if version is not None and version != served:

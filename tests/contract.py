@@ -44,7 +44,7 @@ def check_case(params, cfg, prompts, seeds, temps, max_new, chunk, numerics="str
             params,
             cfg,
             prompts,
-            max_new_tokens=max_new,
+            max_tokens=max_new,
             temperature=temps,
             seeds=seeds,
             numerics=numerics,

@@ -147,7 +147,7 @@ class RemoteRollout:
         return self.client.generate(
             prompts,
             n=sampling.n,
-            max_new_tokens=sampling.max_tokens,
+            max_tokens=sampling.max_tokens,
             temperature=sampling.temperature,
             seed=seeds,
             stop_token_ids=sampling.stop_token_ids,
