@@ -29,7 +29,8 @@ import rlkjax
 from bench._report import new_report, save_report
 from bench._timing import median_time
 from rlkjax import executable_cache, model
-from rlkjax.engine import Engine, EngineConfig
+from rlkjax.engine import Engine
+from rlkjax.engine_config import EngineConfig
 from rlkjax.numerics import PAGE_SIZE
 from rlkjax.programs import RowSampling, decode_round
 from rlkjax.shapes import cdiv

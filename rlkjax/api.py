@@ -20,7 +20,8 @@ from rlkjax.checks import (
     per_row,
 )
 from rlkjax.config import ModelConfig
-from rlkjax.engine import Engine, EngineConfig
+from rlkjax.engine import Engine
+from rlkjax.engine_config import EngineConfig
 from rlkjax.model import rope_tables, sequence_logprobs
 from rlkjax.numerics import PAGE_SIZE, Numerics, ops
 from rlkjax.records import Completion

@@ -17,9 +17,9 @@ Shapes (compiled once per bucket): prefill tokens [B, prefill_chunk], decode tok
 table [B, pages_per_seq]; B is a power of two up to max_batch, and for decode at least the rows the
 strict forward carries anyway (`min_decode_rows`).
 
-The device functions are rlkjax.programs', the request and sequence records rlkjax.records', the
+The device programs are rlkjax.programs', the request and sequence records rlkjax.records', the
 scheduling policy (admission in fair turns, pages, preemption, forks, each call's rows)
-rlkjax.scheduler's.
+rlkjax.scheduler's, the settings rlkjax.engine_config's, the warm-up (`warm_up`) rlkjax.warm_up's.
 The public surface for a server or a learner: `submit`, `cancel`, `update_weights`, `step`,
 `run_until_done`, `abort`, and the read-only `busy`, `weights_pending`, `policy_version` and `metrics()`.
 
@@ -28,10 +28,8 @@ stopped or reached its length), cancelled (`cancel`: a client gone, a timeout, a
 (`abort` after a step raised). At rest, requests == finished + cancelled + failed.
 """
 
-import concurrent.futures
 import dataclasses
 import itertools
-import os
 import threading
 import time
 from collections import deque
@@ -43,13 +41,15 @@ import numpy as np
 from rlkjax import executable_cache, prefix_cache, programs
 from rlkjax.checks import check_int, check_tokens, most_top_logprobs, sample_seed
 from rlkjax.config import ModelConfig
+from rlkjax.engine_config import EngineConfig
 from rlkjax.model import init_kv_cache, rope_tables
 from rlkjax.numerics import PAGE_SIZE, Numerics, ops, padded_rows
 from rlkjax.programs import RowSampling
 from rlkjax.records import Listener, Request, Round, Sequence, round_rows
 from rlkjax.sampling_params import SamplingParams
-from rlkjax.scheduler import EngineConfig, Scheduler
+from rlkjax.scheduler import Scheduler
 from rlkjax.shapes import bucket, cdiv
+from rlkjax.warm_up import WarmUp
 
 # The step functions, through the executable cache where compilation_cache.enable() set one (a restarted
 # server loads them instead of tracing, lowering and compiling again), else through jax.jit alone.
@@ -58,7 +58,7 @@ next_round = executable_cache.cached(programs.next_round, "cfg", "numerics", "nu
 copy_pages = executable_cache.cached(programs.copy_pages)
 
 
-class Engine:
+class Engine(WarmUp):
     def __init__(
         self,
         params,
@@ -178,61 +178,6 @@ class Engine:
             self._pending_params = params
             self._swap_events.append(event)
             return event
-
-    def warm_up(self, report=None) -> int:
-        """Compile, before any request comes, every shape that default traffic runs: the prefill
-        and decode-round batch buckets up to max_batch and the page copies of forks, so no request
-        later waits behind a compilation. Each is loaded or compiled into the executable cache where
-        one is set, else runs once on padding (position -1 writes only the trash page; a round with no
-        budget samples nothing). Variants that options select (top_logprobs,
-        top_k / top_p / min_p, more than one stop id) still compile on first use. `report(name,
-        shape, seconds)` is called after each. Returns the number of shapes run."""
-        shapes = self.warm_up_shapes()
-        self.load_warm_up()
-        for name, rows in shapes:
-            seconds = self.warm_up_shape(name, rows)
-            if report:
-                report(name, rows, seconds)
-        return len(shapes)
-
-    def warm_up_shapes(self) -> list[tuple[str, int]]:
-        """What `warm_up` compiles, in order: (step function, rows) pairs."""
-        c = self.config
-        rows = [1 << i for i in range(bucket(c.max_batch).bit_length())]
-        prefill_rows = bucket(min(c.max_batch, cdiv(c.token_budget, c.prefill_chunk)))
-        decode_rows = [r for r in rows if r >= self.min_decode_rows]
-        todo = [("prefill", r) for r in rows if r <= prefill_rows]
-        todo += [("decode_round", r) for r in decode_rows] + [("copy_pages", r) for r in rows]
-        # both round lengths (see _dispatch_decode): with one decode step per round they are the same
-        todo += [("decode_round_1", r) for r in decode_rows] if c.decode_steps > 1 else []
-        return todo
-
-    def warm_up_shape(self, name: str, r: int) -> float:
-        """Get one of `warm_up_shapes()` ready: load or compile its executable (rlkjax.executable_cache),
-        or where that cache is off, compile it by running it on padding; returns the seconds it took.
-        One at a time, so a caller (the server) can report progress and stop between shapes."""
-        with self.lock:
-            start = time.perf_counter()
-            self._ensure_cache()
-            fn, args, cache_at, seen = self._warm_up_call(name, r)
-            if fn.prepare(*args) is None:
-                out = fn(*args)
-                self.cache = out if cache_at is None else out[cache_at]
-            self._note_shape(*seen)
-            jax.block_until_ready(self.cache)
-            return time.perf_counter() - start
-
-    def load_warm_up(self, threads: int | None = None) -> int:
-        """Read the executables of every warm-up shape that the executable cache holds on disk, several
-        at once, so that `warm_up_shape` finds them in memory: on a CPU, 27 shapes took 4.5 CPU seconds
-        to deserialise one after another. Shapes with nothing stored are left to `warm_up_shape` to
-        compile. Returns how many were loaded (0 where the cache is off)."""
-        with self.lock:
-            self._ensure_cache()
-            calls = [self._warm_up_call(name, r)[:2] for name, r in self.warm_up_shapes()]
-        workers = threads or min(len(calls), os.cpu_count() or 1) or 1
-        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="load-executable") as pool:
-            return sum(pool.map(lambda call: call[0].load(*call[1]), calls))
 
     def _warm_up_call(self, name: str, r: int):
         """One of `warm_up_shapes()` as a call on padding: (step function, its positional arguments,

@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 import tyro
 
 from rlkjax import compilation_cache
-from rlkjax.engine import EngineConfig
+from rlkjax.engine_config import EngineConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,8 @@ import dataclasses
 import numpy as np
 
 import rlkjax
-from rlkjax.engine import Engine, EngineConfig
+from rlkjax.engine import Engine
+from rlkjax.engine_config import EngineConfig
 from rlkjax.shapes import bucket
 from tests.helpers import assert_bits_equal
 

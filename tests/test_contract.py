@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import rlkjax
-from rlkjax.engine import EngineConfig
+from rlkjax.engine_config import EngineConfig
 from tests.contract import BATCH_SIZES, check_case, random_case
 from tests.helpers import ENGINE, ODD
 

@@ -17,7 +17,8 @@ import numpy as np
 
 from rlkjax.checkpoint import save_orbax_params
 from rlkjax.client import RolloutClient
-from rlkjax.engine import Engine, EngineConfig
+from rlkjax.engine import Engine
+from rlkjax.engine_config import EngineConfig
 from rlkjax.sampling_params import SamplingParams
 from train import fsdp
 
