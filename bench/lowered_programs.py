@@ -88,7 +88,7 @@ def step_args(cfg, b: int, t: int, pages: int):
 
 
 def engine_programs(cfg, numerics, lower):
-    """{name: text} of the engine's step functions."""
+    """{name: text} of the engine's programs."""
     b, c, pages = 4, 16, 4
     params, cache, rope, table, sampling, truncating = step_args(cfg, b, c, pages)
     chunk, one, vec = S((b, c), jnp.int32), S((b, 1), jnp.int32), S((b,), jnp.int32)

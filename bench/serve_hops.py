@@ -3,13 +3,13 @@ crosses from one to another, from the route to the engine and back: a measure of
 must follow to change the serving path.
 
 Method: a real server (qwen3-tiny, no warm-up) in this process on loopback; one request compiles every
-step function it needs, then the same request (plain, then streamed) runs under a profiler hook on every
+program it needs, then the same request (plain, then streamed) runs under a profiler hook on every
 thread (`threading.setprofile_all_threads`, so the engine thread is seen too). Each Python call into a
 function of serve/, rlkjax/ or pallas_kernels/ counts that file; when the nearest frame below it that
 belongs to one of those files is in another file, the call is a hop (caller file -> callee file). Calls
 that reach the repository from aiohttp or asyncio alone (the route itself, callbacks the event loop runs)
 are not hops. A coroutine's resumption counts as a call (its awaiting frame is its caller). Kernels are
-included in the count, and none runs: the step functions were compiled by the first request, so
+included in the count, and none runs: the programs were compiled by the first request, so
 pallas_kernels/ code executes only when tracing.
 
 Reported: files, hops (distinct caller file -> callee file pairs; those with serve/ on either side apart),

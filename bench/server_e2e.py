@@ -63,7 +63,7 @@ def fire(client, jobs):
 
 def warm_up(client, jobs, decode_steps):
     """The same burst with an eighth of the new tokens (at least two decode rounds; other seeds): sequences
-    still finish at staggered times, so the server compiles its step functions for the prefill and batch shapes
+    still finish at staggered times, so the server compiles its programs for the prefill and batch shapes
     the timed burst meets and compilation stays out of the timing (`compilations_in_timed_burst` says whether
     it did)."""
     short = [

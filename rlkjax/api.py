@@ -67,7 +67,7 @@ def generate(
         row.check_model(cfg.vocab_size, cfg.max_position, len(prompt))
     lengths = [len(p) + row.max_tokens for p, row in zip(prompts, rows) for _ in range(row.n)]
     sizing = EngineConfig.for_batch(lengths, prefill_chunk_size)
-    # The KV cache is an argument of every step function: an exact page count compiled them all again
+    # The KV cache is an argument of every program: an exact page count compiled them all again
     # for each new set of prompt lengths. A power-of-two bucket (at most twice the pages) keeps a run
     # of calls to a handful of programs. Training's rollout engine is built once and keeps its exact size.
     sizing = dataclasses.replace(sizing, num_pages=bucket(sizing.num_pages))

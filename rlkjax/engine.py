@@ -45,13 +45,13 @@ from rlkjax.engine_config import EngineConfig
 from rlkjax.model import init_kv_cache, rope_tables
 from rlkjax.numerics import PAGE_SIZE, Numerics, ops, padded_rows
 from rlkjax.programs import RowSampling
-from rlkjax.records import Listener, Request, Round, Sequence, round_rows
+from rlkjax.records import EngineRequest, Listener, Round, Sequence, round_rows
 from rlkjax.sampling_params import SamplingParams
 from rlkjax.scheduler import Scheduler
 from rlkjax.shapes import bucket, cdiv
 from rlkjax.warm_up import WarmUp
 
-# The step functions, through the executable cache where compilation_cache.enable() set one (a restarted
+# The programs, through the executable cache where compilation_cache.enable() set one (a restarted
 # server loads them instead of tracing, lowering and compiling again), else through jax.jit alone.
 prefill_chunk = executable_cache.cached(programs.prefill_chunk, "cfg", "numerics")
 next_round = executable_cache.cached(programs.next_round, "cfg", "numerics", "num_steps", "top_logprobs")
@@ -94,13 +94,13 @@ class Engine(WarmUp):
         self.min_decode_rows = min(bucket(config.max_batch), padded_rows(1, numerics))
         self._top_logprobs = most_top_logprobs(cfg.vocab_size)
         self.scheduler = Scheduler(config)
-        self.requests: dict[int, Request] = {}
+        self.requests: dict[int, EngineRequest] = {}
         self._ids = itertools.count()
         self._pending_params, self._swap_events = None, []
         self.lock = threading.RLock()  # held by step(); submit, cancel, update_weights and metrics never wait on it
         self._inbox: deque = deque()  # submitted (request, sequences), moved to `waiting` at the next step
         self._mailbox = threading.Lock()  # guards the pending weights and their events
-        self.shapes_seen: set = set()  # (step function, batch bucket): one compilation each
+        self.shapes_seen: set = set()  # (program, batch bucket): one compilation each
         self.stats = {
             "steps": 0,
             "prefill_tokens": 0,
@@ -130,7 +130,7 @@ class Engine(WarmUp):
     # ----- requests -----
     def submit(
         self, prompt, sampling: SamplingParams | None = None, *, group=None, listener: Listener | None = None, **fields
-    ) -> Request:
+    ) -> EngineRequest:
         """Validate and queue a request; raises ValueError naming the bad field.
 
         `sampling` holds the request's options (SamplingParams(), the defaults, if None); keyword
@@ -146,7 +146,7 @@ class Engine(WarmUp):
         check_int("n", sampling.n, 1, self.config.max_batch)
         sampling.check_model(self.cfg.vocab_size, self.max_context, len(prompt))
         self.check_pages(len(prompt), sampling.max_tokens)
-        req = Request(next(self._ids), prompt, sampling, sampling.stop_ids(self.eos_token_id), listener=listener)
+        req = EngineRequest(next(self._ids), prompt, sampling, sampling.stop_ids(self.eos_token_id), listener=listener)
         req.group = ("request", req.id) if group is None else group
         req.results = [None] * sampling.n
         seed = sampling.seed
@@ -165,7 +165,7 @@ class Engine(WarmUp):
         if cdiv(prompt_len + max_tokens, PAGE_SIZE) > self.config.num_pages - 1:
             raise ValueError(f"prompt + {field} needs more KV pages than the cache holds ({self.config.num_pages - 1})")
 
-    def cancel(self, request: Request):
+    def cancel(self, request: EngineRequest):
         """Cancel a request (from any thread); its sequences and pages are released at the next step."""
         request.cancelled = True
 
@@ -180,7 +180,7 @@ class Engine(WarmUp):
             return event
 
     def _warm_up_call(self, name: str, r: int):
-        """One of `warm_up_shapes()` as a call on padding: (step function, its positional arguments,
+        """One of `warm_up_shapes()` as a call on padding: (program, its positional arguments,
         where its outputs hold the new KV cache (None: the whole output), the shape it notes as seen).
         Position -1 writes only the trash page; a round with no budget samples nothing."""
         c = self.config
@@ -239,7 +239,7 @@ class Engine(WarmUp):
         return self._pending_params is not None
 
     # ----- the step -----
-    def step(self) -> list[Request]:
+    def step(self) -> list[EngineRequest]:
         """One scheduling step. Returns the requests that finished in it."""
         start = time.perf_counter()
         with self.lock:
@@ -376,7 +376,7 @@ class Engine(WarmUp):
         self._round_read_at = None
         return Round(seqs, [budget[s] for s in seqs], (out_tok, out_lp, *top), carry)
 
-    def _collect_decode(self, round_: Round) -> list[Request]:
+    def _collect_decode(self, round_: Round) -> list[EngineRequest]:
         """Read a round's tokens (this waits for the device) and finish the sequences that stopped.
         A sequence that finished while the round was in flight (a stop the host found in the round
         before: a listener's stop, cancellation) is skipped: what the round sampled for it is dropped."""
@@ -409,7 +409,7 @@ class Engine(WarmUp):
             return self._end(req, "cancelled" if req.cancelled else "finished")
         return False
 
-    def _end(self, req: Request, outcome: str) -> bool:
+    def _end(self, req: EngineRequest, outcome: str) -> bool:
         """The one place a request ends: samples that never started get an empty "cancelled"
         completion, the outcome is counted, the waiters are told. False if it had ended already."""
         if req.done.is_set():
@@ -422,7 +422,7 @@ class Engine(WarmUp):
         req.finish()
         return True
 
-    def _reap_cancelled(self) -> list[Request]:
+    def _reap_cancelled(self) -> list[EngineRequest]:
         finished = []
         scheduled = self.scheduler.running + list(self.scheduler.waiting)
         for seq in [s for s in scheduled if s.request.cancelled]:
@@ -435,7 +435,7 @@ class Engine(WarmUp):
                 finished.append(req)
         return finished
 
-    def abort(self, error: str) -> list[Request]:
+    def abort(self, error: str) -> list[EngineRequest]:
         """After a step raised: end every admitted request as failed (`error` is what its waiters
         are told), free every page and forget the round in flight, so the engine serves the next
         request from a clean state. Requests queued since that step stay queued. Returns the failed."""

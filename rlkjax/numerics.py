@@ -174,7 +174,7 @@ def default_platform() -> Platform:
 @dataclasses.dataclass(frozen=True)
 class NumericsOptions:
     """The numerics choices of a compiled function, as one hashable value: `ops()`, `model.forward`
-    and the jitted step functions take it (or the plain strings "strict" / "fast", the defaults
+    and the jitted programs take it (or the plain strings "strict" / "fast", the defaults
     below) as a static argument, so a different choice is a different compilation, never a module
     global that a function compiled earlier silently ignores. Only `mode`, `platform` and `tiles`
     can change a logprob; the backward choices change gradients' implementation (and possibly

@@ -1,4 +1,4 @@
-"""The engine's host-side records: a request (its SamplingParams, its samples' results, the Listener
+"""The engine's host-side records: an EngineRequest (its SamplingParams, its samples' results, the Listener
 it reports to), each sample's sequence (tokens, logprobs, KV pages), the page allocator they share, a
 decode round in flight, and the finished Completion."""
 
@@ -88,7 +88,7 @@ class PageAllocator:
 
 @dataclasses.dataclass(eq=False)
 class Sequence:
-    request: "Request"
+    request: "EngineRequest"
     index: int  # sample index within the request
     seed: int
     tokens: list[int]  # prompt + generated
@@ -182,7 +182,10 @@ class Listener:
 
 
 @dataclasses.dataclass(eq=False)
-class Request:
+class EngineRequest:
+    """The engine's record of one submitted prompt and its n samples (`Engine.submit`); an HTTP request
+    (serve's `request`, aiohttp's) becomes one per prompt."""
+
     id: int
     prompt: list[int]
     sampling: SamplingParams

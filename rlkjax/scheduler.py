@@ -1,7 +1,7 @@
 """The rollout engine's scheduling policy, host-side only: which sequences hold a batch slot, who
 owns which KV pages, who is preempted when pages run out, how the samples of a request fork from
 their leader, and which rows go into each prefill call and decode round. It decides; the engine
-(rlkjax.engine) runs the jitted steps it asks for. No decision here changes a token or a logprob:
+(rlkjax.engine) runs the jitted programs it asks for. No decision here changes a token or a logprob:
 a sequence's bits depend only on its own prompt, seed and positions, whatever row, batch, chunk or
 turn it gets. Its knobs are the engine's settings (rlkjax.engine_config).
 

@@ -30,7 +30,7 @@ class WarmUp:
         return len(shapes)
 
     def warm_up_shapes(self) -> list[tuple[str, int]]:
-        """What `warm_up` compiles, in order: (step function, rows) pairs."""
+        """What `warm_up` compiles, in order: (program, rows) pairs."""
         c = self.config
         rows = [1 << i for i in range(bucket(c.max_batch).bit_length())]
         prefill_rows = bucket(min(c.max_batch, cdiv(c.token_budget, c.prefill_chunk)))
