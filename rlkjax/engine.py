@@ -199,9 +199,9 @@ class Engine(WarmUp):
 
     def release_cache(self) -> None:
         """Free the KV cache's device memory while no request is in flight, for a learner that shares
-        the device (train.grpo between rollouts: at Qwen3-4B one step's P32 x G8 x 640-token cache is
-        ~24 GB, which the learner's step needs). The next step allocates zeroed pages in its place;
-        a finished sequence has released its pages, so no request loses any (the prefix cache forgets)."""
+        the device (train.grpo between rollouts: the learner's step needs that memory). The next step
+        allocates zeroed pages in its place; a finished sequence has released its pages, so no request
+        loses any (the prefix cache forgets)."""
         with self.lock:
             if self.busy or self.weights_pending:
                 raise RuntimeError("release_cache() while requests are in flight: their KV pages would be lost")
@@ -212,7 +212,7 @@ class Engine(WarmUp):
 
     def release_weights(self) -> None:
         """Free the weights' device memory while no request is in flight, for a learner that shares the device
-        (train.grpo on one GPU at Qwen3-8B: the learner's step needs those 15 GiB). update_weights must give the
+        (train.grpo on one GPU: the learner's step needs that memory). update_weights must give the
         next weights before the next request runs."""
         with self.lock:
             if self.busy or self.weights_pending:

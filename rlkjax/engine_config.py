@@ -19,8 +19,7 @@ class EngineConfig:
     token_budget: int = 4096
     """Prompt tokens prefilled per engine step (across sequences). Larger admits new requests faster
     (time to first token) and keeps the batch fuller; each step's prefill delays the running rows'
-    next tokens. Qwen3-0.6B on an H200, 256 concurrent requests: 4096 against 1024 took p99 time to
-    first token from 1.57 to 0.72 s and tokens/s from 15.5k to 21.4k."""
+    next tokens (the default's measurement: bench/results/2026-12-03_h200_cpu_measurements_behind_defaults.md)."""
     max_context: int | None = None
     """Longest prompt + max_tokens accepted (default: the model's max_position)."""
     decode_steps: int = 8

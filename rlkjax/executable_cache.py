@@ -3,9 +3,10 @@ lowering and compiling them again.
 
 JAX's persistent compilation cache (rlkjax.compilation_cache) removes only the compile: its key is the
 lowered program, so every start still traces and lowers each program, and on CPU the Pallas
-interpret-mode programs make that most of a warm start (32 of 39 s at --max-batch 1). This cache keeps
-the executables themselves (jax.experimental.serialize_executable), under a key that covers everything
-that decides the program without lowering it:
+interpret-mode programs make that most of a warm start
+(bench/results/2026-12-03_h200_cpu_measurements_behind_defaults.md). This cache keeps the executables
+themselves (jax.experimental.serialize_executable), under a key that covers everything that decides the
+program without lowering it:
 
 - the environment: jax and jaxlib versions, the backend's platform and version, its devices, XLA_FLAGS,
   every JAX config value that can change a program, and a hash of the source of rlkjax and pallas_kernels;

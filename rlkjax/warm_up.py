@@ -58,9 +58,9 @@ class WarmUp:
 
     def load_warm_up(self, threads: int | None = None) -> int:
         """Read the executables of every warm-up shape that the executable cache holds on disk, several
-        at once, so that `warm_up_shape` finds them in memory: on a CPU, 27 shapes took 4.5 CPU seconds
-        to deserialise one after another. Shapes with nothing stored are left to `warm_up_shape` to
-        compile. Returns how many were loaded (0 where the cache is off)."""
+        at once, so that `warm_up_shape` finds them in memory (one after another they took seconds of CPU:
+        bench/results/2026-12-03_h200_cpu_measurements_behind_defaults.md). Shapes with nothing stored are
+        left to `warm_up_shape` to compile. Returns how many were loaded (0 where the cache is off)."""
         with self.lock:
             self._ensure_cache()
             calls = [self._warm_up_call(name, r)[:2] for name, r in self.warm_up_shapes()]
