@@ -28,7 +28,7 @@ class Completion:
     top_ids: np.ndarray | None = None
     top_logprobs: np.ndarray | None = None
     # Asked for with prompt_logprobs (rlkjax.generate): the learner's logprobs of prompt[1:] [P - 1],
-    # and, with k top logprobs, their top ids and logprobs [P - 1, k].
+    # and, with prompt_logprobs=k > 0, the k most likely ids at each position and their logprobs [P - 1, k].
     prompt_logprobs: np.ndarray | None = None
     prompt_top_ids: np.ndarray | None = None
     prompt_top_logprobs: np.ndarray | None = None

@@ -51,7 +51,7 @@ class SamplingParams:
     """Draw only ids at least this fraction of the most likely one's probability (0: off)."""
     truncated_logprobs: bool = False
     """Record logprobs of the renormalised truncated distribution instead of the full one (the
-    learner's); not with top_logprobs, whose values are full-distribution values."""
+    learner's); not with top_logprobs, whose values are the full distribution's."""
     prompt_logprobs: int | None = None
     """rlkjax.generate only: the learner's logprobs of prompt[1:] and, for k > 0, k top logprobs
     per position (None: off)."""
