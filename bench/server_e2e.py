@@ -50,9 +50,7 @@ def fire(client, jobs):
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         results = list(
             pool.map(
-                lambda j: client.generate([j["prompt"]], n=j["n"], max_new_tokens=j["max_new_tokens"], seed=j["seed"])[
-                    0
-                ],
+                lambda j: client.generate([j["prompt"]], n=j["n"], max_tokens=j["max_new_tokens"], seed=j["seed"])[0],
                 jobs,
             )
         )

@@ -146,7 +146,7 @@ def test_200_concurrent_requests_and_a_weight_update_mid_load(tiny, tmp_path):
                     client.generate,
                     [j["prompt"]],
                     n=j["n"],
-                    max_tokens=j["max_new_tokens"],
+                    max_tokens=j["max_tokens"],
                     temperature=j["temperature"],
                     seed=j["seed"],
                 )
@@ -165,9 +165,7 @@ def test_200_concurrent_requests_and_a_weight_update_mid_load(tiny, tmp_path):
                 # a sampled eos (the byte tokenizer's 256) ends a completion early and is its last token
                 tokens, eos = sample["tokens"], ByteTokenizer.eos_token_id
                 assert eos not in tokens[:-1]
-                assert len(tokens) == job["max_new_tokens"] or (
-                    len(tokens) < job["max_new_tokens"] and tokens[-1] == eos
-                )
+                assert len(tokens) == job["max_tokens"] or (len(tokens) < job["max_tokens"] and tokens[-1] == eos)
                 scored = rlkjax.score(
                     by_version[sample["policy_version"]],
                     cfg,
