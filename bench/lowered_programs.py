@@ -2,7 +2,7 @@
 
 `python -m bench.lowered_programs OUT_DIR` lowers, at qwen3-tiny shapes and an odd shape every
 kernel pads, with abstract inputs (nothing runs): the engine's prefill chunk, decode step and decode
-rounds (plain, with alternatives, with truncation), rlkjax.score's three programs, and the learner
+rounds (plain, with top logprobs, with truncation), rlkjax.score's three programs, and the learner
 (train.grpo's FSDP value-and-grad step and scoring pass on one device; the gradient of the unsharded
 pass, both matmul backwards). Strict programs on the CPU's table (Pallas interpreted: the kernels'
 bodies are in the text) and exported for CUDA (the Triton kernels, printed without locations), and a
@@ -88,15 +88,16 @@ def step_args(cfg, b: int, t: int, pages: int):
 
 
 def engine_programs(cfg, numerics, lower):
-    """{name: text} of the engine's step functions."""
+    """{name: text} of the engine's programs."""
     b, c, pages = 4, 16, 4
     params, cache, rope, table, sampling, truncating = step_args(cfg, b, c, pages)
     chunk, one, vec = S((b, c), jnp.int32), S((b, 1), jnp.int32), S((b,), jnp.int32)
     carry = (S((8,), jnp.int32), S((8,), jnp.bool_))
     out = {"prefill_chunk": lower(programs.prefill_chunk, params, chunk, chunk, cache, table, rope, cfg, numerics)}
+    # "_alternatives": top_logprobs=k, under the label (and, for score, the jitted name) earlier outputs have
     for name, rows, k in (("", sampling, 0), ("_alternatives", sampling, 5), ("_truncation", truncating, 3)):
         out[f"decode_step{name}"] = lower(
-            programs.decode_step, params, one, one, cache, table, rows, rope, cfg, numerics, alternatives=k
+            programs.decode_step, params, one, one, cache, table, rows, rope, cfg, numerics, top_logprobs=k
         )
         out[f"next_round{name}"] = lower(
             programs.next_round,
@@ -112,7 +113,7 @@ def engine_programs(cfg, numerics, lower):
             cfg,
             numerics,
             3,
-            alternatives=k,
+            top_logprobs=k,
         )
     return out
 
@@ -120,7 +121,7 @@ def engine_programs(cfg, numerics, lower):
 @functools.partial(jax.jit, static_argnames=("cfg", "numerics", "k"))
 def score_alternatives(params, tokens, positions, temps, rope, cfg, numerics, k):
     """rlkjax.score's program with top_logprobs=k."""
-    out = model.sequence_logprobs(params, tokens, positions, temps, rope, cfg, numerics, alternatives=k)
+    out = model.sequence_logprobs(params, tokens, positions, temps, rope, cfg, numerics, top_logprobs=k)
     return out.logprobs, out.top_ids, out.top_logprobs
 
 

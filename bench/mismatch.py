@@ -26,7 +26,7 @@ def run(cfg, params, prompts, new_tokens, temperature, numerics, chunk):
         params,
         cfg,
         prompts,
-        max_new_tokens=new_tokens,
+        max_tokens=new_tokens,
         temperature=temperature,
         seeds=list(range(len(prompts))),
         numerics=numerics,

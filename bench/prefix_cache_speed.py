@@ -17,7 +17,8 @@ import numpy as np
 import rlkjax
 from bench import _flags
 from bench._report import new_report, save_report
-from rlkjax.engine import Engine, EngineConfig
+from rlkjax.engine import Engine
+from rlkjax.engine_config import EngineConfig
 from rlkjax.sampling_params import SamplingParams
 
 

@@ -29,7 +29,8 @@ from bench import _flags
 from bench._report import new_report, save_report
 from bench._timing import median_time
 from rlkjax import executable_cache, model
-from rlkjax.engine import Engine, EngineConfig
+from rlkjax.engine import Engine
+from rlkjax.engine_config import EngineConfig
 from rlkjax.numerics import PAGE_SIZE
 from rlkjax.programs import RowSampling, decode_round
 from rlkjax.shapes import cdiv
@@ -39,9 +40,7 @@ def engine_rate(params, cfg, numerics, batch, context, new_tokens, repeats):
     prompts = [[(7 * i + j) % cfg.vocab_size for j in range(context)] for i in range(batch)]
 
     def run(n):
-        return lambda: rlkjax.generate(
-            params, cfg, prompts, max_new_tokens=n, seeds=list(range(batch)), numerics=numerics
-        )
+        return lambda: rlkjax.generate(params, cfg, prompts, max_tokens=n, seeds=list(range(batch)), numerics=numerics)
 
     d = EngineConfig.decode_steps  # generate's engine (EngineConfig.for_batch) keeps the default
     if (new_tokens - 1) % d or new_tokens < 1 + 2 * d:
@@ -102,7 +101,7 @@ def settle():
     0.11.2): the tracing context grows, so every function traced before it is traced and compiled again on its
     next call, which would land in the first timed run after a warm-up."""
     cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
-    rlkjax.generate(rlkjax.init_params(cfg, seed=0), cfg, [[1, 2, 3]], max_new_tokens=2, seeds=[0], numerics="strict")
+    rlkjax.generate(rlkjax.init_params(cfg, seed=0), cfg, [[1, 2, 3]], max_tokens=2, seeds=[0], numerics="strict")
 
 
 def main():

@@ -3,13 +3,13 @@ crosses from one to another, from the route to the engine and back: a measure of
 must follow to change the serving path.
 
 Method: a real server (qwen3-tiny, no warm-up) in this process on loopback; one request compiles every
-step function it needs, then the same request (plain, then streamed) runs under a profiler hook on every
+program it needs, then the same request (plain, then streamed) runs under a profiler hook on every
 thread (`threading.setprofile_all_threads`, so the engine thread is seen too). Each Python call into a
 function of serve/, rlkjax/ or pallas_kernels/ counts that file; when the nearest frame below it that
 belongs to one of those files is in another file, the call is a hop (caller file -> callee file). Calls
 that reach the repository from aiohttp or asyncio alone (the route itself, callbacks the event loop runs)
 are not hops. A coroutine's resumption counts as a call (its awaiting frame is its caller). Kernels are
-included in the count, and none runs: the step functions were compiled by the first request, so
+included in the count, and none runs: the programs were compiled by the first request, so
 pallas_kernels/ code executes only when tracing.
 
 Reported: files, hops (distinct caller file -> callee file pairs; those with serve/ on either side apart),
@@ -126,7 +126,7 @@ def main() -> None:
         from serve.server import Server
     except ImportError:  # the code before serve/server.py held the Server in serve/rollout.py
         from serve.rollout import Server
-    from rlkjax.engine import EngineConfig
+    from rlkjax.engine_config import EngineConfig
     from serve.config import ServerConfig
 
     engine = EngineConfig(num_pages=128, max_batch=8, prefill_chunk=16, token_budget=32, max_context=256)

@@ -51,9 +51,7 @@ def fire(client, jobs):
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         results = list(
             pool.map(
-                lambda j: client.generate([j["prompt"]], n=j["n"], max_new_tokens=j["max_new_tokens"], seed=j["seed"])[
-                    0
-                ],
+                lambda j: client.generate([j["prompt"]], n=j["n"], max_tokens=j["max_new_tokens"], seed=j["seed"])[0],
                 jobs,
             )
         )
@@ -64,7 +62,7 @@ def fire(client, jobs):
 
 def warm_up(client, jobs, decode_steps):
     """The same burst with an eighth of the new tokens (at least two decode rounds; other seeds): sequences
-    still finish at staggered times, so the server compiles its step functions for the prefill and batch shapes
+    still finish at staggered times, so the server compiles its programs for the prefill and batch shapes
     the timed burst meets and compilation stays out of the timing (`compilations_in_timed_burst` says whether
     it did)."""
     short = [
@@ -105,7 +103,7 @@ def swap_weights(client, cfg, numerics):
         version = client.update_weights(path)
         update_s = time.perf_counter() - t
     prompt = list(range(1, 17))
-    sample = client.generate([prompt], max_new_tokens=16, seed=5)[0][0]
+    sample = client.generate([prompt], max_tokens=16, seed=5)[0][0]
     scored = rlkjax.score(new_params, cfg, [prompt + sample["tokens"]], [len(prompt)], numerics=numerics)[0]
     same_bits = np.array_equal(np.asarray(sample["logprobs"], np.float32).view("uint32"), scored.view("uint32"))
     return {

@@ -64,9 +64,8 @@ class AttentionConfig:
     # A call with at least this many query tiles per row runs one program per tile group that merges
     # its KV splits itself (no split states written and read back, no merge launch); fewer (decode,
     # short prefill chunks) a program per split and a merge kernel for parallelism. The same bits
-    # (tested: tests/test_kernels.py test_attention_chunked_equals_whole_and_decode; compiled on the
-    # H200 by bench.speed's attention sweep, 2026-11-30). Qwen3-4B heads on the H200: 2 x 4096 tokens
-    # 2,853 -> 2,591 us a layer, 8 x 1024 1,346 -> 1,076 us.
+    # (tested: tests/test_kernels.py test_attention_chunked_equals_whole_and_decode). Why 8:
+    # bench/results/2026-12-03_h200_cpu_measurements_behind_defaults.md.
     merge_in_kernel_from: int = 8
     # The learner's gradient: None = XLA's dense backward (dense_attention's vjp); a config = the
     # Pallas flash backward (attention_bwd.py: no [B, H, T, T] arrays). Neither changes a logprob.
@@ -264,9 +263,9 @@ def _pallas_attention(q, k_pages, v_pages, layer, plan: Plan, config, interpret,
     g = hq // hkv
     # A program owns block_rows query rows (bq tokens x G heads) in every pass: the row tile's shape
     # sets the layout of the softmax's row sums, so it must not change between decode and the
-    # learner (measured on the H200: 16- vs 64-row tiles differ in the last bit). 16 rows keeps a
-    # decode step's one token from filling 1/16 of a 16-token tile (1.85x faster decode attention
-    # at batch 64, context 2048; the learner's forward pays ~1.35x for its attention).
+    # learner (16- vs 64-row tiles differ in the last bit). 16 rows keeps a decode step's one token
+    # from filling 1/16 of a larger tile, at some cost to the learner's attention
+    # (bench/results/2026-12-03_h200_cpu_measurements_behind_defaults.md).
     bq = max(1, config.block_rows // g)
     tp = round_up(t, bq)
     check_block("query rows per program", bq * g)

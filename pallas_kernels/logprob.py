@@ -19,7 +19,7 @@ of the logits (ties to the lowest id) and its logprob is the temperature-1 one; 
 scoring at T = 1, so `score(..., temperature=1)` gives the same bits.
 
 `head` is the one entry, for both sides: score targets or draw keyed by (seed, step), with top
-alternatives and truncation (pallas_kernels.truncation) as options. Those options need a row's
+top logprobs and truncation (pallas_kernels.truncation) as options. Those options need a row's
 materialised logits: `_logits_kernel` writes the fp32 logits / T of every vocab tile with the fused
 kernel's own tile code, XLA's top_k selects (no rounding), and `_minus_kernel` subtracts the fused
 kernel's log-sum-exp, the one rounding a logprob has (logit - lse, as in `_merge_kernel`). That is
@@ -289,10 +289,10 @@ def _minus_lse(x, lse, config: LogprobConfig, interpret: bool):
     return out[:n, :k]
 
 
-def _alternatives(h, w, temperature, lse, k: int, config: LogprobConfig, interpret: bool):
+def _top_logprobs(h, w, temperature, lse, k: int, config: LogprobConfig, interpret: bool):
     """The k most likely ids per row (descending; equal logits: lowest id first) and their logprobs."""
     if not 1 <= k <= w.shape[0]:
-        raise ValueError(f"k={k} alternatives must be in [1, vocab={w.shape[0]}]")
+        raise ValueError(f"k={k} top logprobs must be in [1, vocab={w.shape[0]}]")
     values, ids = jax.lax.top_k(_logits(h, w, temperature, config, interpret), k)  # selection: no rounding
     return ids.astype(jnp.int32), _minus_lse(values, lse, config, interpret)
 
@@ -308,23 +308,23 @@ class Logprobs(NamedTuple):
 
 
 def head(
-    h, w, temperature, config, interpret: bool, targets=None, seeds=None, steps=None, alternatives=0, truncation=None
+    h, w, temperature, config, interpret: bool, targets=None, seeds=None, steps=None, top_logprobs=0, truncation=None
 ) -> Logprobs:
     """The lm_head and log-softmax over h [N, D] @ w [V, D].T / temperature [N], for the learner or the
     sampler: scores `targets` [N], or draws one token per row keyed by (seeds, steps) [N].
 
-    alternatives = k > 0: also each row's k most likely ids and their logprobs (the full
+    top_logprobs = k > 0: also each row's k most likely ids and their logprobs (the full
     distribution's; materialises [N, V] fp32 logits). truncation = (top_k [N] int32 in [1, V], top_p
     [N] fp32 in (0, 1], min_p [N] fp32 in [0, 1]) (pallas_kernels.truncation): draw from (or score
     under) the truncated, renormalised distribution, and give that logprob as `renormalised`; the
     full distribution's logprob comes from the same fused kernel either way (the learner's bits by
     construction). Scoring targets without options is differentiable (a streamed backward that
     never holds [N, V]); the rest is not. A drawn token and a scored target have the same logprob
-    bits, with or without alternatives."""
+    bits, with or without top logprobs."""
     sampling = targets is None
     if sampling == (seeds is None or steps is None):
         raise ValueError("head takes targets (to score) or seeds and steps (to sample), not both")
-    if not sampling and not alternatives and truncation is None:
+    if not sampling and not top_logprobs and truncation is None:
         return Logprobs(targets, _token_logprobs(h, w, targets, temperature, config, interpret))
     _check(h, w, temperature, *((seeds, steps) if sampling else (targets,)), *(truncation or ()))
     if sampling:
@@ -338,16 +338,16 @@ def head(
         scored = tok if sampling else targets
         lp, _, _, lse = _fused(h, w, scored, temperature, keys, config, interpret)  # the learner's kernel
         out = Logprobs(scored, lp, renorm if sampling else tgt_renorm)
-        if alternatives:  # the k largest of the logits the kept set was chosen from
-            top_ids = ids[:, :alternatives].astype(jnp.int32)
+        if top_logprobs:  # the k largest of the logits the kept set was chosen from
+            top_ids = ids[:, :top_logprobs].astype(jnp.int32)
             out = out._replace(
-                top_ids=top_ids, top_logprobs=_minus_lse(values[:, :alternatives], lse, config, interpret)
+                top_ids=top_ids, top_logprobs=_minus_lse(values[:, :top_logprobs], lse, config, interpret)
             )
         return out
     target_lp, tokens, sampled_lp, lse = _fused(h, w, targets, temperature, keys, config, interpret)
     out = Logprobs(tokens, sampled_lp) if sampling else Logprobs(targets, target_lp)
-    if alternatives:
-        top_ids, top_lp = _alternatives(h, w, temperature, lse, alternatives, config, interpret)
+    if top_logprobs:
+        top_ids, top_lp = _top_logprobs(h, w, temperature, lse, top_logprobs, config, interpret)
         out = out._replace(top_ids=top_ids, top_logprobs=top_lp)
     return out
 
@@ -486,7 +486,7 @@ def head_reference(
     targets=None,
     seeds=None,
     steps=None,
-    alternatives=0,
+    top_logprobs=0,
     truncation=None,
 ) -> Logprobs:
     """`head` in plain XLA (materialised fp32 logits, jax.nn.log_softmax): what `numerics="fast"` runs."""
@@ -500,8 +500,8 @@ def head_reference(
             at = targets[:, None].astype(jnp.int32)
             lp = jnp.take_along_axis(z, at, axis=1)[:, 0] - lse
             out = Logprobs(targets, lp, jnp.take_along_axis(zk, at, axis=1)[:, 0] - lse_kept)
-        if alternatives:
-            k = alternatives
+        if top_logprobs:
+            k = top_logprobs
             out = out._replace(top_ids=ids[:, :k].astype(jnp.int32), top_logprobs=values[:, :k] - lse[:, None])
         return out
     logits = logits_reference(h, w, temperature)
@@ -509,7 +509,7 @@ def head_reference(
         targets = _gumbel_argmax(logits, temperature, seeds, steps)
     logp = jax.nn.log_softmax(logits, axis=-1)
     out = Logprobs(targets, jnp.take_along_axis(logp, targets[:, None].astype(jnp.int32), axis=1)[:, 0])
-    if alternatives:
-        values, ids = jax.lax.top_k(jax.nn.log_softmax(logits_reference(h, w, temperature), axis=-1), alternatives)
+    if top_logprobs:
+        values, ids = jax.lax.top_k(jax.nn.log_softmax(logits_reference(h, w, temperature), axis=-1), top_logprobs)
         out = out._replace(top_ids=ids.astype(jnp.int32), top_logprobs=values)
     return out

@@ -8,7 +8,8 @@ quiet_rocm_plugin_without_gpu()
 from rlkjax.api import generate, score  # noqa: E402
 from rlkjax.checkpoint import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 from rlkjax.config import PRESETS, ModelConfig  # noqa: E402
-from rlkjax.engine import Engine, EngineConfig  # noqa: E402
+from rlkjax.engine import Engine  # noqa: E402
+from rlkjax.engine_config import EngineConfig  # noqa: E402
 from rlkjax.model import forward, init_params, sequence_logprobs, token_logprobs  # noqa: E402
 from rlkjax.records import Completion  # noqa: E402
 from rlkjax.sampling_params import SamplingParams  # noqa: E402

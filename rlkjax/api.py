@@ -16,11 +16,12 @@ from rlkjax.checks import (
     check_int,
     check_seed,
     check_temperature,
-    most_alternatives,
+    most_top_logprobs,
     per_row,
 )
 from rlkjax.config import ModelConfig
-from rlkjax.engine import Engine, EngineConfig
+from rlkjax.engine import Engine
+from rlkjax.engine_config import EngineConfig
 from rlkjax.model import rope_tables, sequence_logprobs
 from rlkjax.numerics import PAGE_SIZE, Numerics, ops
 from rlkjax.records import Completion
@@ -32,7 +33,7 @@ def generate(
     params,
     cfg: ModelConfig,
     prompts,
-    max_new_tokens: int | None = None,
+    max_tokens: int | None = None,
     temperature=None,
     seeds=None,
     numerics: Numerics = "strict",
@@ -40,28 +41,33 @@ def generate(
     *,
     sampling: SamplingParams | list[SamplingParams] | None = None,
     eos_token_id: int | None = None,
+    max_new_tokens: int | None = None,
 ) -> list[Completion]:
     """Sample completions of each prompt, recording each token's logprob.
 
     `sampling`: one SamplingParams for every prompt or a list of one per prompt (default:
-    SamplingParams(max_tokens=32)). The shortcuts override its fields: max_new_tokens its
-    max_tokens, temperature and seeds (a scalar for all prompts, or one per prompt) its
-    temperature and seed. Returns the completions in prompt order, the n samples of prompt i at
+    SamplingParams(max_tokens=32)). The shortcuts override its fields: max_tokens (also accepted
+    as max_new_tokens), temperature, and seeds (a scalar for all prompts, or one per prompt) its
+    seed. Returns the completions in prompt order, the n samples of prompt i at
     i * n ... i * n + n - 1. A request's tokens depend on its prompt, seed and temperature only, not
     on the batch it ran in. eos_token_id: a sampled eos ends a completion (and belongs to it) unless
     ignore_eos. With prompt_logprobs=k a completion also carries its prompt's logprobs (prompt[1:],
-    by `score`, the learner's pass) and, for k > 0, their k alternatives. A thin wrapper over the
+    by `score`, the learner's pass) and, for k > 0, their k top logprobs. A thin wrapper over the
     rollout engine, sized so nothing is preempted: there is one generation path.
     """
     ops(numerics)  # validates the mode (and the strict XLA flags) before any work
     prompts = check_batch("prompts", prompts, cfg.vocab_size)
-    rows = _row_sampling(sampling, len(prompts), max_new_tokens, temperature, seeds)
+    if max_new_tokens is not None:
+        if max_tokens is not None:
+            raise ValueError("give max_tokens or max_new_tokens (its earlier name), not both")
+        max_tokens = check_int("max_new_tokens", max_new_tokens, 1)
+    rows = _row_sampling(sampling, len(prompts), max_tokens, temperature, seeds)
     prefill_chunk_size = check_int("prefill_chunk_size", prefill_chunk_size, 1)
     for prompt, row in zip(prompts, rows):  # before any device work
         row.check_model(cfg.vocab_size, cfg.max_position, len(prompt))
     lengths = [len(p) + row.max_tokens for p, row in zip(prompts, rows) for _ in range(row.n)]
     sizing = EngineConfig.for_batch(lengths, prefill_chunk_size)
-    # The KV cache is an argument of every step function: an exact page count compiled them all again
+    # The KV cache is an argument of every program: an exact page count compiled them all again
     # for each new set of prompt lengths. A power-of-two bucket (at most twice the pages) keeps a run
     # of calls to a handful of programs. Training's rollout engine is built once and keeps its exact size.
     sizing = dataclasses.replace(sizing, num_pages=bucket(sizing.num_pages))
@@ -72,14 +78,14 @@ def generate(
     return [c for r in requests for c in r.results]
 
 
-def _row_sampling(sampling, n: int, max_new_tokens, temperature, seeds) -> list[SamplingParams]:
+def _row_sampling(sampling, n: int, max_tokens, temperature, seeds) -> list[SamplingParams]:
     """One SamplingParams per prompt: `sampling` (broadcast if one) with the shortcuts applied."""
     rows = per_row("sampling", SamplingParams(max_tokens=32) if sampling is None else sampling, n)
     if not all(isinstance(row, SamplingParams) for row in rows):
         raise ValueError("sampling must be a SamplingParams or a list of one per prompt")
     # checked under the names the caller used, before they become fields
     shortcuts = {
-        "max_tokens": None if max_new_tokens is None else [check_int("max_new_tokens", max_new_tokens, 1)] * n,
+        "max_tokens": None if max_tokens is None else [check_int("max_tokens", max_tokens, 1)] * n,
         "temperature": None
         if temperature is None
         else [check_temperature("temperature", t, greedy=True) for t in per_row("temperature", temperature, n)],
@@ -94,7 +100,7 @@ def _row_sampling(sampling, n: int, max_new_tokens, temperature, seeds) -> list[
 def _add_prompt_logprobs(params, cfg, prompts, rows: list[SamplingParams], results, numerics):
     """Prompt logprobs, where a row asks for them, from the learner's pass over the prompts alone
     (the completion cannot change them: attention is causal), at each row's temperature; one
-    `score` call per number of alternatives asked for."""
+    `score` call per number of top logprobs asked for."""
     for k in {row.prompt_logprobs for row in rows} - {None}:
         picked = [i for i, row in enumerate(rows) if row.prompt_logprobs == k]
         temps = [rows[i].temperature for i in picked]
@@ -107,7 +113,7 @@ def _add_prompt_logprobs(params, cfg, prompts, rows: list[SamplingParams], resul
                     comp.prompt_logprobs = row
 
 
-_sequence_logprobs = jax.jit(sequence_logprobs, static_argnames=("cfg", "numerics", "alternatives"))
+_sequence_logprobs = jax.jit(sequence_logprobs, static_argnames=("cfg", "numerics", "top_logprobs"))
 
 
 def score(
@@ -148,10 +154,10 @@ def score(
     temps = np.asarray(
         [check_temperature("temperature", t, greedy=True) for t in per_row("temperature", temperature, n)], np.float32
     )
-    most = most_alternatives(cfg.vocab_size)
+    most = most_top_logprobs(cfg.vocab_size)
     k = check_int("top_logprobs", top_logprobs, 0, most)
     if check_bool("truncated_logprobs", truncated_logprobs) and k:
-        raise ValueError("truncated_logprobs cannot be combined with top_logprobs (alternatives are full-distribution)")
+        raise ValueError("truncated_logprobs cannot be combined with top_logprobs (top logprobs are full-distribution)")
     if truncated_logprobs:
         truncation = _truncation(cfg, n, top_k, top_p, min_p)
     b, t = bucket(n), bucket(max(len(s) for s in sequences), minimum=PAGE_SIZE)
@@ -168,8 +174,8 @@ def score(
     if k == 0:
         logp = np.asarray(_sequence_logprobs(params, tokens, positions, temps, rope_tables(cfg), cfg, numerics))
         return [logp[i, r].copy() for i, r in enumerate(rows)]
-    # one program for every k, as the engine's rounds: `most` alternatives, the first k kept
-    outs = _sequence_logprobs(params, tokens, positions, temps, rope_tables(cfg), cfg, numerics, alternatives=most)
+    # one program for every k, as the engine's rounds: `most` top logprobs, the first k kept
+    outs = _sequence_logprobs(params, tokens, positions, temps, rope_tables(cfg), cfg, numerics, top_logprobs=most)
     logp, ids, top = (np.asarray(o) for o in (outs.logprobs, outs.top_ids, outs.top_logprobs))
     return [(logp[i, r].copy(), ids[i, r, :k].copy(), top[i, r, :k].copy()) for i, r in enumerate(rows)]
 

@@ -38,7 +38,7 @@ EXACT_OPS = (
     ("call", "call"),
     ("func", None),
     ("return", None),
-    # chlo.top_k: picks and orders the k largest values of a row by comparison (top alternatives over logits
+    # chlo.top_k: picks and orders the k largest values of a row by comparison (top logprobs over logits
     # our kernel wrote); it copies values, it never rounds one. XLA makes it a sort (or a TopK custom call):
     # comparisons and a permutation.
     ("top_k", "sort"),

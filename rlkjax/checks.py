@@ -13,12 +13,12 @@ SEED_LIMIT = 2**32
 # a logit of 1e30 would still be finite, while float32 underflow (1e-46 -> 0) or overflow near
 # T ~ 1e-38 would give NaN logprobs. Below this, ask for greedy decoding: temperature 0.
 MIN_TEMPERATURE = 1e-4
-MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's limit); one compiled decode variant serves every k
+MAX_TOP_LOGPROBS = 20  # top logprobs per token (OpenAI's limit); one compiled decode variant serves every k
 _GOLDEN = 0x9E3779B9
 
 
-def most_alternatives(vocab_size: int) -> int:
-    """The most alternatives a row may ask for with this vocabulary: every program that lists alternatives
+def most_top_logprobs(vocab_size: int) -> int:
+    """The most top logprobs a row may ask for with this vocabulary: every program that lists top logprobs
     lists this many and a request keeps its first k (sorted by value, ties by id: the same bits as k)."""
     return min(MAX_TOP_LOGPROBS, vocab_size)
 

@@ -1,7 +1,7 @@
 """A small synchronous client for a `python -m serve.rollout` server (the learner and benchmarks use it).
 
 client = RolloutClient("http://127.0.0.1:8000", admin_key="...")
-results = client.generate([[1, 2, 3]], n=4, max_new_tokens=64, temperature=1.0, seed=0)
+results = client.generate([[1, 2, 3]], n=4, max_tokens=64, temperature=1.0, seed=0)
 results[0][j]["tokens"], np.float32(results[0][j]["logprobs"])   # sample j of prompt 0
 client.generate_tokens([1, 2, 3], SamplingParams(n=2, max_tokens=8), seed=0)  # vLLM's token route
 client.update_weights("/path/to/checkpoint")                     # -> new policy version
@@ -45,18 +45,31 @@ class RolloutClient:
         return payload if path == "/metrics" else json.loads(payload)
 
     def generate(
-        self, prompts, *, n=1, max_new_tokens=16, temperature=1.0, seed=None, stop_token_ids=(), ignore_eos=False
+        self,
+        prompts,
+        *,
+        n=1,
+        max_tokens=None,
+        temperature=1.0,
+        seed=None,
+        stop_token_ids=(),
+        ignore_eos=False,
+        max_new_tokens=None,
     ):
-        """prompts: list of token-id lists; seed: an int, one per prompt, or None (the server draws one).
+        """POST /generate. prompts: list of token-id lists; max_tokens (also accepted as max_new_tokens,
+        the route's name for it; default 16); seed: an int, one per prompt, or None (the server draws one).
         A sampled eos (the server's tokenizer's) ends a sample, unless ignore_eos. Returns, per prompt,
         n samples with logprobs as float32 arrays."""
+        if max_tokens is not None and max_new_tokens is not None:
+            raise ValueError("give max_tokens or max_new_tokens (its earlier name), not both")
+        max_tokens = max_tokens if max_tokens is not None else 16 if max_new_tokens is None else max_new_tokens
         out = self._call(
             "POST",
             "/generate",
             {
                 "prompt": [list(map(int, p)) for p in prompts],
                 "n": n,
-                "max_new_tokens": max_new_tokens,
+                "max_new_tokens": max_tokens,  # the route's name for max_tokens
                 "temperature": temperature,
                 "seed": seed,
                 "stop_token_ids": list(stop_token_ids),

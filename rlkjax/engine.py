@@ -17,9 +17,9 @@ Shapes (compiled once per bucket): prefill tokens [B, prefill_chunk], decode tok
 table [B, pages_per_seq]; B is a power of two up to max_batch, and for decode at least the rows the
 strict forward carries anyway (`min_decode_rows`).
 
-The device functions are rlkjax.programs', the request and sequence records rlkjax.records', the
+The device programs are rlkjax.programs', the request and sequence records rlkjax.records', the
 scheduling policy (admission in fair turns, pages, preemption, forks, each call's rows)
-rlkjax.scheduler's.
+rlkjax.scheduler's, the settings rlkjax.engine_config's, the warm-up (`warm_up`) rlkjax.warm_up's.
 The public surface for a server or a learner: `submit`, `cancel`, `update_weights`, `step`,
 `run_until_done`, `abort`, and the read-only `busy`, `weights_pending`, `policy_version` and `metrics()`.
 
@@ -28,10 +28,8 @@ stopped or reached its length), cancelled (`cancel`: a client gone, a timeout, a
 (`abort` after a step raised). At rest, requests == finished + cancelled + failed.
 """
 
-import concurrent.futures
 import dataclasses
 import itertools
-import os
 import threading
 import time
 from collections import deque
@@ -41,24 +39,26 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlkjax import executable_cache, prefix_cache, programs
-from rlkjax.checks import check_int, check_tokens, most_alternatives, sample_seed
+from rlkjax.checks import check_int, check_tokens, most_top_logprobs, sample_seed
 from rlkjax.config import ModelConfig
+from rlkjax.engine_config import EngineConfig
 from rlkjax.model import init_kv_cache, rope_tables
 from rlkjax.numerics import PAGE_SIZE, Numerics, ops, padded_rows
 from rlkjax.programs import RowSampling
-from rlkjax.records import Listener, Request, Round, Sequence, round_rows
+from rlkjax.records import EngineRequest, Listener, Round, Sequence, round_rows
 from rlkjax.sampling_params import SamplingParams
-from rlkjax.scheduler import EngineConfig, Scheduler
+from rlkjax.scheduler import Scheduler
 from rlkjax.shapes import bucket, cdiv
+from rlkjax.warm_up import WarmUp
 
-# The step functions, through the executable cache where compilation_cache.enable() set one (a restarted
+# The programs, through the executable cache where compilation_cache.enable() set one (a restarted
 # server loads them instead of tracing, lowering and compiling again), else through jax.jit alone.
 prefill_chunk = executable_cache.cached(programs.prefill_chunk, "cfg", "numerics")
-next_round = executable_cache.cached(programs.next_round, "cfg", "numerics", "num_steps", "alternatives")
+next_round = executable_cache.cached(programs.next_round, "cfg", "numerics", "num_steps", "top_logprobs")
 copy_pages = executable_cache.cached(programs.copy_pages)
 
 
-class Engine:
+class Engine(WarmUp):
     def __init__(
         self,
         params,
@@ -92,15 +92,15 @@ class Engine:
         # every matmul and norm, so its own bucket would only cost a compilation (each server start,
         # each generate call) and save no device time.
         self.min_decode_rows = min(bucket(config.max_batch), padded_rows(1, numerics))
-        self._alternatives = most_alternatives(cfg.vocab_size)
+        self._top_logprobs = most_top_logprobs(cfg.vocab_size)
         self.scheduler = Scheduler(config)
-        self.requests: dict[int, Request] = {}
+        self.requests: dict[int, EngineRequest] = {}
         self._ids = itertools.count()
         self._pending_params, self._swap_events = None, []
         self.lock = threading.RLock()  # held by step(); submit, cancel, update_weights and metrics never wait on it
         self._inbox: deque = deque()  # submitted (request, sequences), moved to `waiting` at the next step
         self._mailbox = threading.Lock()  # guards the pending weights and their events
-        self.shapes_seen: set = set()  # (step function, batch bucket): one compilation each
+        self.shapes_seen: set = set()  # (program, batch bucket): one compilation each
         self.stats = {
             "steps": 0,
             "prefill_tokens": 0,
@@ -130,7 +130,7 @@ class Engine:
     # ----- requests -----
     def submit(
         self, prompt, sampling: SamplingParams | None = None, *, group=None, listener: Listener | None = None, **fields
-    ) -> Request:
+    ) -> EngineRequest:
         """Validate and queue a request; raises ValueError naming the bad field.
 
         `sampling` holds the request's options (SamplingParams(), the defaults, if None); keyword
@@ -146,7 +146,7 @@ class Engine:
         check_int("n", sampling.n, 1, self.config.max_batch)
         sampling.check_model(self.cfg.vocab_size, self.max_context, len(prompt))
         self.check_pages(len(prompt), sampling.max_tokens)
-        req = Request(next(self._ids), prompt, sampling, sampling.stop_ids(self.eos_token_id), listener=listener)
+        req = EngineRequest(next(self._ids), prompt, sampling, sampling.stop_ids(self.eos_token_id), listener=listener)
         req.group = ("request", req.id) if group is None else group
         req.results = [None] * sampling.n
         seed = sampling.seed
@@ -165,7 +165,7 @@ class Engine:
         if cdiv(prompt_len + max_tokens, PAGE_SIZE) > self.config.num_pages - 1:
             raise ValueError(f"prompt + {field} needs more KV pages than the cache holds ({self.config.num_pages - 1})")
 
-    def cancel(self, request: Request):
+    def cancel(self, request: EngineRequest):
         """Cancel a request (from any thread); its sequences and pages are released at the next step."""
         request.cancelled = True
 
@@ -179,63 +179,8 @@ class Engine:
             self._swap_events.append(event)
             return event
 
-    def warm_up(self, report=None) -> int:
-        """Compile, before any request comes, every shape that default traffic runs: the prefill
-        and decode-round batch buckets up to max_batch and the page copies of forks, so no request
-        later waits behind a compilation. Each is loaded or compiled into the executable cache where
-        one is set, else runs once on padding (position -1 writes only the trash page; a round with no
-        budget samples nothing). Variants that options select (top_logprobs,
-        top_k / top_p / min_p, more than one stop id) still compile on first use. `report(name,
-        shape, seconds)` is called after each. Returns the number of shapes run."""
-        shapes = self.warm_up_shapes()
-        self.load_warm_up()
-        for name, rows in shapes:
-            seconds = self.warm_up_shape(name, rows)
-            if report:
-                report(name, rows, seconds)
-        return len(shapes)
-
-    def warm_up_shapes(self) -> list[tuple[str, int]]:
-        """What `warm_up` compiles, in order: (step function, rows) pairs."""
-        c = self.config
-        rows = [1 << i for i in range(bucket(c.max_batch).bit_length())]
-        prefill_rows = bucket(min(c.max_batch, cdiv(c.token_budget, c.prefill_chunk)))
-        decode_rows = [r for r in rows if r >= self.min_decode_rows]
-        todo = [("prefill", r) for r in rows if r <= prefill_rows]
-        todo += [("decode_round", r) for r in decode_rows] + [("copy_pages", r) for r in rows]
-        # both round lengths (see _dispatch_decode): with one decode step per round they are the same
-        todo += [("decode_round_1", r) for r in decode_rows] if c.decode_steps > 1 else []
-        return todo
-
-    def warm_up_shape(self, name: str, r: int) -> float:
-        """Get one of `warm_up_shapes()` ready: load or compile its executable (rlkjax.executable_cache),
-        or where that cache is off, compile it by running it on padding; returns the seconds it took.
-        One at a time, so a caller (the server) can report progress and stop between shapes."""
-        with self.lock:
-            start = time.perf_counter()
-            self._ensure_cache()
-            fn, args, cache_at, seen = self._warm_up_call(name, r)
-            if fn.prepare(*args) is None:
-                out = fn(*args)
-                self.cache = out if cache_at is None else out[cache_at]
-            self._note_shape(*seen)
-            jax.block_until_ready(self.cache)
-            return time.perf_counter() - start
-
-    def load_warm_up(self, threads: int | None = None) -> int:
-        """Read the executables of every warm-up shape that the executable cache holds on disk, several
-        at once, so that `warm_up_shape` finds them in memory: on a CPU, 27 shapes took 4.5 CPU seconds
-        to deserialise one after another. Shapes with nothing stored are left to `warm_up_shape` to
-        compile. Returns how many were loaded (0 where the cache is off)."""
-        with self.lock:
-            self._ensure_cache()
-            calls = [self._warm_up_call(name, r)[:2] for name, r in self.warm_up_shapes()]
-        workers = threads or min(len(calls), os.cpu_count() or 1) or 1
-        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="load-executable") as pool:
-            return sum(pool.map(lambda call: call[0].load(*call[1]), calls))
-
     def _warm_up_call(self, name: str, r: int):
-        """One of `warm_up_shapes()` as a call on padding: (step function, its positional arguments,
+        """One of `warm_up_shapes()` as a call on padding: (program, its positional arguments,
         where its outputs hold the new KV cache (None: the whole output), the shape it notes as seen).
         Position -1 writes only the trash page; a round with no budget samples nothing."""
         c = self.config
@@ -254,9 +199,9 @@ class Engine:
 
     def release_cache(self) -> None:
         """Free the KV cache's device memory while no request is in flight, for a learner that shares
-        the device (train.grpo between rollouts: at Qwen3-4B one step's P32 x G8 x 640-token cache is
-        ~24 GB, which the learner's step needs). The next step allocates zeroed pages in its place;
-        a finished sequence has released its pages, so no request loses any (the prefix cache forgets)."""
+        the device (train.grpo between rollouts: the learner's step needs that memory). The next step
+        allocates zeroed pages in its place; a finished sequence has released its pages, so no request
+        loses any (the prefix cache forgets)."""
         with self.lock:
             if self.busy or self.weights_pending:
                 raise RuntimeError("release_cache() while requests are in flight: their KV pages would be lost")
@@ -267,7 +212,7 @@ class Engine:
 
     def release_weights(self) -> None:
         """Free the weights' device memory while no request is in flight, for a learner that shares the device
-        (train.grpo on one GPU at Qwen3-8B: the learner's step needs those 15 GiB). update_weights must give the
+        (train.grpo on one GPU: the learner's step needs that memory). update_weights must give the
         next weights before the next request runs."""
         with self.lock:
             if self.busy or self.weights_pending:
@@ -294,7 +239,7 @@ class Engine:
         return self._pending_params is not None
 
     # ----- the step -----
-    def step(self) -> list[Request]:
+    def step(self) -> list[EngineRequest]:
         """One scheduling step. Returns the requests that finished in it."""
         start = time.perf_counter()
         with self.lock:
@@ -387,11 +332,11 @@ class Engine:
             self._note_shape("copy_pages", k)
             self.cache = copy_pages(self.cache, src_a, dst_a)
 
-    def _round_args(self, carry, src, tokens, positions, table, sampling, length, alternatives) -> tuple:
+    def _round_args(self, carry, src, tokens, positions, table, sampling, length, top_logprobs) -> tuple:
         """programs.next_round's arguments, all positional (warm-up and rounds alike: jit keys positional
         and keyword arguments apart, so both pass the same way)."""
         params, cache, rope, cfg, numerics = self.params, self.cache, self.rope, self.cfg, self.numerics
-        return params, carry, src, tokens, positions, cache, table, sampling, rope, cfg, numerics, length, alternatives
+        return params, carry, src, tokens, positions, cache, table, sampling, rope, cfg, numerics, length, top_logprobs
 
     def _next_round(self, *args):
         """The one call of programs.next_round (arguments as `_round_args`'); returns its outputs but the
@@ -411,27 +356,27 @@ class Engine:
         src = np.full(rows, -1, np.int32)
         src[: len(seqs)] = [row_of.get(s, -1) for s in seqs]
         self.stats["chained_rows"] += int((src >= 0).sum())
-        # One variant with alternatives (k = the most any request may ask, so every k shares one
+        # One variant with top logprobs (k = the most any request may ask, so every k shares one
         # compilation), used only by rounds where some row asked: the default round keeps its speed.
-        alternatives = self._alternatives if any(s.request.sampling.top_logprobs for s in seqs) else 0
+        top_logprobs = self._top_logprobs if any(s.request.sampling.top_logprobs for s in seqs) else 0
         # A round runs all its steps (decode_round), so when no row may sample more than one token
         # (max_tokens=1 requests, last tokens) it is a one-step round, not decode_steps steps of padding.
         length = 1 if int(sampling.budget.max()) == 1 else self.config.decode_steps
         truncates = sampling.truncation is not None
-        self._note_shape("decode_round", (rows, sampling.stop_ids.shape[1], alternatives, truncates, length))
+        self._note_shape("decode_round", (rows, sampling.stop_ids.shape[1], top_logprobs, truncates, length))
         start = time.perf_counter()
         if self._round_read_at is not None and previous is None:
             self.stats["gap_s"] += start - self._round_read_at
         carry = previous.carry if previous else self._no_carry
         table = self._page_table(seqs, rows)
         out_tok, out_lp, carry, *top = self._next_round(
-            carry, src, tokens, positions, table, sampling, length, alternatives
+            carry, src, tokens, positions, table, sampling, length, top_logprobs
         )
         self.stats["dispatch_s"] += time.perf_counter() - start
         self._round_read_at = None
         return Round(seqs, [budget[s] for s in seqs], (out_tok, out_lp, *top), carry)
 
-    def _collect_decode(self, round_: Round) -> list[Request]:
+    def _collect_decode(self, round_: Round) -> list[EngineRequest]:
         """Read a round's tokens (this waits for the device) and finish the sequences that stopped.
         A sequence that finished while the round was in flight (a stop the host found in the round
         before: a listener's stop, cancellation) is skipped: what the round sampled for it is dropped."""
@@ -464,7 +409,7 @@ class Engine:
             return self._end(req, "cancelled" if req.cancelled else "finished")
         return False
 
-    def _end(self, req: Request, outcome: str) -> bool:
+    def _end(self, req: EngineRequest, outcome: str) -> bool:
         """The one place a request ends: samples that never started get an empty "cancelled"
         completion, the outcome is counted, the waiters are told. False if it had ended already."""
         if req.done.is_set():
@@ -477,7 +422,7 @@ class Engine:
         req.finish()
         return True
 
-    def _reap_cancelled(self) -> list[Request]:
+    def _reap_cancelled(self) -> list[EngineRequest]:
         finished = []
         scheduled = self.scheduler.running + list(self.scheduler.waiting)
         for seq in [s for s in scheduled if s.request.cancelled]:
@@ -490,7 +435,7 @@ class Engine:
                 finished.append(req)
         return finished
 
-    def abort(self, error: str) -> list[Request]:
+    def abort(self, error: str) -> list[EngineRequest]:
         """After a step raised: end every admitted request as failed (`error` is what its waiters
         are told), free every page and forget the round in flight, so the engine serves the next
         request from a clean state. Requests queued since that step stay queued. Returns the failed."""

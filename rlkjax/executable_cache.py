@@ -1,11 +1,12 @@
-"""The engine's compiled step functions kept on disk, so a restarted server loads them instead of tracing,
+"""The engine's compiled programs kept on disk, so a restarted server loads them instead of tracing,
 lowering and compiling them again.
 
 JAX's persistent compilation cache (rlkjax.compilation_cache) removes only the compile: its key is the
-lowered program, so every start still traces and lowers each step function, and on CPU the Pallas
-interpret-mode programs make that most of a warm start (32 of 39 s at --max-batch 1). This cache keeps
-the executables themselves (jax.experimental.serialize_executable), under a key that covers everything
-that decides the program without lowering it:
+lowered program, so every start still traces and lowers each program, and on CPU the Pallas
+interpret-mode programs make that most of a warm start
+(bench/results/2026-12-03_h200_cpu_measurements_behind_defaults.md). This cache keeps the executables
+themselves (jax.experimental.serialize_executable), under a key that covers everything that decides the
+program without lowering it:
 
 - the environment: jax and jaxlib versions, the backend's platform and version, its devices, XLA_FLAGS,
   every JAX config value that can change a program, and a hash of the source of rlkjax and pallas_kernels;
@@ -44,7 +45,7 @@ log = logging.getLogger("rlkjax.executable_cache")
 MAGIC = b"rlkjax executable 1\n"
 # jax.monitoring event of each executable loaded from disk (compilation_cache.CompileTimes counts them)
 LOAD_EVENT = "/rlkjax/executable_cache/load_duration"
-# The packages whose source decides a step function's program.
+# The packages whose source decides a program's lowered text.
 SOURCE_PACKAGES = ("rlkjax", "pallas_kernels")
 
 _directory: Path | None = None  # set by compilation_cache.enable(); None: every call goes to jax.jit
@@ -52,7 +53,7 @@ _fingerprint: str | None = None  # of the environment, computed at the first mis
 
 
 def use_directory(path: str | os.PathLike | None) -> None:
-    """Keep executables in `path` (None: off; the step functions run through jax.jit alone)."""
+    """Keep executables in `path` (None: off; the programs run through jax.jit alone)."""
     global _directory
     _directory = None if path is None else Path(path)
 

@@ -327,15 +327,15 @@ def _layers(p: _Pass, x, kv_cache, shared):
     return x, (k_pages, v_pages)
 
 
-def sample(params, hidden, seeds, steps, temperature, numerics: Numerics, alternatives: int = 0, truncation=None):
+def sample(params, hidden, seeds, steps, temperature, numerics: Numerics, top_logprobs: int = 0, truncation=None):
     """The sampler's head: hidden [N, D] -> a `Logprobs` of tokens [N] drawn with keys (seed, step) and
-    their logprobs; alternatives = k > 0 adds each row's k most likely ids and their logprobs [N, k];
+    their logprobs; top_logprobs = k > 0 adds each row's k most likely ids and their logprobs [N, k];
     truncation = (top_k, top_p, min_p) [N] draws from the truncated, renormalised distribution and adds
     that logprob (pallas_kernels.logprob.head). The tokens and logprobs are the same bits with or
-    without alternatives, and the learner's for those tokens."""
+    without top logprobs, and the learner's for those tokens."""
     w = lm_head(params)
     return ops(numerics).logprob(
-        hidden, w, temperature, seeds=seeds, steps=steps, alternatives=alternatives, truncation=truncation
+        hidden, w, temperature, seeds=seeds, steps=steps, top_logprobs=top_logprobs, truncation=truncation
     )
 
 
@@ -355,7 +355,7 @@ def sequence_logprobs(
     layer_weights=None,
     remat=False,
     columns=None,
-    alternatives: int = 0,
+    top_logprobs: int = 0,
     truncation=None,
     chunk: int = 64,
 ):
@@ -364,14 +364,14 @@ def sequence_logprobs(
     layer_weights, remat: see `forward` (the FSDP learner's per-layer all-gather; recompute in the backward).
     columns: None scores every position (what `score` and prompt logprobs need); [B, C] scores only
     those columns (`completion_logprobs`) and leaves 0 in every other.
-    alternatives = k > 0 or truncation = (top_k, top_p, min_p) [B] (as `sample` takes them): a
+    top_logprobs = k > 0 or truncation = (top_k, top_p, min_p) [B] (as `sample` takes them): a
     `Logprobs` of [B, T - 1] (tokens None; top ids and logprobs [B, T - 1, k]) instead, logp with the same bits, the
     rest the sampler's for the same tokens; `chunk` positions at a time (their [chunk, vocab] logits
     are materialised). Not differentiable."""
     b, t = tokens.shape
-    if alternatives or truncation is not None:
+    if top_logprobs or truncation is not None:
         return _scored_with_options(
-            params, tokens, positions, temperature, rope, cfg, numerics, alternatives, truncation, chunk
+            params, tokens, positions, temperature, rope, cfg, numerics, top_logprobs, truncation, chunk
         )
     if columns is not None:
         logp = completion_logprobs(
@@ -448,27 +448,27 @@ def _learner_hidden(
 def _over_chunks(fn, chunk: int, *per_position):
     """fn over [chunk]-row slices of [n, ...] arrays (lax.map, padded to whole chunks; padding rows
     have target 0 and temperature 0, finite, and are sliced away): the materialised logits behind
-    alternatives or truncation are [chunk, vocab], never [tokens, vocab]."""
+    top logprobs or truncation are [chunk, vocab], never [tokens, vocab]."""
     n = per_position[0].shape[0]
     rows = cdiv(n, chunk) * chunk
     xs = tuple(pad_dim(x, 0, chunk).reshape(rows // chunk, chunk, *x.shape[1:]) for x in per_position)
     return tuple(o.reshape(rows, *o.shape[2:])[:n] for o in jax.lax.map(lambda x: fn(*x), xs))
 
 
-def _scored_with_options(params, tokens, positions, temperature, rope, cfg, numerics, alternatives, truncation, chunk):
-    """`sequence_logprobs` with alternatives or truncation: the head over `chunk` positions at a time."""
+def _scored_with_options(params, tokens, positions, temperature, rope, cfg, numerics, top_logprobs, truncation, chunk):
+    """`sequence_logprobs` with top logprobs or truncation: the head over `chunk` positions at a time."""
     b, t = tokens.shape
     hidden = _learner_hidden(params, tokens, positions, rope, cfg, numerics)
     per_row = [jnp.repeat(a, t - 1) for a in (temperature, *(truncation or ()))]
     op, w = ops(numerics), lm_head(params)
 
     def head(h, targets, temps, *trunc):
-        out = op.logprob(h, w, temps, targets=targets, alternatives=alternatives, truncation=trunc or None)
+        out = op.logprob(h, w, temps, targets=targets, top_logprobs=top_logprobs, truncation=trunc or None)
         return tuple(x for x in out[1:] if x is not None)
 
     out = _over_chunks(head, chunk, hidden[:, :-1].reshape(b * (t - 1), -1), tokens[:, 1:].reshape(-1), *per_row)
     out = iter(o.reshape(b, t - 1, *o.shape[1:]) for o in out)
     lp = next(out)
     renormalised = next(out) if truncation is not None else None
-    top_ids, top_logprobs = (next(out), next(out)) if alternatives else (None, None)
-    return Logprobs(None, lp, renormalised, top_ids, top_logprobs)  # the targets: tokens[:, 1:]
+    top = (next(out), next(out)) if top_logprobs else (None, None)
+    return Logprobs(None, lp, renormalised, *top)  # the targets: tokens[:, 1:]

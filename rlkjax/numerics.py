@@ -82,7 +82,7 @@ LOGPROB = logprob.LogprobConfig(
 # 4 stages: a decode step streams the whole lm_head through 128 programs (one per SM), bound by the
 # loads in flight. One LOGPROB config for every row count: block_rows changes the layout of the
 # [rows, vocab tile] reductions (max, sum of exp) and with it their order, so a row's bits depend on
-# it (16- and 64-row programs differ in the last bit for some rows, on the H200 and interpreted).
+# it (16- and 64-row programs differ in the last bit for some rows).
 # A decode step reads the lm_head once anyway: row blocks of one vocab range run next to each
 # other (rows are the fastest grid axis) and share it through L2.
 PAGE_SIZE = ATTENTION.page_size  # the fast path uses the same cache layout, and so does every tile table
@@ -174,7 +174,7 @@ def default_platform() -> Platform:
 @dataclasses.dataclass(frozen=True)
 class NumericsOptions:
     """The numerics choices of a compiled function, as one hashable value: `ops()`, `model.forward`
-    and the jitted step functions take it (or the plain strings "strict" / "fast", the defaults
+    and the jitted programs take it (or the plain strings "strict" / "fast", the defaults
     below) as a static argument, so a different choice is a different compilation, never a module
     global that a function compiled earlier silently ignores. Only `mode`, `platform` and `tiles`
     can change a logprob; the backward choices change gradients' implementation (and possibly
@@ -188,7 +188,7 @@ class NumericsOptions:
     # and memory; it runs XLA dots). Forward bits are the same.
     attention_backward: Literal["flash", "dense"] = "flash"
     # Layers per iteration of the sampler's layer loop (weights read in place). Unrolling only removes the
-    # loop's own counter/compare kernels (~4 launches a layer at 0.6B decode); the same kernels run on
+    # loop's own counter/compare kernels; the same kernels run on
     # the same inputs, so the bits do not depend on it. bench.speed --layer-unroll measures it.
     layer_unroll: int = 1
     # The platform whose tile table and lowering (Triton or the interpreter) to use; None: the default
@@ -258,9 +258,10 @@ def options(numerics: Numerics) -> NumericsOptions:
 
 def padded_rows(rows: int, numerics: Numerics) -> int:
     """Rows the strict forward carries its activations at: a multiple of the matmul tile height of
-    `rows`' class (16 for decode), so no kernel pads or slices per call (a decode step of one row
-    spent ~5% of its time in pad/slice copies around every matmul and norm). Rows are independent
-    in every kernel, so padding never changes a real row's bits. The fast path pads nothing."""
+    `rows`' class (16 for decode), so no kernel pads or slices per call (those copies around every
+    matmul and norm were a measurable share of a decode step:
+    bench/results/2026-12-03_h200_cpu_measurements_behind_defaults.md). Rows are independent in every
+    kernel, so padding never changes a real row's bits. The fast path pads nothing."""
     opts = options(numerics)
     if opts.mode == "fast":
         return rows
@@ -336,7 +337,7 @@ class Ops(NamedTuple):
     swiglu: Callable  # (gate, up)
     attention_plan: Callable  # (page_table, positions, group) -> the index arrays every layer's attention reads
     attention: Callable  # (q, k, v, k_pages, v_pages, layer, plan) -> (out, k_pages, v_pages)
-    # (h, w, temperature, targets= | seeds=, steps=, alternatives=0, truncation=None) -> logprob.Logprobs:
+    # (h, w, temperature, targets= | seeds=, steps=, top_logprobs=0, truncation=None) -> logprob.Logprobs:
     # the lm_head's logprobs of targets, or a sample keyed by (seed, step) (pallas_kernels.logprob.head)
     logprob: Callable
 

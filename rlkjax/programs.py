@@ -45,12 +45,12 @@ class RowSampling(NamedTuple):
         )
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "numerics", "alternatives"), donate_argnames=("kv_cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "numerics", "top_logprobs"), donate_argnames=("kv_cache",))
 def decode_step(
-    params, tokens, positions, kv_cache, page_table, sampling: RowSampling, rope, cfg, numerics, alternatives=0
+    params, tokens, positions, kv_cache, page_table, sampling: RowSampling, rope, cfg, numerics, top_logprobs=0
 ):
     """Feed one token per row [B, 1]; sample the next with keys (seed, step); temperature 0 is
-    greedy. With `alternatives` = k > 0 (a separate variant: it materialises [B, vocab] fp32
+    greedy. With `top_logprobs` = k > 0 (a separate variant: it materialises [B, vocab] fp32
     logits) also returns each row's k most likely ids and their logprobs [B, k]; the tokens and
     logprobs are the same bits either way. With `sampling.truncation` draws from the truncated
     distribution (a row with nothing truncated draws the default path's token and bits) and records
@@ -58,14 +58,14 @@ def decode_step(
     hidden, kv_cache = forward(params, tokens, positions, kv_cache, page_table, rope, cfg, numerics)
     truncation = None if sampling.truncation is None else sampling.truncation[:3]  # (top_k, top_p, min_p)
     out = sample(
-        params, hidden[:, 0], sampling.seeds, sampling.steps, sampling.temps, numerics, alternatives, truncation
+        params, hidden[:, 0], sampling.seeds, sampling.steps, sampling.temps, numerics, top_logprobs, truncation
     )
     logprobs = out.logprobs if truncation is None else jnp.where(sampling.truncation[3], out.renormalised, out.logprobs)
-    return out.tokens, logprobs, kv_cache, *((out.top_ids, out.top_logprobs) if alternatives else ())
+    return out.tokens, logprobs, kv_cache, *((out.top_ids, out.top_logprobs) if top_logprobs else ())
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "numerics", "num_steps", "alternatives"), donate_argnames=("kv_cache",)
+    jax.jit, static_argnames=("cfg", "numerics", "num_steps", "top_logprobs"), donate_argnames=("kv_cache",)
 )
 def decode_round(
     params,
@@ -78,7 +78,7 @@ def decode_round(
     cfg,
     numerics,
     num_steps,
-    alternatives=0,
+    top_logprobs=0,
 ):
     """Up to `num_steps` decode steps on the device per host round trip.
 
@@ -88,7 +88,7 @@ def decode_round(
     an ordinary token: the distribution is never changed, so the logprobs stay the learner's); from
     then on it is fed as padding (position -1: written to the trash page, read by nobody). Returns
     tokens [B, num_steps] (-1 after a row stopped), their logprobs, and the cache; with
-    `alternatives` = k > 0 also top ids and logprobs [B, num_steps, k].
+    `top_logprobs` = k > 0 also top ids and logprobs [B, num_steps, k].
 
     The loop always runs num_steps steps: a loop that ended once every row stopped would need the
     host to read its condition after every step, and XLA:GPU's dispatch then blocks the host for
@@ -112,7 +112,7 @@ def decode_round(
             rope,
             cfg,
             numerics,
-            alternatives,
+            top_logprobs,
         )
         nxt = jnp.where(active, nxt, -1)
         new = (nxt, jnp.where(active, lp, jnp.zeros_like(lp)), *top)
@@ -121,15 +121,15 @@ def decode_round(
         return jnp.where(active, nxt, tok), pos + 1, active & ~stop, cache, out
 
     out = (jnp.full((rows, num_steps), -1, jnp.int32), jnp.zeros((rows, num_steps), jnp.float32))
-    if alternatives:
-        k = (rows, num_steps, alternatives)
+    if top_logprobs:
+        k = (rows, num_steps, top_logprobs)
         out += (jnp.zeros(k, jnp.int32), jnp.zeros(k, jnp.float32))
     *_, kv_cache, out = jax.lax.fori_loop(0, num_steps, body, (tokens, positions, budget > 0, kv_cache, out))
     return out[0], out[1], kv_cache, *out[2:]
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "numerics", "num_steps", "alternatives"), donate_argnames=("kv_cache",)
+    jax.jit, static_argnames=("cfg", "numerics", "num_steps", "top_logprobs"), donate_argnames=("kv_cache",)
 )
 def next_round(
     params,
@@ -144,7 +144,7 @@ def next_round(
     cfg,
     numerics,
     num_steps,
-    alternatives=0,
+    top_logprobs=0,
 ):
     """`decode_round` whose rows may continue the round before it, which the host has not read yet.
 
@@ -161,7 +161,7 @@ def next_round(
     budget = jnp.where(take & carry[1][row], 0, sampling.budget)
     sampling = sampling._replace(budget=budget)
     out_tok, out_lp, kv_cache, *top = decode_round(
-        params, tokens, positions, kv_cache, page_table, sampling, rope, cfg, numerics, num_steps, alternatives
+        params, tokens, positions, kv_cache, page_table, sampling, rope, cfg, numerics, num_steps, top_logprobs
     )
     steps, stop_ids, min_tokens = sampling.steps, sampling.stop_ids, sampling.min_tokens
     produced = jnp.sum(out_tok >= 0, axis=1)

@@ -1,4 +1,4 @@
-"""The engine's host-side records: a request (its SamplingParams, its samples' results, the Listener
+"""The engine's host-side records: an EngineRequest (its SamplingParams, its samples' results, the Listener
 it reports to), each sample's sequence (tokens, logprobs, KV pages), the page allocator they share, a
 decode round in flight, and the finished Completion."""
 
@@ -28,7 +28,7 @@ class Completion:
     top_ids: np.ndarray | None = None
     top_logprobs: np.ndarray | None = None
     # Asked for with prompt_logprobs (rlkjax.generate): the learner's logprobs of prompt[1:] [P - 1],
-    # and, with k alternatives, their top ids and logprobs [P - 1, k].
+    # and, with prompt_logprobs=k > 0, the k most likely ids at each position and their logprobs [P - 1, k].
     prompt_logprobs: np.ndarray | None = None
     prompt_top_ids: np.ndarray | None = None
     prompt_top_logprobs: np.ndarray | None = None
@@ -88,7 +88,7 @@ class PageAllocator:
 
 @dataclasses.dataclass(eq=False)
 class Sequence:
-    request: "Request"
+    request: "EngineRequest"
     index: int  # sample index within the request
     seed: int
     tokens: list[int]  # prompt + generated
@@ -115,7 +115,7 @@ class Sequence:
 
     def extend(self, tokens, logprobs, top_ids=None, top_logprobs=None) -> int:
         """Append a decode round's row (tokens [S], -1 after the row stopped; logprobs [S]; with
-        top_logprobs=k the alternatives [S, K]); returns how many tokens it added."""
+        top_logprobs=k the top logprobs [S, K]); returns how many tokens it added."""
         k = self.request.sampling.top_logprobs
         new = int((tokens >= 0).sum())
         self.tokens += [int(t) for t in tokens[:new]]
@@ -136,7 +136,7 @@ class Sequence:
 
     def hook_stops(self, new: int, reason: str | None) -> bool:
         """Show the request's listener the round's `new` tokens (and, when it asked for top_logprobs, their
-        alternatives: (top ids, top logprobs), one [k] array each per token; else None) and the engine's
+        top logprobs: (top ids, their logprobs), one [k] array each per token; else None) and the engine's
         finish reason (None: the sample goes on); if it keeps only k of them, drop the rest (their K/V
         is never read: the sequence ends here) and report that the sequence stopped."""
         tokens, logprobs = self.tokens[len(self.tokens) - new :], self.logprobs[len(self.logprobs) - new :]
@@ -147,7 +147,7 @@ class Sequence:
             return False
         drop = new - check_int("on_tokens' keep", keep, 0, new)
         del self.tokens[len(self.tokens) - drop :], self.logprobs[len(self.logprobs) - drop :]
-        if asked:  # the alternatives stay one per kept token
+        if asked:  # the top logprobs stay one per kept token
             del self.top_ids[len(self.top_ids) - drop :], self.top_logprobs[len(self.top_logprobs) - drop :]
         return True
 
@@ -171,7 +171,7 @@ class Listener:
     follows_tokens = False  # on_tokens is called only when True (no per-round work for the others)
 
     def on_tokens(self, index: int, tokens, logprobs, top, reason) -> int | None:
-        """After each decode round: sample `index`'s new tokens, their logprobs, their alternatives (top
+        """After each decode round: sample `index`'s new tokens, their logprobs, their top logprobs (top
         ids, top logprobs: a [k] array each per token) if top_logprobs, else None, and the engine's finish
         reason ("stop" | "length", None while the sample goes on). Returning an int k keeps the first k
         tokens and stops that sample ("stop"), e.g. on a stop string; None goes on."""
@@ -182,7 +182,10 @@ class Listener:
 
 
 @dataclasses.dataclass(eq=False)
-class Request:
+class EngineRequest:
+    """The engine's record of one submitted prompt and its n samples (`Engine.submit`); an HTTP request
+    (serve's `request`, aiohttp's) becomes one per prompt."""
+
     id: int
     prompt: list[int]
     sampling: SamplingParams
@@ -207,7 +210,7 @@ class Round:
 
     seqs: list[Sequence]  # row i's sequence
     budget: list[int]  # tokens row i may sample (it samples all of them unless it stops)
-    out: tuple  # device arrays: tokens, logprobs (and alternatives)
+    out: tuple  # device arrays: tokens, logprobs (and top logprobs)
     carry: tuple  # device arrays: next_round's carry
 
 

@@ -51,9 +51,9 @@ class SamplingParams:
     """Draw only ids at least this fraction of the most likely one's probability (0: off)."""
     truncated_logprobs: bool = False
     """Record logprobs of the renormalised truncated distribution instead of the full one (the
-    learner's); not with top_logprobs, whose alternatives are full-distribution values."""
+    learner's); not with top_logprobs, whose values are the full distribution's."""
     prompt_logprobs: int | None = None
-    """rlkjax.generate only: the learner's logprobs of prompt[1:] and, for k > 0, k alternatives
+    """rlkjax.generate only: the learner's logprobs of prompt[1:] and, for k > 0, k top logprobs
     per position (None: off)."""
 
     def __post_init__(self):
@@ -78,7 +78,7 @@ class SamplingParams:
             fields["prompt_logprobs"] = check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_TOP_LOGPROBS)
         if fields["truncated_logprobs"] and fields["top_logprobs"]:
             raise ValueError(
-                "truncated_logprobs cannot be combined with top_logprobs (alternatives are full-distribution)"
+                "truncated_logprobs cannot be combined with top_logprobs (top logprobs are full-distribution)"
             )
         for name, value in fields.items():  # normalised: plain Python ints, floats and a sorted tuple
             object.__setattr__(self, name, value)
@@ -97,7 +97,7 @@ class SamplingParams:
 
     def check_model(self, vocab_size: int, context: int, prompt_len: int = 0) -> None:
         """The checks that need the model: ids inside its vocabulary, at most `vocab_size`
-        alternatives, and prompt_len + max_tokens within `context` tokens. Raises ValueError naming
+        top logprobs, and prompt_len + max_tokens within `context` tokens. Raises ValueError naming
         the field."""
         for t in self.stop_token_ids:
             if t >= vocab_size:

@@ -19,7 +19,7 @@ import rlkjax
 from rlkjax import compilation_cache
 from rlkjax.checks import check_int
 from rlkjax.engine import Engine
-from rlkjax.records import Listener, Request
+from rlkjax.records import EngineRequest, Listener
 from rlkjax.sampling_params import SamplingParams
 from serve.http import BadRequest, EngineFailed, RequestTimeout, ShuttingDown, Starting, check_context
 from serve.protocol import Limits
@@ -36,7 +36,7 @@ class Submission:
     def __init__(self, prompts: int, n: int, texts: list[SampleText] | None, stream: bool):
         self.loop = asyncio.get_running_loop()
         self.n, self.texts = n, texts
-        self.requests: list[Request] = []
+        self.requests: list[EngineRequest] = []
         self.ended = [self.loop.create_future() for _ in range(prompts)]  # prompt i's request ended
         self.queue: asyncio.Queue | None = asyncio.Queue() if stream else None
         choices = len(texts) if texts else 0
@@ -122,7 +122,7 @@ class EngineClient:
         self.draining = False  # a shutdown began: new requests are refused
         self.deadline_passed = False  # a shutdown cancelled what was in flight
         self.cut_event = asyncio.Event()  # set by cut(): waiting handlers answer at once
-        self.in_flight: set[Request] = set()  # submitted and not ended (pruned as they end)
+        self.in_flight: set[EngineRequest] = set()  # submitted and not ended (pruned as they end)
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
     # ----- the engine thread -----
@@ -271,7 +271,7 @@ class EngineClient:
             self.cancel(submission.requests)
         self.in_flight.difference_update(submission.requests)
 
-    async def wait(self, submission: Submission, timeout: float | None = None) -> list[Request]:
+    async def wait(self, submission: Submission, timeout: float | None = None) -> list[EngineRequest]:
         """Await the submission's requests; a cancelled handler (client gone) or a timeout cancels them and
         frees their pages; a failure or a shutdown's cut raises the error its client gets."""
         try:
@@ -329,7 +329,7 @@ class EngineClient:
         """A shutdown began: refuse new requests, let those in flight finish."""
         self.draining = True
 
-    def pending(self) -> set[Request]:
+    def pending(self) -> set[EngineRequest]:
         """Submitted requests that have not ended (whatever ended them; their handlers may be gone)."""
         self.in_flight = {r for r in self.in_flight if not r.done.is_set()}
         return self.in_flight
@@ -355,7 +355,7 @@ class EngineClient:
 
     async def score(self, prompts, temperature: float, top_logprobs: int, version: int | None):
         """The learner's logprobs of each prompt (rlkjax.score from its second token, with `top_logprobs`
-        alternatives), by the weights of policy `version` (None: the current ones): (version, rows)."""
+        top logprobs), by the weights of policy `version` (None: the current ones): (version, rows)."""
         engine = self.engine
         served, params = engine.policy_version, engine.params
         if version is not None and version != served:

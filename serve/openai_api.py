@@ -12,10 +12,10 @@ learner's own pass, over the weights that served the request.
 
 temperature 0 is greedy (the argmax; its logprobs are those of the temperature-1 distribution). top_k, top_p,
 min_p (vLLM's names) truncate the distribution tokens are drawn from; the logprobs returned stay those of the
-full distribution (the learner's) unless truncated_logprobs asks for the renormalised ones. Top alternatives
+full distribution (the learner's) unless truncated_logprobs asks for the renormalised ones. Top logprobs
 (completions: logprobs=k, chat: top_logprobs=k, k <= 20) are the engine's: the k most likely ids of the same
 distribution, the sampled token's entry the same bits as its own logprob. Completions give them as OpenAI's
-legacy {token string: logprob} per position: an alternative's string is its id decoded alone, the sampled
+legacy {token string: logprob} per position: a top entry's string is its id decoded alone, the sampled
 token's is its string in `tokens`; when two ids have the same string the sampled token's value is kept, else
 the more likely one's, and the extension `top_token_ids` lists the k ids themselves.
 """
@@ -48,7 +48,7 @@ class Job:
         self.created = int(time.time())
         self.prompt_logprobs: list | None = None  # per prompt, when echo asks for them
         self.prompt_tops: list | None = None  # per prompt and token: (top ids, top logprobs) or None
-        self.names: dict[int, str] = {}  # an alternative's string: its id decoded alone
+        self.names: dict[int, str] = {}  # a top entry's string: its id decoded alone
         self.version = None  # policy version of the weights that served the request
 
     # ----- running -----
@@ -109,14 +109,14 @@ class Job:
         return "stop" if self.texts[choice].stopped else reason
 
     def _echo(self, i: int) -> tuple[str, list[str], list, list]:
-        """Prompt i's text, token strings, logprobs and alternatives for echo."""
+        """Prompt i's text, token strings, logprobs and top logprobs for echo."""
         pieces = token_pieces(self.client.tokenizer, self.prompts[i])
         if not self.prompt_logprobs:
             return "".join(pieces), pieces, [], []
         return "".join(pieces), pieces, self.prompt_logprobs[i], self.prompt_tops[i]
 
     def _result_tops(self, choice: int) -> list:
-        """The engine's alternatives of a finished sample, per token: (top ids, top logprobs) or None."""
+        """The engine's top logprobs of a finished sample, per token: (top ids, top logprobs) or None."""
         if self.req.max_tokens == 0:
             return []
         c = self.requests[choice // self.n].results[choice % self.n]
@@ -130,7 +130,7 @@ class Job:
         return self.names[token]
 
     def _top_entries(self, token: int, piece: str, top) -> list[tuple[int, str, float]]:
-        """(id, string, logprob) of a token's alternatives, most likely first: the sampled token's string is its
+        """(id, string, logprob) of a token's top logprobs, most likely first: the sampled token's string is its
         piece of the text, another's its id decoded alone."""
         if top is None:
             return []

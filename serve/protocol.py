@@ -16,7 +16,7 @@ import secrets
 import uuid
 
 from rlkjax.chat import ChatTemplateError
-from rlkjax.checks import as_float, check_int, check_seed, check_tokens, most_alternatives, sample_seed, shown
+from rlkjax.checks import as_float, check_int, check_seed, check_tokens, most_top_logprobs, sample_seed, shown
 from rlkjax.sampling_params import SamplingParams
 from serve.http import BadRequest, check_context, check_fields, optional, token_prompts
 from serve.tool_calls import history_message, request_tools
@@ -120,7 +120,7 @@ def sampling_params(fields: dict, top_logprobs_name: str = "top_logprobs") -> Sa
     if fields.get("truncated_logprobs") and fields.get("top_logprobs"):
         SamplingParams(**fields | {"top_logprobs": 0})  # every other check first, in SamplingParams' order
         raise ValueError(
-            f"truncated_logprobs cannot be combined with {top_logprobs_name} (alternatives are full-distribution)"
+            f"truncated_logprobs cannot be combined with {top_logprobs_name} (top logprobs are full-distribution)"
         )
     return SamplingParams(**fields)
 
@@ -259,7 +259,7 @@ class TokenGenerateRequest(GenerationRequest):
         if not isinstance(sp, dict):
             raise BadRequest("sampling_params must be an object")
         _check_vllm_fields(sp)
-        logprobs, most = sp.get("logprobs"), most_alternatives(limits.vocab_size)
+        logprobs, most = sp.get("logprobs"), most_top_logprobs(limits.vocab_size)
         if logprobs is not None and (
             not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= most
         ):
@@ -327,7 +327,7 @@ def _openai_fields(body: dict, limits: Limits, prompts: list, chat: bool) -> dic
     """OpenAIRequest's fields from a body whose prompts are read; the engine checks the rest of what it
     takes (n, ids, lengths) with its own messages."""
     limits.check_prompts(prompts)
-    prompt_len, most = max(map(len, prompts), default=0), most_alternatives(limits.vocab_size)
+    prompt_len, most = max(map(len, prompts), default=0), most_top_logprobs(limits.vocab_size)
     if chat:
         logprobs, top = bool_field(body, "logprobs"), optional(body, "top_logprobs", 0)
         if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= most:
@@ -337,11 +337,11 @@ def _openai_fields(body: dict, limits: Limits, prompts: list, chat: bool) -> dic
         default_max = max(limits.max_context - prompt_len, 1)  # OpenAI's chat default: up to the context
         max_tokens = optional(body, "max_completion_tokens", optional(body, "max_tokens", default_max))
         echo = False
-    else:  # logprobs=k: k top alternatives per token
+    else:  # logprobs=k: k top logprobs per token
         top = body.get("logprobs")
         if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= most):
             raise BadRequest(
-                f"logprobs must be null or an integer in [0, {most}] (top alternatives per token), got {shown(top)}"
+                f"logprobs must be null or an integer in [0, {most}] (top logprobs per token), got {shown(top)}"
             )
         logprobs, top, max_tokens, echo = (
             top is not None,
@@ -375,7 +375,7 @@ def _openai_fields(body: dict, limits: Limits, prompts: list, chat: bool) -> dic
             min_p=optional(body, "min_p", 0.0),
             truncated_logprobs=optional(body, "truncated_logprobs", False),
         )
-        params = sampling_params(fields, "top_logprobs" if chat else "logprobs (top alternatives)")
+        params = sampling_params(fields, "top_logprobs" if chat else "logprobs")
         params.check_model(limits.vocab_size, limits.max_context)
         check_int("n", params.n, 1, limits.max_batch)  # before the route sizes anything by n
     except ValueError as e:

@@ -17,7 +17,7 @@ the same tokens).
 
 sampling_params takes vLLM's SamplingParams field names. Those the engine honours: n, max_tokens (absent:
 up to the context), temperature, top_p, top_k (-1: off), min_p, seed, min_tokens, stop_token_ids,
-ignore_eos, logprobs (k alternatives per token; null: no logprobs) and our truncated_logprobs. Those that
+ignore_eos, logprobs (k top logprobs per token; null: no logprobs) and our truncated_logprobs. Those that
 only shape text or streaming, which this route has none of, are accepted and have no effect (HARMLESS).
 Those that would change the distribution or the output are accepted only at their neutral value (NEUTRAL:
 penalties, logit_bias, stop strings, beam search, structured outputs, ...): another value is a 400 naming

@@ -6,7 +6,8 @@ import dataclasses
 import numpy as np
 
 import rlkjax
-from rlkjax.engine import Engine, EngineConfig
+from rlkjax.engine import Engine
+from rlkjax.engine_config import EngineConfig
 from rlkjax.shapes import bucket
 from tests.helpers import assert_bits_equal
 
@@ -44,7 +45,7 @@ def check_case(params, cfg, prompts, seeds, temps, max_new, chunk, numerics="str
             params,
             cfg,
             prompts,
-            max_new_tokens=max_new,
+            max_tokens=max_new,
             temperature=temps,
             seeds=seeds,
             numerics=numerics,

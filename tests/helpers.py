@@ -13,7 +13,7 @@ import pytest
 
 import rlkjax
 from rlkjax import audit
-from rlkjax.engine import EngineConfig
+from rlkjax.engine_config import EngineConfig
 from rlkjax.numerics import NumericsOptions
 from rlkjax.records import Listener
 

@@ -22,7 +22,7 @@ TEMPERATURES = [0.7, 1.3]
 def digest() -> str:
     cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
     params = rlkjax.init_params(cfg, seed=0)
-    comps = rlkjax.generate(params, cfg, PROMPTS, max_new_tokens=4, temperature=TEMPERATURES, seeds=[1, 2])
+    comps = rlkjax.generate(params, cfg, PROMPTS, max_tokens=4, temperature=TEMPERATURES, seeds=[1, 2])
     seqs = [p + c.tokens for p, c in zip(PROMPTS, comps)]
     scored = rlkjax.score(params, cfg, seqs, [len(p) for p in PROMPTS], temperature=TEMPERATURES)
 

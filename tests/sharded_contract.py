@@ -73,7 +73,7 @@ def learner_step_matches_sampler(cfg, params, devices, prompt_lens, max_new_toke
     non-zero advantages) must be finite and non-zero. Returns what was compared."""
     rng = np.random.default_rng(len(prompt_lens))
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in prompt_lens]
-    comps = rlkjax.generate(params, cfg, prompts, max_new_tokens=max_new_tokens, seeds=list(range(len(prompts))))
+    comps = rlkjax.generate(params, cfg, prompts, max_tokens=max_new_tokens, seeds=list(range(len(prompts))))
     samples = [
         {"prompt": p, "tokens": c.tokens, "logprobs": c.logprobs, "adv": float(a), "temperature": 1.0}
         for p, c, a in zip(prompts, comps, rng.standard_normal(len(prompts)))

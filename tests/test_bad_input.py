@@ -28,14 +28,16 @@ import rlkjax
         (dict(prompts=[[1, 10**400]]), "outside"),  # too large for int64
         (dict(prompts=[[1, [2]]]), "nested"),
         (dict(temperature=[1.0, 1.0]), "2 entries"),
-        (dict(max_new_tokens=0), "max_new_tokens"),
-        (dict(max_new_tokens=2.5), "max_new_tokens"),
-        (dict(max_new_tokens=2000), "context"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=2.5), "max_tokens"),
+        (dict(max_tokens=None, max_new_tokens=0), "max_new_tokens"),  # the earlier name, still accepted
+        (dict(max_new_tokens=2), "not both"),
+        (dict(max_tokens=2000), "context"),
         (dict(seeds=-1), "seeds"),
         (dict(seeds=2**32), "seeds"),
         (dict(numerics="exact"), "numerics"),
         (dict(prefill_chunk_size=0), "prefill_chunk_size"),
-        (dict(sampling=rlkjax.SamplingParams(min_tokens=3)), "min_tokens"),  # more than max_new_tokens
+        (dict(sampling=rlkjax.SamplingParams(min_tokens=3)), "min_tokens"),  # more than max_tokens
         (dict(sampling=rlkjax.SamplingParams(stop_token_ids=[512])), "stop_token_ids"),  # outside the vocabulary
         (dict(sampling=[rlkjax.SamplingParams()] * 2), "2 entries"),
         (dict(sampling={"max_tokens": 2}), "SamplingParams"),
@@ -44,9 +46,17 @@ import rlkjax
 )
 def test_generate_rejects(tiny, kwargs, match):
     cfg, params = tiny
-    args = dict(prompts=[[1, 2, 3]], max_new_tokens=2) | kwargs
+    args = dict(prompts=[[1, 2, 3]], max_tokens=2) | kwargs
     with pytest.raises(ValueError, match=match):
         rlkjax.generate(params, cfg, **args)
+
+
+def test_generate_takes_max_new_tokens_as_max_tokens(tiny):
+    """max_new_tokens, generate's earlier name for max_tokens, still sets the completion's length."""
+    cfg, params = tiny
+    (old,) = rlkjax.generate(params, cfg, [[1, 2, 3]], max_new_tokens=3, seeds=0, numerics="fast")
+    (new,) = rlkjax.generate(params, cfg, [[1, 2, 3]], max_tokens=3, seeds=0, numerics="fast")
+    assert len(old.tokens) == 3 and old.tokens == new.tokens
 
 
 @pytest.mark.parametrize(
@@ -145,9 +155,9 @@ jax.devices()
 import rlkjax
 cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
 params = rlkjax.init_params(cfg)
-assert len(rlkjax.generate(params, cfg, [[1, 2]], max_new_tokens=1, numerics="fast")[0].tokens) == 1
+assert len(rlkjax.generate(params, cfg, [[1, 2]], max_tokens=1, numerics="fast")[0].tokens) == 1
 try:
-    rlkjax.generate(params, cfg, [[1, 2]], max_new_tokens=1)
+    rlkjax.generate(params, cfg, [[1, 2]], max_tokens=1)
 except RuntimeError as e:
     print("refused:", e)
 """

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import rlkjax
-from rlkjax.engine import EngineConfig
+from rlkjax.engine_config import EngineConfig
 from tests.contract import BATCH_SIZES, check_case, random_case
 from tests.helpers import ENGINE, ODD
 
@@ -74,7 +74,7 @@ def test_fast_path_is_the_same_model_to_bf16_accuracy(tiny):
         errors[mode] = max(float(np.abs(g - t).max()) for g, t in zip(got, truth))
     assert 0 < errors["strict"] <= 2 * errors["fast"] and errors["fast"] <= 2 * errors["strict"], errors
     comps = rlkjax.generate(
-        params, cfg, [[3, 1, 4, 1, 5], list(range(40))], max_new_tokens=4, seeds=[1, 2], numerics="fast"
+        params, cfg, [[3, 1, 4, 1, 5], list(range(40))], max_tokens=4, seeds=[1, 2], numerics="fast"
     )
     assert all(len(c.tokens) == 4 and np.all(np.isfinite(c.logprobs)) and np.all(c.logprobs <= 0) for c in comps)
 

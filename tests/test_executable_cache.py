@@ -21,7 +21,8 @@ import rlkjax
 from rlkjax import engine as engine_module
 from rlkjax import executable_cache
 from rlkjax.compilation_cache import CompileTimes
-from rlkjax.engine import Engine, EngineConfig
+from rlkjax.engine import Engine
+from rlkjax.engine_config import EngineConfig
 from tests.helpers import assert_bits_equal
 
 STEP_FUNCTIONS = (engine_module.prefill_chunk, engine_module.next_round, engine_module.copy_pages)

@@ -34,10 +34,10 @@ def lowered(cfg, fn, numerics_mode, b=2, t=16, pages=4):
         trunc = (jax.ShapeDtypeStruct((b,), jnp.int32),) + (jax.ShapeDtypeStruct((b,), jnp.float32),) * 2
         temps = jax.ShapeDtypeStruct((b,), jnp.float32)
         return audit.lower_for_gpu(f, params, tok, tok, temps, rope, cfg, numerics_mode, truncation=trunc)
-    if fn == "learner_alternatives":  # prompt logprobs with top alternatives (score(..., top_logprobs=k))
-        f = jax.jit(model.sequence_logprobs, static_argnames=("cfg", "numerics", "alternatives"))
+    if fn == "learner_top_logprobs":  # prompt logprobs with top logprobs (score(..., top_logprobs=k))
+        f = jax.jit(model.sequence_logprobs, static_argnames=("cfg", "numerics", "top_logprobs"))
         return audit.lower_for_gpu(
-            f, params, tok, tok, jax.ShapeDtypeStruct((b,), jnp.float32), rope, cfg, numerics_mode, alternatives=5
+            f, params, tok, tok, jax.ShapeDtypeStruct((b,), jnp.float32), rope, cfg, numerics_mode, top_logprobs=5
         )
     cache = abstract(lambda: model.init_kv_cache(cfg, 1 + b * pages))
     pt = jax.ShapeDtypeStruct((b, pages), jnp.int32)
@@ -54,7 +54,7 @@ def lowered(cfg, fn, numerics_mode, b=2, t=16, pages=4):
         vec(jnp.int32),
         truncation if fn == "sampler_round_truncation" else None,
     )
-    if fn in ("sampler", "sampler_alternatives"):
+    if fn in ("sampler", "sampler_top_logprobs"):
         return audit.lower_for_gpu(
             programs.decode_step,
             params,
@@ -66,7 +66,7 @@ def lowered(cfg, fn, numerics_mode, b=2, t=16, pages=4):
             rope,
             cfg,
             numerics_mode,
-            alternatives=20 if fn == "sampler_alternatives" else 0,
+            top_logprobs=20 if fn == "sampler_top_logprobs" else 0,
         )
     carry = (jax.ShapeDtypeStruct((2 * b,), jnp.int32), jax.ShapeDtypeStruct((2 * b,), jnp.bool_))
     return audit.lower_for_gpu(  # the engine's round: decode_round continuing the round in flight
@@ -83,7 +83,7 @@ def lowered(cfg, fn, numerics_mode, b=2, t=16, pages=4):
         cfg,
         numerics_mode,
         num_steps=4,
-        alternatives=20 if fn in ("sampler_round_alternatives", "sampler_round_truncation") else 0,
+        top_logprobs=20 if fn in ("sampler_round_top_logprobs", "sampler_round_truncation") else 0,
     )
 
 
@@ -92,18 +92,18 @@ def lowered(cfg, fn, numerics_mode, b=2, t=16, pages=4):
 @pytest.mark.parametrize(
     "fn",
     ["learner", "sampler", "sampler_round"]
-    + ["learner_alternatives", "sampler_alternatives", "sampler_round_alternatives"]
+    + ["learner_top_logprobs", "sampler_top_logprobs", "sampler_round_top_logprobs"]
     + ["sampler_round_truncation", "learner_truncation"],
 )
 def test_strict_path_has_no_xla_float_arithmetic(tiny, fn, shape):
-    """Also the variants with top alternatives and truncation: their logits kernel's output goes
+    """Also the variants with top logprobs and truncation: their logits kernel's output goes
     through XLA's top_k (selection only) and gathers, then back into kernels for every exp, sum,
     cumulative mass, log and subtraction."""
     cfg = tiny[0] if shape == "tiny" else ODD
     text = lowered(cfg, fn, STRICT)
     assert "__gpu$xla.gpu.triton" in text  # the kernels really are there
     assert audit.float_arithmetic(text) == []
-    if fn.endswith(("alternatives", "truncation")):
+    if fn.endswith(("top_logprobs", "truncation")):
         assert "chlo.top_k" in text or "stablehlo.sort" in text
 
 

@@ -167,7 +167,7 @@ def test_sliced_learner_compiled(preset):
     params = rlkjax.init_params(cfg, seed=0)
     rng = np.random.default_rng(4)
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (37, 150, 5, 300)]
-    comps = rlkjax.generate(params, cfg, prompts, max_new_tokens=16, temperature=1.0, seeds=[0, 1, 2, 3])
+    comps = rlkjax.generate(params, cfg, prompts, max_tokens=16, temperature=1.0, seeds=[0, 1, 2, 3])
     batch = pack(
         [
             {"prompt": p, "tokens": c.tokens, "logprobs": c.logprobs, "adv": float(a), "temperature": 1.0}

@@ -158,7 +158,7 @@ def test_stop_strings_stop_one_sample_and_not_the_others(oai, tiny):
     assert chunks[ends[0]].finish_reason == "stop" and len(got.choices[0].logprobs.tokens) < 17
     assert ends[0] < max(ends[1], ends[2])
     stop_id = free.choices[1].logprobs.model_extra["token_ids"][3]
-    # logprobs 0: the two-stop-id rounds without alternatives, as test_min_tokens_and_ignore_eos runs them
+    # logprobs 0: the two-stop-id rounds without top logprobs, as test_min_tokens_and_ignore_eos runs them
     got = oai.completions.create(**kw | {"logprobs": 0}, extra_body={"stop_token_ids": [stop_id]})
     ids1 = got.choices[1].logprobs.model_extra["token_ids"]
     assert got.choices[1].finish_reason == "stop" and ids1[-1] == stop_id and len(ids1) <= 4
@@ -233,7 +233,7 @@ def test_lm_eval_harness_bodies(server, tiny):
         end = len(context + continuation)
         assert_bits_equal(exact(lp["token_logprobs"][1:end]), whole, "prompt and continuation")
         assert lp["top_logprobs"][0] is None and lp["top_token_ids"][1:end] == top_ids.tolist()
-        assert_bits_equal(exact([list(d.values()) for d in lp["top_logprobs"][1:end]]), top_lps, "top alternatives")
+        assert_bits_equal(exact([list(d.values()) for d in lp["top_logprobs"][1:end]]), top_lps, "top logprobs")
         # lm-eval's is_greedy: the continuation is greedy iff each position's most likely string is its token
         greedy = all(
             max(d, key=d.get) == t
@@ -377,7 +377,7 @@ def test_online_batch_invariance(server, tiny):
     assert_bits_equal(a, scored(tiny, b"batch invariance probe", ids), "vs the learner")
 
 
-def alternatives(tiny, prompt, ids, k):
+def learner_top_logprobs(tiny, prompt, ids, k):
     """The learner's top-k ids and logprobs (temperature 1) at each of the completion's positions."""
     cfg, params = tiny
     return rlkjax.score(params, cfg, [list(prompt) + list(ids)], [len(prompt)], top_logprobs=k)[0]
@@ -385,20 +385,20 @@ def alternatives(tiny, prompt, ids, k):
 
 def test_greedy_is_the_argmax_with_the_learners_bits(oai, tiny):
     """temperature 0: each token is the learner's most likely one (its top id), its logprob the learner's
-    temperature-1 bits, and logprobs=k gives the learner's k alternatives with their bits; the sampled
+    temperature-1 bits, and logprobs=k gives the learner's k top logprobs with their bits; the sampled
     token's entry in top_logprobs is its token_logprobs value, bit for bit. top_k=1 at temperature 1 draws
     the same tokens (and with truncated_logprobs their renormalised logprob: 0)."""
     kw = dict(model=MODEL, prompt="Hello", max_tokens=10, logprobs=5, seed=1)
     lp = oai.completions.create(**kw, temperature=0).choices[0].logprobs
     ids = lp.model_extra["token_ids"]
-    learner, top_ids, top_lps = alternatives(tiny, b"Hello", ids, 5)
+    learner, top_ids, top_lps = learner_top_logprobs(tiny, b"Hello", ids, 5)
     assert ids == top_ids[:, 0].tolist(), "greedy takes the argmax"
     assert_bits_equal(exact(lp.token_logprobs), learner, "greedy logprobs vs score at T=1")
     assert lp.model_extra["top_token_ids"] == top_ids.tolist()
     for i, (t, d) in enumerate(zip(lp.tokens, lp.top_logprobs)):
         assert_bits_equal(exact([d[t]]), exact([lp.token_logprobs[i]]), f"sampled entry {i}")
         assert lp.tokens[i] == t and len(d) <= 5  # ids that decode alike share a key
-    # logprobs 0, as the renormalised request below: both run one truncating round (with alternatives
+    # logprobs 0, as the renormalised request below: both run one truncating round (with top logprobs
     # it would be a second; tests/test_sampling.py covers top_k with top_logprobs)
     top1 = oai.completions.create(**kw | {"logprobs": 0}, extra_body={"top_k": 1}).choices[0].logprobs
     assert top1.model_extra["token_ids"] == ids
@@ -411,13 +411,13 @@ def test_greedy_is_the_argmax_with_the_learners_bits(oai, tiny):
 
 def test_top_p_and_min_p_draws_stay_in_the_kept_set(oai, tiny):
     """Several samples with top_p (then min_p): every drawn token is in the kept set worked out from the
-    learner's alternatives (top_p: the mass of the ids more likely than it is < top_p; min_p: p >= min_p p_max),
+    learner's top logprobs (top_p: the mass of the ids more likely than it is < top_p; min_p: p >= min_p p_max),
     and its logprob is the learner's full-distribution value."""
     for extra, k in [({"top_p": 0.02}, 20), ({"min_p": 0.9}, 1)]:
         got = oai.completions.create(model=MODEL, prompt="Hi", max_tokens=6, n=4, seed=2, logprobs=0, extra_body=extra)
         for c in got.choices:
             ids = c.logprobs.model_extra["token_ids"]
-            learner, top_ids, top_lps = alternatives(tiny, b"Hi", ids, k)
+            learner, top_ids, top_lps = learner_top_logprobs(tiny, b"Hi", ids, k)
             assert_bits_equal(exact(c.logprobs.token_logprobs), learner, f"{extra}")
             for t, lp, alt_ids, alt_lps in zip(ids, learner, top_ids, top_lps.astype(np.float64)):
                 if "top_p" in extra:
@@ -468,7 +468,7 @@ def test_every_door_stops_at_eos_with_the_same_completion(server, oai, tiny):
     max_new_tokens, so a learner fed by it trained on tokens after the end."""
     cfg, params = tiny
     prompt, sampling = list(b"eos"), rlkjax.SamplingParams(n=8, max_tokens=40, seed=11)
-    native = server.generate([prompt], n=8, max_new_tokens=40, seed=11)[0]
+    native = server.generate([prompt], n=8, max_tokens=40, seed=11)[0]
     doors = {"/generate": [(s["tokens"], s["logprobs"], s["finish_reason"]) for s in native]}
     choices = oai.completions.create(model=MODEL, prompt="eos", max_tokens=40, n=8, seed=11, logprobs=0).choices
     doors["/v1/completions"] = [
@@ -488,15 +488,15 @@ def test_every_door_stops_at_eos_with_the_same_completion(server, oai, tiny):
             assert_bits_equal(lps, want_lps, door)
 
 
-def test_chat_top_logprobs_and_streamed_alternatives(oai, tiny):
-    """Chat top_logprobs=k: per token the learner's k alternatives [{token, logprob, bytes}] with its bits,
-    the sampled token's entry its own logprob; streamed, the same alternatives (chat and completions)."""
+def test_chat_top_logprobs_plain_and_streamed(oai, tiny):
+    """Chat top_logprobs=k: per token the learner's k top logprobs [{token, logprob, bytes}] with its bits,
+    the sampled token's entry its own logprob; streamed, the same top logprobs (chat and completions)."""
     messages = [{"role": "user", "content": "Hi there"}]
     prompt = list(ChatTemplate(DEFAULT_TEMPLATE, {}).render(messages).encode())
     kw = dict(model=MODEL, messages=messages, max_tokens=10, seed=5, logprobs=True, top_logprobs=3)
     c = oai.chat.completions.create(**kw, extra_body={"return_token_ids": True}).choices[0]
     ids = c.model_extra["token_ids"]
-    learner, top_ids, top_lps = alternatives(tiny, prompt, ids, 3)
+    learner, top_ids, top_lps = learner_top_logprobs(tiny, prompt, ids, 3)
     assert_bits_equal(exact([[a.logprob for a in t.top_logprobs] for t in c.logprobs.content]), top_lps, "chat alts")
     for t, tok, alt_ids in zip(c.logprobs.content, ids, top_ids.tolist()):
         assert len(t.top_logprobs) == 3 and all(a.bytes == list(a.token.encode()) for a in t.top_logprobs)
@@ -507,7 +507,7 @@ def test_chat_top_logprobs_and_streamed_alternatives(oai, tiny):
     streamed = [t for ch in chunks if ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
     assert [t.model_dump() for t in streamed] == [t.model_dump() for t in c.logprobs.content]
     # Completions, echoed, with a stop string that ends sample 0 inside an engine round (the tokens after it in
-    # that round are dropped, their alternatives with them): streamed and plain agree, one entry per token.
+    # that round are dropped, their top logprobs with them): streamed and plain agree, one entry per token.
     kw = dict(model=MODEL, prompt="Hello", max_tokens=12, n=2, seed=9, logprobs=4, echo=True)
     free = oai.completions.create(**kw).choices[0].logprobs
     stop = next(p for p in free.tokens[len("Hello") + 3 :] if p)  # the first text of a token mid-round

@@ -1,5 +1,5 @@
 """The trainer's policy for rewards that fail: a reward that raises, or a math-verify check past its time,
-scores 0, is counted in the row and logged with the example it failed on; the run goes on. Real math-verify
+gets reward 0, is counted in the row and logged with the example it failed on; the run goes on. Real math-verify
 worker processes and a real Parquet file."""
 
 import logging

@@ -90,7 +90,7 @@ def test_rocm_table_keeps_the_contract_interpreted(tiny):
     cfg, params = tiny
     rocm = NumericsOptions(tiles=numerics.ROCM_TILES)  # the platform stays the CPU's: interpreted
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10]]
-    comps = rlkjax.generate(params, cfg, prompts, max_new_tokens=4, temperature=1.0, seeds=[0, 1], numerics=rocm)
+    comps = rlkjax.generate(params, cfg, prompts, max_tokens=4, temperature=1.0, seeds=[0, 1], numerics=rocm)
     lps = rlkjax.score(params, cfg, [p + c.tokens for p, c in zip(prompts, comps)], [3, 7], numerics=rocm)
     for c, lp in zip(comps, lps):
         assert len(c.tokens) == 4

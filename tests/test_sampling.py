@@ -1,5 +1,5 @@
 """Sampling semantics the OpenAI-style API exposes, under the bitwise contract: greedy decoding
-(temperature 0), top alternatives per token (`top_logprobs=k`), prompt logprobs, min_tokens and
+(temperature 0), top logprobs per token (`top_logprobs=k`), prompt logprobs, min_tokens and
 ignore_eos. Every logprob the sampler reports is the learner's (`rlkjax.score`) bit for bit."""
 
 import dataclasses
@@ -66,7 +66,7 @@ def test_greedy_is_the_argmax_and_scores_at_temperature_one():
 def test_greedy_ties_go_to_the_lowest_id(tied, expected):
     """Ids whose lm_head rows are equal have equal logits: greedy must pick the lowest of them,
     whether they share a vocab tile (170, 171), sit in different tiles or vocab splits (40, 290;
-    split 2 of a padded last tile). The same order holds in the top alternatives."""
+    split 2 of a padded last tile). The same order holds in the top logprobs."""
     h, w = kernel_case(n=8)
     u = jnp.full((h.shape[1],), 0.5, BF16)  # a row every h (shifted positive) scores highest
     h = (jnp.abs(h.astype(F32)) + 0.25).astype(BF16)
@@ -75,7 +75,7 @@ def test_greedy_ties_go_to_the_lowest_id(tied, expected):
     n = h.shape[0]
     temps = jnp.zeros(n, F32)
     keys = {"seeds": jnp.arange(n, dtype=jnp.uint32), "steps": jnp.zeros(n, jnp.int32)}
-    tokens, lp, _, top_ids, top_lp = logprob.head(h, w, temps, CONFIG, INTERPRET, **keys, alternatives=6)
+    tokens, lp, _, top_ids, top_lp = logprob.head(h, w, temps, CONFIG, INTERPRET, **keys, top_logprobs=6)
     np.testing.assert_array_equal(np.asarray(tokens), expected)
     np.testing.assert_array_equal(np.asarray(top_ids)[:, : len(tied)], np.sort(tied)[None, :].repeat(n, 0))
     assert (bits(np.asarray(top_lp)[:, : len(tied)]) == bits(np.asarray(lp))[:, None]).all()
@@ -116,8 +116,8 @@ def test_greedy_rows_mixed_with_sampled_rows_and_scored_at_temperature_one(tiny)
     assert mixed[0].tokens != run(engine, (prompts[0], dict(temperature=1.0, seed=4)))[0].tokens, "greedy is not T=1"
 
 
-# ----- top alternatives -----
-def test_alternatives_are_the_top_k_of_the_same_distribution():
+# ----- top logprobs -----
+def test_top_logprobs_are_the_top_k_of_the_same_distribution():
     """Per row: k ids in descending order of logprob, the same set as the float64 truth's top k
     (wherever the k-th and (k+1)-th truths are further apart than twice the logits' error bound),
     values as close to the truth as the fp32 XLA reference's (the rule of tests/test_kernels.py),
@@ -126,9 +126,9 @@ def test_alternatives_are_the_top_k_of_the_same_distribution():
     n, k = h.shape[0], 8
     temps = jnp.asarray([0.0, 0.7, 1.0, 1.3] * 9 + [1.0], F32)
     seeds, steps = jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.int32)
-    out = logprob.head(h, w, temps, CONFIG, INTERPRET, seeds=seeds, steps=steps, alternatives=k)
+    out = logprob.head(h, w, temps, CONFIG, INTERPRET, seeds=seeds, steps=steps, top_logprobs=k)
     tokens, lp, ids, top = (np.asarray(a) for a in (out.tokens, out.logprobs, out.top_ids, out.top_logprobs))
-    assert (np.diff(top, axis=1) <= 0).all(), "alternatives sorted, most likely first"
+    assert (np.diff(top, axis=1) <= 0).all(), "top_logprobs sorted, most likely first"
     with float64_on_cpu():
         z = logits64(h, w, temps)
         logp64 = z - np.log(np.exp(z - z.max(1, keepdims=True)).sum(1, keepdims=True)) - z.max(1, keepdims=True)
@@ -138,19 +138,19 @@ def test_alternatives_are_the_top_k_of_the_same_distribution():
     assert clear.sum() >= n - 3, "the case must test most rows"
     for i in np.flatnonzero(clear):
         assert set(ids[i]) == set(order[i, :k]), f"row {i}: top-{k} set differs from the float64 truth's"
-    top_ref = logprob.head_reference(h, w, temps, seeds=seeds, steps=steps, alternatives=k).top_logprobs
+    top_ref = logprob.head_reference(h, w, temps, seeds=seeds, steps=steps, top_logprobs=k).top_logprobs
     truth = np.take_along_axis(logp64, ids, axis=1)
     ref = np.take_along_axis(np.asarray(jax.nn.log_softmax(logprob.logits_reference(h, w, temps), -1)), ids, axis=1)
     assert rel_err(top, truth) <= 2 * rel_err(ref, truth) + 1e-7
-    assert rel_err(np.asarray(top_ref), np.sort(logp64, axis=1)[:, ::-1][:, :k]) < 1e-5  # the fast path's alternatives
+    assert rel_err(np.asarray(top_ref), np.sort(logp64, axis=1)[:, ::-1][:, :k]) < 1e-5  # the fast path's top_logprobs
     listed = ids == tokens[:, None]
     assert listed.any(axis=1).sum() >= n // 2
     rows, cols = np.nonzero(listed)
     np.testing.assert_array_equal(bits(top[rows, cols]), bits(lp[rows]))
 
 
-@pytest.mark.slow  # the default run draws alternatives through the engine in test_top_k_draws_are_among_...
-def test_generate_alternatives_equal_score_alternatives(tiny):
+@pytest.mark.slow  # the default run draws top_logprobs through the engine in test_top_k_draws_are_among_...
+def test_generate_top_logprobs_equal_score_top_logprobs(tiny):
     """top_logprobs=k from the engine (decode rows, greedy and sampled, k per request) equal
     score(..., top_logprobs=k) over the finished sequences (the learner's rows), ids and bits; the
     drawn token's entry has its logprob's bits; tokens and logprobs are the default round's bits."""
@@ -165,23 +165,23 @@ def test_generate_alternatives_equal_score_alternatives(tiny):
     for i, (lp, ids, top) in enumerate(scored(params, cfg, prompts, comps, temps, top_logprobs=4)):
         c, k = comps[i], (4, 2)[i]
         assert c.tokens == plain[i].tokens and c.top_ids.shape == (6, k) and c.top_logprobs.dtype == np.float32
-        assert_bits_equal(c.logprobs, plain[i].logprobs, "logprobs with vs without alternatives")
+        assert_bits_equal(c.logprobs, plain[i].logprobs, "logprobs with vs without top logprobs")
         assert_bits_equal(lp, c.logprobs, "score vs generate")
         np.testing.assert_array_equal(ids[:, :k], c.top_ids)
-        assert_bits_equal(top[:, :k], c.top_logprobs, "score alternatives vs generate alternatives")
+        assert_bits_equal(top[:, :k], c.top_logprobs, "score top logprobs vs generate top logprobs")
         rows, cols = np.nonzero(c.top_ids == np.asarray(c.tokens)[:, None])
         assert_bits_equal(c.top_logprobs[rows, cols], c.logprobs[rows], "sampled token's entry")
-    assert (comps[0].top_ids[:, 0] == comps[0].tokens).all(), "a greedy token is its own first alternative"
+    assert (comps[0].top_ids[:, 0] == comps[0].tokens).all(), "a greedy token is its own first top entry"
 
 
 def test_prompt_logprobs_are_the_learners(tiny):
     """prompt_logprobs (what echo needs): the logprob of every prompt token after the first, bit-equal
-    to score(prompt, prompt_lens=1), alternatives included; a 1-token prompt has none; the prompt
+    to score(prompt, prompt_lens=1), top_logprobs included; a 1-token prompt has none; the prompt
     inside its full sequence (causal attention) gives the same bits."""
     cfg, params = tiny
     prompts, temps = [[7, 8, 9, 10, 11], [3], list(range(100, 170))], [1.0, 0.0, 0.6]
     comps = rlkjax.generate(
-        params, cfg, prompts, max_new_tokens=2, temperature=temps, sampling=rlkjax.SamplingParams(prompt_logprobs=3)
+        params, cfg, prompts, max_tokens=2, temperature=temps, sampling=rlkjax.SamplingParams(prompt_logprobs=3)
     )
     plain = rlkjax.score(params, cfg, prompts + [prompts[2] + comps[2].tokens], 1, temps + [0.6])
     for p, c, lp in zip(prompts, comps, plain):
@@ -348,17 +348,17 @@ def test_untruncated_rows_draw_the_default_tokens_and_bits():
     nothing_truncated = (jnp.full(n, w.shape[0]), jnp.ones(n, F32), jnp.zeros(n, F32))
     keys = {"seeds": seeds, "steps": steps}
     tok, lp, renorm, ids, top = logprob.head(
-        h, w, temps, CONFIG, INTERPRET, **keys, alternatives=3, truncation=nothing_truncated
+        h, w, temps, CONFIG, INTERPRET, **keys, top_logprobs=3, truncation=nothing_truncated
     )
-    tok0, lp0, _, ids0, top0 = logprob.head(h, w, temps, CONFIG, INTERPRET, **keys, alternatives=3)
+    tok0, lp0, _, ids0, top0 = logprob.head(h, w, temps, CONFIG, INTERPRET, **keys, top_logprobs=3)
     np.testing.assert_array_equal(np.asarray(tok), np.asarray(tok0))
     assert_bits_equal(lp, lp0, "truncation variant vs default")
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids0))
-    assert_bits_equal(top, top0, "alternatives")
+    assert_bits_equal(top, top0, "top_logprobs")
     np.testing.assert_allclose(np.asarray(renorm), np.asarray(lp), atol=1e-5)
 
 
-@pytest.mark.slow  # the default run truncates through the engine in test_top_k_draws_are_among_the_top_alternatives
+@pytest.mark.slow  # the default run truncates through the engine in test_top_k_draws_are_among_the_top_top_logprobs
 def test_generate_with_truncation(tiny):
     """Engine level: truncated rows record the full-distribution logprob (score's bits) or, asked,
     the renormalised one (<= 0, >= the full one) for the same tokens; a plain row sharing their
@@ -393,8 +393,8 @@ def test_generate_with_truncation(tiny):
 
 
 @pytest.mark.parametrize("numerics_mode", ["strict", slow("fast")])
-def test_top_k_draws_are_among_the_top_alternatives(tiny, numerics_mode):
-    """top_k=3 with top_logprobs=3: every drawn token is one of the 3 listed alternatives (ties
+def test_top_k_draws_are_among_the_top_top_logprobs(tiny, numerics_mode):
+    """top_k=3 with top_logprobs=3: every drawn token is one of the 3 listed top logprobs (ties
     aside, the kept set is the top 3), on the strict path and on the plain-XLA fast path (which
     runs the same rules in XLA: fast has every option strict has)."""
     cfg, params = tiny
@@ -407,7 +407,7 @@ def test_top_k_draws_are_among_the_top_alternatives(tiny, numerics_mode):
     assert (comps[1].top_ids[:, 0] == comps[1].tokens).all(), "greedy"
 
 
-def test_cancelled_samples_keep_the_alternatives_shape(tiny):
+def test_cancelled_samples_keep_the_top_logprobs_shape(tiny):
     """A request with top_logprobs=k cancelled before it started still returns [0, k] arrays, so a
     server can format every sample the same way."""
     cfg, params = tiny

@@ -60,7 +60,7 @@ def server():
 def test_bad_input_gets_a_clear_4xx_and_the_server_keeps_serving(server, body, status, match):
     got, payload = post_raw(server, "/generate", body)
     assert got == status and match in payload["error"]["message"], payload
-    assert server.generate([[1, 2, 3]], max_new_tokens=2, seed=0, ignore_eos=True)[0][0]["finish_reason"] == "length"
+    assert server.generate([[1, 2, 3]], max_tokens=2, seed=0, ignore_eos=True)[0][0]["finish_reason"] == "length"
 
 
 def test_update_weights_needs_the_admin_key(server, tmp_path):
@@ -73,7 +73,7 @@ def test_update_weights_needs_the_admin_key(server, tmp_path):
 
 
 def test_openai_completions_and_metrics(server, tiny):
-    """/v1/completions on the native server: each sample's logprobs (logprobs 0: no alternatives, whose
+    """/v1/completions on the native server: each sample's logprobs (logprobs 0: no top logprobs, whose
     decode variant tests/test_openai_api.py covers; the rounds are those of /generate) are the learner's.
     /metrics exports the engine's counters; a 40-token prompt sent twice finds its 2 full pages in the
     prefix cache the second time, with the same tokens and bits."""
@@ -111,9 +111,9 @@ def test_openai_completions_and_metrics(server, tiny):
     ):
         assert name in text
     prompt = list(range(60, 100))
-    first = server.generate([prompt], max_new_tokens=3, seed=1, ignore_eos=True)[0][0]
+    first = server.generate([prompt], max_tokens=3, seed=1, ignore_eos=True)[0][0]
     before = metric(server, "rlkjax_prefix_cache_hit_tokens_total")
-    again = server.generate([prompt], max_new_tokens=3, seed=1, ignore_eos=True)[0][0]
+    again = server.generate([prompt], max_tokens=3, seed=1, ignore_eos=True)[0][0]
     assert metric(server, "rlkjax_prefix_cache_hit_tokens_total") == before + 32
     assert first["tokens"] == again["tokens"]
     assert_bits_equal(first["logprobs"], again["logprobs"], "second time, from the cache")
@@ -133,7 +133,7 @@ def test_200_concurrent_requests_and_a_weight_update_mid_load(tiny, tmp_path):
         dict(
             prompt=rng.integers(0, cfg.vocab_size, int(rng.integers(1, 40))).tolist(),
             n=int(rng.integers(1, 3)),
-            max_new_tokens=int(rng.integers(1, 8)),
+            max_tokens=int(rng.integers(1, 8)),
             temperature=float(rng.choice([0.7, 1.0])),
             seed=i,
         )
@@ -146,7 +146,7 @@ def test_200_concurrent_requests_and_a_weight_update_mid_load(tiny, tmp_path):
                     client.generate,
                     [j["prompt"]],
                     n=j["n"],
-                    max_new_tokens=j["max_new_tokens"],
+                    max_tokens=j["max_tokens"],
                     temperature=j["temperature"],
                     seed=j["seed"],
                 )
@@ -165,9 +165,7 @@ def test_200_concurrent_requests_and_a_weight_update_mid_load(tiny, tmp_path):
                 # a sampled eos (the byte tokenizer's 256) ends a completion early and is its last token
                 tokens, eos = sample["tokens"], ByteTokenizer.eos_token_id
                 assert eos not in tokens[:-1]
-                assert len(tokens) == job["max_new_tokens"] or (
-                    len(tokens) < job["max_new_tokens"] and tokens[-1] == eos
-                )
+                assert len(tokens) == job["max_tokens"] or (len(tokens) < job["max_tokens"] and tokens[-1] == eos)
                 scored = rlkjax.score(
                     by_version[sample["policy_version"]],
                     cfg,
@@ -177,7 +175,7 @@ def test_200_concurrent_requests_and_a_weight_update_mid_load(tiny, tmp_path):
                 )[0]
                 assert_bits_equal(sample["logprobs"], scored, f"seed {job['seed']}")
         assert seen_versions == {0, 1}, seen_versions
-        assert client.generate([[1, 2]], max_new_tokens=1)[0][0]["policy_version"] == 1
+        assert client.generate([[1, 2]], max_tokens=1)[0][0]["policy_version"] == 1
         drain_on_sigterm(proc, client)
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -189,7 +187,7 @@ def drain_on_sigterm(proc, client):
     send the signal before a request has arrived): every one completes, then the process exits 0."""
     before = metric(client, "rlkjax_requests_total")
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(client.generate, [[i + 1, 2, 3]], max_new_tokens=200, seed=i) for i in range(8)]
+        futures = [pool.submit(client.generate, [[i + 1, 2, 3]], max_tokens=200, seed=i) for i in range(8)]
         wait_for_metric(client, "rlkjax_requests_total", before + 8)
         finished_at_signal = metric(client, "rlkjax_requests_finished_total")
         proc.send_signal(signal.SIGTERM)
@@ -314,7 +312,7 @@ def test_update_weights_refuses_what_would_change_the_served_model_silently(serv
         )
         assert got == 400 and match in payload["error"]["message"], (path, payload)
     assert server.health()["policy_version"] == version
-    assert server.generate([[1, 2, 3]], max_new_tokens=2)[0][0]["policy_version"] == version
+    assert server.generate([[1, 2, 3]], max_tokens=2)[0][0]["policy_version"] == version
 
 
 def test_admin_key_from_a_file_case_insensitive_scheme_and_no_lock_out(tmp_path):
@@ -429,7 +427,7 @@ def test_every_bad_body_is_a_4xx(server, data, headers, match):
     path = "/v1/completions" if b'"\\ud800' in data else "/generate"
     got, payload = post_raw(server, path, data, headers)
     assert 400 <= got < 500 and match in payload["error"]["message"], (got, payload)
-    assert server.generate([[1, 2, 3]], max_new_tokens=2, seed=0, ignore_eos=True)[0][0]["finish_reason"] == "length"
+    assert server.generate([[1, 2, 3]], max_tokens=2, seed=0, ignore_eos=True)[0][0]["finish_reason"] == "length"
 
 
 def test_a_slow_client_gets_a_read_timeout(server):
@@ -496,7 +494,7 @@ def test_health_and_metrics_answer_while_the_engine_compiles(tmp_path):
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             start = time.perf_counter()
-            first = pool.submit(client.generate, [list(range(1, 50))], n=3, max_new_tokens=40, seed=0)
+            first = pool.submit(client.generate, [list(range(1, 50))], n=3, max_tokens=40, seed=0)
             slowest = 0.0
             while not first.done():
                 for call in (client.health, client.metrics):
@@ -530,7 +528,7 @@ def test_warm_up_before_serving(tiny):
         assert f"warm-up: {shapes} shapes compiled" in open(proc.log).read()
         cfg, params = tiny
         for n, prompt in ((1, [5, 6, 7]), (2, list(range(1, 40)))):
-            out = client.generate([prompt], n=n, max_new_tokens=5, seed=1)[0]
+            out = client.generate([prompt], n=n, max_tokens=5, seed=1)[0]
             for sample in out:
                 scored = rlkjax.score(params, cfg, [prompt + sample["tokens"]], [len(prompt)])[0]
                 assert_bits_equal(np.asarray(sample["logprobs"], np.float32), scored, f"n={n}")

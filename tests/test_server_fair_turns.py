@@ -24,11 +24,11 @@ def test_a_small_request_finishes_long_before_a_big_one(tiny):
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             prompts = [[9, i + 1, 4, 4, 4] for i in range(4)]
-            big = pool.submit(client.generate, prompts, n=4, max_new_tokens=24, seed=0, ignore_eos=True)
+            big = pool.submit(client.generate, prompts, n=4, max_tokens=24, seed=0, ignore_eos=True)
             wait_for_metric(client, "rlkjax_running_sequences", 4)
             wait_for_metric(client, "rlkjax_queue_depth", 1)  # the forks wait for a slot
             sent = metric(client, "rlkjax_engine_steps_total")
-            small = client.generate([[7, 7, 7]], max_new_tokens=2, seed=99, ignore_eos=True)[0][0]
+            small = client.generate([[7, 7, 7]], max_tokens=2, seed=99, ignore_eos=True)[0][0]
             small_steps = metric(client, "rlkjax_engine_steps_total") - sent
             assert not big.done(), "the big request finished first"
             samples = big.result()

@@ -57,7 +57,7 @@ def start_and_sample(*flags) -> dict:
             if refused is None:
                 refused = get(client.url + "/generate", REQUEST)
             time.sleep(0.05)
-        samples = [s for p in client.generate(REQUEST["prompt"], max_new_tokens=6, seed=REQUEST["seed"]) for s in p]
+        samples = [s for p in client.generate(REQUEST["prompt"], max_tokens=6, seed=REQUEST["seed"]) for s in p]
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=120)

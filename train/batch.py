@@ -42,8 +42,8 @@ LENGTH_STEP = 32
 def padded_length(n: int) -> int:
     """T for sequences of up to n tokens: a power of two up to 128 (at least a page), then the next
     multiple of LENGTH_STEP, so a run compiles a handful of shapes while padding costs at most 31 tokens
-    a row (the learner's work on padding is MFU lost: steps of 128 padded Qwen3-8B's 266-token rows to 384;
-    bench/results/README.md). A token's logprob bits do not depend on T."""
+    a row (the learner's work on padding is MFU lost:
+    bench/results/2026-12-03_h200_cpu_measurements_behind_defaults.md). A token's logprob bits do not depend on T."""
     return bucket(n, PAGE_SIZE) if n <= 128 else cdiv(n, LENGTH_STEP) * LENGTH_STEP
 
 

@@ -68,7 +68,7 @@ class GRPOConfig:
     answer_field: str = "answer"
     """--task math: the data file's field (column) holding each reference answer."""
     reward_timeout: float = 5.0
-    """--task math: seconds one answer check may take; past it the check is stopped and the completion scores 0
+    """--task math: seconds one answer check may take; past it the check is stopped and the completion gets reward 0
     (counted in the metrics row's reward_failures and reward_timeouts, and logged with the example)."""
     chat_template: str = "auto"
     """How a task's prompt becomes the text sampled after: auto (a user message rendered with the checkpoint's chat

@@ -1,6 +1,6 @@
 """Evaluation during training: the held-out set of --eval-data, sampled through the run's own rollout (the
 same engines or server, prompts rendered with the same chat template, completions ending at the same eos),
-scored by the task's reward. A completion is correct when its reward is at least 1 (math-verify's 1.0).
+rewarded by the task. A completion is correct when its reward is at least 1 (math-verify's 1.0).
 
 Per evaluation (the row's fields):
   eval_pass@1_greedy  the fraction of problems whose greedy completion (temperature 0) is correct;

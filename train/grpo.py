@@ -19,32 +19,13 @@ The algorithm, per step:
      is their bf16 cast, pushed to the sampler (device to device, or through /update_weights).
   5. Metrics (JSONL, progress bar, PNG plot at the end) and orbax checkpoints.
 
-This file holds the advantages and the loop; the loss is train/loss.py's. Elsewhere: the flags and their checks in
-train/config.py, the rollout backends in train/rollout.py, the learner's jitted functions and updates in
-train/learner.py, the checks that stop a run in train/guards.py, the metrics rows (FLOPs and MFU from
-rlkjax.flops) and the plot in train/metrics.py, the batch layout in train/batch.py, checkpoints and
-resuming in train/checkpoints.py, evaluation in train/evaluate.py and the multi-device learner in
-train/fsdp.py.
-
-Nothing silently wrong: flags are checked as they are used (temperatures as float32, every float
-finite); every prompt of a data file is tokenised and length-checked at start; rewards every step,
-and loss, gradients, updated parameters and optimiser state every update, are checked for non-finite
-values, and the first one stops the run (NonFiniteError naming the step and the tensor) before any
-checkpoint, weight sync or final_hf is written from that state. Checkpoints carry checksums of their
-arrays, the run's config and the data file's sha256 (train/checkpoints.py): --resume takes the
-newest one that verifies, refuses flags that would change the trajectory (--resume-allow-changes
-overrides), restores the KL reference with the policy, truncates metrics.jsonl to the restored step
-and continues the policy version, so a resumed run has the same bits as one that never stopped.
-
-The contract is enforced, not only logged: in strict numerics a sampler/learner mismatch (with
---verify-logprobs) or a first update whose ratio is not exactly 1 (the loss's own logp_new must have
-logp_old's bits; checked every step at no extra cost) stops the run with a ContractError naming the
-step, the sequence and the first differing token. --on-mismatch warn logs it and keeps training.
+This file holds the advantages and the loop (the loss is train/loss.py's); README.md's map says where the
+rest lives, and its Training section what stops a run and how --resume continues one bit for bit.
 
 Deviations from the GRPO paper (Shao et al., 2024), each on purpose:
   - logp_old is the sampler's recorded logprob, not a learner recomputation: in strict numerics
-    they are the same bits, so no extra forward pass is needed (--verify-logprobs, on by default,
-    recomputes it anyway and reports the mismatch).
+    they are the same bits, so no extra forward pass is needed (--verify-every recomputes it anyway
+    and reports the mismatch), and the first update's ratio is checked to be exactly 1 every step.
   - Token-level loss aggregation (DAPO) instead of per-sequence means: long and short completions
     weigh their tokens equally.
   - KL to the reference is optional (--beta, default 0) and uses the k3 estimator in the loss.

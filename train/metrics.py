@@ -3,7 +3,7 @@ one definition), the JSONL file the rows go to (cut back to the restored step on
 from it at the end. The rollout, the guards and the loop add their own fields to the row.
 
 Two MFUs, named by what they cover (both over real tokens only, padding excluded, per rlkjax.flops):
-  learner_pass_mfu  the learner's work (the --verify-logprobs scoring pass, the updates' forward + backward,
+  learner_pass_mfu  the learner's work (the --verify-every scoring pass, the updates' forward + backward,
                     the KL reference's scoring pass) over the learner's seconds, on the learner's devices;
   grpo_step_mfu     that plus the rollout's (each prompt's prefill once, one decode step per further
                     completion token) over the whole step's seconds, on every device of the run.

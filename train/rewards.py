@@ -1,5 +1,5 @@
 """Rewards of sampled completions, never stopping the run for a reward that fails: a reward that raises, or a
-math-verify check that runs past --reward-timeout, scores 0 and is counted (the row's `reward_failures`, of
+math-verify check that runs past --reward-timeout, gets reward 0 and is counted (the row's `reward_failures`, of
 which `reward_timeouts` ran out of time) and logged as a warning naming the example (its file and line) and
 what went wrong. A reward that returns NaN or infinity still stops the run (train/guards.py check_rewards):
 that is a bug in the reward, not a slow or odd completion.
@@ -14,7 +14,7 @@ from rlkjax.rewards import RewardResult, checked_reward
 log = logging.getLogger("train.grpo")
 
 
-def score(task, examples: list, completions: list) -> list[RewardResult]:
+def reward_results(task, examples: list, completions: list) -> list[RewardResult]:
     """One RewardResult per (example, completion): a batch checked in parallel where the task can
     (math-verify's worker pool), else one by one."""
     check_many = getattr(task, "check_many", None)
@@ -28,7 +28,7 @@ def group_rewards(where: str, task, examples: list, completions: list[list]) -> 
     [P, G] float64, the row's failure counts).
     `where` names the step (or evaluation) in the warnings."""
     flat_examples = [e for e, g in zip(examples, completions, strict=True) for _ in g]
-    results = score(task, flat_examples, [c for g in completions for c in g])
+    results = reward_results(task, flat_examples, [c for g in completions for c in g])
     group = len(completions[0]) if completions else 1
     for index, result in enumerate(results):
         if result.failure is not None:

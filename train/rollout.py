@@ -17,7 +17,8 @@ import numpy as np
 
 from rlkjax.checkpoint import save_orbax_params
 from rlkjax.client import RolloutClient
-from rlkjax.engine import Engine, EngineConfig
+from rlkjax.engine import Engine
+from rlkjax.engine_config import EngineConfig
 from rlkjax.sampling_params import SamplingParams
 from train import fsdp
 
@@ -147,7 +148,7 @@ class RemoteRollout:
         return self.client.generate(
             prompts,
             n=sampling.n,
-            max_new_tokens=sampling.max_tokens,
+            max_tokens=sampling.max_tokens,
             temperature=sampling.temperature,
             seed=seeds,
             stop_token_ids=sampling.stop_token_ids,
