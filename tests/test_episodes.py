@@ -6,6 +6,7 @@ and train.grpo --env on the real engine with every sampled token of every turn o
 
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -16,7 +17,7 @@ from rlkjax.tasks import make_task
 from rlkjax.tiny_qwen3 import write_tiny_qwen3
 from rlkjax.tokenizer import load_tokenizer
 from rlkjax.tools import Tools, tool_turn
-from tests.helpers import EOS, eos_model
+from tests.helpers import EOS, assert_bits_equal, eos_model
 from train import grpo
 from train.batch import pack
 from train.config import GRPOConfig, Optimiser
@@ -236,6 +237,41 @@ def test_grpo_env_trains_every_turn_with_zero_mismatch(tmp_path, monkeypatch):
         if len(added):
             assert s["tokens"][added[0] - 1] == EOS and s["tokens"][added[0]] == ord("\n")
             assert bytes(s["tokens"][i] for i in added[-2:]) == b"a:"
+
+
+@pytest.mark.slow  # two short runs
+def test_evaluation_runs_episodes_and_leaves_training_unchanged(tmp_path):
+    """--eval-data with --env evaluates whole episodes through the environment, and training's bits are the same
+    as the run's without evaluation (its episodes fill the prefix cache, whose hits keep every bit)."""
+    template = tmp_path / "template.jinja"
+    template.write_text(COMPACT)
+    problems = tmp_path / "problems.jsonl"
+    problems.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in range(3)))
+    base = dict(
+        source=ModelSource(eos_model(tmp_path / "model"), tokenizer="bytes"),
+        task="math",
+        data=str(problems),
+        chat_template=str(template),
+        env="tests.test_episodes:AskAgain",
+        max_turns=3,
+        steps=2,
+        checkpoint_every=0,
+        prompts_per_step=2,
+        group_size=4,
+        max_new_tokens=40,
+        max_prompt_tokens=24,
+        progress=False,
+    )
+    with_eval = grpo.train(GRPOConfig(out=str(tmp_path / "e"), eval_data=str(problems), eval_every=1, **base))
+    without = grpo.train(GRPOConfig(out=str(tmp_path / "n"), **base))
+    rows = with_eval["history"]
+    assert [r["step"] for r in rows] == [0, 1, 2] and all("eval_pass@4" in r for r in rows)
+    for r in rows:
+        assert 0 <= r["eval_pass@1"] <= r["eval_pass@4"] <= 1 and r["eval_reward_failures"] == 0
+    for a, b in zip(rows[1:], without["history"], strict=True):
+        assert a["reward_mean"] == b["reward_mean"] and a["loss"] == b["loss"] and a["tokens_bits_differ"] == 0
+    for a, b in zip(jax.tree.leaves(with_eval["master"]), jax.tree.leaves(without["master"]), strict=True):
+        assert_bits_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.slow  # starts a server (its programs compile in its own process)

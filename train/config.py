@@ -81,7 +81,8 @@ class GRPOConfig:
     generation prompt, so the model answers directly (templates without the switch ignore it)."""
     eval_data: str | None = None
     """A held-out file in --data's format and fields (--task gsm8k or math): evaluated before training and every
-    --eval-every steps through the same rollout: greedy and sampled pass@1, pass@k for k <= --group-size."""
+    --eval-every steps through the same rollout (with --env, whole episodes): greedy and sampled pass@1, pass@k for
+    k <= --group-size."""
     eval_every: int = 10
     """Steps between evaluations of --eval-data (and one after the last step)."""
     env: str | None = None
@@ -246,7 +247,5 @@ class GRPOConfig:
             raise ValueError(
                 f"--env {self.env!r} rewards an episode's final text; --task synthetic-token-ids reads ids"
             )
-        if self.env is not None and self.eval_data is not None:
-            raise ValueError(f"--eval-data with --env {self.env!r}: evaluation samples single completions")
         if not (math.isfinite(self.reward_timeout) and self.reward_timeout > 0):
             raise ValueError(f"--reward-timeout={self.reward_timeout!r} must be a positive number of seconds")

@@ -1,6 +1,7 @@
 """Evaluation during training: the held-out set of --eval-data, sampled through the run's own rollout (the
 same engines or server, prompts rendered with the same chat template, completions ending at the same eos),
-rewarded by the task. A completion is correct when its reward is at least 1 (math-verify's 1.0).
+rewarded by the task; with --env, whole episodes through the environment, rewarded as in training. A completion
+(or episode) is correct when its reward is at least 1 (math-verify's 1.0).
 
 Per evaluation (the row's fields):
   eval_pass@1_greedy  the fraction of problems whose greedy completion (temperature 0) is correct;
@@ -19,7 +20,7 @@ import math
 import numpy as np
 
 from rlkjax.sampling_params import SamplingParams
-from train.rewards import group_rewards
+from train.rewards import episode_rewards, group_rewards
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:
@@ -35,13 +36,24 @@ def ks(group_size: int) -> list[int]:
     return sorted({2**i for i in range(1, group_size.bit_length()) if 2**i < group_size} | {group_size})
 
 
-def sample_texts(run, prompts: list[list[int]], seeds: list[int], sampling: SamplingParams) -> list[list[str]]:
-    """[E][n] completion texts, prompts taken P at a time (the rollout's engines are sized for one step)."""
-    chunk, texts = run.config.prompts_per_step, []
-    for start in range(0, len(prompts), chunk):
-        groups = run.rollout.sample(prompts[start : start + chunk], seeds[start : start + chunk], sampling)
+def sample_rewards(where: str, run, examples: list, seeds: list[int], sampling: SamplingParams) -> tuple:
+    """[E][n] rewards of `examples` (and the failure counts), P at a time (the rollout's engines are sized for one
+    step): single completions rewarded by the task, or with --env whole episodes rewarded as in training."""
+    chunk = run.config.prompts_per_step
+    if run.episodes is not None:
+        episodes = []
+        for start in range(0, len(examples), chunk):
+            part = slice(start, start + chunk)
+            episodes += run.episodes.run(run.rollout, examples[part], seeds[part], sampling)
+        run.rollout.release_cache()
+        return episode_rewards(where, episodes)
+    texts = []
+    for start in range(0, len(examples), chunk):
+        part = slice(start, start + chunk)
+        prompts = [run.tokenizer.encode(run.render(e.prompt)) for e in examples[part]]
+        groups = run.rollout.sample(prompts, seeds[part], sampling)
         texts += [[run.tokenizer.decode(s["tokens"]) for s in g] for g in groups]
-    return texts
+    return group_rewards(where, run.task, examples, texts)
 
 
 def load_eval_set(config, make_task) -> list:
@@ -58,13 +70,11 @@ def due(step: int, config) -> bool:
 
 def evaluate(step: int, run, examples: list) -> dict:
     """The eval fields of the policy the rollout holds now (after `step` updates) on `examples`."""
-    config = run.config
-    prompts = [run.tokenizer.encode(run.render(e.prompt)) for e in examples]
+    config, where = run.config, f"evaluation at step {step}"
     seeds = [int(s) for s in np.random.default_rng([config.seed, step]).integers(0, 2**32, len(examples))]
-    greedy = sample_texts(run, prompts, seeds, dataclasses.replace(run.sampling, n=1, temperature=0.0))
-    sampled = sample_texts(run, prompts, seeds, run.sampling)
-    greedy_rewards, greedy_failures = group_rewards(f"evaluation at step {step}", run.task, examples, greedy)
-    rewards, failures = group_rewards(f"evaluation at step {step}", run.task, examples, sampled)
+    greedy = dataclasses.replace(run.sampling, n=1, temperature=0.0)
+    greedy_rewards, greedy_failures = sample_rewards(where, run, examples, seeds, greedy)
+    rewards, failures = sample_rewards(where, run, examples, seeds, run.sampling)
     correct = (rewards >= 1.0).sum(axis=1)
     group = rewards.shape[1]
     row = {
