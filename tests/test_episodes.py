@@ -196,13 +196,31 @@ COMPACT = "{% for m in messages %}{{ m['role'][0] + ':' + m['content'] + '\\n' }
 COMPACT += "{% if add_generation_prompt %}{{ 'a:' }}{% endif %}"
 
 
+def ask_again_run(tmp_path, **flags) -> dict:
+    """train.grpo's config for AskAgain episodes: the tiny model that draws eos often, the byte tokenizer, the
+    compact template, 3 turns of P2 x G4 in a 40-token budget; `flags` add to it."""
+    template = tmp_path / "template.jinja"
+    template.write_text(COMPACT)
+    return dict(
+        source=ModelSource(eos_model(tmp_path / "model"), tokenizer="bytes"),
+        chat_template=str(template),
+        env="tests.test_episodes:AskAgain",
+        max_turns=3,
+        checkpoint_every=0,
+        prompts_per_step=2,
+        group_size=4,
+        max_new_tokens=40,
+        max_prompt_tokens=24,
+        progress=False,
+        **flags,
+    )
+
+
 def test_grpo_env_trains_every_turn_with_zero_mismatch(tmp_path, monkeypatch):
     """train.grpo --env on the real engine and learner (the tiny model that draws eos often, the byte tokenizer,
     a compact chat template): episodes of several turns, each turn a new request extending the previous
     sequence (the prefix cache saves prefill), the first update's logp_new equal in bits to every sampled token
     of every turn (and the verify pass), the environment's tokens masked out."""
-    template = tmp_path / "template.jinja"
-    template.write_text(COMPACT)
     seen = []
     original = grpo.pack
 
@@ -211,20 +229,7 @@ def test_grpo_env_trains_every_turn_with_zero_mismatch(tmp_path, monkeypatch):
         return original(samples)
 
     monkeypatch.setattr(grpo, "pack", pack_and_keep)
-    config = GRPOConfig(
-        source=ModelSource(eos_model(tmp_path / "model"), tokenizer="bytes"),
-        chat_template=str(template),
-        env="tests.test_episodes:AskAgain",
-        max_turns=3,
-        steps=1,
-        checkpoint_every=0,
-        prompts_per_step=2,
-        group_size=4,
-        max_new_tokens=40,
-        max_prompt_tokens=24,
-        progress=False,
-        out=str(tmp_path / "run"),
-    )
+    config = GRPOConfig(**ask_again_run(tmp_path, steps=1, out=str(tmp_path / "run")))
     (row,) = grpo.train(config)["history"]
     assert row["tokens_bits_differ"] == 0 and row["first_update_tokens_compared"] == row["tokens_compared"]
     assert row["turns_mean"] > 1.5 and row["env_tokens_mean"] > 0 and row["prefix_cache_hit_tokens"] > 0
@@ -243,25 +248,9 @@ def test_grpo_env_trains_every_turn_with_zero_mismatch(tmp_path, monkeypatch):
 def test_evaluation_runs_episodes_and_leaves_training_unchanged(tmp_path):
     """--eval-data with --env evaluates whole episodes through the environment, and training's bits are the same
     as the run's without evaluation (its episodes fill the prefix cache, whose hits keep every bit)."""
-    template = tmp_path / "template.jinja"
-    template.write_text(COMPACT)
     problems = tmp_path / "problems.jsonl"
     problems.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in range(3)))
-    base = dict(
-        source=ModelSource(eos_model(tmp_path / "model"), tokenizer="bytes"),
-        task="math",
-        data=str(problems),
-        chat_template=str(template),
-        env="tests.test_episodes:AskAgain",
-        max_turns=3,
-        steps=2,
-        checkpoint_every=0,
-        prompts_per_step=2,
-        group_size=4,
-        max_new_tokens=40,
-        max_prompt_tokens=24,
-        progress=False,
-    )
+    base = ask_again_run(tmp_path, task="math", data=str(problems), steps=2)
     with_eval = grpo.train(GRPOConfig(out=str(tmp_path / "e"), eval_data=str(problems), eval_every=1, **base))
     without = grpo.train(GRPOConfig(out=str(tmp_path / "n"), **base))
     rows = with_eval["history"]
