@@ -64,3 +64,10 @@ def dot_nn(a, b):
     """a [M, K] @ b [K, N] with an fp32 accumulator."""
     precision = jax.lax.Precision.HIGHEST if a.dtype == F32 else None
     return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=F32)
+
+
+def greedy_and_temperature(temp):
+    """Rows with temperature 0 are greedy: they divide by 1 (the temperature-1 distribution) and
+    draw without noise."""
+    greedy = temp == 0.0
+    return greedy, jnp.where(greedy, 1.0, temp)

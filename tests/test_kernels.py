@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import attention, logprob, matmul, rmsnorm, swiglu
+from pallas_kernels import attention, logprob, logprob_bwd, matmul, rmsnorm, swiglu
 from rlkjax import numerics
 from tests.helpers import INTERPRET, assert_bits_equal, float64_on_cpu, randn, rel_err, slow
 
@@ -255,10 +255,10 @@ def test_interpreted_backward_chunk_is_fixed():
     at 80 rows), so CPU gradient bits do not depend on the row count; a small vocabulary is one chunk;
     compiled, the chunk is as wide as memory allows for the rows."""
     for rows in (1, 80, 640, 20000):
-        assert logprob.vocab_chunk(rows, 151936, 256, interpret=True) == 2048
-        assert logprob.vocab_chunk(rows, 300, 256, interpret=True) == 512
-    assert logprob.vocab_chunk(80, 151936, 256) == 152064
-    assert logprob.vocab_chunk(20000, 151936, 256) == 6656
+        assert logprob_bwd.vocab_chunk(rows, 151936, 256, interpret=True) == 2048
+        assert logprob_bwd.vocab_chunk(rows, 300, 256, interpret=True) == 512
+    assert logprob_bwd.vocab_chunk(80, 151936, 256) == 152064
+    assert logprob_bwd.vocab_chunk(20000, 151936, 256) == 6656
 
 
 @pytest.mark.parametrize("in_place", [True, slow(False)])  # the backward's products reading dz, w, h in place or copies
@@ -308,8 +308,8 @@ def test_logprob_backward_in_vocab_chunks(monkeypatch):
     ker = lambda h, w: logprob.head(h, w, temps, c, INTERPRET, targets=targets).logprobs  # noqa: E731
     ref = lambda h, w: logprob.head_reference(h, w, temps, targets=targets).logprobs  # noqa: E731
     one_chunk = jax.jit(jax.grad(lambda w: jnp.sum(ker(h, w))))(w)
-    monkeypatch.setattr(logprob, "BWD_CHUNK_BYTES", 4 * 64 * 128)  # room for 128 ids of 37 rows, not 256
-    assert logprob.vocab_chunk(n, vocab, 128) == 128
+    monkeypatch.setattr(logprob_bwd, "BWD_CHUNK_BYTES", 4 * 64 * 128)  # room for 128 ids of 37 rows, not 256
+    assert logprob_bwd.vocab_chunk(n, vocab, 128) == 128
     check_grads(ker, ref, [f32(h), f32(w)], (0, 1), "token_logprobs, 3 vocab chunks")
     assert_bits_equal(jax.jit(jax.grad(lambda w: jnp.sum(ker(h, w))))(w), one_chunk, "dw: 3 chunks vs 1")
 
