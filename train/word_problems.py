@@ -6,8 +6,7 @@ The two files share no problem, so the evaluation is on held-out data.
 `--kind calculator`: products of two 4- or 5-digit numbers, too large to do in one's head, for the calculator
 environment (train.grpo --env calculator). Each row also has `turns`, a worked episode after the prompt (a
 calculator call, its result, the \\boxed{} answer) that train.sft --env calculator trains on. `--digits LO-HI`
-(or `--digits N`) sets the factors' size: `--digits 2` gives products of two 2-digit numbers, 3-4 digit results
-a small model can learn to copy from the tool's answer.
+(or `--digits N`) sets the factors' size: `--digits 2` gives products of two 2-digit numbers (3-4 digit results).
 """
 
 import argparse
