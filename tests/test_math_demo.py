@@ -57,6 +57,12 @@ def test_calculator_problems_take_the_factors_digits(tmp_path):
             write(tmp_path, kind="calculator", digits=digits)
     with pytest.raises(ValueError, match="only calculator problems"):
         write(tmp_path, digits="2")
+    cli = [sys.executable, "-m", "train.word_problems", str(tmp_path / "cli"), "--kind", "calculator", "--digits"]
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    bad = subprocess.run([*cli, "3-2"], env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "digits='3-2': need 1 <= LO <= HI <= 9" in bad.stderr
+    subprocess.run([*cli, "2", "--train", "4", "--eval", "1"], env=env, check=True, capture_output=True)
+    assert all(len(json.loads(line)["answer"]) in (3, 4) for line in (tmp_path / "cli/train.jsonl").open())
 
 
 @pytest.mark.slow  # the tiny model's full-vocabulary learner and engine compile (minutes on a shared CPU)
