@@ -38,6 +38,33 @@ def test_word_problems_are_distinct_and_verified(tmp_path):
     assert task.reward(e, f"\\boxed{{{int(e.answer) + 1}}}") == 0.0
 
 
+def test_calculator_problems_take_the_factors_digits(tmp_path):
+    """--digits sets the calculator factors' size; each row's worked episode calls the calculator on the prompt's
+    two factors and copies its result, which is the answer math-verify checks."""
+    train, held_out = write(tmp_path, train=40, eval=8, kind="calculator", digits="2")
+    rows = [json.loads(line) for path in (train, held_out) for line in path.read_text().splitlines()]
+    assert len({r["prompt"] for r in rows}) == 48
+    for r in rows:
+        a, b = (int(w) for w in r["prompt"].split() if w.isdigit())
+        call, result, final = r["turns"]
+        assert 10 <= a <= 99 and 10 <= b <= 99 and r["answer"] == result["content"] == str(a * b)
+        assert f'"{a} * {b}"' in call["content"] and final["content"] == f"\\boxed{{{a * b}}}"
+    assert {len(r["answer"]) for r in rows} == {3, 4}
+    wide = [json.loads(line) for line in write(tmp_path / "wide", 8, 1, kind="calculator")[0].read_text().splitlines()]
+    assert all(len(r["answer"]) >= 7 for r in wide)  # the default: two 4-5 digit factors
+    for digits, message in (("3-2", "LO <= HI"), ("0", "1 <= LO"), ("10", "HI <= 9"), ("two", "whole numbers")):
+        with pytest.raises(ValueError, match=f"digits='{digits}': .*{message}"):
+            write(tmp_path, kind="calculator", digits=digits)
+    with pytest.raises(ValueError, match="only calculator problems"):
+        write(tmp_path, digits="2")
+    cli = [sys.executable, "-m", "train.word_problems", str(tmp_path / "cli"), "--kind", "calculator", "--digits"]
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    bad = subprocess.run([*cli, "3-2"], env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "digits='3-2': need 1 <= LO <= HI <= 9" in bad.stderr
+    subprocess.run([*cli, "2", "--train", "4", "--eval", "1"], env=env, check=True, capture_output=True)
+    assert all(len(json.loads(line)["answer"]) in (3, 4) for line in (tmp_path / "cli/train.jsonl").open())
+
+
 @pytest.mark.slow  # the tiny model's full-vocabulary learner and engine compile (minutes on a shared CPU)
 def test_math_demo_runs(tmp_path):
     model = write_tiny_qwen3(tmp_path / "tiny_qwen3")

@@ -5,10 +5,12 @@ The two files share no problem, so the evaluation is on held-out data.
 
 `--kind calculator`: products of two 4- or 5-digit numbers, too large to do in one's head, for the calculator
 environment (train.grpo --env calculator). Each row also has `turns`, a worked episode after the prompt (a
-calculator call, its result, the \\boxed{} answer) that train.sft --env calculator trains on.
+calculator call, its result, the \\boxed{} answer) that train.sft --env calculator trains on. `--digits LO-HI`
+(or `--digits N`) sets the factors' size: `--digits 2` gives products of two 2-digit numbers (3-4 digit results).
 """
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
@@ -33,9 +35,25 @@ def problem(rng) -> dict:
     return {"prompt": text + INSTRUCTION, "answer": str(answer)}
 
 
-def calculator_problem(rng) -> dict:
+MAX_DIGITS = 9
+
+
+def parse_digits(spec: str) -> tuple[int, int]:
+    """`LO-HI` or `N` -> (LO, HI), each factor's fewest and most digits; ValueError says what is wrong."""
+    lo, _, hi = str(spec).partition("-")
+    try:
+        lo, hi = int(lo), int(hi or lo)
+    except ValueError:
+        raise ValueError(f"digits={spec!r}: write LO-HI or N, whole numbers (e.g. 2-3 or 2)") from None
+    if not 1 <= lo <= hi <= MAX_DIGITS:
+        raise ValueError(f"digits={spec!r}: need 1 <= LO <= HI <= {MAX_DIGITS}")
+    return lo, hi
+
+
+def calculator_problem(rng, digits: tuple[int, int] = (4, 5)) -> dict:
+    """Two factors drawn uniformly from the whole numbers of digits[0] to digits[1] digits."""
     name, thing = rng.choice(NAMES), rng.choice(THINGS)
-    a, b = (int(rng.integers(1000, 100_000)) for _ in range(2))
+    a, b = (int(rng.integers(10 ** (digits[0] - 1), 10 ** digits[1])) for _ in range(2))
     text = f"{name} buys {a} bags with {b} {thing}s in each. How many {thing}s is that?" + INSTRUCTION
     call = json.dumps({"name": "calculator", "arguments": {"expression": f"{a} * {b}"}})
     turns = [
@@ -49,11 +67,19 @@ def calculator_problem(rng) -> dict:
 KINDS = {"small": problem, "calculator": calculator_problem}
 
 
-def write(out_dir, train: int = 256, eval: int = 32, seed: int = 0, kind: str = "small") -> tuple[Path, Path]:
-    """Write `train` and `eval` distinct problems of `kind` -> (train.jsonl, eval.jsonl)."""
+def write(
+    out_dir, train: int = 256, eval: int = 32, seed: int = 0, kind: str = "small", digits: str | None = None
+) -> tuple[Path, Path]:
+    """Write `train` and `eval` distinct problems of `kind` -> (train.jsonl, eval.jsonl). `digits` ("LO-HI" or
+    "N", calculator problems only): each factor's digits (default 4-5)."""
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r}: choose one of {', '.join(sorted(KINDS))}")
+    if digits is not None and kind != "calculator":
+        raise ValueError(f"digits={digits!r}: only calculator problems take a number of digits")
+    make = functools.partial(calculator_problem, digits=parse_digits(digits or "4-5")) if digits else KINDS[kind]
     rng, seen = np.random.default_rng(seed), {}
     for _ in range(100 * (train + eval)):
-        p = KINDS[kind](rng)
+        p = make(rng)
         seen.setdefault(p["prompt"], p)
         if len(seen) == train + eval:
             break
@@ -75,6 +101,14 @@ if __name__ == "__main__":
     parser.add_argument("--eval", type=int, default=32, help="held-out problems")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kind", choices=sorted(KINDS), default="small", help="small sums and products, or calculator")
+    parser.add_argument(
+        "--digits",
+        help="calculator problems: each factor has LO to HI digits, written LO-HI or N (default 4-5)",
+    )
     args = parser.parse_args()
-    for path in write(args.out_dir, args.train, args.eval, args.seed, args.kind):
+    try:
+        paths = write(args.out_dir, args.train, args.eval, args.seed, args.kind, args.digits)
+    except ValueError as e:
+        parser.error(str(e))
+    for path in paths:
         print(path)
