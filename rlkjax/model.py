@@ -2,7 +2,7 @@
 into fresh pages) both call `forward` unchanged, then `token_logprobs` or `sample`.
 
 The file reads: parameters, where a layer's weights come from (`LayerWeights`: read in place,
-unstacked, or train/fsdp.py's gathered), the layer, `forward`, the sampler's head, the learner's.
+unstacked, sliced, or train/fsdp.py's gathered), the layer, `forward`, the sampler's head, the learner's.
 
 Params are a plain pytree with HF names (HF Linear layout [out, in]); layers are stacked on a
 leading axis (a scan over layers compiles each kernel once, not once per layer):
@@ -12,6 +12,7 @@ leading axis (a scan over layers compiles each kernel once, not once per layer):
 KV cache: (k_pages, v_pages), each [L, Hkv, num_pages, page_size, Dh].
 """
 
+import dataclasses
 import functools
 from typing import NamedTuple, Protocol
 
@@ -92,23 +93,18 @@ MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "dow
 
 
 class LayerWeights(Protocol):
-    """The layer's one weight path. `run(step, carry, tables)` applies `step(carry, weights, tables)`
-    for each layer in order, `weights` being this provider's view of that layer, and returns the
-    last carry: the provider chooses the loop (a scan, or layers unrolled). The layer reads every
-    weight through the view, once per use: `matmul` (a @ w.T + residual), `matmuls` (several
-    projections of one input), `norm` (an rmsnorm with its weight); `index` is the layer's number.
-    The view applies the kernel rather than handing out the weight: read in place, the kernel
-    reads layer `index` out of the stack and no weight array exists; gathered (train/fsdp.py's
-    `Gathered`), the all-gather sits inside the matmul's checkpoint. Same kernels, same bits."""
+    """The layer's one weight path. `run(step, carry, tables)` applies `step(carry, view, tables)`
+    for each layer in order (the provider chooses the loop), `view` being its view of that layer;
+    the layer reads every weight through the view, once per use: `matmul` (a @ w.T + residual),
+    `matmuls` (projections of one input), `norm`. The view applies the kernel rather than handing
+    out the weight: read in place, the kernel reads layer `index` out of the stack and no weight
+    array exists; fetched (`Sliced`), the fetch sits inside the matmul's checkpoint."""
 
     index: object
 
     def run(self, step, carry, tables): ...
-
     def matmul(self, op, a, name: str, residual=None): ...
-
     def matmuls(self, op, a, names: tuple[str, ...]) -> tuple: ...
-
     def norm(self, op, a, name: str, eps: float, cos=None, sin=None): ...
 
 
@@ -117,7 +113,8 @@ def layer_ids(stacks: dict):
     return jnp.arange(next(iter(stacks.values())).shape[0], dtype=jnp.int32)
 
 
-class InPlace(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class InPlace:
     """The sampler's: the kernels read layer `index`'s weights out of the stacked arrays (no
     per-layer copy, which a scan's slice would make), q/k/v and gate/up in one launch each; a scan
     over the layer indices (`unroll`: NumericsOptions.layer_unroll). Forward only."""
@@ -127,7 +124,7 @@ class InPlace(NamedTuple):
     index: object = None  # inside the scan: this layer's
 
     def run(self, step, carry, tables):
-        body = lambda c, i: (step(c, self._replace(index=i), tables), None)  # noqa: E731
+        body = lambda c, i: (step(c, dataclasses.replace(self, index=i), tables), None)  # noqa: E731
         return jax.lax.scan(body, carry, layer_ids(self.stacks), unroll=self.unroll)[0]
 
     def matmul(self, op, a, name, residual=None):
@@ -140,22 +137,53 @@ class InPlace(NamedTuple):
         return op.rmsnorm_layer(a, self.stacks[name], self.index, cos, sin, eps)
 
 
+@dataclasses.dataclass(frozen=True)
+class Sliced:
+    """A scan over the layers' slices of stacked weights, each weight passed through `fetch` where
+    the layer uses it: the norms' once per layer, each matrix's inside its matmul's checkpoint (a
+    backward fetches it again rather than keeping every layer's). `fetch` here is the slice itself;
+    train/fsdp.py's `Gathered` all-gathers this device's shard: one layer's full weights at a time."""
+
+    weights: dict  # [L, ...]; inside a layer: its slices (the norms fetched)
+    index: object = None
+
+    def fetch(self, name: str, w):
+        return w
+
+    def run(self, step, carry, tables):
+        def body(carry, xs):
+            layer, index = xs
+            layer = {name: w if name in MATRICES else self.fetch(name, w) for name, w in layer.items()}
+            return step(carry, dataclasses.replace(self, weights=layer, index=index), tables), None
+
+        return jax.lax.scan(body, carry, (self.weights, layer_ids(self.weights)))[0]
+
+    def matmul(self, op, a, name, residual=None):
+        fetched = lambda a, w, r: op.matmul(a, self.fetch(name, w), r)  # noqa: E731
+        return jax.checkpoint(fetched)(a, self.weights[name], residual)
+
+    def matmuls(self, op, a, names):
+        return tuple(self.matmul(op, a, n) for n in names)
+
+    def norm(self, op, a, name, eps, cos=None, sin=None):
+        return op.rmsnorm(a, self.weights[name], cos, sin, eps)
+
+
 def unstack(w):
     """[L, ...] -> L arrays [...]: one split, whose gradient is one concatenation of the layers'."""
     return [p.reshape(w.shape[1:]) for p in jax.lax.split(w, [1] * w.shape[0])]
 
 
-class Unstacked(NamedTuple):
-    """The learner's on whole weights: layers unrolled, matrices read in place from their stacks
-    (no per-layer copy), each layer's activations kept where its kernels wrote them (a scan stacks
-    them for the backward and slices them back out: a copy of each). Each matrix's gradient comes
-    back through its slice (`unstack`), stacked once. Same kernels, same inputs: the same bits. The
-    layer is one jitted function of its inputs, called once per layer: JAX lowers it (and its
-    derivatives) once, not each layer's Pallas calls again."""
+@dataclasses.dataclass(frozen=True)
+class Unstacked(Sliced):
+    """The learner's on whole weights: per-layer slices (`unstack`: each matrix's gradient comes
+    back through its slice, stacked once), layers unrolled, matrices read in place from their
+    stacks (no per-layer copy), each layer's activations kept where its kernels wrote them (a scan
+    stacks them for the backward and slices them back out: a copy of each). Same kernels, same
+    inputs: the same bits. The layer is one jitted function of its inputs, called once per layer:
+    JAX lowers it (and its derivatives) once, not each layer's Pallas calls again."""
 
-    weights: dict  # params["layers"] [L, ...]; inside a layer: that layer's slices
     stacks: dict | None = None  # inside a layer: the matrices' stacks, read in place (no gradient)
-    index: object = None
 
     def run(self, step, carry, tables):
         stacks = {name: jax.lax.stop_gradient(self.weights[name]) for name in MATRICES}
@@ -163,7 +191,7 @@ class Unstacked(NamedTuple):
 
         def layer_step(carry, xs, shared):  # the tables and stacks are the jitted layer's inputs, not its constants
             (layer, index), (*tables, stacks) = xs, shared
-            return step(carry, Unstacked(layer, stacks, index), tuple(tables))
+            return step(carry, Unstacked(layer, index, stacks), tuple(tables))
 
         jitted = jax.jit(layer_step)
         for i in range(len(pieces["q_proj"])):
@@ -172,12 +200,6 @@ class Unstacked(NamedTuple):
 
     def matmul(self, op, a, name, residual=None):
         return op.matmul(a, self.weights[name], residual, self.stacks[name], self.index)
-
-    def matmuls(self, op, a, names):
-        return tuple(self.matmul(op, a, n) for n in names)
-
-    def norm(self, op, a, name, eps, cos=None, sin=None):
-        return op.rmsnorm(a, self.weights[name], cos, sin, eps)
 
 
 # ----- the layer -----

@@ -235,7 +235,7 @@ def test_learner_reads_weights_in_place_with_the_same_bits(monkeypatch):
         return jax.value_and_grad(loss, has_aux=True)(master, batch, ref, rope, cfg, "strict", 0.2, 0.0, total)
 
     def gathered(master):
-        layers = fsdp.Gathered(master["layers"], specs["layers"], cfg.dtype)
+        layers = fsdp.Gathered(master["layers"], specs=specs["layers"], dtype=cfg.dtype)
         return grpo_loss(master, batch, ref, rope, cfg, "strict", 0.2, 0.0, total, layers=layers)
 
     (loss, (_, logp)), grads = step()

@@ -25,9 +25,9 @@ packs the same batch. Every process must hold at least one learner device (that 
 receives the weights for its samplers).
 """
 
+import dataclasses
 import functools
 import os
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -222,41 +222,21 @@ def _gather_leaf(axis: int, dtype, shard_dtype):
     return gather
 
 
-class Gathered(NamedTuple):
-    """The FSDP learner's model.LayerWeights: params["layers"] stay this device's shards [L, ...], and a
-    scan over the layers gathers each layer's weights as it reaches them, so one layer's full weights
-    exist at a time: the norms once per layer, each matrix inside its matmul's checkpoint (the backward
-    gathers it again from the shard rather than keeping every layer's full weights). The backward
-    reduce-scatters each layer's gradient as the scan reaches it, rather than the whole model's at the
-    end (at 8B on 2 devices the latter held tens of GiB of bf16 cotangents and their all-to-all)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Gathered(model.Sliced):
+    """The FSDP learner's model.LayerWeights: params["layers"] stay this device's shards, and the
+    layer scan (model.Sliced) fetches each weight by all-gathering its shard as `dtype`, so one
+    layer's full weights exist at a time. The backward reduce-scatters each layer's gradient as the
+    scan reaches it, rather than the whole model's at the end (at 8B on 2 devices the latter held
+    tens of GiB of bf16 cotangents and their all-to-all)."""
 
-    shards: dict  # params["layers"]: this device's shards; inside the scan, this layer's (norms gathered)
     specs: dict  # specs["layers"]
     dtype: object = None  # gathered as (None: the shards' own)
-    index: object = None  # inside the scan: this layer's
 
-    def gather(self, name: str, shard):
+    def fetch(self, name: str, shard):
         """One layer's slice of a layer weight's shard -> that layer's whole weight, as `dtype`."""
         axis = list(self.specs[name]).index(AXIS) - 1  # the slice has lost the layer axis
         return _gather_leaf(axis, self.dtype or shard.dtype, shard.dtype)(shard)
-
-    def run(self, step, carry, tables):
-        def body(carry, xs):
-            layer, index = xs
-            layer = {name: w if name in model.MATRICES else self.gather(name, w) for name, w in layer.items()}
-            return step(carry, self._replace(shards=layer, index=index), tables), None
-
-        return jax.lax.scan(body, carry, (self.shards, model.layer_ids(self.shards)))[0]
-
-    def matmul(self, op, a, name, residual=None):
-        gathered = lambda a, w, r: op.matmul(a, self.gather(name, w), r)  # noqa: E731
-        return jax.checkpoint(gathered)(a, self.shards[name], residual)
-
-    def matmuls(self, op, a, names):
-        return tuple(self.matmul(op, a, n) for n in names)
-
-    def norm(self, op, a, name, eps, cos=None, sin=None):
-        return op.rmsnorm(a, self.shards[name], cos, sin, eps)
 
 
 def gather(params, specs, dtype=None):
@@ -276,7 +256,7 @@ def gather(params, specs, dtype=None):
     outer = jax.tree.map(
         leaf, {k: v for k, v in params.items() if k != "layers"}, {k: v for k, v in specs.items() if k != "layers"}
     )
-    return outer, Gathered(params["layers"], specs["layers"], dtype)
+    return outer, Gathered(params["layers"], specs=specs["layers"], dtype=dtype)
 
 
 # ----- the learner's jitted functions -----
