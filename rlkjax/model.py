@@ -1,16 +1,20 @@
 """The one Qwen3 model function. The sampler (prefill, decode) and the learner (whole sequences
 into fresh pages) both call `forward` unchanged, then `token_logprobs` or `sample`.
 
+The file reads: parameters, where a layer's weights come from (`LayerWeights`: read in place,
+unstacked, sliced, or train/fsdp.py's gathered), the layer, `forward`, the sampler's head, the learner's.
+
 Params are a plain pytree with HF names (HF Linear layout [out, in]); layers are stacked on a
-leading axis so the forward is one `lax.scan` (each kernel compiles once, not once per layer):
+leading axis (a scan over layers compiles each kernel once, not once per layer):
   {"embed_tokens": [V, D], "norm": [D], "lm_head": [V, D] (untied only),
    "layers": {"q_proj": [L, Hq*Dh, D], "k_proj", "v_proj", "o_proj", "q_norm", "k_norm",
               "input_layernorm", "post_attention_layernorm", "gate_proj", "up_proj", "down_proj"}}
 KV cache: (k_pages, v_pages), each [L, Hkv, num_pages, page_size, Dh].
 """
 
+import dataclasses
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -84,6 +88,168 @@ def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int = PAGE_SIZE):
     return jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype)
 
 
+# ----- where a layer's weights come from -----
+MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LayerWeights(Protocol):
+    """The layer's one weight path. `run(step, carry, tables)` applies `step(carry, view, tables)`
+    for each layer in order (the provider chooses the loop), `view` being its view of that layer;
+    the layer reads every weight through the view, once per use: `matmul` (a @ w.T + residual),
+    `matmuls` (projections of one input), `norm`. The view applies the kernel rather than handing
+    out the weight: read in place, the kernel reads layer `index` out of the stack and no weight
+    array exists; fetched (`Sliced`), the fetch sits inside the matmul's checkpoint."""
+
+    index: object
+
+    def run(self, step, carry, tables): ...
+    def matmul(self, op, a, name: str, residual=None): ...
+    def matmuls(self, op, a, names: tuple[str, ...]) -> tuple: ...
+    def norm(self, op, a, name: str, eps: float, cos=None, sin=None): ...
+
+
+def layer_ids(stacks: dict):
+    """[L] int32: the layers of stacked weights [L, ...], in order."""
+    return jnp.arange(next(iter(stacks.values())).shape[0], dtype=jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class InPlace:
+    """The sampler's: the kernels read layer `index`'s weights out of the stacked arrays (no
+    per-layer copy, which a scan's slice would make), q/k/v and gate/up in one launch each; a scan
+    over the layer indices (`unroll`: NumericsOptions.layer_unroll). Forward only."""
+
+    stacks: dict  # params["layers"], [L, ...]
+    unroll: int = 1
+    index: object = None  # inside the scan: this layer's
+
+    def run(self, step, carry, tables):
+        body = lambda c, i: (step(c, dataclasses.replace(self, index=i), tables), None)  # noqa: E731
+        return jax.lax.scan(body, carry, layer_ids(self.stacks), unroll=self.unroll)[0]
+
+    def matmul(self, op, a, name, residual=None):
+        return op.matmul(a, None, residual, self.stacks[name], self.index)
+
+    def matmuls(self, op, a, names):
+        return op.matmul_fused(a, tuple(self.stacks[n] for n in names), self.index)
+
+    def norm(self, op, a, name, eps, cos=None, sin=None):
+        return op.rmsnorm_layer(a, self.stacks[name], self.index, cos, sin, eps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sliced:
+    """A scan over the layers' slices of stacked weights, each weight passed through `fetch` where
+    the layer uses it: the norms' once per layer, each matrix's inside its matmul's checkpoint (a
+    backward fetches it again rather than keeping every layer's). `fetch` here is the slice itself;
+    train/fsdp.py's `Gathered` all-gathers this device's shard: one layer's full weights at a time."""
+
+    weights: dict  # [L, ...]; inside a layer: its slices (the norms fetched)
+    index: object = None
+
+    def fetch(self, name: str, w):
+        return w
+
+    def run(self, step, carry, tables):
+        def body(carry, xs):
+            layer, index = xs
+            layer = {name: w if name in MATRICES else self.fetch(name, w) for name, w in layer.items()}
+            return step(carry, dataclasses.replace(self, weights=layer, index=index), tables), None
+
+        return jax.lax.scan(body, carry, (self.weights, layer_ids(self.weights)))[0]
+
+    def matmul(self, op, a, name, residual=None):
+        fetched = lambda a, w, r: op.matmul(a, self.fetch(name, w), r)  # noqa: E731
+        return jax.checkpoint(fetched)(a, self.weights[name], residual)
+
+    def matmuls(self, op, a, names):
+        return tuple(self.matmul(op, a, n) for n in names)
+
+    def norm(self, op, a, name, eps, cos=None, sin=None):
+        return op.rmsnorm(a, self.weights[name], cos, sin, eps)
+
+
+def unstack(w):
+    """[L, ...] -> L arrays [...]: one split, whose gradient is one concatenation of the layers'."""
+    return [p.reshape(w.shape[1:]) for p in jax.lax.split(w, [1] * w.shape[0])]
+
+
+@dataclasses.dataclass(frozen=True)
+class Unstacked(Sliced):
+    """The learner's on whole weights: per-layer slices (`unstack`: each matrix's gradient comes
+    back through its slice, stacked once), layers unrolled, matrices read in place from their
+    stacks (no per-layer copy), each layer's activations kept where its kernels wrote them (a scan
+    stacks them for the backward and slices them back out: a copy of each). Same kernels, same
+    inputs: the same bits. The layer is one jitted function of its inputs, called once per layer:
+    JAX lowers it (and its derivatives) once, not each layer's Pallas calls again."""
+
+    stacks: dict | None = None  # inside a layer: the matrices' stacks, read in place (no gradient)
+
+    def run(self, step, carry, tables):
+        stacks = {name: jax.lax.stop_gradient(self.weights[name]) for name in MATRICES}
+        pieces = {name: unstack(w) for name, w in self.weights.items()}
+
+        def layer_step(carry, xs, shared):  # the tables and stacks are the jitted layer's inputs, not its constants
+            (layer, index), (*tables, stacks) = xs, shared
+            return step(carry, Unstacked(layer, index, stacks), tuple(tables))
+
+        jitted = jax.jit(layer_step)
+        for i in range(len(pieces["q_proj"])):
+            carry = jitted(carry, ({name: w[i] for name, w in pieces.items()}, jnp.int32(i)), (*tables, stacks))
+        return carry
+
+    def matmul(self, op, a, name, residual=None):
+        return op.matmul(a, self.weights[name], residual, self.stacks[name], self.index)
+
+
+# ----- the layer -----
+class _Pass(NamedTuple):
+    """What every layer of one `forward` call shares: the kernels and the shapes."""
+
+    op: object  # rlkjax.numerics.Ops
+    cfg: ModelConfig
+    b: int
+    t: int
+    rows: int  # activation rows: b * t padded to the kernels' row tile
+    remat: bool
+
+
+def layer(p: _Pass, carry, weights: LayerWeights, tables):
+    """One decoder layer: (x, k_pages, v_pages) -> the same after the layer, every weight read
+    through `weights`. tables: the per-call rope tables and attention plan."""
+    x, k_pages, v_pages = carry
+    cos_q, sin_q, cos_k, sin_k, plan = tables
+    op, cfg, n, rows = p.op, p.cfg, p.b * p.t, p.rows
+    hq, hkv, dh, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+
+    def qkv(x):
+        h = weights.norm(op, x, "input_layernorm", eps)
+        q, k, v = weights.matmuls(op, h, ("q_proj", "k_proj", "v_proj"))
+        q = weights.norm(op, q.reshape(-1, dh), "q_norm", eps, cos_q, sin_q)
+        return q, weights.norm(op, k.reshape(-1, dh), "k_norm", eps, cos_k, sin_k), v
+
+    def out(attn, x):
+        x = weights.matmul(op, pad_dim(attn.reshape(n, hq * dh), 0, rows), "o_proj", x)
+        h = weights.norm(op, x, "post_attention_layernorm", eps)
+        return weights.matmul(op, op.swiglu(*weights.matmuls(op, h, ("gate_proj", "up_proj"))), "down_proj", x)
+
+    if p.remat:
+        qkv, out = jax.checkpoint(qkv), jax.checkpoint(out)
+    q, k, v = qkv(x)
+    b, t = p.b, p.t
+    attn, k_pages, v_pages = op.attention(
+        q[: n * hq].reshape(b, t, hq, dh),
+        k[: n * hkv].reshape(b, t, hkv, dh),
+        v[:n].reshape(b, t, hkv, dh),
+        k_pages,
+        v_pages,
+        weights.index,
+        plan,
+    )
+    return out(attn, x), k_pages, v_pages
+
+
+# ----- the forward -----
 @jax.custom_vjp
 def embed(table, ids):
     """table [V, D][ids [N]]: a gather (the same bits as plain indexing). Its gradient is summed by
@@ -121,6 +287,64 @@ def _embed_bwd(saved, ct):
 embed.defvjp(_embed_fwd, _embed_bwd)
 
 
+def forward(
+    params,
+    tokens,
+    positions,
+    kv_cache,
+    page_table,
+    rope,
+    cfg: ModelConfig,
+    numerics: Numerics,
+    layers: LayerWeights | None = None,
+    remat: bool = False,
+):
+    """tokens, positions [B, T] (position -1 = padding), page_table [B, P] -> hidden [B, T, D] (final-normed)
+    and the cache with this call's K/V written in. Only data movement happens outside the ops.
+
+    layers: where the layers' weights come from (`LayerWeights`); None: `InPlace` (the sampler's:
+    params["layers"] read in place, its scan unrolled by the NumericsOptions' layer_unroll). The
+    learner passes `Unstacked` (it differentiates through per-layer slices), the FSDP learner
+    train/fsdp.py's `Gathered`; params["layers"] is then not read.
+    remat: (the learner's pass) recompute each layer's two halves (norm + q/k/v + q/k norms;
+    o_proj + norm + gate/up + swiglu + down_proj) in the backward instead of keeping their
+    intermediates: a layer scan then stacks only each layer's input and the attention's q, k, v and
+    output (about a quarter of the memory) for about a quarter more matmul work. Same kernels on the
+    same inputs: the same bits.
+    numerics: "strict", "fast" or a NumericsOptions."""
+    op = ops(numerics)
+    b, t = tokens.shape
+    n = b * t
+    rows = padded_rows(n, numerics)  # activations carry `rows` rows; the padding rows are sliced off for attention
+    hq, hkv = cfg.num_heads, cfg.num_kv_heads
+    x = pad_dim(embed(params["embed_tokens"], tokens.reshape(-1)), 0, rows)  # [rows, D] gather
+    at = pad_dim(jnp.maximum(positions, 0).reshape(-1), 0, rows)
+    cos, sin = rope[0][at], rope[1][at]  # [rows, Dh/2] gathers
+    cos_q, sin_q = jnp.repeat(cos, hq, axis=0), jnp.repeat(sin, hq, axis=0)
+    cos_k, sin_k = jnp.repeat(cos, hkv, axis=0), jnp.repeat(sin, hkv, axis=0)
+    plan = op.attention_plan(page_table, positions, hq // hkv)  # once, not per layer (XLA would not hoist it)
+    if layers is None:
+        layers = InPlace(params["layers"], options(numerics).layer_unroll)
+    step = functools.partial(layer, _Pass(op, cfg, b, t, rows, remat))
+    x, *kv_cache = layers.run(step, (x, *kv_cache), (cos_q, sin_q, cos_k, sin_k, plan))
+    x = op.rmsnorm(x, params["norm"], None, None, cfg.rms_norm_eps)
+    return x[:n].reshape(b, t, -1), tuple(kv_cache)
+
+
+# ----- the sampler's head -----
+def sample(params, hidden, seeds, steps, temperature, numerics: Numerics, top_logprobs: int = 0, truncation=None):
+    """The sampler's head: hidden [N, D] -> a `Logprobs` of tokens [N] drawn with keys (seed, step) and
+    their logprobs; top_logprobs = k > 0 adds each row's k most likely ids and their logprobs [N, k];
+    truncation = (top_k, top_p, min_p) [N] draws from the truncated, renormalised distribution and adds
+    that logprob (pallas_kernels.logprob.head). The tokens and logprobs are the same bits with or
+    without top logprobs, and the learner's for those tokens."""
+    w = lm_head(params)
+    return ops(numerics).logprob(
+        hidden, w, temperature, seeds=seeds, steps=steps, top_logprobs=top_logprobs, truncation=truncation
+    )
+
+
+# ----- the learner's head -----
 def _flat_columns(columns, width: int):
     """columns [B, C] (-1: an empty slot) -> [B * C] indices into the row-major [B * width]
     flattening; empty slots get distinct indices past its end (read as zeros, dropped on writes)."""
@@ -171,174 +395,6 @@ def _put_rows_bwd(n, index, ct):
 put_rows.defvjp(_put_rows_fwd, _put_rows_bwd)
 
 
-def unstack(w):
-    """[L, ...] -> L arrays [...]: one split, whose gradient is one concatenation of the layers'."""
-    return [p.reshape(w.shape[1:]) for p in jax.lax.split(w, [1] * w.shape[0])]
-
-
-MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-class _Pass(NamedTuple):
-    """What every layer of one `forward` call shares: the kernels, the weights, the shapes and the
-    weights' source (see `forward`)."""
-
-    op: object  # rlkjax.numerics.Ops
-    params: dict
-    cfg: ModelConfig
-    b: int
-    t: int
-    rows: int  # activation rows: b * t padded to the kernels' row tile
-    weights_in_place: bool
-    layer_weights: object  # None or (name, shard) -> weight
-    remat: bool
-    unroll: int  # the scan's layer unroll (the sampler's NumericsOptions.layer_unroll; 1 for the learner)
-
-
-def layer_step(p: _Pass, carry, xs, shared):
-    """One decoder layer: (x, k_pages, v_pages) -> the same after the layer. xs: (this layer's weights
-    from the scan, or {} when read in place; its index). shared: the per-call tables, passed as
-    arguments rather than closed over so the learner's jitted layer takes them as inputs."""
-    x, k_pages, v_pages = carry
-    layer, index = xs
-    cos_q, sin_q, cos_k, sin_k, plan, stacks = shared
-    op, cfg, n, rows = p.op, p.cfg, p.b * p.t, p.rows
-    hq, hkv, dh, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
-
-    def mm(a, name, r=None):
-        if p.weights_in_place:
-            return op.matmul(a, None, r, p.params["layers"][name], index)
-        if p.layer_weights is None:
-            return op.matmul(a, layer[name], r, stacks[name], index)
-        return jax.checkpoint(lambda a, w, r: op.matmul(a, p.layer_weights(name, w), r))(a, layer[name], r)
-
-    def norm(a, name, cos=None, sin=None):
-        if p.weights_in_place:
-            return op.rmsnorm_layer(a, p.params["layers"][name], index, cos, sin, eps)
-        return op.rmsnorm(a, layer[name], cos, sin, eps)
-
-    if p.layer_weights is not None:  # the norms' weights: small, gathered once per layer
-        layer = {name: w if name in MATRICES else p.layer_weights(name, w) for name, w in layer.items()}
-
-    def mms(a, *names):  # several projections of one input: one launch when reading in place
-        if p.weights_in_place:
-            return op.matmul_fused(a, tuple(p.params["layers"][n] for n in names), index)
-        return tuple(mm(a, n) for n in names)
-
-    def qkv(x):
-        h = norm(x, "input_layernorm")
-        q, k, v = mms(h, "q_proj", "k_proj", "v_proj")
-        return norm(q.reshape(-1, dh), "q_norm", cos_q, sin_q), norm(k.reshape(-1, dh), "k_norm", cos_k, sin_k), v
-
-    def out(attn, x):
-        x = mm(pad_dim(attn.reshape(n, hq * dh), 0, rows), "o_proj", x)
-        h = norm(x, "post_attention_layernorm")
-        return mm(op.swiglu(*mms(h, "gate_proj", "up_proj")), "down_proj", x)
-
-    if p.remat:
-        qkv, out = jax.checkpoint(qkv), jax.checkpoint(out)
-    q, k, v = qkv(x)
-    b, t = p.b, p.t
-    attn, k_pages, v_pages = op.attention(
-        q[: n * hq].reshape(b, t, hq, dh),
-        k[: n * hkv].reshape(b, t, hkv, dh),
-        v[:n].reshape(b, t, hkv, dh),
-        k_pages,
-        v_pages,
-        index,
-        plan,
-    )
-    return (out(attn, x), k_pages, v_pages), None
-
-
-def forward(
-    params,
-    tokens,
-    positions,
-    kv_cache,
-    page_table,
-    rope,
-    cfg: ModelConfig,
-    numerics: Numerics,
-    weights_in_place: bool = True,
-    layer_weights=None,
-    remat: bool = False,
-):
-    """tokens, positions [B, T] (position -1 = padding), page_table [B, P] -> hidden [B, T, D] (final-normed)
-    and the cache with this call's K/V written in. Only data movement happens outside the ops.
-
-    weights_in_place: the matmul and norm kernels read layer i's weights out of the stacked arrays
-    (no per-layer copy, which a scan's slice would make). Same kernels, same bits either way; the
-    learner passes False because it differentiates through per-layer slices.
-    layer_weights: (needs weights_in_place=False) a function (name, that layer's slice of
-    params["layers"][name]) -> the layer's weight, called inside the scan: the FSDP learner
-    (train/fsdp.py) passes its all-gather, so one layer's full weights exist at a time. Each
-    matrix's call is rematerialised with its matmul: the backward pass gathers the weight again
-    from the slice rather than keeping every layer's full weights.
-    remat: (the learner's pass, weights_in_place=False) recompute each layer's two halves (norm +
-    q/k/v + q/k norms; o_proj + norm + gate/up + swiglu + down_proj) in the backward instead of
-    keeping their intermediates: the layer scan then stacks only each layer's input and the
-    attention's q, k, v and output (about a quarter of the memory) for about a quarter more matmul
-    work. Same kernels on the same inputs: the same bits.
-    numerics: "strict", "fast" or a NumericsOptions (its layer_unroll sets the sampler's layer loop)."""
-    if (layer_weights is not None or remat) and weights_in_place:
-        raise ValueError("layer_weights and remat need weights_in_place=False (the learner's pass)")
-    op = ops(numerics)
-    b, t = tokens.shape
-    n = b * t
-    rows = padded_rows(n, numerics)  # activations carry `rows` rows; the padding rows are sliced off for attention
-    hq, hkv = cfg.num_heads, cfg.num_kv_heads
-    x = pad_dim(embed(params["embed_tokens"], tokens.reshape(-1)), 0, rows)  # [rows, D] gather
-    at = pad_dim(jnp.maximum(positions, 0).reshape(-1), 0, rows)
-    cos, sin = rope[0][at], rope[1][at]  # [rows, Dh/2] gathers
-    cos_q, sin_q = jnp.repeat(cos, hq, axis=0), jnp.repeat(sin, hq, axis=0)
-    cos_k, sin_k = jnp.repeat(cos, hkv, axis=0), jnp.repeat(sin, hkv, axis=0)
-    plan = op.attention_plan(page_table, positions, hq // hkv)  # once, not per layer (XLA would not hoist it)
-    shared = (cos_q, sin_q, cos_k, sin_k, plan)
-    unroll = options(numerics).layer_unroll if weights_in_place else 1
-    p = _Pass(op, params, cfg, b, t, rows, weights_in_place, layer_weights, remat, unroll)
-    x, kv_cache = _layers(p, x, kv_cache, shared)
-    x = op.rmsnorm(x, params["norm"], None, None, cfg.rms_norm_eps)
-    return x[:n].reshape(b, t, -1), kv_cache
-
-
-def _layers(p: _Pass, x, kv_cache, shared):
-    """Run every layer over x [rows, D]: a scan for the sampler (weights read in place) and the FSDP
-    learner (its gathers inside the scan), an unrolled loop for the learner on whole weights."""
-    if p.weights_in_place or p.layer_weights is not None:
-        layer_ids = jnp.arange(p.cfg.num_layers, dtype=jnp.int32)
-        scanned = {} if p.weights_in_place else p.params["layers"]
-        step = lambda carry, xs: layer_step(p, carry, xs, (*shared, None))  # noqa: E731
-        (x, k_pages, v_pages), _ = jax.lax.scan(step, (x, *kv_cache), (scanned, layer_ids), unroll=p.unroll)
-        return x, (k_pages, v_pages)
-    # The learner's pass on whole weights: layers unrolled, matrices read in place from their
-    # stacks (no per-layer copy), each layer's activations kept where its kernels wrote them (a
-    # scan stacks them for the backward and slices them back out: a copy of each). Each matrix's
-    # gradient comes back through its slice (`unstack`), stacked once. Same kernels, same inputs:
-    # the same bits. The layer is one jitted function of its inputs, called once per layer: JAX
-    # lowers it (and its derivatives) once, not each layer's Pallas calls again.
-    stacks = {name: jax.lax.stop_gradient(p.params["layers"][name]) for name in MATRICES}
-    pieces = {name: unstack(w) for name, w in p.params["layers"].items()}
-    step = jax.jit(functools.partial(layer_step, p))
-    carry = (x, *kv_cache)
-    for i in range(p.cfg.num_layers):
-        carry, _ = step(carry, ({name: w[i] for name, w in pieces.items()}, jnp.int32(i)), (*shared, stacks))
-    x, k_pages, v_pages = carry
-    return x, (k_pages, v_pages)
-
-
-def sample(params, hidden, seeds, steps, temperature, numerics: Numerics, top_logprobs: int = 0, truncation=None):
-    """The sampler's head: hidden [N, D] -> a `Logprobs` of tokens [N] drawn with keys (seed, step) and
-    their logprobs; top_logprobs = k > 0 adds each row's k most likely ids and their logprobs [N, k];
-    truncation = (top_k, top_p, min_p) [N] draws from the truncated, renormalised distribution and adds
-    that logprob (pallas_kernels.logprob.head). The tokens and logprobs are the same bits with or
-    without top logprobs, and the learner's for those tokens."""
-    w = lm_head(params)
-    return ops(numerics).logprob(
-        hidden, w, temperature, seeds=seeds, steps=steps, top_logprobs=top_logprobs, truncation=truncation
-    )
-
-
 def token_logprobs(params, hidden, targets, temperature, numerics: Numerics):
     """The learner's head: hidden [N, D], targets [N], temperature [N] -> logprobs [N] fp32. Differentiable."""
     return ops(numerics).logprob(hidden, lm_head(params), temperature, targets=targets).logprobs
@@ -352,7 +408,7 @@ def sequence_logprobs(
     rope,
     cfg: ModelConfig,
     numerics: Numerics,
-    layer_weights=None,
+    layers: LayerWeights | None = None,
     remat=False,
     columns=None,
     top_logprobs: int = 0,
@@ -361,7 +417,7 @@ def sequence_logprobs(
 ):
     """The learner's pass: whole sequences [B, T] into fresh pages; returns logp [B, T - 1] where
     [b, t] is log p(tokens[b, t + 1] | tokens[b, :t + 1]). temperature [B]. Differentiable.
-    layer_weights, remat: see `forward` (the FSDP learner's per-layer all-gather; recompute in the backward).
+    layers, remat: see `forward` (None: `Unstacked`, the whole weights; recompute in the backward).
     columns: None scores every position (what `score` and prompt logprobs need); [B, C] scores only
     those columns (`completion_logprobs`) and leaves 0 in every other.
     top_logprobs = k > 0 or truncation = (top_k, top_p, min_p) [B] (as `sample` takes them): a
@@ -374,11 +430,9 @@ def sequence_logprobs(
             params, tokens, positions, temperature, rope, cfg, numerics, top_logprobs, truncation, chunk
         )
     if columns is not None:
-        logp = completion_logprobs(
-            params, tokens, positions, columns, temperature, rope, cfg, numerics, layer_weights, remat
-        )
+        logp = completion_logprobs(params, tokens, positions, columns, temperature, rope, cfg, numerics, layers, remat)
         return put_rows(logp.reshape(-1), _flat_columns(columns, t - 1), b * (t - 1)).reshape(b, t - 1)
-    hidden = _learner_hidden(params, tokens, positions, rope, cfg, numerics, layer_weights, remat)
+    hidden = _learner_hidden(params, tokens, positions, rope, cfg, numerics, layers, remat)
     h = hidden[:, :-1].reshape(b * (t - 1), -1)
     temps = jnp.repeat(temperature, t - 1)
     return token_logprobs(params, h, tokens[:, 1:].reshape(-1), temps, numerics).reshape(b, t - 1)
@@ -393,7 +447,7 @@ def completion_logprobs(
     rope,
     cfg: ModelConfig,
     numerics: Numerics,
-    layer_weights=None,
+    layers: LayerWeights | None = None,
     remat=False,
 ):
     """The learner's pass scored only where a loss needs it: logp [B, C] where [b, j] is
@@ -414,7 +468,7 @@ def completion_logprobs(
     pass's (tests/test_learner_slice.py)."""
     b, t = tokens.shape
     c = columns.shape[1]
-    hidden = _learner_hidden(params, tokens, positions, rope, cfg, numerics, layer_weights, remat)
+    hidden = _learner_hidden(params, tokens, positions, rope, cfg, numerics, layers, remat)
     at = _flat_columns(columns, t)  # each scored column's row in [B * T]
     h = take_rows(hidden.reshape(b * t, -1), at)  # [B * C, D]
     targets = jnp.take(tokens.reshape(-1), at + 1, mode="fill", fill_value=0)  # the next token; empty slots: 0
@@ -422,27 +476,15 @@ def completion_logprobs(
     return jnp.where(columns >= 0, logp, jnp.zeros_like(logp))
 
 
-def _learner_hidden(
-    params, tokens, positions, rope, cfg: ModelConfig, numerics: Numerics, layer_weights=None, remat=False
-):
-    """The learner's pass (whole sequences into fresh pages) up to the final norm: hidden [B, T, D]."""
+def _learner_hidden(params, tokens, positions, rope, cfg: ModelConfig, numerics: Numerics, layers=None, remat=False):
+    """The learner's pass (whole sequences into fresh pages) up to the final norm: hidden [B, T, D].
+    layers: None reads params["layers"] whole (`Unstacked`)."""
     b, t = tokens.shape
     pages_per_row = cdiv(t, PAGE_SIZE)
     cache = init_kv_cache(cfg, 1 + b * pages_per_row)
     page_table = fresh_page_table(b, pages_per_row)
-    return forward(
-        params,
-        tokens,
-        positions,
-        cache,
-        page_table,
-        rope,
-        cfg,
-        numerics,
-        weights_in_place=False,
-        layer_weights=layer_weights,
-        remat=remat,
-    )[0]
+    layers = Unstacked(params["layers"]) if layers is None else layers
+    return forward(params, tokens, positions, cache, page_table, rope, cfg, numerics, layers, remat)[0]
 
 
 def _over_chunks(fn, chunk: int, *per_position):

@@ -31,6 +31,7 @@ ENTRY_POINTS = (
     "e2e_summary",
     "grpo_compare",
     "learner_memory",
+    "learner_hops",
     "learner_vs_peer",
     "memory_plan",
     "mismatch",

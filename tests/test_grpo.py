@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tyro
+from jax.sharding import PartitionSpec as P
 
 import rlkjax
 import train.loss
@@ -198,11 +199,12 @@ def test_learner_remat_keeps_the_bits(tiny, default_step):
 
 @pytest.mark.slow
 def test_learner_reads_weights_in_place_with_the_same_bits(monkeypatch):
-    """The learner's pass on whole weights (model.forward without layer_weights) runs its layers
-    unrolled, with every matrix read in place from its stack (matmul.matmul with its stack), forward and
-    dx. Against the scan over per-layer slices (an identity layer_weights, the FSDP path's
-    structure), and with --remat, the GRPO loss, logp_new and every gradient have the same bits, and
-    the in-place kernels did run: the model's matrices here are tile multiples, unlike qwen3-tiny's."""
+    """The learner's pass on whole weights (model.Unstacked, the default) runs its layers unrolled,
+    with every matrix read in place from its stack (matmul.matmul with its stack), forward and dx.
+    Against the FSDP learner's weight path (fsdp.Gathered: a scan over per-layer slices, each weight
+    all-gathered, on a one-device mesh) and with --remat, the GRPO loss, logp_new and every gradient
+    have the same bits, and the in-place kernels did run: the model's matrices here are tile
+    multiples, unlike qwen3-tiny's."""
     from pallas_kernels import matmul
 
     cfg = rlkjax.ModelConfig(512, 128, 2, 4, 2, 64, 256, tie_embeddings=True, max_position=1024)
@@ -227,16 +229,24 @@ def test_learner_reads_weights_in_place_with_the_same_bits(monkeypatch):
     )
     rope, ref = model.rope_tables(cfg), jnp.zeros((b, t - 1), jnp.float32)
 
-    def step(layer_weights, remat=False):
-        loss = functools.partial(grpo_loss, layer_weights=layer_weights, remat=remat)
-        fn = jax.value_and_grad(loss, has_aux=True)
-        return fn(master, batch, ref, rope, cfg, "strict", 0.2, 0.0, jnp.float32(b * (t - 1)))
+    total = jnp.float32(b * (t - 1))
 
-    (loss, (_, logp)), grads = step(None)
+    def step(remat=False):
+        loss = functools.partial(grpo_loss, remat=remat)
+        return jax.value_and_grad(loss, has_aux=True)(master, batch, ref, rope, cfg, "strict", 0.2, 0.0, total)
+
+    def gathered(master):
+        layers = fsdp.Gathered(master["layers"], specs=specs["layers"], dtype=cfg.dtype)
+        return grpo_loss(master, batch, ref, rope, cfg, "strict", 0.2, 0.0, total, layers=layers)
+
+    (loss, (_, logp)), grads = step()
     assert sum(stacked_reads) == 2 * 7, "every matrix's dx should read its stack in place"
     assert np.abs(np.asarray(grads["layers"]["down_proj"])).max() > 0
-    scan = step(lambda name, w: w.astype(cfg.dtype))
-    for label, ((loss_s, (_, logp_s)), grads_s) in (("layer scan", scan), ("unrolled, remat", step(None, True))):
+    mesh, specs = fsdp.make_mesh(jax.devices()[:1]), fsdp.param_specs(master, 1)
+    scan = jax.shard_map(
+        jax.value_and_grad(gathered, has_aux=True), mesh=mesh, in_specs=(specs,), out_specs=P(), check_vma=False
+    )(master)
+    for label, ((loss_s, (_, logp_s)), grads_s) in (("gathered layer scan", scan), ("unrolled, remat", step(True))):
         assert_bits_equal(loss, loss_s, f"loss, {label}")
         assert_bits_equal(logp, logp_s, f"logp_new, {label}")
         for (path, g), g_s in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads_s), strict=True):

@@ -25,6 +25,7 @@ packs the same batch. Every process must hold at least one learner device (that 
 receives the weights for its samplers).
 """
 
+import dataclasses
 import functools
 import os
 
@@ -35,6 +36,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from rlkjax import model
 from train.batch import PAD, REDUCTION
 
 AXIS = "data"
@@ -220,51 +222,62 @@ def _gather_leaf(axis: int, dtype, shard_dtype):
     return gather
 
 
-def gather(params, specs, dtype=None):
-    """All-gather every shard (cast to `dtype`): exact, so the learner computes with the sampler's
-    weights. Except params["layers"]: they stay this device's shards, and the second result,
-    layer_weights, gathers one layer's slice of them (model.forward calls it inside its layer scan).
-    So one layer's full weights exist at a time, and the backward reduce-scatters each layer's
-    gradient as the scan reaches it, rather than the whole model's at the end (at 8B on 2 devices the
-    latter held tens of GiB of bf16 cotangents and their all-to-all).
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Gathered(model.Sliced):
+    """The FSDP learner's model.LayerWeights: params["layers"] stay this device's shards, and the
+    layer scan (model.Sliced) fetches each weight by all-gathering its shard as `dtype`, so one
+    layer's full weights exist at a time. The backward reduce-scatters each layer's gradient as the
+    scan reaches it, rather than the whole model's at the end (at 8B on 2 devices the latter held
+    tens of GiB of bf16 cotangents and their all-to-all)."""
 
-    On a one-device mesh there is nothing to gather: every leaf is only cast, and layer_weights is
-    None, so model.forward takes the whole weights' pass (layers unrolled, each matrix read in place
-    from its stack), the library's fastest learner pass. The cast's gradient is the gather's with one
-    part (the cotangent widened to the shard's dtype), so the bits are the layer scan's
-    (tests/test_grpo.py test_learner_reads_weights_in_place_with_the_same_bits)."""
+    specs: dict  # specs["layers"]
+    dtype: object = None  # gathered as (None: the shards' own)
+
+    def fetch(self, name: str, shard):
+        """One layer's slice of a layer weight's shard -> that layer's whole weight, as `dtype`."""
+        axis = list(self.specs[name]).index(AXIS) - 1  # the slice has lost the layer axis
+        return _gather_leaf(axis, self.dtype or shard.dtype, shard.dtype)(shard)
+
+
+def gather(params, specs, dtype=None):
+    """All-gather every shard (cast to `dtype`: the policy's, what the model computes with): exact, so
+    the learner computes with the sampler's weights. Except params["layers"]: they stay this device's
+    shards, and the second result, a `Gathered`, hands them to model.forward, which gathers one layer
+    at a time.
+
+    On a one-device mesh there is nothing to gather: every leaf is only cast, and the second result
+    is None, so model.forward takes the whole weights' pass (model.Unstacked: layers unrolled, each
+    matrix read in place from its stack), the library's fastest learner pass. The cast's gradient is
+    the gather's with one part (the cotangent widened to the shard's dtype), so the bits are the
+    layer scan's (tests/test_grpo.py test_learner_reads_weights_in_place_with_the_same_bits)."""
     if jax.lax.axis_size(AXIS) == 1:
         return jax.tree.map(lambda x: x.astype(dtype or x.dtype), params), None
-    leaf = lambda x, s, skip=0: _gather_leaf(list(s).index(AXIS) - skip, dtype or x.dtype, x.dtype)(x)  # noqa: E731
+    leaf = lambda x, s: _gather_leaf(list(s).index(AXIS), dtype or x.dtype, x.dtype)(x)  # noqa: E731
     outer = jax.tree.map(
         leaf, {k: v for k, v in params.items() if k != "layers"}, {k: v for k, v in specs.items() if k != "layers"}
     )
-
-    def layer_weights(name, x):
-        return leaf(x, specs["layers"][name], skip=1)
-
-    return {**outer, "layers": params["layers"]}, layer_weights
+    return outer, Gathered(params["layers"], specs=specs["layers"], dtype=dtype)
 
 
 # ----- the learner's jitted functions -----
 def sharded_logprobs(fn, mesh, specs, dtype=None, **static):
-    """fn(params, tokens, positions, temps, rope, layer_weights=..., columns=..., **static) -> [B, T-1]
+    """fn(params, tokens, positions, temps, rope, layers=..., columns=..., **static) -> [B, T-1]
     (columns: the Batch's scored columns), with rows sharded over the mesh and the weights gathered as
-    `dtype` (default: their own); params["layers"] are this device's shards, which fn passes on with
-    layer_weights to model.forward (see gather)."""
+    `dtype` (default: their own); params (without "layers" when `layers` is a `Gathered`) and
+    `layers` go on to model.forward (see gather)."""
 
     def body(params, tokens, positions, temps, rope, columns):
-        params, layer_weights = gather(params, specs, dtype)
-        return fn(params, tokens, positions, temps, rope, layer_weights=layer_weights, columns=columns, **static)
+        params, layers = gather(params, specs, dtype)
+        return fn(params, tokens, positions, temps, rope, layers=layers, columns=columns, **static)
 
     in_specs = (specs, ROWS, ROWS, ROWS, P(), ROWS)
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=ROWS, check_vma=False))
 
 
 def sharded_value_and_grad(loss_fn, mesh, specs, dtype=None, **static):
-    """loss_fn(params, batch, ref_logp, rope, total_tokens, layer_weights=..., **static) -> (loss,
+    """loss_fn(params, batch, ref_logp, rope, total_tokens, layers=..., **static) -> (loss,
     (stats, logp)), the loss and LossStats over this device's rows and logp [rows, T-1], with the
-    weights gathered as `dtype` (params["layers"] sharded, gathered by layer_weights: see gather).
+    weights gathered as `dtype` (params["layers"] gathered a layer at a time by `layers`: see gather).
     The jitted function takes (params, batch, ref_logp, rope, total_tokens, grads_so_far) and
     returns the global loss, the stats merged by their declared REDUCTION, every row's logp, and
     grads_so_far + this micro-batch's FSDP-sharded gradients (in the params' dtype), added in place:
@@ -277,8 +290,8 @@ def sharded_value_and_grad(loss_fn, mesh, specs, dtype=None, **static):
 
     def body(params, batch, ref_logp, rope, total_tokens, grads_so_far):
         def local(p):
-            p, layer_weights = gather(p, specs, dtype)
-            return loss_fn(p, batch, ref_logp, rope, total_tokens=total_tokens, layer_weights=layer_weights, **static)
+            p, layers = gather(p, specs, dtype)
+            return loss_fn(p, batch, ref_logp, rope, total_tokens=total_tokens, layers=layers, **static)
 
         (loss, (stats, logp)), grads = jax.value_and_grad(local, has_aux=True)(params)
         merged = jax.tree.map(lambda v, how: collectives[how](v), stats, REDUCTION)

@@ -79,8 +79,9 @@ def _specs(leaves, treedef):
 
 @functools.lru_cache(maxsize=4)
 def _grad_fn(mesh, spec_leaves, spec_tree, cfg, numerics, clip_eps, beta, remat):
-    # The weights are gathered as the policy's dtype (policy_logprobs' own cast is then a no-op): the same
-    # bits as casting after the gather, with half the bytes moved and held.
+    # The weights are gathered as the policy's dtype (policy_logprobs' own cast is then a no-op; the layers'
+    # reach model.forward as fsdp.Gathered): the same bits as casting after the gather, with half the bytes
+    # moved and held.
     specs = _specs(spec_leaves, spec_tree)
     return fsdp.sharded_value_and_grad(
         grpo_loss, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics=numerics, clip_eps=clip_eps, beta=beta, remat=remat

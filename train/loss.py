@@ -14,32 +14,25 @@ def to_policy(master, cfg):
     return jax.tree.map(lambda w: w.astype(cfg.dtype), master)
 
 
-def policy_logprobs(
-    master, tokens, positions, temps, rope, cfg, numerics, layer_weights=None, remat=False, columns=None
-):
-    """logp [B, T-1] of the policy. layer_weights: the FSDP learner's per-layer all-gather (train/fsdp.py
-    gather); master["layers"] are then this device's shards, passed on uncast and cast after the gather (a
-    no-op when the gather already casts to the policy dtype, as train() asks: half the bytes moved and held).
+def policy_logprobs(master, tokens, positions, temps, rope, cfg, numerics, layers=None, remat=False, columns=None):
+    """logp [B, T-1] of the policy. layers: where the layers' weights come from (model.LayerWeights), None:
+    master["layers"], cast to the policy; the FSDP learner passes train/fsdp.py's `Gathered`, which gathers
+    them as the policy's dtype (half the bytes of fp32 moved and held), and master's other weights only.
     remat: recompute each layer in the backward (model.forward; --remat). columns: the Batch's (the
     completion's columns): the log-softmax runs there only and every other column holds 0
     (model.completion_logprobs); None scores every column."""
-    if layer_weights is None:
-        policy = to_policy(master, cfg)
-    else:
-        policy = {**to_policy({k: w for k, w in master.items() if k != "layers"}, cfg), "layers": master["layers"]}
-        gather = layer_weights
-        layer_weights = lambda name, shard: gather(name, shard).astype(cfg.dtype)  # noqa: E731
-    return model.sequence_logprobs(policy, tokens, positions, temps, rope, cfg, numerics, layer_weights, remat, columns)
+    policy = to_policy(master if layers is None else {k: w for k, w in master.items() if k != "layers"}, cfg)
+    return model.sequence_logprobs(policy, tokens, positions, temps, rope, cfg, numerics, layers, remat, columns)
 
 
 def grpo_loss(
-    master, batch: Batch, ref_logp, rope, cfg, numerics, clip_eps, beta, total_tokens, layer_weights=None, remat=False
+    master, batch: Batch, ref_logp, rope, cfg, numerics, clip_eps, beta, total_tokens, layers=None, remat=False
 ):
     """Token-level PPO-clip (+ k3 KL) summed over this micro-batch, divided by the whole batch's
     token count, so summing micro-batch gradients gives the full-batch gradient.
     Returns (loss, (LossStats, logp_new [B, T-1])); logp_new lets the first update check the contract."""
     logp = policy_logprobs(
-        master, batch.tokens, batch.positions, batch.temps, rope, cfg, numerics, layer_weights, remat, batch.columns
+        master, batch.tokens, batch.positions, batch.temps, rope, cfg, numerics, layers, remat, batch.columns
     )
     mask, adv = batch.mask, batch.adv[:, None]
     ratio = jnp.exp(logp - batch.logp_old)
