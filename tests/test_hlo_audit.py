@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 import rlkjax
-from rlkjax import audit, model, programs
+from rlkjax import audit, embedding, model, programs
 from tests.helpers import ODD, STRICT, slow
 
 
@@ -138,7 +138,7 @@ def learner_gradient(cfg, numerics_mode, b=2, t=16):
 def test_learner_gradient_has_no_atomic_adds(tiny):
     """The strict learner's gradient has no scatter that adds where an index repeats (a GPU runs
     those as atomic adds, in an order that changes from run to run; the embedding gradient of
-    repeated tokens was one: bf16 atomics). model.embed sums repeats in a fixed order instead. The
+    repeated tokens was one: bf16 atomics). embedding.embed sums repeats in a fixed order instead. The
     KV writes stay scatters, but they overwrite: each real position once, padding onto the trash page."""
     text = learner_gradient(tiny[0], STRICT)
     assert '"stablehlo.scatter"' in text  # the audit sees the scatters that are there
@@ -161,5 +161,5 @@ def test_combining_scatter_audit_catches_a_plain_gather_gradient():
     table = jax.ShapeDtypeStruct((8, 4), jnp.float32)
     text = audit.lower_for_gpu(jax.jit(jax.grad(lambda t: t[ids].sum())), table)
     assert len(audit.combining_scatters(text)) == 1
-    text = audit.lower_for_gpu(jax.jit(jax.grad(lambda t: model.embed(t, ids).sum())), table)
+    text = audit.lower_for_gpu(jax.jit(jax.grad(lambda t: embedding.embed(t, ids).sum())), table)
     assert audit.combining_scatters(text) == []

@@ -463,20 +463,20 @@ def test_attention_kv_splits(kv_split, t, block_pages):
 
 @pytest.mark.slow  # 300 tokens through the interpreted gradient; the default run audits it in test_hlo_audit.py
 def test_embedding_gradient_sums_repeated_tokens_in_fp32():
-    """model.embed: the forward is plain indexing (same bits); the gradient of a row is its tokens'
+    """embedding.embed: the forward is plain indexing (same bits); the gradient of a row is its tokens'
     cotangents summed in fp32 and rounded once to bf16. Truth is the float64 sum rounded to bf16;
     the fp32 sum of n <= 64 terms is within n * 2^-24 * sum|terms| of it (far below bf16's half ulp,
     2^-9 relative), so every row must be the rounded truth or, where the truth sits that close to a
     rounding boundary, the bf16 neighbour on the fp32 sum's side: at most one bf16 ulp off."""
-    from rlkjax import model
+    from rlkjax import embedding
 
     vocab, d, n = 50, 32, 300
     table = np.asarray(randn(0, (vocab, d), BF16))
     ids = np.array(host_ints(1, (n,), 8))  # many repeats, and a few other rows
     ids[::7] = np.asarray(host_ints(2, (43,), vocab))
     ct = randn(3, (n, d), BF16)
-    assert_bits_equal(jax.jit(model.embed)(table, ids), table[ids], "embed forward")
-    (grad,) = jax.jit(lambda t, ids, ct: jax.vjp(lambda t: model.embed(t, ids), t)[1](ct))(table, ids, ct)
+    assert_bits_equal(jax.jit(embedding.embed)(table, ids), table[ids], "embed forward")
+    (grad,) = jax.jit(lambda t, ids, ct: jax.vjp(lambda t: embedding.embed(t, ids), t)[1](ct))(table, ids, ct)
     truth = np.zeros((vocab, d))
     np.add.at(truth, ids, np.asarray(ct, np.float64))
     rounded = truth.astype(np.float32).astype(BF16)  # float64 -> float32 -> bf16, each to nearest even
