@@ -407,3 +407,17 @@ def test_speed_merge_joins_one_call_s_runs_into_one_table(tmp_path, capsys, tiny
     assert [p["ceilings"]["copy_bandwidth_Bps"] for p in merged["parts"]][0] == 4e12
     table = capsys.readouterr().out
     assert table.count("ceilings: copy") == 2 and table.count("learner  qwen3-tiny") == 2, table
+
+
+@pytest.mark.slow  # three train.grpo steps at qwen3-tiny shapes, started detached and polled
+def test_seed_run_script_starts_detached_and_collects(tmp_path):
+    """bench/seed_run.sh dry-run: the 200-step run's script at tiny shapes on the CPU. The run outlives the
+    command that starts it, and `wait` copies its metrics, plot and summary with every logprob equal."""
+    env = os.environ | {"OUT": str(tmp_path / "out"), "PY": sys.executable, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(["bash", "bench/seed_run.sh", "dry-run"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "ended: exit 0" in done.stdout and "steps written: 3" in done.stdout, done.stdout
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["logprobs_bits_differ"] == 0
+    assert summary["first_update_logprobs_compared"] > 0 and summary["first_update_ratio_min"] == 1.0
+    assert (tmp_path / "out" / "plot.png").stat().st_size > 0
