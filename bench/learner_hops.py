@@ -33,36 +33,21 @@ if __name__ == "__main__":  # fake CPU devices, before jax is imported
 import argparse
 import json
 import threading
-from pathlib import Path
 
 from bench.serve_hops import Trace
 
-ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("train", "rlkjax", "pallas_kernels")
 KERNELS = "pallas_kernels/"
-
-
-def repo_file(filename: str) -> str | None:
-    try:
-        rel = Path(filename).resolve().relative_to(ROOT)
-    except ValueError:
-        return None
-    return str(rel) if rel.parts and rel.parts[0] in PACKAGES else None
 
 
 class LearnerTrace(Trace):
     """serve_hops' Trace over train/, rlkjax/ and pallas_kernels/, also recording the chain of files on
     the stack at every entry into a kernel file."""
 
+    packages = ("train", "rlkjax", "pallas_kernels")
+
     def __init__(self):
         super().__init__()
         self.chains: set[tuple[str, ...]] = set()
-
-    def file(self, code) -> str | None:
-        name = code.co_filename
-        if name not in self.names:
-            self.names[name] = repo_file(name)
-        return self.names[name]
 
     def __call__(self, frame, event, arg):
         super().__call__(frame, event, arg)

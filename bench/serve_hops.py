@@ -39,16 +39,19 @@ ROUTE_MODULES = ("serve/openai_api.py", "serve/openai_params.py", "serve/protoco
 BODY = {"prompt": "abc", "max_tokens": 8, "seed": 1, "logprobs": 1}
 
 
-def repo_file(filename: str) -> str | None:
+def repo_file(filename: str, packages: tuple[str, ...] = PACKAGES) -> str | None:
     try:
         rel = Path(filename).resolve().relative_to(ROOT)
     except ValueError:
         return None
-    return str(rel) if rel.parts and rel.parts[0] in PACKAGES else None
+    return str(rel) if rel.parts and rel.parts[0] in packages else None
 
 
 class Trace:
-    """A profiler hook recording every call into the repository's files, from any thread."""
+    """A profiler hook recording every call into the repository's files (those of `packages`), from any
+    thread."""
+
+    packages = PACKAGES
 
     def __init__(self):
         self.files: set[str] = set()
@@ -59,7 +62,7 @@ class Trace:
     def file(self, code) -> str | None:
         name = code.co_filename
         if name not in self.names:
-            self.names[name] = repo_file(name)
+            self.names[name] = repo_file(name, self.packages)
         return self.names[name]
 
     def __call__(self, frame, event, arg):
