@@ -2,13 +2,14 @@
 
     python -m bench.prefix_cache_speed --model qwen3-0.6b --batch 64 --prompt 512 --new 128 --repeats 5 --out PATH
 
-Two engines over the same weights, one with the cache on and one with it off. Each attempt runs, on each engine in
-turn, a first turn of --batch requests (random prompts of --prompt tokens, --new sampled tokens each) and a second
-turn whose prompts are each first turn's prompt + completion + --turn new tokens, as an episode's next turn is.
-The first attempt compiles; the next --repeats are timed, alternating the engines so that drift in the GPU's clock
-falls on both. Reported per setting: the median, lowest and highest decode tokens per second and wall time of each
-turn, the second turn's prefill tokens computed and taken from the cache, and whether the second turn's tokens and
-logprob bits are the same with the cache on and off (they must be: a cached page holds what prefill would write).
+Two engines over the same weights, one with the cache on and one with it off. Each attempt runs, on each engine
+in turn, a first turn of --batch requests (random prompts of --prompt tokens, --new sampled tokens each) and a
+second turn whose prompts are each first turn's prompt + completion + --turn new tokens, as an episode's next
+turn is. The first attempt compiles; the next --repeats are timed, alternating the engines (and which one goes
+first) so that drift in the GPU's clock falls on both. Reported per setting: the median, lowest and highest
+decode tokens per second and wall time of each turn, the second turn's prefill tokens computed and taken from
+the cache, and whether the second turn's tokens and logprob bits are the same with the cache on and off (they
+must be: a cached page holds what prefill would write).
 """
 
 import statistics
@@ -96,8 +97,9 @@ def main() -> None:
     attempts: dict[str, list] = {"on": [], "off": []}
     last = {}
     for i in range(args.repeats + 1):
-        for name, engine in engines.items():
-            last[name], stats = attempt(engine, args, cfg, sampling)
+        order = ("on", "off") if i % 2 else ("off", "on")  # neither setting always runs first
+        for name in order:
+            last[name], stats = attempt(engines[name], args, cfg, sampling)
             if i:  # the first attempt compiles
                 attempts[name].append(stats)
     bits = {n: [np.asarray(c.logprobs, np.float32).view(np.uint32).tolist() for c in d] for n, d in last.items()}
