@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import rlkjax
-from pallas_kernels import logprob
+from pallas_kernels import _math, logprob
 from rlkjax import numerics
 from rlkjax.engine import Engine
 from tests.helpers import ENGINE, INTERPRET, assert_bits_equal, bits, float64_on_cpu, randn, rel_err, slow
@@ -39,6 +39,16 @@ def logits_error(h, w, temps):
 
 
 # ----- greedy -----
+def test_gumbel_uniforms_are_never_0_or_1_for_any_bits():
+    """Every value of the 23 bits the uniform keeps, with the low bits all set and all clear: u is in (0, 1)
+    and strictly increasing in k, so the Gumbel noise is finite (u = 1 would give +inf, an arbitrary id)."""
+    k = jnp.arange(1 << 23, dtype=jnp.uint32) << 9
+    for raw in (k, k | jnp.uint32(0x1FF)):
+        u = np.asarray(_math.uniform(raw))
+        assert u.min() > 0 and u.max() < 1 and np.all(np.diff(u) > 0)
+        assert np.isfinite(np.asarray(-_math.log(-_math.log(_math.uniform(raw))))).all()
+
+
 def test_greedy_is_the_argmax_and_scores_at_temperature_one():
     """Temperature-0 rows draw argmax(logits) (never a Gumbel-perturbed id) and record the
     temperature-1 logprob, bit-equal to scoring the token at T = 1 (and at T = 0, the same)."""
