@@ -38,7 +38,7 @@ def logits_error(h, w, temps):
     return h.shape[1] * 2.0**-24 * mag.max(axis=1) / t
 
 
-# ----- greedy -----
+# ----- the sampler's noise -----
 def test_gumbel_uniforms_are_never_0_or_1_for_any_bits():
     """Every value of the 23 bits the uniform keeps, with the low bits all set and all clear: u is in (0, 1)
     and strictly increasing in k, so the Gumbel noise is finite (u = 1 would give +inf, an arbitrary id)."""
@@ -49,6 +49,7 @@ def test_gumbel_uniforms_are_never_0_or_1_for_any_bits():
         assert np.isfinite(np.asarray(-_math.log(-_math.log(_math.uniform(raw))))).all()
 
 
+# ----- greedy -----
 def test_greedy_is_the_argmax_and_scores_at_temperature_one():
     """Temperature-0 rows draw argmax(logits) (never a Gumbel-perturbed id) and record the
     temperature-1 logprob, bit-equal to scoring the token at T = 1 (and at T = 0, the same)."""
