@@ -65,6 +65,28 @@ def test_calculator_problems_take_the_factors_digits(tmp_path):
     assert all(len(json.loads(line)["answer"]) in (3, 4) for line in (tmp_path / "cli/train.jsonl").open())
 
 
+def test_calculator_guesses_answer_without_the_tool(tmp_path):
+    """--guesses F: about F of the worked episodes answer at once with a product of two other numbers of the
+    factors' size (one assistant turn, no call); the rest call the calculator as without it, and F = 0 writes
+    the same file as leaving it out."""
+    rows = [json.loads(line) for line in write(tmp_path, 400, 8, kind="calculator", digits="1", guesses=0.5)[0].open()]
+    products = {a * b for a in range(1, 10) for b in range(1, 10)}
+    guessed = [r for r in rows if len(r["turns"]) == 1]
+    assert 0.4 < len(guessed) / len(rows) < 0.6
+    for r in guessed:
+        (turn,) = r["turns"]
+        guess = int(turn["content"].removeprefix("\\boxed{").removesuffix("}"))
+        assert turn["role"] == "assistant" and guess in products
+    assert all(len(r["turns"]) == 3 and r["turns"][1]["content"] == r["answer"] for r in rows if r not in guessed)
+    plain, zero = (write(tmp_path / name, 40, 8, kind="calculator", guesses=g)[0] for name, g in (("a", 0.0), ("b", 0)))
+    assert plain.read_bytes() == zero.read_bytes() == write(tmp_path / "c", 40, 8, kind="calculator")[0].read_bytes()
+    for guesses, message in ((1.5, "from 0 to 1"), (-0.1, "from 0 to 1")):
+        with pytest.raises(ValueError, match=message):
+            write(tmp_path, kind="calculator", guesses=guesses)
+    with pytest.raises(ValueError, match="only calculator problems"):
+        write(tmp_path, guesses=0.5)
+
+
 @pytest.mark.slow  # the tiny model's full-vocabulary learner and engine compile (minutes on a shared CPU)
 def test_math_demo_runs(tmp_path):
     model = write_tiny_qwen3(tmp_path / "tiny_qwen3")

@@ -103,6 +103,8 @@ def plot(out: Path) -> None:
     # one step's mean over P x G completions is noisy; the trend reads from the last 10 steps' mean
     trailing = [sum(reward[max(0, i - 9) : i + 1]) / len(reward[max(0, i - 9) : i + 1]) for i in range(len(reward))]
     ax[0, 0].plot(steps, trailing, label="mean of the last 10 steps")
+    if "tool_results_mean" in rows[0]:  # --env: the tool calls the policy makes, beside the reward they earn
+        ax[0, 0].plot(steps, [r["tool_results_mean"] for r in rows], label="tool results per episode")
     ax[0, 0].legend()
     ax[0, 0].set_title("reward (mean over P x G)")
     verified = [r for r in rows if "tokens_bits_differ" in r]  # --verify-every's steps

@@ -7,6 +7,9 @@ The two files share no problem, so the evaluation is on held-out data.
 environment (train.grpo --env calculator). Each row also has `turns`, a worked episode after the prompt (a
 calculator call, its result, the \\boxed{} answer) that train.sft --env calculator trains on. `--digits LO-HI`
 (or `--digits N`) sets the factors' size: `--digits 2` gives products of two 2-digit numbers (3-4 digit results).
+`--guesses F`: in a fraction F of the rows (drawn at random) the worked episode answers at once, without the tool,
+with a guess (the product of two other numbers of the factors' size), as a model that multiplies in its head does;
+a warm-up on such rows calls the calculator in about 1 - F of its episodes, which leaves GRPO a choice to learn.
 """
 
 import argparse
@@ -50,10 +53,12 @@ def parse_digits(spec: str) -> tuple[int, int]:
     return lo, hi
 
 
-def calculator_problem(rng, digits: tuple[int, int] = (4, 5)) -> dict:
-    """Two factors drawn uniformly from the whole numbers of digits[0] to digits[1] digits."""
+def calculator_problem(rng, digits: tuple[int, int] = (4, 5), guesses: float = 0.0) -> dict:
+    """Two factors drawn uniformly from the whole numbers of digits[0] to digits[1] digits; with probability
+    `guesses` the worked episode is a guess instead of a call."""
     name, thing = rng.choice(NAMES), rng.choice(THINGS)
-    a, b = (int(rng.integers(10 ** (digits[0] - 1), 10 ** digits[1])) for _ in range(2))
+    factor = functools.partial(rng.integers, 10 ** (digits[0] - 1), 10 ** digits[1])
+    a, b = int(factor()), int(factor())
     text = f"{name} buys {a} bags with {b} {thing}s in each. How many {thing}s is that?" + INSTRUCTION
     call = json.dumps({"name": "calculator", "arguments": {"expression": f"{a} * {b}"}})
     turns = [
@@ -61,6 +66,8 @@ def calculator_problem(rng, digits: tuple[int, int] = (4, 5)) -> dict:
         {"role": "tool", "content": str(a * b)},
         {"role": "assistant", "content": f"\\boxed{{{a * b}}}"},
     ]
+    if guesses and rng.random() < guesses:
+        turns = [{"role": "assistant", "content": f"\\boxed{{{int(factor()) * int(factor())}}}"}]
     return {"prompt": text, "answer": str(a * b), "turns": turns}
 
 
@@ -68,15 +75,26 @@ KINDS = {"small": problem, "calculator": calculator_problem}
 
 
 def write(
-    out_dir, train: int = 256, eval: int = 32, seed: int = 0, kind: str = "small", digits: str | None = None
+    out_dir,
+    train: int = 256,
+    eval: int = 32,
+    seed: int = 0,
+    kind: str = "small",
+    digits: str | None = None,
+    guesses: float = 0.0,
 ) -> tuple[Path, Path]:
     """Write `train` and `eval` distinct problems of `kind` -> (train.jsonl, eval.jsonl). `digits` ("LO-HI" or
-    "N", calculator problems only): each factor's digits (default 4-5)."""
+    "N") and `guesses` (a fraction), calculator problems only: each factor's digits (default 4-5), and the
+    fraction of worked episodes that guess instead of calling the calculator."""
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}: choose one of {', '.join(sorted(KINDS))}")
-    if digits is not None and kind != "calculator":
-        raise ValueError(f"digits={digits!r}: only calculator problems take a number of digits")
-    make = functools.partial(calculator_problem, digits=parse_digits(digits or "4-5")) if digits else KINDS[kind]
+    if (digits is not None or guesses) and kind != "calculator":
+        raise ValueError(f"digits={digits!r}, guesses={guesses!r}: only calculator problems take these")
+    if not 0.0 <= guesses <= 1.0:
+        raise ValueError(f"guesses={guesses!r}: need a fraction from 0 to 1")
+    make = KINDS[kind]
+    if kind == "calculator":
+        make = functools.partial(calculator_problem, digits=parse_digits(digits or "4-5"), guesses=guesses)
     rng, seen = np.random.default_rng(seed), {}
     for _ in range(100 * (train + eval)):
         p = make(rng)
@@ -105,9 +123,15 @@ if __name__ == "__main__":
         "--digits",
         help="calculator problems: each factor has LO to HI digits, written LO-HI or N (default 4-5)",
     )
+    parser.add_argument(
+        "--guesses",
+        type=float,
+        default=0.0,
+        help="calculator problems: the fraction of worked episodes that answer with a guess instead of a call",
+    )
     args = parser.parse_args()
     try:
-        paths = write(args.out_dir, args.train, args.eval, args.seed, args.kind, args.digits)
+        paths = write(args.out_dir, args.train, args.eval, args.seed, args.kind, args.digits, args.guesses)
     except ValueError as e:
         parser.error(str(e))
     for path in paths:
