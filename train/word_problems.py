@@ -61,13 +61,14 @@ def calculator_problem(rng, digits: tuple[int, int] = (4, 5), guesses: float = 0
     a, b = int(factor()), int(factor())
     text = f"{name} buys {a} bags with {b} {thing}s in each. How many {thing}s is that?" + INSTRUCTION
     call = json.dumps({"name": "calculator", "arguments": {"expression": f"{a} * {b}"}})
-    turns = [
-        {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
-        {"role": "tool", "content": str(a * b)},
-        {"role": "assistant", "content": f"\\boxed{{{a * b}}}"},
-    ]
     if guesses and rng.random() < guesses:
         turns = [{"role": "assistant", "content": f"\\boxed{{{int(factor()) * int(factor())}}}"}]
+    else:
+        turns = [
+            {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+            {"role": "tool", "content": str(a * b)},
+            {"role": "assistant", "content": f"\\boxed{{{a * b}}}"},
+        ]
     return {"prompt": text, "answer": str(a * b), "turns": turns}
 
 
@@ -88,8 +89,9 @@ def write(
     fraction of worked episodes that guess instead of calling the calculator."""
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}: choose one of {', '.join(sorted(KINDS))}")
-    if (digits is not None or guesses) and kind != "calculator":
-        raise ValueError(f"digits={digits!r}, guesses={guesses!r}: only calculator problems take these")
+    given = [f"{name}={value!r}" for name, value in (("digits", digits), ("guesses", guesses)) if value]
+    if given and kind != "calculator":
+        raise ValueError(f"{', '.join(given)}: only calculator problems take this")
     if not 0.0 <= guesses <= 1.0:
         raise ValueError(f"guesses={guesses!r}: need a fraction from 0 to 1")
     make = KINDS[kind]
