@@ -3,7 +3,7 @@
 For each model shape runs a few GRPO steps with `--verify-logprobs` in both numerics and reports
 the step split (rollout / learn / sync / host: the rest of the step, i.e. rewards, packing and the
 learner's verify pass over the sampled tokens), rollout and learner tokens/s, MFU of the learner pass
-and of the whole GRPO step (train.grpo's own metrics, its FLOPs from rlkjax.flops; none on a device
+and of the whole GRPO step (train.grpo's own metrics, its FLOPs from rlkjax.core.flops; none on a device
 without a known peak, such as the CPU) and the sampler/learner mismatch (strict must be 0).
 
     python -m bench.grpo_compare --models qwen3-0.6b,qwen3-1.7b --steps 3 --out bench/results/grpo.json
@@ -19,7 +19,7 @@ import numpy as np
 import rlkjax
 from bench import _flags
 from bench._report import new_report, save_report
-from rlkjax import flops
+from rlkjax.core import flops
 from rlkjax.entry_config import ModelSource, Runtime
 from train import grpo
 from train.config import Optimiser

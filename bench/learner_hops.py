@@ -81,8 +81,8 @@ def step(devices: int) -> tuple:
     import jax
     import numpy as np
 
-    from rlkjax import model
-    from rlkjax.config import ModelConfig
+    from rlkjax.core import model
+    from rlkjax.core.config import ModelConfig
     from train.batch import pack
     from train.config import GRPOConfig
     from train.learner import build_learner

@@ -26,8 +26,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from bench import _flags
-from rlkjax import model, numerics
-from rlkjax.config import ModelConfig
+from rlkjax.core import model, numerics
+from rlkjax.core.config import ModelConfig
 from train import fsdp, optimizer
 from train.batch import PAD, Batch, padded_length
 from train.loss import grpo_loss, policy_logprobs

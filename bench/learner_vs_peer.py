@@ -64,7 +64,7 @@ def side_by_side(ours: dict, peer: list, models, side) -> str:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     notes = (
-        "\nTokens: B x T per pass; MFU: rlkjax.flops (6 x matmul parameters per token + causal attention) over "
+        "\nTokens: B x T per pass; MFU: rlkjax.core.flops (6 x matmul parameters per token + causal attention) over "
         "the device's bf16 peak, both sides. Memory: ours is XLA's compiled peak of the call (fp32 master "
         "weights and gradients included), the peer's torch.cuda.max_memory_allocated (bf16 weights and gradients)."
     )

@@ -27,8 +27,9 @@ import jax.numpy as jnp
 
 import rlkjax
 from bench import _flags
-from rlkjax import audit, model, programs
-from rlkjax.numerics import NumericsOptions
+from rlkjax.core import audit, model
+from rlkjax.core.numerics import NumericsOptions
+from rlkjax.engine import programs
 
 S = jax.ShapeDtypeStruct
 # vocab, hidden, layers, heads, kv heads, head dim, FFN: "odd" pads in every kernel; "wide" has

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from bench import _flags
 from bench._report import new_report
-from rlkjax.config import ModelConfig
-from rlkjax.shapes import cdiv
+from rlkjax.core.config import ModelConfig
+from rlkjax.core.shapes import cdiv
 from train import memory
 from train.batch import padded_length
 from train.memory import GIB, RunShape, parameter_count

@@ -17,7 +17,7 @@ import numpy as np
 import rlkjax
 from bench import _flags
 from bench._report import new_report, save_report
-from rlkjax.mismatch import mismatch_stats
+from rlkjax.core.mismatch import mismatch_stats
 
 
 def run(cfg, params, prompts, new_tokens, temperature, numerics, chunk):

@@ -10,7 +10,7 @@ The pass: the lm_head's logits at every position but the last, log_softmax in fp
 tokens (the per-token logprobs a GRPO loss is made of), summed; backward to every parameter, gradients set
 to None first (each pass allocates them, as the JAX pass returns them). The same counting as bench.speed's
 learner rows: B x T tokens per pass; after the first pass (which compiles, where compiled) one warm-up pass,
-then the median of --repeats timed passes (CUDA events around each whole pass); MFU from rlkjax.flops (6 x
+then the median of --repeats timed passes (CUDA events around each whole pass); MFU from rlkjax.core.flops (6 x
 matmul parameters per token + causal attention, real tokens only: there is no padding).
 What differs from ours: our pass reads fp32 master weights (cast to bf16 inside) and returns fp32
 gradients, and adds the GRPO loss's element-wise terms on [B, T - 1]; this one holds bf16 weights and
@@ -36,7 +36,7 @@ import numpy as np
 import rlkjax
 from bench import _flags
 from bench._report import new_report, save_report
-from rlkjax import flops
+from rlkjax.core import flops
 
 VARIANTS = ("eager", "compile", "checkpoint", "compile_checkpoint")
 
@@ -56,7 +56,7 @@ def qwen3_config_fields(cfg: rlkjax.ModelConfig) -> dict:
 
 
 def pass_flops(cfg: rlkjax.ModelConfig, batch: int, seq: int) -> float:
-    """Model FLOPs of one pass over batch x seq tokens: rlkjax.flops', as bench.speed's learner rows count."""
+    """Model FLOPs of one pass over batch x seq tokens: rlkjax.core.flops', as bench.speed's learner rows count."""
     return flops.sequence_flops(cfg, [seq] * batch, backward=True).model
 
 

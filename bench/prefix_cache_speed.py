@@ -20,9 +20,9 @@ import numpy as np
 import rlkjax
 from bench import _flags
 from bench._report import new_report, save_report
-from rlkjax.engine import Engine
-from rlkjax.engine_config import EngineConfig
-from rlkjax.sampling_params import SamplingParams
+from rlkjax.core.sampling_params import SamplingParams
+from rlkjax.engine.config import EngineConfig
+from rlkjax.engine.engine import Engine
 
 
 def make_engine(params, cfg, args, prefix_cache: bool) -> Engine:

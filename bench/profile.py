@@ -26,8 +26,8 @@ from bench import _flags
 from bench._report import new_report, save_report
 from bench._timing import F32
 from bench.speed_model import decode_loop, learner_batch, random_cache
-from rlkjax import model, numerics
-from rlkjax.numerics import PAGE_SIZE
+from rlkjax.core import model, numerics
+from rlkjax.core.numerics import PAGE_SIZE
 from train.loss import grpo_loss
 
 

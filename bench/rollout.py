@@ -10,7 +10,7 @@
   left is (N - 1 - D) / D whole rounds. The kernel-level loop is `decode_round` alone for N - 1 steps on the
   device in one call, same batch, context and cache layout: what the engine could reach with no
   host work at all. Ratio = engine / kernel-level. The strict engine runs twice: calling its step
-  functions through jit, and through executables kept on disk (`rlkjax.executable_cache`, as
+  functions through jit, and through executables kept on disk (`rlkjax.engine.executable_cache`, as
   `serve.rollout` and `train.grpo` run with a compilation cache set; the key is built in Python at
   every call).
 - sync: pushing new weights to an in-process engine: the fp32 -> bf16 cast of the learner's
@@ -28,12 +28,13 @@ import rlkjax
 from bench import _flags
 from bench._report import new_report, save_report
 from bench._timing import median_time
-from rlkjax import executable_cache, model
-from rlkjax.engine import Engine
-from rlkjax.engine_config import EngineConfig
-from rlkjax.numerics import PAGE_SIZE
-from rlkjax.programs import RowSampling, decode_round
-from rlkjax.shapes import cdiv
+from rlkjax.core import model
+from rlkjax.core.numerics import PAGE_SIZE
+from rlkjax.core.shapes import cdiv
+from rlkjax.engine import executable_cache
+from rlkjax.engine.config import EngineConfig
+from rlkjax.engine.engine import Engine
+from rlkjax.engine.programs import RowSampling, decode_round
 
 
 def engine_rate(params, cfg, numerics, batch, context, new_tokens, repeats):

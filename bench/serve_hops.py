@@ -129,7 +129,7 @@ def main() -> None:
         from serve.server import Server
     except ImportError:  # the code before serve/server.py held the Server in serve/rollout.py
         from serve.rollout import Server
-    from rlkjax.engine_config import EngineConfig
+    from rlkjax.engine.config import EngineConfig
     from serve.config import ServerConfig
 
     engine = EngineConfig(num_pages=128, max_batch=8, prefill_chunk=16, token_budget=32, max_context=256)

@@ -196,7 +196,7 @@ def main():
     os.environ["RLKJAX_ADMIN_KEY"] = ADMIN_KEY  # inherited by the server
     import rlkjax
     from bench._report import save_report
-    from rlkjax.mismatch import mismatch_stats
+    from rlkjax.core.mismatch import mismatch_stats
 
     cfg = rlkjax.ModelConfig.preset(args.model)
     jobs = make_jobs(args, cfg.vocab_size)

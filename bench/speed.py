@@ -39,7 +39,7 @@ from bench.speed_kernels import kernel_rows
 from bench.speed_model import decode_rows, learner_row, prefill_row, score_row
 from bench.speed_sweep import sweep_rows
 from bench.speed_table import merge_reports, print_table
-from rlkjax import numerics
+from rlkjax.core import numerics
 from train import grpo
 
 

@@ -12,8 +12,8 @@ import numpy as np
 from bench._timing import BF16, F32, loop_time, median_time, rand
 from pallas_kernels import attention, logprob, matmul, swiglu
 from pallas_kernels.common import interpret_mode
-from rlkjax import numerics
-from rlkjax.numerics import PAGE_SIZE
+from rlkjax.core import numerics
+from rlkjax.core.numerics import PAGE_SIZE
 
 
 def attention_only(q, pages, plan, config, side):

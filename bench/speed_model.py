@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench._timing import F32, compiled_bytes, median_time, rand
-from rlkjax import flops, model
-from rlkjax.numerics import PAGE_SIZE, NumericsOptions
-from rlkjax.programs import prefill_chunk
+from rlkjax.core import flops, model
+from rlkjax.core.numerics import PAGE_SIZE, NumericsOptions
+from rlkjax.engine.programs import prefill_chunk
 from train import fsdp
 from train.batch import Batch
 from train.loss import grpo_loss
@@ -22,7 +22,7 @@ SIDES = ("fast", "strict")
 
 
 def mfu(model_flops, seconds):
-    """MFU on this run's device (rlkjax.flops); None where its peak is unknown (the CPU)."""
+    """MFU on this run's device (rlkjax.core.flops); None where its peak is unknown (the CPU)."""
     return flops.mfu(model_flops, seconds, jax.devices()[0])
 
 

@@ -13,7 +13,7 @@ from bench._timing import BF16, F32, loop_time, median_time, rand
 from bench.speed_kernels import attention_case, attention_only, attention_plan, causal_flops
 from pallas_kernels import attention, matmul, rmsnorm
 from pallas_kernels.common import interpret_mode
-from rlkjax import numerics
+from rlkjax.core import numerics
 
 # Matmul tiles (block_m, block_n, block_k, warps, stages) tried per decode M; the last config of every
 # list (64, 64, 32, 4, 3) was every matmul's tile before the per-shape tables.

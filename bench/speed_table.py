@@ -2,7 +2,7 @@
 
 import json
 
-from rlkjax import flops
+from rlkjax.core import flops
 
 NAN = float("nan")
 
@@ -24,7 +24,7 @@ def merge_reports(paths):
 
 
 def ceilings_line(part):
-    """One run's ceilings, and the peak its MFU is taken against (rlkjax.flops, by the run's device kind)."""
+    """One run's ceilings, and the peak its MFU is taken against (rlkjax.core.flops, by the run's device kind)."""
     c, hardware = part["ceilings"], part.get("hardware")
     kind = hardware.get("device_kind") if isinstance(hardware, dict) else hardware  # a string in older reports
     peak = flops.peak_flops(kind) if kind else None

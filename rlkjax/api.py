@@ -1,5 +1,5 @@
 """`generate` (through the rollout engine) and `score` (the learner's pass over finished
-sequences). Inputs are checked by rlkjax.checks, the one place every entry point uses. Shapes are
+sequences). Inputs are checked by rlkjax.core.checks, the one place every entry point uses. Shapes are
 padded to power-of-two buckets so a long run compiles a handful of functions, and padding never
 changes a real row's bits (see pallas_kernels).
 """
@@ -9,7 +9,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from rlkjax.checks import (
+from rlkjax.core.checks import (
     check_batch,
     check_bool,
     check_fraction,
@@ -19,14 +19,14 @@ from rlkjax.checks import (
     most_top_logprobs,
     per_row,
 )
-from rlkjax.config import ModelConfig
-from rlkjax.engine import Engine
-from rlkjax.engine_config import EngineConfig
-from rlkjax.model import rope_tables, sequence_logprobs
-from rlkjax.numerics import PAGE_SIZE, Numerics, ops
-from rlkjax.records import Completion
-from rlkjax.sampling_params import SamplingParams
-from rlkjax.shapes import bucket, pad_sequences
+from rlkjax.core.config import ModelConfig
+from rlkjax.core.model import rope_tables, sequence_logprobs
+from rlkjax.core.numerics import PAGE_SIZE, Numerics, ops
+from rlkjax.core.sampling_params import SamplingParams
+from rlkjax.core.shapes import bucket, pad_sequences
+from rlkjax.engine.config import EngineConfig
+from rlkjax.engine.engine import Engine
+from rlkjax.engine.records import Completion
 
 
 def generate(

@@ -8,7 +8,7 @@ names (--model, --numerics, ...). `flat` reads a config back as those flags.
 import dataclasses
 from typing import Literal
 
-from rlkjax import compilation_cache
+from rlkjax.engine import compilation_cache
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,10 +10,10 @@ import argparse
 import shutil
 from pathlib import Path
 
-from rlkjax.checkpoint import save_hf_checkpoint
-from rlkjax.config import ModelConfig
-from rlkjax.model import init_params
-from rlkjax.qwen_tokenizer import qwen3_tokenizer_dir
+from rlkjax.core.checkpoint import save_hf_checkpoint
+from rlkjax.core.config import ModelConfig
+from rlkjax.core.model import init_params
+from rlkjax.text.qwen_tokenizer import qwen3_tokenizer_dir
 
 # Qwen3's embedding rows: 151,643 BPE tokens + 26 added tokens, padded to a multiple of 128 as the
 # real checkpoints are (ids 151669-151935 have embeddings but no token).

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import tyro
 
-from rlkjax.engine_config import EngineConfig
+from rlkjax.engine.config import EngineConfig
 from rlkjax.entry_config import ModelSource, Runtime
 
 

@@ -2,7 +2,7 @@
 admits requests, submits them, waits for them, cancels them, streams their tokens, scores prompts, swaps
 weights, and keeps the set of requests in flight that a shutdown cancels.
 
-The engine reports back through the `rlkjax.records.Listener` each submission gives it (on the engine
+The engine reports back through the `rlkjax.engine.records.Listener` each submission gives it (on the engine
 thread): a request's end resolves its future on the event loop, and where a route follows the text as it
 grows (streams, stop strings) each round's tokens extend every sample's `SampleText` there, between
 rounds, so a stop string ends its sample in the round it appears; what is safe to stream goes onto the
@@ -16,11 +16,11 @@ import threading
 import time
 
 import rlkjax
-from rlkjax import compilation_cache
-from rlkjax.checks import check_int
-from rlkjax.engine import Engine
-from rlkjax.records import EngineRequest, Listener
-from rlkjax.sampling_params import SamplingParams
+from rlkjax.core.checks import check_int
+from rlkjax.core.sampling_params import SamplingParams
+from rlkjax.engine import compilation_cache
+from rlkjax.engine.engine import Engine
+from rlkjax.engine.records import EngineRequest, Listener
 from serve.http import BadRequest, EngineFailed, RequestTimeout, ShuttingDown, Starting, check_context
 from serve.protocol import Limits
 from serve.text import SampleText

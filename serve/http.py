@@ -9,7 +9,7 @@ import logging
 
 from aiohttp import web
 
-from rlkjax.checks import shown
+from rlkjax.core.checks import shown
 
 log = logging.getLogger("serve.rollout")
 

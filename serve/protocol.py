@@ -15,9 +15,9 @@ import math
 import secrets
 import uuid
 
-from rlkjax.chat import ChatTemplateError
-from rlkjax.checks import as_float, check_int, check_seed, check_tokens, most_top_logprobs, sample_seed, shown
-from rlkjax.sampling_params import SamplingParams
+from rlkjax.core.checks import as_float, check_int, check_seed, check_tokens, most_top_logprobs, sample_seed, shown
+from rlkjax.core.sampling_params import SamplingParams
+from rlkjax.text.chat import ChatTemplateError
 from serve.http import BadRequest, check_context, check_fields, optional, token_prompts
 from serve.tool_calls import history_message, request_tools
 

@@ -44,11 +44,11 @@ import time
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 
-from rlkjax import compilation_cache
-from rlkjax.chat import load_chat_template
-from rlkjax.checkpoint import load_model
-from rlkjax.engine import Engine
-from rlkjax.tokenizer import load_tokenizer
+from rlkjax.core.checkpoint import load_model
+from rlkjax.engine import compilation_cache
+from rlkjax.engine.engine import Engine
+from rlkjax.text.chat import load_chat_template
+from rlkjax.text.tokenizer import load_tokenizer
 from serve import openai_api, token_route, weights
 from serve.auth import AdminAuth
 from serve.config import ServerConfig, admin_key

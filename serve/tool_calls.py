@@ -18,9 +18,9 @@ and Qwen3's <tool_call> blocks in a completion returned as `message.tool_calls`.
 import json
 import uuid
 
-from rlkjax.chat import message_text
-from rlkjax.checks import shown
-from rlkjax.tools import parse_tool_calls
+from rlkjax.core.checks import shown
+from rlkjax.rl.tools import parse_tool_calls
+from rlkjax.text.chat import message_text
 from serve.http import BadRequest
 
 

@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 from aiohttp import web
 
-from rlkjax.checkpoint import load_model
-from rlkjax.checks import shown
-from rlkjax.config import ModelConfig
+from rlkjax.core.checkpoint import load_model
+from rlkjax.core.checks import shown
+from rlkjax.core.config import ModelConfig
 from serve.auth import AdminAuth
 from serve.config import ServerConfig
 from serve.engine_client import EngineClient

@@ -6,9 +6,9 @@ import dataclasses
 import numpy as np
 
 import rlkjax
-from rlkjax.engine import Engine
-from rlkjax.engine_config import EngineConfig
-from rlkjax.shapes import bucket
+from rlkjax.core.shapes import bucket
+from rlkjax.engine.config import EngineConfig
+from rlkjax.engine.engine import Engine
 from tests.helpers import assert_bits_equal
 
 TEMPERATURES = (0.7, 1.0, 1.3)

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 
 import rlkjax
-from rlkjax import audit
-from rlkjax.engine_config import EngineConfig
-from rlkjax.numerics import NumericsOptions
-from rlkjax.records import Listener
+from rlkjax.core import audit
+from rlkjax.core.numerics import NumericsOptions
+from rlkjax.engine.config import EngineConfig
+from rlkjax.engine.records import Listener
 
 INTERPRET = jax.default_backend() == "cpu"  # Pallas kernels run interpreted on the CPU, compiled on a GPU
 # The strict path on the audited GPU's tile table (this machine's GPU, or CUDA's on a machine without one),
-# for programs lowered through Triton, not the interpreter (rlkjax.audit).
+# for programs lowered through Triton, not the interpreter (rlkjax.core.audit).
 STRICT = NumericsOptions(platform=audit.target_platform())
 
 
@@ -113,7 +113,7 @@ ODD = rlkjax.ModelConfig(
 )
 
 
-EOS = 256  # the byte tokenizer's (rlkjax.tokenizer.ByteTokenizer)
+EOS = 256  # the byte tokenizer's (rlkjax.text.tokenizer.ByteTokenizer)
 
 
 def eos_model(directory):

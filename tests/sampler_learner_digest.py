@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import rlkjax
-from rlkjax import model
+from rlkjax.core import model
 from tests.helpers import assert_bits_equal
 from train.batch import Batch
 from train.loss import grpo_loss

@@ -14,7 +14,7 @@ import urllib.request
 import jax
 
 from rlkjax.client import RolloutClient, RolloutError
-from rlkjax.engine_config import EngineConfig
+from rlkjax.engine.config import EngineConfig
 from tests.helpers import ENGINE
 
 ADMIN = "test-admin-key"

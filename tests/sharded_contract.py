@@ -32,9 +32,9 @@ import numpy as np
 
 import rlkjax
 from bench.learner_memory import compiled_memory, learner_programs, memory, shard_sizes
-from rlkjax import model
-from rlkjax.config import ModelConfig
-from rlkjax.numerics import ATTENTION
+from rlkjax.core import model
+from rlkjax.core.config import ModelConfig
+from rlkjax.core.numerics import ATTENTION
 from tests.helpers import assert_bits_equal
 from train import fsdp, grpo
 from train.batch import pack, pad_rows

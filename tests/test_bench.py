@@ -20,7 +20,7 @@ import pytest
 
 import rlkjax
 from bench.server_e2e import make_jobs
-from rlkjax import flops
+from rlkjax.core import flops
 from tests.helpers import ENGINE_4
 from tests.server_process import engine_flags
 
@@ -180,7 +180,7 @@ def test_mismatch_runs_and_strict_bits_agree(tmp_path):
 @pytest.mark.slow
 def test_speed_runs_every_section_but_the_sweep(tmp_path):
     """bench.speed's command line end to end at qwen3-tiny: decode, prefill, score and learner rows with
-    their FLOPs from rlkjax.flops and the pass their MFU is of, the kernel rows at the CPU's shapes, the
+    their FLOPs from rlkjax.core.flops and the pass their MFU is of, the kernel rows at the CPU's shapes, the
     table printed."""
     from bench.speed_kernels import CPU_SHAPES
 
@@ -366,7 +366,7 @@ def test_speed_learner_row_times_the_library_pass_and_train_grpo_step(tiny_learn
     """bench.speed's learner row (interpreted on the CPU, qwen3-tiny): the strict side (grpo_loss on
     whole weights) and the train side (train.grpo's own one-device step: the same whole-weights pass
     under fsdp.sharded_value_and_grad, its gradient running sum donated from call to call) each give
-    a time, a fraction of the dot rate, a memory figure, and an MFU of the learner pass from rlkjax.flops
+    a time, a fraction of the dot rate, a memory figure, and an MFU of the learner pass from rlkjax.core.flops
     (none on the CPU, which has no peak)."""
     cfg, row = rlkjax.ModelConfig.preset("qwen3-tiny"), tiny_learner_row
     assert row["model_flops"] == flops.sequence_flops(cfg, [32, 32], backward=True).model

@@ -4,10 +4,10 @@ rendering; the real Qwen3 tokenizer and template of the tiny real-vocabulary che
 
 import pytest
 
-from rlkjax.chat import load_chat_template, prompt_format
-from rlkjax.data import Example
+from rlkjax.rl.data import Example
+from rlkjax.text.chat import load_chat_template, prompt_format
+from rlkjax.text.tokenizer import ByteTokenizer, load_tokenizer
 from rlkjax.tiny_qwen3 import write_tiny_qwen3
-from rlkjax.tokenizer import ByteTokenizer, load_tokenizer
 from train.guards import check_prompt_lengths
 
 IM_START, IM_END = 151644, 151645

@@ -13,7 +13,7 @@ import pytest
 
 import rlkjax
 from pallas_kernels import matmul
-from rlkjax import model, numerics
+from rlkjax.core import model, numerics
 from tests.helpers import assert_bits_equal, slow
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -170,7 +170,7 @@ def _sharded(directory):
     """A tiny bfloat16 checkpoint in several shards with an index; returns (cfg, its index as a dict)."""
     cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
     rlkjax.save_hf_checkpoint(directory, cfg, rlkjax.init_params(cfg), max_shard_bytes=40_000)
-    return cfg, json.loads((directory / rlkjax.checkpoint.INDEX).read_text())
+    return cfg, json.loads((directory / rlkjax.core.checkpoint.INDEX).read_text())
 
 
 def test_a_checkpoint_is_one_directory(tmp_path):
@@ -185,7 +185,9 @@ def test_a_checkpoint_is_one_directory(tmp_path):
     shard = index["weight_map"][victim]
 
     def with_entry(fname):
-        (ckpt / rlkjax.checkpoint.INDEX).write_text(json.dumps({"weight_map": index["weight_map"] | {victim: fname}}))
+        (ckpt / rlkjax.core.checkpoint.INDEX).write_text(
+            json.dumps({"weight_map": index["weight_map"] | {victim: fname}})
+        )
 
     for fname in (f"../other/{shard}", str(other / shard)):
         with_entry(fname)
@@ -237,7 +239,7 @@ def test_tensors_must_be_stored_in_the_configs_dtype(tmp_path):
     with pytest.raises(ValueError, match=r"params\['norm'\] is float32, the config's dtype is bfloat16"):
         rlkjax.save_hf_checkpoint(tmp_path / "refused", cfg, {**params, "norm": params["norm"].astype(jnp.float32)})
     f32 = jax.tree.map(lambda w: w.astype(jnp.float32), params)
-    rlkjax.checkpoint.save_orbax_params(tmp_path / "orbax", cfg.replace_dtype("float32"), f32)
+    rlkjax.core.checkpoint.save_orbax_params(tmp_path / "orbax", cfg.replace_dtype("float32"), f32)
     (tmp_path / "orbax" / "config.json").write_text(json.dumps(cfg.to_hf_config()))  # says bfloat16
     with pytest.raises(ValueError, match=r"\['embed_tokens'\] is stored as float32 in .*params.* bfloat16"):
-        rlkjax.checkpoint.load_model(str(tmp_path / "orbax"))
+        rlkjax.core.checkpoint.load_model(str(tmp_path / "orbax"))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import rlkjax
-from rlkjax.engine_config import EngineConfig
+from rlkjax.engine.config import EngineConfig
 from tests.contract import BATCH_SIZES, check_case, random_case
 from tests.helpers import ENGINE, ODD
 
@@ -96,8 +96,8 @@ def test_layer_unroll_keeps_bits(tiny):
     """NumericsOptions.layer_unroll (bench.speed --layer-unroll) only changes how many layers one iteration of
     the sampler's layer loop runs: the same kernels on the same inputs, so the hidden states and the
     KV cache keep their bits."""
-    from rlkjax import model
-    from rlkjax.numerics import NumericsOptions
+    from rlkjax.core import model
+    from rlkjax.core.numerics import NumericsOptions
     from tests.helpers import assert_bits_equal
 
     cfg, params = tiny

@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlkjax.data import load_examples
+from rlkjax.rl.data import load_examples
 
 ROWS = [
     {"problem": "What is $\\frac{1}{2} + \\frac{1}{4}$?", "solution": "\\frac{3}{4}", "extra": 1},

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import rlkjax
-from rlkjax.checks import sample_seed
-from rlkjax.engine import Engine
-from rlkjax.numerics import NumericsOptions
-from rlkjax.scheduler import Scheduler
+from rlkjax.core.checks import sample_seed
+from rlkjax.core.numerics import NumericsOptions
+from rlkjax.engine.engine import Engine
+from rlkjax.engine.scheduler import Scheduler
 from tests.helpers import ENGINE, ENGINE_4, ENGINE_TIGHT, Hook, assert_bits_equal, slow
 
 
@@ -111,7 +111,7 @@ def test_random_schedules_keep_the_contract(tiny, config):
     if tight:
         m = engine.metrics()
         assert m["preemptions"] > 0, "the tight config must force preemption"
-        # preempted and finished sequences' kept pages were taken again (rlkjax.prefix_cache), exactly
+        # preempted and finished sequences' kept pages were taken again (rlkjax.engine.prefix_cache), exactly
         assert m["prefix_cache_hit_tokens"] > 0 and m["prefix_cache_evictions"] > 0, m
     assert engine.pages.used == 0, "every page is returned"
     # Each sample checked alone on one engine of one size (rlkjax.generate would size an engine per
@@ -244,7 +244,7 @@ def test_no_recompiles_after_warmup(tiny):
             for _ in range(rows):  # a one-token prompt has nothing to prefill: the rows decode together
                 engine.submit([1], max_tokens=max_tokens)
             engine.run_until_done()
-    from rlkjax import engine as eng
+    from rlkjax.engine import engine as eng
 
     def compiled(fn):  # programs jit compiled, or executables the executable cache holds where it is on
         return fn.fn._cache_size() + len(fn.loaded)

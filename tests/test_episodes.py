@@ -10,13 +10,13 @@ import jax
 import numpy as np
 import pytest
 
-from rlkjax.chat import load_chat_template
 from rlkjax.entry_config import ModelSource
-from rlkjax.environments import CalculatorEnvironment, Environment, Step, load_environment
-from rlkjax.tasks import make_task
+from rlkjax.rl.environments import CalculatorEnvironment, Environment, Step, load_environment
+from rlkjax.rl.tasks import make_task
+from rlkjax.rl.tools import Tools, tool_turn
+from rlkjax.text.chat import load_chat_template
+from rlkjax.text.tokenizer import load_tokenizer
 from rlkjax.tiny_qwen3 import write_tiny_qwen3
-from rlkjax.tokenizer import load_tokenizer
-from rlkjax.tools import Tools, tool_turn
 from tests.helpers import EOS, assert_bits_equal, eos_model
 from train import grpo
 from train.batch import pack
@@ -267,11 +267,11 @@ def test_evaluation_runs_episodes_and_leaves_training_unchanged(tmp_path):
 def test_local_and_remote_rollouts_give_the_same_episodes(tmp_path):
     """The in-process engine and a server on loopback (vLLM's token route), same weights, examples and seeds: the
     same episodes, every turn's tokens and logprob bits; both prefill later turns from the prefix cache."""
-    from rlkjax.chat import ChatTemplate
-    from rlkjax.checkpoint import load_hf_checkpoint
-    from rlkjax.sampling_params import SamplingParams
-    from rlkjax.tasks import LowercaseTask
-    from rlkjax.tokenizer import ByteTokenizer
+    from rlkjax.core.checkpoint import load_hf_checkpoint
+    from rlkjax.core.sampling_params import SamplingParams
+    from rlkjax.rl.tasks import LowercaseTask
+    from rlkjax.text.chat import ChatTemplate
+    from rlkjax.text.tokenizer import ByteTokenizer
     from tests.helpers import assert_bits_equal
     from tests.server_process import ADMIN, start_server
     from train import fsdp, rollout
@@ -305,7 +305,7 @@ def test_a_worked_episode_has_the_tokens_the_rollout_assembles(qwen, tmp_path):
     """train.sft --env trains on the sequence train.grpo --env would sample for the same turns: the calculator
     word problems' worked `turns` give the EpisodeRunner's tokens and mask, and the SFT batch trains exactly the
     assistant turns' tokens (eos included)."""
-    from rlkjax.environments import worked_episode
+    from rlkjax.rl.environments import worked_episode
     from train import sft
     from train.word_problems import write
 

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 
 import rlkjax
-from rlkjax import engine as engine_module
-from rlkjax import executable_cache
-from rlkjax.compilation_cache import CompileTimes
-from rlkjax.engine import Engine
-from rlkjax.engine_config import EngineConfig
+from rlkjax.engine import engine as engine_module
+from rlkjax.engine import executable_cache
+from rlkjax.engine.compilation_cache import CompileTimes
+from rlkjax.engine.config import EngineConfig
+from rlkjax.engine.engine import Engine
 from tests.helpers import assert_bits_equal
 
 STEP_FUNCTIONS = (engine_module.prefill_chunk, engine_module.next_round, engine_module.copy_pages)
@@ -175,12 +175,12 @@ def test_a_bad_entry_is_recompiled_with_a_warning(cheap, cache_dir, caplog, dama
     }[damage]
     path.write_bytes(damaged)
     forget_loaded([fn])
-    with caplog.at_level(logging.WARNING, logger="rlkjax.executable_cache"):
+    with caplog.at_level(logging.WARNING, logger="rlkjax.engine.executable_cache"):
         assert call() == expected
     assert f"ignoring {path}" in caplog.text, caplog.text
     assert not path.exists() or path.read_bytes() != damaged
     forget_loaded([fn])
-    with caplog.at_level(logging.WARNING, logger="rlkjax.executable_cache"):
+    with caplog.at_level(logging.WARNING, logger="rlkjax.engine.executable_cache"):
         caplog.clear()
         assert call() == expected
     assert "ignoring" not in caplog.text, caplog.text
@@ -193,7 +193,7 @@ def test_an_unwritable_directory_warns_and_serves(cheap, tmp_path, caplog):
     blocked = tmp_path / "blocked"
     blocked.write_text("")
     executable_cache.use_directory(blocked / "executables")
-    with caplog.at_level(logging.WARNING, logger="rlkjax.executable_cache"):
+    with caplog.at_level(logging.WARNING, logger="rlkjax.engine.executable_cache"):
         assert call() == ([0.0, 2.0, 4.0, 6.0], 6.0)
     assert "cannot store" in caplog.text, caplog.text
     assert blocked.read_text() == ""
@@ -225,7 +225,7 @@ def test_no_directory_means_jit_alone(cheap):
 
 STORE = """
 import sys, jax, jax.numpy as jnp
-from rlkjax import compilation_cache, executable_cache
+from rlkjax.engine import compilation_cache, executable_cache
 compilation_cache.enable(sys.argv[1])
 def triple_sin(x):
     return jnp.sin(x) * 3

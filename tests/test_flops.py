@@ -1,10 +1,10 @@
-"""The one FLOPs and MFU definition against the hand count in rlkjax/flops.py's docstring."""
+"""The one FLOPs and MFU definition against the hand count in rlkjax/core/flops.py's docstring."""
 
 import numpy as np
 import pytest
 
 import rlkjax
-from rlkjax import flops, model
+from rlkjax.core import flops, model
 
 QWEN3_06B = rlkjax.ModelConfig.preset("qwen3-0.6b")
 

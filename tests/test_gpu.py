@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import rlkjax
-from rlkjax import audit, model
+from rlkjax.core import audit, model
+from rlkjax.engine.programs import RowSampling, decode_round, decode_step
 from rlkjax.entry_config import ModelSource
-from rlkjax.programs import RowSampling, decode_round, decode_step
 from tests import helpers
 from tests.contract import check_case, random_case
 from tests.sharded_contract import LONG_PROMPTS, SHORT_PROMPTS, learner_step_matches_sampler
@@ -105,8 +105,8 @@ CHATS = [
 def qwen3_tokenizer():
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
-    from rlkjax.qwen_tokenizer import qwen3_tokenizer_dir
-    from rlkjax.tokenizer import HFTokenizer
+    from rlkjax.text.qwen_tokenizer import qwen3_tokenizer_dir
+    from rlkjax.text.tokenizer import HFTokenizer
 
     return HFTokenizer(qwen3_tokenizer_dir())
 
@@ -114,7 +114,7 @@ def qwen3_tokenizer():
 def test_qwen3_8b_chat_prompts_sample_and_score_with_equal_bits(qwen3_tokenizer):
     """Qwen3-8B shapes: prompts rendered by the chat template (thinking off), 4 samples each, stopped at
     the checkpoint's eos; the learner's pass over every completion has the sampler's bits."""
-    from rlkjax.chat import prompt_format
+    from rlkjax.text.chat import prompt_format
 
     cfg = rlkjax.ModelConfig.preset("qwen3-8b")
     params = rlkjax.init_params(cfg, seed=0)

@@ -19,10 +19,10 @@ from jax.sharding import PartitionSpec as P
 
 import rlkjax
 import train.loss
-from rlkjax import model
+from rlkjax.core import model
 from rlkjax.entry_config import ModelSource, Runtime
-from rlkjax.tasks import ArithmeticTask, Example, GSM8KTask, LowercaseTask
-from rlkjax.tokenizer import ByteTokenizer
+from rlkjax.rl.tasks import ArithmeticTask, Example, GSM8KTask, LowercaseTask
+from rlkjax.text.tokenizer import ByteTokenizer
 from tests.helpers import EOS, assert_bits_equal, eos_model
 from tests.server_process import ADMIN, start_server
 from train import fsdp, grpo, guards, metrics, rollout
@@ -257,7 +257,7 @@ def backward_variants(tiny, default_step, field, other):
     """The learner step with NumericsOptions(field=other) against the default step: asserts the loss and
     logp_new keep their bits (a backward choice must not touch the forward), then yields (path,
     gradient with the default, gradient with the other) per parameter, as float64."""
-    from rlkjax.numerics import NumericsOptions
+    from rlkjax.core.numerics import NumericsOptions
 
     loss, logp, grads = default_step
     loss_d, logp_d, grads_d = learner_step(*tiny, numerics=NumericsOptions(**{field: other}))
@@ -495,7 +495,7 @@ def test_hf_tokenizer_json(tmp_path):
     """A checkpoint's tokenizer.json (built here with the `tokenizers` library) and its eos token."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from rlkjax.tokenizer import ByteTokenizer, load_tokenizer
+    from rlkjax.text.tokenizer import ByteTokenizer, load_tokenizer
 
     vocab = {"<|im_end|>": 0, "hello": 1, "world": 2, "[UNK]": 3}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
@@ -619,7 +619,7 @@ def test_local_and_remote_rollouts_give_the_same_completions_and_remote_training
 
 
 def test_step_flops_and_mfu_by_hand():
-    """train.grpo's FLOPs come from rlkjax.flops (it once counted 8N with no attention). qwen3-tiny (hidden 64,
+    """train.grpo's FLOPs come from rlkjax.core.flops (it once counted 8N with no attention). qwen3-tiny (hidden 64,
     2 layers, 4 query heads of 16, 2 KV heads, FFN 128, vocab 512): matmul parameters per layer
     q, o 2 x 64 x 64 + k, v 2 x 64 x 32 + gate, up, down 3 x 64 x 128 = 36,864; x 2 layers + lm_head
     512 x 64 = 106,496. Attention per query-key pair: 2 x 4 x 16 = 128 times 2 forward, 6 trained.

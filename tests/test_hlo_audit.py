@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import pytest
 
 import rlkjax
-from rlkjax import audit, embedding, model, programs
+from rlkjax.core import audit, embedding, model
+from rlkjax.engine import programs
 from tests.helpers import ODD, STRICT, slow
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import attention, logprob, logprob_bwd, matmul, rmsnorm, swiglu
-from rlkjax import numerics
+from rlkjax.core import numerics
 from tests.helpers import INTERPRET, assert_bits_equal, float64_on_cpu, randn, rel_err, slow
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -468,7 +468,7 @@ def test_embedding_gradient_sums_repeated_tokens_in_fp32():
     the fp32 sum of n <= 64 terms is within n * 2^-24 * sum|terms| of it (far below bf16's half ulp,
     2^-9 relative), so every row must be the rounded truth or, where the truth sits that close to a
     rounding boundary, the bf16 neighbour on the fp32 sum's side: at most one bf16 ulp off."""
-    from rlkjax import embedding
+    from rlkjax.core import embedding
 
     vocab, d, n = 50, 32, 300
     table = np.asarray(randn(0, (vocab, d), BF16))

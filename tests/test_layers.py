@@ -30,6 +30,27 @@ def project_imports(path: Path) -> set[str]:
     return names & set(PACKAGES)
 
 
+def rlkjax_wings_imported(path: Path) -> set[str]:
+    """The wings of rlkjax a module imports: `rlkjax.core` from `from rlkjax.core.model import x`,
+    `from rlkjax.core import model` or `import rlkjax.core.model`; `rlkjax` for the package's door itself
+    (`import rlkjax`, `from rlkjax import generate`) and its top-level modules (api, client, ...)."""
+    wings = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        modules = []
+        if isinstance(node, ast.Import):
+            modules = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            modules = [node.module]
+        elif isinstance(node, ast.ImportFrom) and node.level == 1:
+            modules = [f"rlkjax.{path.parent.name}"]  # `from .config import x` stays inside its wing
+        for name in modules:
+            parts = name.split(".")
+            if parts[0] != "rlkjax":
+                continue
+            wings.add(f"rlkjax.{parts[1]}" if len(parts) > 1 and parts[1] in WINGS else "rlkjax")
+    return wings
+
+
 @pytest.mark.parametrize("package", PACKAGES)
 def test_no_upward_imports(package):
     bad = {
@@ -38,6 +59,47 @@ def test_no_upward_imports(package):
     }
     bad = {k: v for k, v in bad.items() if v}
     assert not bad, f"imports against the layering {ALLOWED[package]}: {bad}"
+
+
+# rlkjax's wings and what each may import of rlkjax (itself included); pallas_kernels is checked above.
+WINGS = {
+    "core": {"rlkjax.core"},
+    "engine": {"rlkjax.core", "rlkjax.engine"},
+    "rl": {"rlkjax.rl"},
+    "text": {"rlkjax.core", "rlkjax.text"},
+}
+
+
+def test_rlkjax_has_wings_and_a_door():
+    """rlkjax/ holds its wings and only the public door beside them (the package's __init__, api, client,
+    the entry points' shared config, the tiny model writer): a new module finds its wing."""
+    top = sorted(p.name for p in (ROOT / "rlkjax").glob("*.py"))
+    assert top == ["__init__.py", "api.py", "client.py", "entry_config.py", "tiny_qwen3.py"]
+    assert sorted(p.name for p in (ROOT / "rlkjax").iterdir() if p.is_dir() and p.name != "__pycache__") == sorted(
+        WINGS
+    )
+
+
+@pytest.mark.parametrize("wing", sorted(WINGS))
+def test_each_wing_imports_only_what_its_rule_allows(wing):
+    """core imports only the kernels; engine only core; rl nothing else of rlkjax; text only core. Prevents:
+    the model reaching the engine, the engine reaching rewards or tokenizers, a reward reaching the model."""
+    bad = {
+        str(p.relative_to(ROOT)): sorted(rlkjax_wings_imported(p) - WINGS[wing])
+        for p in sorted((ROOT / "rlkjax" / wing).rglob("*.py"))
+    }
+    bad = {k: v for k, v in bad.items() if v}
+    assert not bad, f"rlkjax/{wing} may import {sorted(WINGS[wing])} of rlkjax: {bad}"
+
+
+def test_the_wing_check_sees_imports(tmp_path):
+    """Not vacuous: every import form of a wing, and the door, is found."""
+    src = tmp_path / "m.py"
+    src.write_text(
+        "import rlkjax\nfrom rlkjax.engine import programs\n"
+        "def f():\n    from rlkjax.rl.tools import Tools\n    import rlkjax.text.chat\n    from rlkjax import api\n"
+    )
+    assert rlkjax_wings_imported(src) == {"rlkjax", "rlkjax.engine", "rlkjax.rl", "rlkjax.text"}
 
 
 def test_the_check_sees_imports(tmp_path):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import rlkjax
-from rlkjax import audit, model
+from rlkjax.core import audit, model
 from tests.helpers import STRICT, assert_bits_equal
 from train.batch import PAD, micro_batches, pack
 from train.loss import grpo_loss, policy_logprobs

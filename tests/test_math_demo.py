@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import tyro
 
-from rlkjax import model
+from rlkjax.core import model
 from rlkjax.entry_config import ModelSource, flat_defaults
-from rlkjax.tasks import make_task
+from rlkjax.rl.tasks import make_task
 from rlkjax.tiny_qwen3 import write_tiny_qwen3
 from tests.helpers import assert_bits_equal
 from train import grpo, sft

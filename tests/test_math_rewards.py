@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlkjax.rewards import MathVerifier, RewardResult, checked_reward
-from rlkjax.tasks import Example, make_task
+from rlkjax.rl.rewards import MathVerifier, RewardResult, checked_reward
+from rlkjax.rl.tasks import Example, make_task
 from tests.helpers import SLOW_ANSWER
 
 

@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import pytest
 
 import rlkjax
-from rlkjax import audit, model, numerics, programs
-from rlkjax.numerics import NumericsOptions
+from rlkjax.core import audit, model, numerics
+from rlkjax.core.numerics import NumericsOptions
+from rlkjax.engine import programs
 
 
 def test_strings_stand_for_the_default_options():

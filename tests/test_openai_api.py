@@ -14,8 +14,8 @@ import openai
 import pytest
 
 import rlkjax
-from rlkjax.chat import DEFAULT_TEMPLATE, ChatTemplate
-from rlkjax.tokenizer import load_tokenizer
+from rlkjax.text.chat import DEFAULT_TEMPLATE, ChatTemplate
+from rlkjax.text.tokenizer import load_tokenizer
 from serve.protocol import CHAT_FIELDS, COMPLETION_FIELDS
 from serve.text import token_pieces
 from tests.helpers import ENGINE, assert_bits_equal

@@ -4,9 +4,9 @@ streaming that never lets a partial stop string out, and chat templates rendered
 
 import pytest
 
-from rlkjax.chat import DEFAULT_TEMPLATE, ChatTemplate, ChatTemplateError, load_chat_template, message_text
-from rlkjax.engine import Engine
-from rlkjax.tokenizer import ByteTokenizer, load_tokenizer
+from rlkjax.engine.engine import Engine
+from rlkjax.text.chat import DEFAULT_TEMPLATE, ChatTemplate, ChatTemplateError, load_chat_template, message_text
+from rlkjax.text.tokenizer import ByteTokenizer, load_tokenizer
 from serve.text import SampleText, offsets, token_pieces
 from tests.helpers import ENGINE, Hook, assert_bits_equal
 from tests.tokenizer_files import TEXT, make_bpe_checkpoint

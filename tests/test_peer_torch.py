@@ -9,7 +9,7 @@ import pytest
 
 import rlkjax
 from bench.peer_torch import pass_flops, qwen3_config_fields
-from rlkjax import flops
+from rlkjax.core import flops
 from tests.test_bench import assert_provenance, run_module
 
 
@@ -30,7 +30,7 @@ def test_qwen3_config_fields_have_the_preset_s_shapes(name):
 @pytest.mark.parametrize("name", ["qwen3-4b", "qwen3-8b"])
 def test_a_peer_pass_counts_the_flops_of_our_learner_row(name):
     """8 x 1024 tokens: 6 x matmul parameters per token + the causal attention term per sequence, as
-    rlkjax.flops counts bench.speed's learner rows (learner_row: sequence_flops(cfg, [seq] * b, backward=True))."""
+    rlkjax.core.flops counts bench.speed's learner rows (learner_row: sequence_flops(cfg, [seq] * b, backward=True))."""
     cfg = rlkjax.ModelConfig.preset(name)
     b, t = 8, 1024
     by_hand = 6 * flops.matmul_params(cfg) * b * t + 6 * cfg.num_layers * cfg.num_heads * cfg.head_dim * t * t * b

@@ -1,4 +1,4 @@
-"""The prefix cache (rlkjax.prefix_cache): a request's logprobs and tokens are the same bits whether its
+"""The prefix cache (rlkjax.engine.prefix_cache): a request's logprobs and tokens are the same bits whether its
 prefix came from the cache or from prefill (an episode's second turn, the same prompt sampled again, a
 cancelled sample's tokens continued), and the page bookkeeping under it: least recently used eviction,
 tail pages first, held pages never evicted, the index emptied when the weights or the KV arrays go, and
@@ -9,10 +9,10 @@ import dataclasses
 import pytest
 
 import rlkjax
-from rlkjax.engine import Engine
-from rlkjax.numerics import PAGE_SIZE
-from rlkjax.prefix_cache import PrefixCache, page_keys
-from rlkjax.records import PageAllocator
+from rlkjax.core.numerics import PAGE_SIZE
+from rlkjax.engine.engine import Engine
+from rlkjax.engine.prefix_cache import PrefixCache, page_keys
+from rlkjax.engine.records import PageAllocator
 from tests.helpers import ENGINE, assert_bits_equal
 
 COLD = dataclasses.replace(ENGINE, prefix_cache=False)  # the same programs: the switch is host-side only

@@ -7,8 +7,8 @@ import unicodedata
 import pytest
 import tiktoken
 
-from rlkjax.qwen_tokenizer import QWEN3_ADDED_TOKENS, QWEN_PATTERN, load_ranks, qwen3_tokenizer_dir
-from rlkjax.tokenizer import HFTokenizer, load_tokenizer
+from rlkjax.text.qwen_tokenizer import QWEN3_ADDED_TOKENS, QWEN_PATTERN, load_ranks, qwen3_tokenizer_dir
+from rlkjax.text.tokenizer import HFTokenizer, load_tokenizer
 
 TEXTS = [
     "Hello, world! It's 2026; we'll see what they've done.",

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import tyro
 
-from rlkjax.checks import MIN_TEMPERATURE
+from rlkjax.core.checks import MIN_TEMPERATURE
 from rlkjax.entry_config import flat_defaults
-from rlkjax.tasks import GSM8KTask, make_task
+from rlkjax.rl.tasks import GSM8KTask, make_task
 from train import grpo, guards, metrics
 from train.checkpoints import CheckpointError, Checkpoints, check_disk
 from train.config import Optimiser

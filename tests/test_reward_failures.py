@@ -9,8 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlkjax.data import Example
-from rlkjax.tasks import ArithmeticTask, make_task
+from rlkjax.rl.data import Example
+from rlkjax.rl.tasks import ArithmeticTask, make_task
 from tests.helpers import SLOW_ANSWER
 from train import grpo
 from train.rewards import group_rewards

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 import rlkjax
-from rlkjax import audit, model, numerics, programs
-from rlkjax.numerics import NumericsOptions
+from rlkjax.core import audit, model, numerics
+from rlkjax.core.numerics import NumericsOptions
+from rlkjax.engine import programs
 from tests.helpers import assert_bits_equal, slow
 from train.batch import Batch
 from train.loss import grpo_loss

@@ -25,8 +25,9 @@ from jax._src.pallas.triton.lowering import _new_ir_context  # JAX's Triton dial
 
 import rlkjax
 from bench.lowered_programs import unescape
-from rlkjax import audit, model, programs
-from rlkjax.numerics import NumericsOptions
+from rlkjax.core import audit, model
+from rlkjax.core.numerics import NumericsOptions
+from rlkjax.engine import programs
 
 triton = pytest.importorskip("triton")
 from triton._C.libtriton import ir as triton_ir  # noqa: E402

@@ -11,8 +11,8 @@ import pytest
 
 import rlkjax
 from pallas_kernels import _math, logprob
-from rlkjax import numerics
-from rlkjax.engine import Engine
+from rlkjax.core import numerics
+from rlkjax.engine.engine import Engine
 from tests.helpers import ENGINE, INTERPRET, assert_bits_equal, bits, float64_on_cpu, randn, rel_err, slow
 
 BF16, F32 = jnp.bfloat16, jnp.float32

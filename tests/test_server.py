@@ -15,7 +15,7 @@ import pytest
 
 import rlkjax
 from rlkjax.client import RolloutError
-from rlkjax.tokenizer import ByteTokenizer
+from rlkjax.text.tokenizer import ByteTokenizer
 from tests.helpers import assert_bits_equal
 from tests.server_process import ADMIN, metric, post_raw, start_server, wait_for_metric
 

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from rlkjax.engine import Engine
+from rlkjax.engine.engine import Engine
 from tests.helpers import ENGINE_4, assert_bits_equal
 from tests.server_process import engine_flags, metric, start_server, wait_for_metric
 

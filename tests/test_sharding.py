@@ -207,7 +207,7 @@ def test_learner_step_memory_per_layer_scales_like_its_shard(sharded):
     that held 45.9 GiB of full-model buffers and did not fit). On 4 devices the bound, 1.5 x the
     layer's parameter count in bytes, is below a whole fp32 gradient (4x) and a whole bf16 copy (2x)."""
     _, temporaries = part(sharded, "memory")
-    layer_params = sum(math.prod(shape) for shape in rlkjax.model.layer_shapes(WIDE).values())
+    layer_params = sum(math.prod(shape) for shape in rlkjax.core.model.layer_shapes(WIDE).values())
     per_layer = (temporaries["4 4"] - temporaries["4 2"]) / 2
     assert per_layer < 4 * layer_params / 4 + layer_params / 2, (per_layer, layer_params)
 
@@ -228,7 +228,7 @@ def test_learner_step_keeps_few_activations_per_layer(sharded):
     cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
     n, d, dh = 4 * 256 // 2, cfg.hidden_size, cfg.head_dim  # this device's tokens
     kept = 2 * n * (d + (cfg.num_heads + 2 * cfg.num_kv_heads) * dh + cfg.num_heads * dh)  # x; q, k, v; attn
-    gradient = 4 * sum(math.prod(shape) for shape in rlkjax.model.layer_shapes(cfg).values()) / 2  # its shard
+    gradient = 4 * sum(math.prod(shape) for shape in rlkjax.core.model.layer_shapes(cfg).values()) / 2  # its shard
     mlp = 2 * n * cfg.intermediate_size  # one bf16 [tokens, intermediate] array: the slack allowed
     per_layer = (temporaries["4"] - temporaries["2"]) / 2
     assert per_layer <= kept + gradient + mlp, (per_layer, kept, gradient)
@@ -246,7 +246,7 @@ def test_8b_learner_compiles_sharded_over_8_devices(sharded):
     shapes = jax.tree.leaves(jax.eval_shape(lambda: rlkjax.init_params(rlkjax.ModelConfig.preset("qwen3-8b"))))
     n, p = len(shapes), sum(x.size for x in shapes)  # parameter tensors, parameters (8.2e9)
     step, update = programs["learner step (value and grad)"], programs["optimiser update (one layer)"]
-    layer_shapes = rlkjax.model.layer_shapes(rlkjax.ModelConfig.preset("qwen3-8b"))
+    layer_shapes = rlkjax.core.model.layer_shapes(rlkjax.ModelConfig.preset("qwen3-8b"))
     per_layer, leaves = sum(math.prod(s) for s in layer_shapes.values()), len(layer_shapes)
     split = {
         "step's master weights": step["inputs"][:n],

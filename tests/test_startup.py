@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import rlkjax
-from rlkjax import compilation_cache
+from rlkjax.engine import compilation_cache
 from rlkjax.entry_config import Runtime
 from tests.helpers import assert_bits_equal
 from tests.server_process import launch
@@ -114,7 +114,8 @@ def test_compilation_cache_flag(monkeypatch, tmp_path):
 
 
 COMPILE_ONE = (
-    "import jax, sys; from rlkjax import compilation_cache as c; c.enable(sys.argv[1]); jax.jit(jax.numpy.sin)(1.0)"
+    "import jax, sys; from rlkjax.engine import compilation_cache as c; c.enable(sys.argv[1]); "
+    "jax.jit(jax.numpy.sin)(1.0)"
 )
 
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 import rlkjax
-from rlkjax.chat import load_chat_template
+from rlkjax.text.chat import load_chat_template
+from rlkjax.text.tokenizer import HFTokenizer, load_tokenizer
 from rlkjax.tiny_qwen3 import QWEN3_VOCAB_SIZE, write_tiny_qwen3
-from rlkjax.tokenizer import HFTokenizer, load_tokenizer
 from tests.helpers import assert_bits_equal
 
 IM_START, IM_END, NEWLINE, USER, ASSISTANT, SYSTEM = 151644, 151645, 198, 872, 77091, 8948

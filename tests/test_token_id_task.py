@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from rlkjax.tasks import Example, TokenIdsTask, make_task
+from rlkjax.rl.tasks import Example, TokenIdsTask, make_task
 from train import grpo
 from train.config import GRPOConfig
 

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 import rlkjax
-from rlkjax.chat import ChatTemplate, load_chat_template
-from rlkjax.qwen_tokenizer import QWEN3_CHAT_TEMPLATE
-from rlkjax.tokenizer import load_tokenizer
-from rlkjax.tools import Tools, tool_turn
+from rlkjax.rl.tools import Tools, tool_turn
+from rlkjax.text.chat import ChatTemplate, load_chat_template
+from rlkjax.text.qwen_tokenizer import QWEN3_CHAT_TEMPLATE
+from rlkjax.text.tokenizer import load_tokenizer
 from serve.tool_calls import tool_message
 from tests.helpers import ENGINE, assert_bits_equal
 from tests.server_process import post_raw, start_server

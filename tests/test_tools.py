@@ -6,10 +6,10 @@ import time
 
 import pytest
 
-from rlkjax.chat import load_chat_template
+from rlkjax.rl.tools import ToolCall, Tools, calculator, parse_tool_calls, tool_messages, tool_turn
+from rlkjax.text.chat import load_chat_template
+from rlkjax.text.tokenizer import load_tokenizer
 from rlkjax.tiny_qwen3 import write_tiny_qwen3
-from rlkjax.tokenizer import load_tokenizer
-from rlkjax.tools import ToolCall, Tools, calculator, parse_tool_calls, tool_messages, tool_turn
 
 IM_END, TOOL_CALL, TOOL_CALL_END, TOOL_RESPONSE = 151645, 151657, 151658, 151665
 

@@ -38,7 +38,7 @@ def make_qwen3_template_checkpoint(directory, samples: list[str]):
     render tools and tool turns exactly as a Qwen3 checkpoint does. The real tokenizer has 151,669 ids."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from rlkjax.qwen_tokenizer import QWEN3_ADDED_TOKENS, QWEN3_CHAT_TEMPLATE
+    from rlkjax.text.qwen_tokenizer import QWEN3_ADDED_TOKENS, QWEN3_CHAT_TEMPLATE
 
     keep = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>")
     keep += ("</tool_response>", "<think>", "</think>")

@@ -9,8 +9,8 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from rlkjax.numerics import PAGE_SIZE
-from rlkjax.shapes import bucket, cdiv, pad_sequences
+from rlkjax.core.numerics import PAGE_SIZE
+from rlkjax.core.shapes import bucket, cdiv, pad_sequences
 
 
 class Batch(NamedTuple):

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 import numpy as np
 import tyro
 
-from rlkjax.checks import check_seed, check_temperature
+from rlkjax.core.checks import check_seed, check_temperature
 from rlkjax.entry_config import ModelSource, Runtime
 from train import fsdp, optimizer
 
@@ -86,7 +86,7 @@ class GRPOConfig:
     eval_every: int = 10
     """Steps between evaluations of --eval-data (and one after the last step)."""
     env: str | None = None
-    """A multi-turn environment (rlkjax/environments.py) sampling G episodes per example: `calculator` (the model
+    """A multi-turn environment (rlkjax/rl/environments.py) sampling G episodes per example: `calculator` (the model
     may call the calculator tool; its results come back as <tool_response> turns; rewarded by the task on the
     final turn), `single` (one turn, the task's reward), or `module:Class` (built as Class(task), with reset and
     step). Needs a chat template. The loss trains every turn's sampled tokens, never the tokens the environment or

@@ -4,7 +4,7 @@ the episodes as the learner's samples (sampled tokens trained, added tokens mask
 
 Turn 1 of an example's G episodes is one request with n = G (they share the prompt's KV pages, as single-turn
 groups do); every later turn is a request of its own whose prompt extends the previous sequence, so the engine's
-prefix cache (rlkjax/prefix_cache.py) holds that sequence's full pages and only the new tokens are prefilled.
+prefix cache (rlkjax/engine/prefix_cache.py) holds that sequence's full pages and only the new tokens are prefilled.
 Seeds: turn t (from 0) of sample j of an example with seed s samples with sample_seed(s, t * G + j); turn 0's are
 the n = G request's own, so --max-turns 1 samples what the single-turn rollout samples.
 
@@ -20,9 +20,9 @@ import dataclasses
 
 import numpy as np
 
-from rlkjax.checks import sample_seed
-from rlkjax.environments import Episode, Step, Turn, continuation, first_prompt
-from rlkjax.sampling_params import SamplingParams
+from rlkjax.core.checks import sample_seed
+from rlkjax.core.sampling_params import SamplingParams
+from rlkjax.rl.environments import Episode, Step, Turn, continuation, first_prompt
 
 END_REASONS = ("env", "length", "turns", "context")
 
@@ -31,9 +31,9 @@ END_REASONS = ("env", "length", "turns", "context")
 class EpisodeRunner:
     """What turns a group of examples into episodes. template_kwargs go to the chat template (enable_thinking)."""
 
-    env: object  # rlkjax.environments.Environment
+    env: object  # rlkjax.rl.environments.Environment
     tokenizer: object
-    template: object  # rlkjax.chat.ChatTemplate
+    template: object  # rlkjax.text.chat.ChatTemplate
     eos: int  # the token that ends a turn (the engines' eos)
     max_turns: int
     max_new_tokens: int  # the budget of everything after the first prompt

@@ -19,7 +19,7 @@ import math
 
 import numpy as np
 
-from rlkjax.sampling_params import SamplingParams
+from rlkjax.core.sampling_params import SamplingParams
 from train.rewards import episode_rewards, group_rewards
 
 

@@ -36,7 +36,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rlkjax import model
+from rlkjax.core import model
 from train.batch import PAD, REDUCTION
 
 AXIS = "data"

@@ -45,14 +45,14 @@ import tyro
 from tqdm import tqdm
 
 import rlkjax
-from rlkjax import compilation_cache
-from rlkjax.chat import PromptFormat, prompt_format
-from rlkjax.checkpoint import load_model
-from rlkjax.environments import load_environment
-from rlkjax.sampling_params import SamplingParams
-from rlkjax.shapes import cdiv
-from rlkjax.tasks import make_task
-from rlkjax.tokenizer import load_tokenizer
+from rlkjax.core.checkpoint import load_model
+from rlkjax.core.sampling_params import SamplingParams
+from rlkjax.core.shapes import cdiv
+from rlkjax.engine import compilation_cache
+from rlkjax.rl.environments import load_environment
+from rlkjax.rl.tasks import make_task
+from rlkjax.text.chat import PromptFormat, prompt_format
+from rlkjax.text.tokenizer import load_tokenizer
 from train import fsdp
 from train.batch import Batch, pack
 from train.checkpoints import Checkpoints, check_disk, file_sha256, restore_run, run_config, save_run
@@ -83,7 +83,7 @@ class Run(NamedTuple):
 
     config: GRPOConfig
     cfg: rlkjax.ModelConfig
-    task: object  # rlkjax.tasks: .sample(rng, n) -> examples, .reward(example, text) -> float
+    task: object  # rlkjax.rl.tasks: .sample(rng, n) -> examples, .reward(example, text) -> float
     tokenizer: object
     render: PromptFormat  # a task's prompt text -> the text sampled after (chat-formatted or not)
     sampling: SamplingParams  # every completion's: n = G, max_tokens, temperature, the eos stop rule

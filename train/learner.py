@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlkjax import model
-from rlkjax.mismatch import mismatch_stats
+from rlkjax.core import model
+from rlkjax.core.mismatch import mismatch_stats
 from train import fsdp, optimizer
 from train.batch import Batch, micro_batches, reduce_stats
 from train.guards import (

@@ -5,7 +5,7 @@ logprobs from the fp32 master weights, and the token-level PPO-clip surrogate (+
 import jax
 import jax.numpy as jnp
 
-from rlkjax import model
+from rlkjax.core import model
 from train.batch import Batch, LossStats
 
 

@@ -19,10 +19,10 @@ import threading
 
 import numpy as np
 
-from rlkjax import model
-from rlkjax.config import ModelConfig
-from rlkjax.numerics import PAGE_SIZE
-from rlkjax.shapes import cdiv
+from rlkjax.core import model
+from rlkjax.core.config import ModelConfig
+from rlkjax.core.numerics import PAGE_SIZE
+from rlkjax.core.shapes import cdiv
 from train.batch import padded_length
 from train.optimizer import IN_FLIGHT
 

@@ -1,8 +1,8 @@
-"""train.grpo's metrics: what a step's row says about throughput (model FLOPs and MFU, from rlkjax.flops, the
+"""train.grpo's metrics: what a step's row says about throughput (model FLOPs and MFU, from rlkjax.core.flops, the
 one definition), the JSONL file the rows go to (cut back to the restored step on resume), and the plot drawn
 from it at the end. The rollout, the guards and the loop add their own fields to the row.
 
-Two MFUs, named by what they cover (both over real tokens only, padding excluded, per rlkjax.flops):
+Two MFUs, named by what they cover (both over real tokens only, padding excluded, per rlkjax.core.flops):
   learner_pass_mfu  the learner's work (the --verify-every scoring pass, the updates' forward + backward,
                     the KL reference's scoring pass) over the learner's seconds, on the learner's devices;
   grpo_step_mfu     that plus the rollout's (each prompt's prefill once, one decode step per further
@@ -13,7 +13,7 @@ import json
 import logging
 from pathlib import Path
 
-from rlkjax.flops import decode_flops, mfu, sequence_flops
+from rlkjax.core.flops import decode_flops, mfu, sequence_flops
 from train.batch import Batch
 
 log = logging.getLogger("train.grpo")

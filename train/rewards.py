@@ -9,7 +9,7 @@ import logging
 
 import numpy as np
 
-from rlkjax.rewards import RewardResult, checked_reward
+from rlkjax.rl.rewards import RewardResult, checked_reward
 
 log = logging.getLogger("train.grpo")
 

@@ -15,11 +15,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from rlkjax.checkpoint import save_orbax_params
 from rlkjax.client import RolloutClient
-from rlkjax.engine import Engine
-from rlkjax.engine_config import EngineConfig
-from rlkjax.sampling_params import SamplingParams
+from rlkjax.core.checkpoint import save_orbax_params
+from rlkjax.core.sampling_params import SamplingParams
+from rlkjax.engine.config import EngineConfig
+from rlkjax.engine.engine import Engine
 from train import fsdp
 
 

@@ -33,13 +33,14 @@ import jax.numpy as jnp
 import numpy as np
 import tyro
 
-from rlkjax import compilation_cache, model
-from rlkjax.chat import load_chat_template, prompt_format
-from rlkjax.checkpoint import load_hf_checkpoint, save_hf_checkpoint
-from rlkjax.data import load_examples, read_rows
+from rlkjax.core import model
+from rlkjax.core.checkpoint import load_hf_checkpoint, save_hf_checkpoint
+from rlkjax.engine import compilation_cache
 from rlkjax.entry_config import Runtime
-from rlkjax.environments import first_prompt, load_environment, worked_episode
-from rlkjax.tokenizer import load_tokenizer
+from rlkjax.rl.data import load_examples, read_rows
+from rlkjax.rl.environments import first_prompt, load_environment, worked_episode
+from rlkjax.text.chat import load_chat_template, prompt_format
+from rlkjax.text.tokenizer import load_tokenizer
 from train import fsdp, optimizer
 from train.batch import Batch, pack
 from train.config import Optimiser

@@ -22,10 +22,10 @@ import numpy as np
 
 from pallas_kernels.common import pad_dim
 from pallas_kernels.logprob import Logprobs
-from rlkjax.config import ModelConfig
-from rlkjax.embedding import embed
-from rlkjax.numerics import PAGE_SIZE, Numerics, ops, options, padded_rows
-from rlkjax.shapes import cdiv, fresh_page_table
+from rlkjax.core.config import ModelConfig
+from rlkjax.core.embedding import embed
+from rlkjax.core.numerics import PAGE_SIZE, Numerics, ops, options, padded_rows
+from rlkjax.core.shapes import cdiv, fresh_page_table
 
 
 def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -207,7 +207,7 @@ class Unstacked(Sliced):
 class _Pass(NamedTuple):
     """What every layer of one `forward` call shares: the kernels and the shapes."""
 
-    op: object  # rlkjax.numerics.Ops
+    op: object  # rlkjax.core.numerics.Ops
     cfg: ModelConfig
     b: int
     t: int

@@ -6,7 +6,7 @@ import re
 
 import jax
 
-from rlkjax.numerics import default_platform
+from rlkjax.core.numerics import default_platform
 
 # The ops that move or select data exactly, written once, each as (its StableHLO name, its name in XLA's
 # optimised HLO; None where one side has no such op). Anything else touching a float type is arithmetic.

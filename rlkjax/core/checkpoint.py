@@ -12,8 +12,8 @@ import jax.numpy as jnp
 from safetensors import safe_open
 from safetensors.flax import save_file
 
-from rlkjax.config import PRESETS, ModelConfig
-from rlkjax.model import layer_shapes
+from rlkjax.core.config import PRESETS, ModelConfig
+from rlkjax.core.model import layer_shapes
 
 _LAYER_PREFIX = {
     "q_proj": "self_attn.q_proj",
@@ -184,7 +184,7 @@ def save_orbax_params(directory, cfg: ModelConfig, params) -> None:
 def load_model(spec: str, seed: int = 0):
     """A preset name (random weights from `seed`), an HF checkpoint directory, or an orbax directory
     (config.json + params/, as written by save_orbax_params and train.grpo) -> (cfg, params)."""
-    from rlkjax.model import init_params
+    from rlkjax.core.model import init_params
 
     if spec in PRESETS:
         cfg = ModelConfig.preset(spec)

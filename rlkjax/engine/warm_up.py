@@ -1,4 +1,4 @@
-"""The rollout engine's warm-up (rlkjax.engine's `Engine` takes these methods): every batch bucket of the
+"""The rollout engine's warm-up (rlkjax.engine.engine's `Engine` takes these methods): every batch bucket of the
 prefill, decode-round and page-copy programs that default traffic runs, loaded from the executable cache or
 compiled before the first request, so no request waits behind a compilation. The engine supplies each
 shape's call on padding (`_warm_up_call`), its lock, its KV cache (`_ensure_cache`) and `_note_shape`."""
@@ -9,7 +9,7 @@ import time
 
 import jax
 
-from rlkjax.shapes import bucket, cdiv
+from rlkjax.core.shapes import bucket, cdiv
 
 
 class WarmUp:
@@ -42,7 +42,7 @@ class WarmUp:
         return todo
 
     def warm_up_shape(self, name: str, r: int) -> float:
-        """Get one of `warm_up_shapes()` ready: load or compile its executable (rlkjax.executable_cache),
+        """Get one of `warm_up_shapes()` ready: load or compile its executable (rlkjax.engine.executable_cache),
         or where that cache is off, compile it by running it on padding; returns the seconds it took.
         One at a time, so a caller (the server) can report progress and stop between shapes."""
         with self.lock:

@@ -1,11 +1,11 @@
-"""The rollout engine's settings (rlkjax.engine): KV cache pages, batch slots, prefill chunk and budget,
-decode round length, prefix cache; the scheduler's knobs (rlkjax.scheduler) and the server's flags
+"""The rollout engine's settings (rlkjax.engine.engine): KV cache pages, batch slots, prefill chunk and budget,
+decode round length, prefix cache; the scheduler's knobs (rlkjax.engine.scheduler) and the server's flags
 (serve.config)."""
 
 import dataclasses
 
-from rlkjax.numerics import PAGE_SIZE
-from rlkjax.shapes import bucket, cdiv
+from rlkjax.core.numerics import PAGE_SIZE
+from rlkjax.core.shapes import bucket, cdiv
 
 
 @dataclasses.dataclass(frozen=True)

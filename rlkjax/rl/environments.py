@@ -33,13 +33,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from rlkjax.data import Example
-from rlkjax.rewards import RewardResult, checked_reward
-from rlkjax.tools import Tools, tool_messages
+from rlkjax.rl.data import Example
+from rlkjax.rl.rewards import RewardResult, checked_reward
+from rlkjax.rl.tools import Tools, tool_messages
 
 
 class Step(NamedTuple):
-    """What an environment answers to a sampled turn. reward: a float, or a RewardResult (rlkjax.rewards) whose
+    """What an environment answers to a sampled turn. reward: a float, or a RewardResult (rlkjax.rl.rewards) whose
     failure the trainer counts and reports; an episode's reward is the sum of its steps' rewards."""
 
     messages: list  # chat messages to append (rendered as the template's continuation), [] when done
@@ -132,7 +132,7 @@ class Environment:
 
 
 class CalculatorEnvironment(Environment):
-    """The model may call the `calculator` tool (rlkjax.tools; listed in the system turn by the chat template).
+    """The model may call the `calculator` tool (rlkjax.rl.tools; listed in the system turn by the chat template).
     A turn with `<tool_call>` blocks gets their results as a `<tool_response>` turn (a malformed block, an unknown
     tool, bad arguments, a raising or slow tool: an "Error: ..." observation the model reads); a turn without one
     ends the episode, rewarded by the task's check of that turn's text (math-verify of its \\boxed{} answer for
@@ -181,7 +181,7 @@ def continuation(template, tokenizer, messages: list, after_eos: bool, **kwargs)
     """The tokens that follow a sampled assistant turn when `messages` are appended: the template's rendering of
     the new messages alone, up to the next generation prompt, after the newline the template writes after an
     assistant turn's eos (`after_eos`). With Qwen3's template that is "\\n<|im_start|>user\\n<tool_response>\\n...
-    </tool_response><|im_end|>\\n<|im_start|>assistant\\n" for tool results (as rlkjax.tools.tool_turn) and
+    </tool_response><|im_end|>\\n<|im_start|>assistant\\n" for tool results (as rlkjax.rl.tools.tool_turn) and
     "\\n<|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n" for a user message."""
     text = template.render(messages, add_generation_prompt=True, **kwargs)
     return tokenizer.encode(("\n" if after_eos else "") + text)

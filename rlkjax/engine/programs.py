@@ -1,6 +1,6 @@
 """The rollout engine's jitted device functions: prefill a chunk, one decode step, a decode round
 (several steps in one device loop), the round that continues the one in flight, and the page copy
-of a fork. Each is compiled once per shape bucket; the host side (rlkjax.engine) only schedules.
+of a fork. Each is compiled once per shape bucket; the host side (rlkjax.engine.engine) only schedules.
 
 Shapes: prefill tokens [B, C], decode tokens [B, 1] (a round: [B]), page table [B, pages_per_seq],
 per-row sampling options `RowSampling` ([B] arrays); B is a power of two up to max_batch.
@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlkjax.model import forward, sample
-from rlkjax.sampling_params import at_stop
+from rlkjax.core.model import forward, sample
+from rlkjax.core.sampling_params import at_stop
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "numerics"), donate_argnames=("kv_cache",))

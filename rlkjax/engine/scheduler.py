@@ -1,9 +1,9 @@
 """The rollout engine's scheduling policy, host-side only: which sequences hold a batch slot, who
 owns which KV pages, who is preempted when pages run out, how the samples of a request fork from
 their leader, and which rows go into each prefill call and decode round. It decides; the engine
-(rlkjax.engine) runs the jitted programs it asks for. No decision here changes a token or a logprob:
+(rlkjax.engine.engine) runs the jitted programs it asks for. No decision here changes a token or a logprob:
 a sequence's bits depend only on its own prompt, seed and positions, whatever row, batch, chunk or
-turn it gets. Its knobs are the engine's settings (rlkjax.engine_config).
+turn it gets. Its knobs are the engine's settings (rlkjax.engine.config).
 
 Fair turns. Batch slots go to the group (one HTTP request's prompts, or one request) that holds the
 fewest of them, earliest arrival first on a tie; within a group, started sequences (preempted, or
@@ -15,12 +15,12 @@ victim is the newest sequence of the group that holds the most slots, not the ne
 
 from collections import Counter, deque
 
-from rlkjax.checks import sample_seed
-from rlkjax.engine_config import EngineConfig
-from rlkjax.numerics import PAGE_SIZE
-from rlkjax.prefix_cache import PrefixCache
-from rlkjax.records import PageAllocator, Round, Sequence
-from rlkjax.shapes import cdiv
+from rlkjax.core.checks import sample_seed
+from rlkjax.core.numerics import PAGE_SIZE
+from rlkjax.core.shapes import cdiv
+from rlkjax.engine.config import EngineConfig
+from rlkjax.engine.prefix_cache import PrefixCache
+from rlkjax.engine.records import PageAllocator, Round, Sequence
 
 
 class Scheduler:
@@ -52,7 +52,7 @@ class Scheduler:
         later, smaller sequence must not take the pages the first one waits for. While a weight swap
         waits (fresh=False) only started sequences are admitted, so they finish on the weights they
         began with and the swap can happen. A sequence takes the kept pages holding its prefix first
-        (rlkjax.prefix_cache) and prefills only the rest."""
+        (rlkjax.engine.prefix_cache) and prefills only the rest."""
         held = Counter(s.request.group for s in self.running)
         queues: dict = {}
         for s in sorted(self.waiting, key=lambda s: not s.started):  # stable: arrival order otherwise

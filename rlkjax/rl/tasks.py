@@ -9,14 +9,14 @@ problems with named prompt and answer fields; answers checked by math-verify), a
 
 A task whose `reads_token_ids` is true is given the completion's token ids instead of its text.
 A task may also have `check(example, completion_text) -> RewardResult`: the reward plus, when the check
-raised or ran past its time, why (rlkjax.rewards.checked_reward gives every task that form).
+raised or ran past its time, why (rlkjax.rl.rewards.checked_reward gives every task that form).
 """
 
 import importlib
 import re
 
-from rlkjax.data import Example, load_examples, read_jsonl
-from rlkjax.rewards import MathVerifier, RewardResult
+from rlkjax.rl.data import Example, load_examples, read_jsonl
+from rlkjax.rl.rewards import MathVerifier, RewardResult
 
 
 class LowercaseTask:
@@ -132,7 +132,7 @@ class MathTask:
     """Problems from a local JSONL, Parquet or CSV file (`prompt_field`, `answer_field` name the fields);
     reward 1 when math-verify finds the completion's answer equal to the reference (LaTeX, \\boxed{},
     fractions, plain numbers), each check bounded by `timeout` seconds, `workers` checks at a time
-    (rlkjax.rewards.MathVerifier)."""
+    (rlkjax.rl.rewards.MathVerifier)."""
 
     def __init__(
         self, path, prompt_field: str = "prompt", answer_field: str = "answer", timeout: float = 5.0, workers: int = 1

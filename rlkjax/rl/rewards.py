@@ -9,7 +9,7 @@ which the trainer counts and reports with the example it failed on.
 Why a worker process instead of math-verify's own `timeout_seconds`/`parsing_timeout`: those use
 SIGALRM, which works only in the main thread (from any other thread math-verify raises ValueError
 "doesn't support threaded environment"), counts whole seconds, and replaces the host's SIGALRM
-handler while it runs. Here each check runs in a long-lived child process (rlkjax/math_verify_worker.py,
+handler while it runs. Here each check runs in a long-lived child process (rlkjax/rl/math_verify_worker.py,
 started on first use and warmed up); the parent waits at most `timeout` seconds of wall time for the
 answer and kills the child past it (a new one starts for the next check). That bound holds from any
 thread and stops work a signal cannot interrupt. `workers` processes check a batch in parallel
@@ -43,7 +43,7 @@ class RewardResult:
 
 
 class _Worker:
-    """One math-verify process speaking the JSON-lines protocol of rlkjax/math_verify_worker.py."""
+    """One math-verify process speaking the JSON-lines protocol of rlkjax/rl/math_verify_worker.py."""
 
     def __init__(self):
         # -P: the worker's own directory (rlkjax/, with a requests.py) stays off sys.path.

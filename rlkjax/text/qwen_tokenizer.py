@@ -232,7 +232,7 @@ def build_tokenizer(ranks: dict[bytes, int]) -> Tokenizer:
 
 
 def tokenizer_config() -> dict:
-    """Qwen3's tokenizer_config.json: what transformers and rlkjax.chat read (eos, pad, chat template)."""
+    """Qwen3's tokenizer_config.json: what transformers and rlkjax.text.chat read (eos, pad, chat template)."""
     decoder = {
         str(token_id): dict(
             content=content, lstrip=False, normalized=False, rstrip=False, single_word=False, special=special

@@ -8,10 +8,10 @@ from collections import deque
 
 import numpy as np
 
-from rlkjax.checks import check_int
-from rlkjax.programs import RowSampling
-from rlkjax.sampling_params import SamplingParams, at_stop
-from rlkjax.shapes import bucket
+from rlkjax.core.checks import check_int
+from rlkjax.core.sampling_params import SamplingParams, at_stop
+from rlkjax.core.shapes import bucket
+from rlkjax.engine.programs import RowSampling
 
 
 @dataclasses.dataclass
@@ -36,7 +36,7 @@ class Completion:
 
 class PageAllocator:
     """Free list with reference counts; page 0 is the trash page and never handed out. Without the
-    prefix cache (rlkjax.prefix_cache.PrefixCache keeps pages by their tokens) a released page is free."""
+    prefix cache (rlkjax.engine.prefix_cache.PrefixCache keeps pages by their tokens) a released page is free."""
 
     def __init__(self, num_pages: int):
         self.free = deque(range(1, num_pages))

@@ -1,4 +1,4 @@
-"""The process rlkjax.rewards.MathVerifier checks answers in: run as a script, not imported.
+"""The process rlkjax.rl.rewards.MathVerifier checks answers in: run as a script, not imported.
 
 Protocol, one JSON object per line: in {"answer": str, "completion": str}; out {"reward": 0.0 | 1.0} or
 {"error": "Type: message"}. It prints {"ready": true} once math-verify is loaded and warmed up (the

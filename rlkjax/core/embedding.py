@@ -1,5 +1,5 @@
 """The token embedding: a gather whose gradient is summed in a fixed order, so a training step's weights
-are the same bits on every run (rlkjax/model.py's forward calls it)."""
+are the same bits on every run (rlkjax/core/model.py's forward calls it)."""
 
 import jax
 import jax.numpy as jnp

@@ -24,8 +24,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-from rlkjax.numerics import PAGE_SIZE
-from rlkjax.records import PageAllocator
+from rlkjax.core.numerics import PAGE_SIZE
+from rlkjax.engine.records import PageAllocator
 
 
 def page_keys(tokens, pages: int):

@@ -6,8 +6,8 @@ decode call over every sequence whose prefix is cached, sampling its next token.
 leave between steps. The n samples of a request share its prompt's KV pages: one leader prefills,
 the others fork from it, sharing every full page and copying the partial last one (copy-on-write).
 When pages run out, a sequence is preempted (its pages freed) and recomputed later. Who gets a
-batch slot, a page or a row, and who is preempted, is rlkjax.scheduler's policy (fair turns). A
-request extending the tokens of ended sequences takes their full pages (rlkjax.prefix_cache).
+batch slot, a page or a row, and who is preempted, is rlkjax.engine.scheduler's policy (fair turns). A
+request extending the tokens of ended sequences takes their full pages (rlkjax.engine.prefix_cache).
 
 Every call goes through the one model function, so in strict mode a completion's logprobs equal
 `rlkjax.score` of the finished sequence bit for bit, however it was scheduled, shared or
@@ -17,9 +17,9 @@ Shapes (compiled once per bucket): prefill tokens [B, prefill_chunk], decode tok
 table [B, pages_per_seq]; B is a power of two up to max_batch, and for decode at least the rows the
 strict forward carries anyway (`min_decode_rows`).
 
-The device programs are rlkjax.programs', the request and sequence records rlkjax.records', the
+The device programs are rlkjax.engine.programs', the request and sequence records rlkjax.engine.records', the
 scheduling policy (admission in fair turns, pages, preemption, forks, each call's rows)
-rlkjax.scheduler's, the settings rlkjax.engine_config's, the warm-up (`warm_up`) rlkjax.warm_up's.
+rlkjax.engine.scheduler's, the settings rlkjax.engine.config's, the warm-up (`warm_up`) rlkjax.engine.warm_up's.
 The public surface for a server or a learner: `submit`, `cancel`, `update_weights`, `step`,
 `run_until_done`, `abort`, and the read-only `busy`, `weights_pending`, `policy_version` and `metrics()`.
 
@@ -38,18 +38,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlkjax import executable_cache, prefix_cache, programs
-from rlkjax.checks import check_int, check_tokens, most_top_logprobs, sample_seed
-from rlkjax.config import ModelConfig
-from rlkjax.engine_config import EngineConfig
-from rlkjax.model import init_kv_cache, rope_tables
-from rlkjax.numerics import PAGE_SIZE, Numerics, ops, padded_rows
-from rlkjax.programs import RowSampling
-from rlkjax.records import EngineRequest, Listener, Round, Sequence, round_rows
-from rlkjax.sampling_params import SamplingParams
-from rlkjax.scheduler import Scheduler
-from rlkjax.shapes import bucket, cdiv
-from rlkjax.warm_up import WarmUp
+from rlkjax.core.checks import check_int, check_tokens, most_top_logprobs, sample_seed
+from rlkjax.core.config import ModelConfig
+from rlkjax.core.model import init_kv_cache, rope_tables
+from rlkjax.core.numerics import PAGE_SIZE, Numerics, ops, padded_rows
+from rlkjax.core.sampling_params import SamplingParams
+from rlkjax.core.shapes import bucket, cdiv
+from rlkjax.engine import executable_cache, prefix_cache, programs
+from rlkjax.engine.config import EngineConfig
+from rlkjax.engine.programs import RowSampling
+from rlkjax.engine.records import EngineRequest, Listener, Round, Sequence, round_rows
+from rlkjax.engine.scheduler import Scheduler
+from rlkjax.engine.warm_up import WarmUp
 
 # The programs, through the executable cache where compilation_cache.enable() set one (a restarted
 # server loads them instead of tracing, lowering and compiling again), else through jax.jit alone.

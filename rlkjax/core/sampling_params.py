@@ -10,7 +10,7 @@ import dataclasses
 
 import numpy as np
 
-from rlkjax.checks import (
+from rlkjax.core.checks import (
     MAX_TOP_LOGPROBS,
     check_bool,
     check_fraction,

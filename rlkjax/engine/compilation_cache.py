@@ -13,9 +13,9 @@ from pathlib import Path
 
 import jax
 
-from rlkjax import executable_cache
+from rlkjax.engine import executable_cache
 
-log = logging.getLogger("rlkjax.compilation_cache")
+log = logging.getLogger("rlkjax.engine.compilation_cache")
 
 OFF = "off"
 # Cache every program, however fast it compiled (JAX's default skips those under 1 s): on a busy machine

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from rlkjax.config import PRESETS
+from rlkjax.core.config import PRESETS
 
 
 class ByteTokenizer:

@@ -1,7 +1,7 @@
 """The engine's compiled programs kept on disk, so a restarted server loads them instead of tracing,
 lowering and compiling them again.
 
-JAX's persistent compilation cache (rlkjax.compilation_cache) removes only the compile: its key is the
+JAX's persistent compilation cache (rlkjax.engine.compilation_cache) removes only the compile: its key is the
 lowered program, so every start still traces and lowers each program, and on CPU the Pallas
 interpret-mode programs make that most of a warm start
 (bench/results/2026-12-03_h200_cpu_measurements_behind_defaults.md). This cache keeps the executables
@@ -40,7 +40,7 @@ import jaxlib
 import numpy as np
 from jax.experimental import serialize_executable
 
-log = logging.getLogger("rlkjax.executable_cache")
+log = logging.getLogger("rlkjax.engine.executable_cache")
 
 MAGIC = b"rlkjax executable 1\n"
 # jax.monitoring event of each executable loaded from disk (compilation_cache.CompileTimes counts them)
