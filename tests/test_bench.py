@@ -168,13 +168,21 @@ def test_mismatch_runs_and_strict_bits_agree(tmp_path):
     # The sizes of the rollout smoke's engine (2 prompts of 8 tokens, 17 new, 64-token chunks): the
     # sampler's programs compile once per run, and the other smoke loads them from the compilation cache.
     args = ["--batch", "2", "--new-tokens", "17", "--min-prompt", "8", "--max-prompt", "8", "--repeats", "1"]
-    table = run_module("mismatch", "--models", "qwen3-tiny", *args, "--chunk", "64", "--out", str(out))
+    plot = tmp_path / "by_position.png"
+    by_position = ["--buckets", "0,8,17", "--plot", str(plot)]
+    table = run_module("mismatch", "--models", "qwen3-tiny", *args, "--chunk", "64", *by_position, "--out", str(out))
     report = json.loads(out.read_text())
     assert_provenance(report, "python -m bench.mismatch --models qwen3-tiny")
     rows = {r["numerics"]: r for r in report["results"]}
     assert set(rows) == {"fast", "strict"} and rows["strict"]["tokens_bits_differ"] == 0, rows
     assert all(0 < r["tokens_compared"] <= 2 * 17 and r["generate_s"] > 0 for r in rows.values()), rows
     assert "qwen3-tiny   strict" in table
+    # by position: the buckets partition the compared tokens; strict's are all zeros
+    for r in rows.values():
+        assert [b["positions"] for b in r["by_position"]] == [[0, 8], [8, 17]]
+        assert sum(b["tokens_compared"] for b in r["by_position"]) == r["tokens_compared"]
+    assert all(b["tokens_bits_differ"] == 0 == b["ratio_outside_band"] for b in rows["strict"]["by_position"])
+    assert "8-17" in table and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.slow
