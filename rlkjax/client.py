@@ -1,11 +1,21 @@
 """A small synchronous client for a `python -m serve.rollout` server (the learner and benchmarks use it).
 
-client = RolloutClient("http://127.0.0.1:8000", admin_key="...")
-results = client.generate([[1, 2, 3]], n=4, max_tokens=64, temperature=1.0, seed=0)
-results[0][j]["tokens"], np.float32(results[0][j]["logprobs"])   # sample j of prompt 0
-client.generate_tokens([1, 2, 3], SamplingParams(n=2, max_tokens=8), seed=0)  # vLLM's token route
-client.update_weights("/path/to/checkpoint")                     # -> new policy version
-client.wait_until_ready()                                        # through the server's start-up
+With a server's `url` ("http://127.0.0.1:8000") and its `admin_key`, and a `checkpoint` directory of the
+served model's shapes:
+
+    >>> from rlkjax import SamplingParams
+    >>> client = RolloutClient(url, admin_key=admin_key)
+    >>> client.wait_until_ready()["status"]  # through the server's start-up
+    'ok'
+    >>> results = client.generate([[1, 2, 3]], n=4, max_tokens=8, temperature=1.0, seed=0)
+    >>> sample = results[0][3]  # sample 3 of prompt 0: its tokens and their logprobs, the sampler's float32 bits
+    >>> len(results[0]), len(sample["tokens"]) == len(sample["logprobs"]), sample["logprobs"].dtype
+    (4, True, dtype('float32'))
+    >>> samples = client.generate_tokens([1, 2, 3], SamplingParams(n=2, max_tokens=8), seed=0)  # vLLM's token route
+    >>> len(samples), sorted(samples[0])
+    (2, ['finish_reason', 'logprobs', 'policy_version', 'tokens'])
+    >>> client.update_weights(checkpoint)  # -> the new policy version
+    1
 """
 
 import json

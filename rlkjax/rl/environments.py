@@ -1,11 +1,25 @@
 """Multi-turn environments: what an episode's first prompt is, and what follows each sampled turn.
 
-    env = CalculatorEnvironment(task)                     # or load_environment("module:Class", task)
-    messages = env.reset(example)                         # the first prompt, as chat messages
-    episode = Episode.start(example, first_prompt(env, messages, template, tokenizer))
-    ... sample a turn from episode.tokens, then episode.add_sampled(tokens, logprobs, eos, text) ...
-    step = env.step(episode)                              # Step(messages to append, reward, done)
-    episode.add_env(continuation(template, tokenizer, step.messages, after_eos=True))
+One turn of a calculator episode, as train/episodes.py's EpisodeRunner plays each turn, with a checkpoint's
+`tokenizer` and chat `template` (rlkjax.text.tokenizer.load_tokenizer, rlkjax.text.chat.load_chat_template):
+
+    >>> from rlkjax.rl.tasks import make_task
+    >>> env = CalculatorEnvironment(make_task("arithmetic"))  # or load_environment("calculator" or "mod:Class", task)
+    >>> example = Example("1234*5678=", answer="7006652")
+    >>> messages = env.reset(example)  # the first prompt, as chat messages
+    >>> episode = Episode(example, first_prompt(env, messages, template, tokenizer), messages)
+    >>> text = '<tool_call>\\n{"name": "calculator", "arguments": {"expression": "1234*5678"}}\\n</tool_call>'
+    >>> sampled = tokenizer.encode(text + "<|im_end|>")  # the turn the sampler drew from episode.tokens
+    >>> episode.turns.append(Turn(sampled, np.zeros(len(sampled), np.float32), text, eos=True))  # + its logprobs
+    >>> episode.messages.append({"role": "assistant", "content": text})
+    >>> step = env.step(episode)  # Step(messages to append, reward, done)
+    >>> step
+    Step(messages=[{'role': 'tool', 'content': '7006652', 'name': 'calculator'}], reward=0.0, done=False)
+    >>> episode.add_step(step)
+    >>> episode.turns[-1].added = continuation(template, tokenizer, step.messages, after_eos=True)
+    >>> episode.messages += step.messages
+    >>> episode.tokens == episode.prompt + sampled + episode.turns[-1].added  # the next turn's prompt
+    True
 
 An episode is ONE token sequence: the first prompt's tokens, then each turn's sampled tokens (trained on, their
 logprobs the sampler's) and the tokens the environment and the chat template add after it (tool results, user

@@ -1,12 +1,24 @@
 """Tool calling for multi-turn episodes: Python functions registered by name with a JSON schema, Qwen3's
 `<tool_call>` blocks parsed from sampled text, calls run with a time bound, results as `tool` messages.
 
-    tools = Tools()                                   # has the built-in `calculator`
-    tools.register(lookup, description="...", parameters={"type": "object", ...})
-    prompt = template.render(messages, tools=tools.schemas())    # the template shows them to the model
-    content, calls = parse_tool_calls(sampled_text)
-    results = [tools.run(call) for call in calls]     # strings the model reads; never raises
-    next_tokens = tokenizer.encode(tool_turn(template, results))  # appended to the episode's tokens
+With a checkpoint's `tokenizer` and chat `template` (rlkjax.text.tokenizer.load_tokenizer,
+rlkjax.text.chat.load_chat_template):
+
+    >>> tools = Tools()  # has the built-in `calculator`
+    >>> def lookup(word: str) -> str:
+    ...     return {"rlkjax": "GRPO with exact logprobs"}.get(word, "not found")
+    >>> parameters = {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]}
+    >>> _ = tools.register(lookup, description="Look a word up.", parameters=parameters)
+    >>> messages = [{"role": "user", "content": "What is rlkjax?"}]
+    >>> prompt = template.render(messages, tools=tools.schemas())  # the template shows them to the model
+    >>> sampled_text = 'Let me check.<tool_call>\\n{"name": "lookup", "arguments": {"word": "rlkjax"}}\\n</tool_call>'
+    >>> content, calls = parse_tool_calls(sampled_text)
+    >>> results = [tools.run(call) for call in calls]  # strings the model reads; never raises
+    >>> content, results
+    ('Let me check.', ['GRPO with exact logprobs'])
+    >>> tools.run_text('<tool_call>{"name": "lookup"}</tool_call>')[2]  # a bad call is an observation
+    ["Error: lookup: missing argument(s) ['word']"]
+    >>> next_tokens = tokenizer.encode(tool_turn(template, results))  # appended to the episode's tokens
 
 A schema is OpenAI's `{"type": "function", "function": {"name", "description", "parameters"}}`, which
 Qwen3's chat template lists in its system turn. Whatever goes wrong with a call (a block that is not JSON
