@@ -5,7 +5,7 @@ and the server keeps serving; a request without a seed gets a fresh one, reporte
   POST /generate         token ids in; per sample: tokens, logprobs, finish_reason, policy_version (a sampled
                          eos of the tokenizer ends a sample and is its last token, unless ignore_eos)
   POST /v1/completions, POST /v1/chat/completions
-                         OpenAI-compatible (serve/openai_api.py; the README's API section lists the fields),
+                         OpenAI-compatible (serve/openai_api.py; docs/serving.md lists the fields),
                          streaming or not, using the model's tokenizer and chat template
   POST /inference/v1/generate
                          vLLM's token route (serve/token_route.py, as /generate): token ids and sampling_params in; per

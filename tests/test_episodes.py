@@ -329,7 +329,7 @@ def test_a_worked_episode_has_the_tokens_the_rollout_assembles(qwen, tmp_path):
 
 @pytest.mark.slow  # a warm-up and a GRPO step of the real-vocabulary model at the calculator's prompt length
 def test_calculator_warm_up_then_grpo_episodes_call_the_tool(tmp_path):
-    """The README's calculator path in miniature: train.sft --env calculator on one worked episode, then a
+    """docs/demo.md's calculator path in miniature: train.sft --env calculator on one worked episode, then a
     train.grpo --env calculator step. The episodes call the calculator and read its <tool_response>, the
     environment's tokens are never trained (the row's sampled tokens are exactly those compared), and every
     sampled token of every turn has the learner's bits."""

@@ -1,6 +1,6 @@
 """The math demo on CPU: the tiny real-vocabulary Qwen3 with its chat template, generated word problems with
 \\boxed{} answers, math-verify rewards, eos honoured, evaluation and the TensorBoard logger; the supervised
-warm-up (train.sft) that gives GRPO a policy with some right answers; and the README's demo end to end."""
+warm-up (train.sft) that gives GRPO a policy with some right answers; and docs/demo.md's demos end to end."""
 
 import json
 import os
@@ -177,22 +177,22 @@ def test_sft_flags_are_documented_and_checked(capsys, monkeypatch):
         sft.SFTConfig(model="m", data="d", optimiser=Optimiser(learning_rate=float("nan")))
 
 
-# ----- the README's demo, end to end -----
-def readme_demo_commands(anchor: str = "**The whole path on a CPU") -> list[list[str]]:
-    """The commands of the README's first bash block after `anchor`, as argument lists (continuation lines
+# ----- docs/demo.md's demos, end to end -----
+def demo_commands(anchor: str) -> list[list[str]]:
+    """The commands of docs/demo.md's first bash block after `anchor`, as argument lists (continuation lines
     joined, comments dropped): the test runs what a reader copies."""
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs/demo.md").read_text()
     block = text[text.index(anchor) :]
     block = block[block.index("```bash\n") + 8 :]
     block = block[: block.index("```")].replace("\\\n", " ")
     return [shlex.split(line.split("#")[0]) for line in block.splitlines() if line.strip()]
 
 
-def run_readme_block(anchor: str, modules: list[str], run: Path, cwd: Path) -> tuple[list[dict], list[dict]]:
-    """The README block after `anchor` (`python -m MODULE ...` for each of `modules`, in order) run as printed in
+def run_demo_block(anchor: str, modules: list[str], run: Path, cwd: Path) -> tuple[list[dict], list[dict]]:
+    """The docs/demo.md block after `anchor` (`python -m MODULE ...` for each of `modules`, in order) run as printed in
     `cwd` with the user's XLA flags (not the suite's optimisation level, which changes bits) -> the training run's
     metrics rows in `run`: (the steps, the evaluations)."""
-    commands = readme_demo_commands(anchor)
+    commands = demo_commands(anchor)
     assert [c[:3] for c in commands] == [["python", "-m", m] for m in modules]
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_backend_optimization")]
     env = os.environ | {"XLA_FLAGS": " ".join(flags), "PYTHONPATH": str(ROOT)}
@@ -206,8 +206,8 @@ def run_readme_block(anchor: str, modules: list[str], run: Path, cwd: Path) -> t
 
 
 @pytest.mark.demo  # about 35 minutes on a loaded 2-core CPU: `pytest -m demo`
-def test_readme_demo_raises_the_reward_and_the_held_out_pass_rates(tmp_path):
-    """The README's CPU demo as printed there (tiny real-vocabulary Qwen3, word problems, the warm-up, 40
+def test_demo_raises_the_reward_and_the_held_out_pass_rates(tmp_path):
+    """docs/demo.md's first demo as printed there (tiny real-vocabulary Qwen3, word problems, the warm-up, 40
     strict GRPO steps), in a fresh directory with the user's XLA flags (not the suite's optimisation
     level, which changes bits): no completion token's logprob differs between sampler and learner, and
     the reward and the held-out pass rates rise. Margins from the measured runs: the committed CPU run
@@ -218,7 +218,7 @@ def test_readme_demo_raises_the_reward_and_the_held_out_pass_rates(tmp_path):
     pass@1 +16 points (+12 to +15); the last 10 steps' mean reward over the first 10's, 1.40x (1.01-1.59x).
     Required here: 1.25x, +6 points, 1.1x."""
     modules = ["rlkjax.tiny_qwen3", "train.word_problems", "train.sft", "train.grpo"]
-    steps, evals = run_readme_block("**The whole path on a CPU", modules, tmp_path / "runs/demo/grpo", tmp_path)
+    steps, evals = run_demo_block("## A warm-up, then GRPO", modules, tmp_path / "runs/demo/grpo", tmp_path)
     assert len(steps) == 40 and all(r["tokens_bits_differ"] == 0 for r in steps)
     first, last = evals[0], evals[-3:]
     sampled, greedy = (np.mean([e[k] for e in last]) for k in ("eval_pass@1", "eval_pass@1_greedy"))
@@ -229,17 +229,17 @@ def test_readme_demo_raises_the_reward_and_the_held_out_pass_rates(tmp_path):
 
 
 @pytest.mark.demo  # about 30 minutes on a 2-core CPU: `pytest -m demo`
-def test_readme_calculator_demo_learns_to_call_the_tool(tmp_path):
-    """The README's calculator block as printed there (the tiny real-vocabulary Qwen3, one-digit products where
+def test_calculator_demo_learns_to_call_the_tool(tmp_path):
+    """docs/demo.md's calculator block as printed there (the tiny real-vocabulary Qwen3, one-digit products where
     half the worked episodes guess, two warm-ups, 30 strict GRPO steps with --env calculator): no sampled
     token's logprob differs between sampler and learner, and the calls, the reward and the held-out greedy
     answers rise. Measured (bench/results/2026-12-03_cpu_calculator_1digit_guesses_sft_then_grpo.jsonl), the
     last 10 steps' mean over the first 5's: reward 0.51 -> 0.99, tool results per episode 0.49 -> 0.99; held-out
     greedy pass@1 0.06 -> 1.0. Required here, for another machine's bits (another trajectory, like another
     seed): each of the three up by at least half of that."""
-    anchor = "On a CPU, the tiny real-vocabulary model learns to call the calculator"
+    anchor = "## Calculator episodes on a CPU"
     modules = ["rlkjax.tiny_qwen3", "train.word_problems", "train.sft", "train.sft", "train.grpo"]
-    steps, evals = run_readme_block(anchor, modules, tmp_path / "runs/calc/grpo", tmp_path)
+    steps, evals = run_demo_block(anchor, modules, tmp_path / "runs/calc/grpo", tmp_path)
     assert len(steps) == 30 and all(r["tokens_bits_differ"] == 0 and r["tokens_compared"] > 0 for r in steps)
     for name, measured in (("reward_mean", 0.48), ("tool_results_mean", 0.50)):
         values = [r[name] for r in steps]

@@ -19,8 +19,8 @@ The algorithm, per step:
      is their bf16 cast, pushed to the sampler (device to device, or through /update_weights).
   5. Metrics (JSONL, progress bar, PNG plot at the end) and orbax checkpoints.
 
-This file holds the advantages and the loop (the loss is train/loss.py's); README.md's map says where the
-rest lives, and its Training section what stops a run and how --resume continues one bit for bit.
+This file holds the advantages and the loop (the loss is train/loss.py's); docs/map.md says where the
+rest lives, and docs/training.md what stops a run and how --resume continues one bit for bit.
 
 Deviations from the GRPO paper (Shao et al., 2024), each on purpose:
   - logp_old is the sampler's recorded logprob, not a learner recomputation: in strict numerics
