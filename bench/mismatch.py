@@ -9,7 +9,7 @@ leaves [0.8, 1.2], and --plot draws it (fast beside strict).
 
     python -m bench.mismatch --models qwen3-0.6b,qwen3-8b --batch 64 --new-tokens 256 --out bench/results/x.json
     python -m bench.mismatch --models qwen3-8b --batch 16 --new-tokens 8192 \
-        --buckets 0,512,1024,2048,4096,8192 --plot mismatch_by_position.png --out x.json
+        --buckets 0,512,1024,2048,4096,8192 --score-batch 1 --plot mismatch_by_position.png --out x.json
 """
 
 import json
@@ -38,14 +38,18 @@ def run(cfg, params, prompts, args, numerics):
         prefill_chunk_size=args.chunk,
     )
     t1 = time.perf_counter()
-    scored = rlkjax.score(
-        params,
-        cfg,
-        [p + c.tokens for p, c in zip(prompts, comps)],
-        [len(p) for p in prompts],
-        temperature=args.temperature,
-        numerics=numerics,
+    print(
+        f"{cfg.num_layers} layers, {numerics}: sampled {sum(len(c.tokens) for c in comps)} tokens in {t1 - t0:.1f} s",
+        flush=True,
     )
+    # --score-batch rows per call: the fast path's reference ops hold [T, vocab] logits and [T, T] scores per row
+    sequences, lens, step = [p + c.tokens for p, c in zip(prompts, comps)], [len(p) for p in prompts], args.score_batch
+    scored = []
+    for i in range(0, len(sequences), step or len(sequences)):
+        part = slice(i, i + (step or len(sequences)))
+        scored += rlkjax.score(
+            params, cfg, sequences[part], lens[part], temperature=args.temperature, numerics=numerics
+        )
     t2 = time.perf_counter()
     sampled = [c.logprobs for c in comps]
     stats = mismatch_stats(np.concatenate(sampled), np.concatenate(scored))
@@ -96,6 +100,13 @@ def main():
         type=lambda v: [int(x) for x in v.split(",")],
         default=None,
         help="completion-position edges, e.g. 0,512,1024,2048: the comparison per bucket",
+    )
+    ap.add_argument(
+        "--score-batch",
+        type=int,
+        default=0,
+        help="rows per scoring call (0: all at once); 1 at long lengths, where fast numerics' reference ops "
+        "hold a row's [T, vocab] logits and [T, T] attention scores",
     )
     ap.add_argument("--plot", default=None, help="with --buckets: draw the by-position comparison to this PNG")
     _flags.add_repeats(ap, 2, "runs per mode; the first includes compilation")

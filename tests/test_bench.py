@@ -169,7 +169,7 @@ def test_mismatch_runs_and_strict_bits_agree(tmp_path):
     # sampler's programs compile once per run, and the other smoke loads them from the compilation cache.
     args = ["--batch", "2", "--new-tokens", "17", "--min-prompt", "8", "--max-prompt", "8", "--repeats", "1"]
     plot = tmp_path / "by_position.png"
-    by_position = ["--buckets", "0,8,17", "--plot", str(plot)]
+    by_position = ["--buckets", "0,8,17", "--score-batch", "1", "--plot", str(plot)]
     table = run_module("mismatch", "--models", "qwen3-tiny", *args, "--chunk", "64", *by_position, "--out", str(out))
     report = json.loads(out.read_text())
     assert_provenance(report, "python -m bench.mismatch --models qwen3-tiny")
