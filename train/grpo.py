@@ -140,7 +140,7 @@ def episode_batch(step: int, run: Run, examples, data_rng) -> tuple[list, list, 
     config = run.config
     seeds = [int(s) for s in data_rng.integers(0, 2**32, config.prompts_per_step)]
     before = run.rollout.prefix_cache()
-    episodes = run.episodes.run(run.rollout, examples, seeds, run.sampling)
+    episodes = run.episodes.run(run.rollout, examples, seeds, run.sampling, f"step {step}")
     after = run.rollout.prefix_cache()
     run.rollout.release_cache()
     rewards, failures = episode_rewards(f"step {step}", episodes)
@@ -290,7 +290,7 @@ def start_run(config: GRPOConfig) -> tuple[Run, dict, int, np.random.Generator]:
             check_prompt_lengths(examples, tokenizer, config.max_prompt_tokens, render)
         else:  # the environment's first prompts, as sampled
             for example in examples:
-                episodes.start(example)
+                episodes.start(example, "before step 1, checking every example's first prompt")
     sampling = SamplingParams(
         n=config.group_size,
         max_tokens=config.max_new_tokens,
