@@ -1,16 +1,26 @@
-"""Errors a user can act on: a malformed model, tokenizer or template file is a ValueError naming the file; an
-environment whose constructor, reset or step raises stops the run naming the step, the environment's class, the
-example's file and line, the turn and the exception; a reward that raises is reported with the reward's name."""
+"""Errors a user can act on. A run refused at start by `python -m train.grpo`, `train.sft` or `serve.rollout` (a
+bad flag, a missing or malformed model, tokenizer, template, data or key file, an --env that does not import, a
+port taken, a memory plan that cannot fit) prints one message naming the flag or file and exits with status 2,
+without a traceback; an environment whose reset or step raises stops train.grpo with a headline naming the step,
+the environment's class, the example's file and line, the turn and the exception, then the environment's own
+traceback; a reward that raises is reported with the reward's name. The subprocess runs stop before anything
+compiles (a few seconds each)."""
 
 import json
+import os
 import shutil
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import tyro
 
 from rlkjax.core.checkpoint import load_hf_checkpoint
 from rlkjax.core.config import ModelConfig
+from rlkjax.entry_config import Refusal, exit_plainly
 from rlkjax.rl.data import Example
 from rlkjax.rl.environments import Environment, EnvironmentFailure, Step, load_environment
 from rlkjax.rl.rewards import checked_reward
@@ -19,13 +29,18 @@ from rlkjax.text.chat import ChatTemplate, prompt_format
 from rlkjax.text.tokenizer import ByteTokenizer, load_tokenizer
 from tests.helpers import EOS
 from tests.test_episodes import COMPACT, ask_again_run
-from train import grpo
+from train import grpo, memory
 from train.config import GRPOConfig
 from train.episodes import EpisodeRunner
 from train.rewards import episode_rewards
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "tests" / "fixtures" / "hf_qwen3_tied"  # config.json + model.safetensors, no tokenizer
+
+
+class RaisingReset(Environment):
+    def reset(self, example):
+        raise KeyError("hint")
 
 
 class RaisingStep(Environment):
@@ -56,6 +71,23 @@ class RewardRaisesOnTurn2(Environment):
 
 def broken_reward(prompt, completion):
     raise ZeroDivisionError("division by zero")
+
+
+def run_entry(module: str, *args: str, cwd=ROOT) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "400"}
+    cmd = [sys.executable, "-m", module, *args]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def assert_refused(result: subprocess.CompletedProcess, prog: str, *parts: str) -> str:
+    """Exit status 2, no traceback, and the last line `prog: message` holding every part."""
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith(f"{prog}: "), result.stderr[-3000:]
+    for part in parts:
+        assert part in message, message
+    return message
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +123,116 @@ def test_loaders_name_the_malformed_file(bad_files):
     for load, match in cases:
         with pytest.raises(ValueError, match=match):
             load()
+
+
+@pytest.mark.parametrize(
+    "args, parts",
+    [
+        (["--model", "/nonexistent/model"], ["'/nonexistent/model' is neither a preset"]),
+        (["--model", "{bad}/bad_weights"], ["bad_weights/model.safetensors: not a readable safetensors file"]),
+        (["--learner-devices", "9"], ["--learner-devices='9': device 9 does not exist"]),
+        (["--compilation-cache", "/proc/no/such/dir"], ["--compilation-cache='/proc/no/such/dir': cannot create"]),
+    ],
+)
+def test_train_grpo_refusals_exit_2_without_a_traceback(args, parts, bad_files, tmp_path):
+    """`python -m train.grpo` itself, one run per kind of refusal: a loader's, a malformed file's, a device's (once
+    JAX is up), the compilation cache's (before anything loads)."""
+    args = [a.replace("{bad}", str(bad_files)) for a in args]
+    result = run_entry("train.grpo", *args, "--out", str(tmp_path / "run"), "--no-progress")
+    assert_refused(result, "train.grpo", *parts)
+
+
+@pytest.mark.parametrize(
+    "args, parts",
+    [
+        (["--model", "{bad}/bad_tokenizer"], ["bad_tokenizer/tokenizer.json: not a tokenizer"]),
+        (["--model", str(TINY)], ["has no tokenizer.json", "--tokenizer"]),
+        (["--chat-template", "{bad}/template.jinja"], ["template.jinja: not a valid Jinja template (line 1"]),
+        (["--task", "gsm8k", "--data", "{bad}/missing.jsonl"], ["missing.jsonl: cannot read the data file"]),
+        (["--env", "no_such_module:Env", "--chat-template", "{bad}/compact.jinja"], ["--env 'no_such_module:Env'"]),
+        (["--env", "calculator"], ["--env 'calculator' needs a chat template", "--chat-template"]),
+        (["--max-new-tokens", "2000"], ["--max-new-tokens = 2128 exceeds the model's context of 1024"]),
+    ],
+)
+def test_train_grpo_refusals_in_process(args, parts, bad_files, tmp_path, capsys):
+    """More of train.grpo's refusals, through the same exit_plainly its main uses, in this process (main itself
+    would also switch this process's compilation cache): status 2, one line `train.grpo: message`."""
+    args = [a.replace("{bad}", str(bad_files)) for a in args]
+    with pytest.raises(SystemExit) as stop, exit_plainly("train.grpo"):
+        grpo.train(tyro.cli(GRPOConfig, args=[*args, "--out", str(tmp_path / "run"), "--no-progress"]))
+    assert stop.value.code == 2
+    message = capsys.readouterr().err
+    assert message.startswith("train.grpo: ") and message.count("\n") == 1, message
+    for part in parts:
+        assert part in message, message
+
+
+@pytest.mark.parametrize("args, part", [(["--group-size", "1"], "--group-size=1 must be >= 2")])
+def test_train_grpo_parser_errors_exit_2_without_a_traceback(args, part):
+    """What the parser (tyro) refuses, a flag it cannot read or a config's __post_init__ check: its own message
+    box, status 2."""
+    result = run_entry("train.grpo", *args)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert part in result.stderr
+
+
+def test_train_grpo_refuses_an_out_with_an_earlier_runs_checkpoints(tmp_path):
+    (tmp_path / "run" / "checkpoints" / "3").mkdir(parents=True)
+    result = run_entry("train.grpo", "--out", str(tmp_path / "run"), "--steps", "1", "--no-progress")
+    assert_refused(result, "train.grpo", "already holds checkpoints [3] of an earlier run", "--resume")
+
+
+def test_train_sft_refusals_exit_2_without_a_traceback(bad_files, tmp_path):
+    data = str(bad_files / "problems.jsonl")
+    out = ["--out", str(tmp_path / "sft")]
+    missing = run_entry("train.sft", "--data", data, *out)  # --model is required: the parser's error
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr and "--model" in missing.stderr
+    assert_refused(
+        run_entry("train.sft", "--model", str(bad_files / "bad_weights"), "--data", data, *out),
+        "train.sft",
+        "bad_weights/model.safetensors: not a readable safetensors file",
+    )
+
+
+def test_serve_rollout_refusals_exit_2_without_a_traceback(bad_files, tmp_path):
+    assert_refused(
+        run_entry("serve.rollout", "--admin-key-file", str(tmp_path / "no_key"), "--no-warmup"),
+        "serve.rollout",
+        "--admin-key-file",
+        "cannot read it (No such file or directory)",
+    )
+    with socket.socket() as taken:  # a port something else listens on
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_entry("serve.rollout", "--port", str(port), "--no-warmup", "--compilation-cache", "off")
+    assert_refused(result, "serve.rollout", f"--port {port}: cannot listen there", "address already in use")
+
+
+def test_memory_plan_refusal_is_a_refusal():
+    """check_fits's refusal is a Refusal, so train.grpo's main prints it and exits with status 2."""
+    cfg = ModelConfig.preset("qwen3-8b")
+    shape = memory.RunShape(prompts=8, group=8, new_tokens=256, prompt_tokens=128, micro_batch=16, devices=1)
+    with pytest.raises(Refusal, match="needs more memory than a test GPU lets JAX take"):
+        memory.check_fits(cfg, shape, 2**30, "a test GPU")
+
+
+def test_env_whose_reset_raises_stops_train_grpo_with_its_traceback(bad_files, tmp_path):
+    """An environment whose reset raises stops train.grpo before step 1 (every example's first prompt is made at
+    the start): the headline names the moment, the class, the example's file and line and the exception, then
+    the environment's own traceback (its file and line), exit status 1."""
+    data = str(bad_files / "problems.jsonl")
+    flags = ["--task", "gsm8k", "--data", data, "--chat-template", str(bad_files / "compact.jinja")]
+    result = run_entry("train.grpo", *flags, "--env", "tests.test_entry_errors:RaisingReset", "--out", str(tmp_path))
+    assert result.returncode == 1, result.stderr[-3000:]
+    headline, rest = result.stderr.split("\n", 1)[0], result.stderr.split("\n", 1)[1]
+    assert headline == (
+        "train.grpo: before step 1, checking every example's first prompt: tests.test_entry_errors.RaisingReset.reset "
+        f"raised on example {data}:1: KeyError: 'hint'"
+    )
+    assert rest.startswith("\nThe environment's traceback:\nTraceback (most recent call last):\n"), rest
+    assert 'test_entry_errors.py", line' in rest and rest.rstrip().endswith("KeyError: 'hint'")
+    assert rest.count("Traceback") == 1  # the environment's alone, not the trainer's around it
 
 
 def test_an_env_that_does_not_build_is_named():

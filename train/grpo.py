@@ -19,8 +19,8 @@ The algorithm, per step:
      is their bf16 cast, pushed to the sampler (device to device, or through /update_weights).
   5. Metrics (JSONL, progress bar, PNG plot at the end) and orbax checkpoints.
 
-This file holds the advantages and the loop (the loss is train/loss.py's); docs/map.md says where the
-rest lives, and docs/training.md what stops a run and how --resume continues one bit for bit.
+This file holds the advantages and the loop (the loss is train/loss.py's); README.md's map says where the
+rest lives, and its Training section what stops a run and how --resume continues one bit for bit.
 
 Deviations from the GRPO paper (Shao et al., 2024), each on purpose:
   - logp_old is the sampler's recorded logprob, not a learner recomputation: in strict numerics
@@ -48,7 +48,7 @@ import rlkjax
 from rlkjax.core.checkpoint import load_model
 from rlkjax.core.sampling_params import SamplingParams
 from rlkjax.core.shapes import cdiv
-from rlkjax.engine import compilation_cache
+from rlkjax.entry_config import Refusal, exit_plainly, refusing
 from rlkjax.rl.environments import load_environment
 from rlkjax.rl.tasks import make_task
 from rlkjax.text.chat import PromptFormat, prompt_format
@@ -271,35 +271,39 @@ def start_run(config: GRPOConfig) -> tuple[Run, dict, int, np.random.Generator]:
     model, the tokenizer or the data files runs here, before any step."""
     fsdp.join_processes(config.coordinator, config.num_processes, config.process_id)  # or from the environment
     out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
-    cfg, params = load_model(config.source.model, seed=config.seed)
-    if config.max_prompt_tokens + config.max_new_tokens > cfg.max_position:
-        raise ValueError(
-            f"--max-prompt-tokens + --max-new-tokens = {config.max_prompt_tokens + config.max_new_tokens} "
-            f"exceeds the model's context of {cfg.max_position} tokens"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise Refusal(f"--out {config.out}: cannot create the directory ({e.strerror or e}); name another") from e
+    with refusing():  # what the flags name: the model, tokenizer, data, environment and devices, and the plan
+        cfg, params = load_model(config.source.model, seed=config.seed)
+        if config.max_prompt_tokens + config.max_new_tokens > cfg.max_position:
+            raise ValueError(
+                f"--max-prompt-tokens + --max-new-tokens = {config.max_prompt_tokens + config.max_new_tokens} "
+                f"exceeds the model's context of {cfg.max_position} tokens: lower one of them"
+            )
+        tokenizer = load_tokenizer(config.source.model, config.source.tokenizer)
+        task = make_task(
+            config.task, config.data, config.reward, config.prompt_field, config.answer_field, config.reward_timeout
         )
-    tokenizer = load_tokenizer(config.source.model, config.source.tokenizer)
-    task = make_task(
-        config.task, config.data, config.reward, config.prompt_field, config.answer_field, config.reward_timeout
-    )
-    render = prompt_format(config.chat_template, tokenizer, config.system_prompt, config.enable_thinking)
-    eval_set = load_eval_set(config, make_task)
-    episodes = episode_runner(config, task, tokenizer, render, model_eos(tokenizer, cfg))
-    for examples in (getattr(task, "examples", ()), eval_set):
-        if episodes is None:
-            check_prompt_lengths(examples, tokenizer, config.max_prompt_tokens, render)
-        else:  # the environment's first prompts, as sampled
-            for example in examples:
-                episodes.start(example, "before step 1, checking every example's first prompt")
-    sampling = SamplingParams(
-        n=config.group_size,
-        max_tokens=config.max_new_tokens,
-        temperature=config.temperature,
-        ignore_eos=config.ignore_eos,
-    )
-    learner_devices = fsdp.pick_devices("--learner-devices", config.learner_devices)
-    sampler_devices = fsdp.pick_devices("--sampler-devices", config.sampler_devices)
-    moments = plan_memory(config, cfg, learner_devices, sampler_devices)
+        render = prompt_format(config.chat_template, tokenizer, config.system_prompt, config.enable_thinking)
+        eval_set = load_eval_set(config, make_task)
+        episodes = episode_runner(config, task, tokenizer, render, model_eos(tokenizer, cfg))
+        for examples in (getattr(task, "examples", ()), eval_set):
+            if episodes is None:
+                check_prompt_lengths(examples, tokenizer, config.max_prompt_tokens, render)
+            else:  # the environment's first prompts, as sampled
+                for example in examples:
+                    episodes.start(example, "before step 1, checking every example's first prompt")
+        sampling = SamplingParams(
+            n=config.group_size,
+            max_tokens=config.max_new_tokens,
+            temperature=config.temperature,
+            ignore_eos=config.ignore_eos,
+        )
+        learner_devices = fsdp.pick_devices("--learner-devices", config.learner_devices)
+        sampler_devices = fsdp.pick_devices("--sampler-devices", config.sampler_devices)
+        moments = plan_memory(config, cfg, learner_devices, sampler_devices)
     learner, master, opt_state = build_learner(config, cfg, params, learner_devices, moments)
     del params  # the sampler gets the policy from the mesh, as it will after every update
     data_rng = np.random.default_rng(config.seed)
@@ -308,9 +312,10 @@ def start_run(config: GRPOConfig) -> tuple[Run, dict, int, np.random.Generator]:
     del master, opt_state
     checkpoints = Checkpoints(out / "checkpoints", config.keep_checkpoints)
     data_sha256 = file_sha256(config.data)
-    state, start = restore_run(config, checkpoints, state, data_rng, data_sha256)
-    if config.checkpoint_every and jax.process_index() == 0:
-        check_disk(checkpoints, state, config.keep_checkpoints)
+    with refusing():  # --out's checkpoints: an earlier run's, or --resume's, and the disk they need
+        state, start = restore_run(config, checkpoints, state, data_rng, data_sha256)
+        if config.checkpoint_every and jax.process_index() == 0:
+            check_disk(checkpoints, state, config.keep_checkpoints)
     rollout = make_rollout(
         config, cfg, model_eos(tokenizer, cfg), state["master"], learner, sampler_devices, start, out
     )
@@ -340,8 +345,9 @@ def episode_runner(config: GRPOConfig, task, tokenizer, render: PromptFormat, eo
         return None
     if render.template is None:
         raise ValueError(
-            f"--env {config.env!r} needs a chat template (its turns are chat messages); --chat-template "
-            f"{config.chat_template!r} gives plain prompts"
+            f"--env {config.env!r} needs a chat template (its turns are chat messages), and --chat-template "
+            f"{config.chat_template!r} gives plain prompts here: name a Jinja template file with --chat-template, or "
+            "a --tokenizer whose tokenizer_config.json has one"
         )
     if eos is None:
         raise ValueError(f"--env {config.env!r} needs a tokenizer with an eos token: a turn ends at it")
@@ -415,8 +421,16 @@ def claim_device_memory(fraction: str = "0.95", host_gib: str = "96") -> None:
     os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", host_gib)
 
 
-if __name__ == "__main__":
+def main(args: list[str] | None = None) -> None:
+    """The command line: a flag the parser (tyro) or GRPOConfig refuses, or a run refused at its start (a missing
+    or malformed file, a memory plan that cannot fit), prints its message and exits with status 2; an environment
+    that raises stops the run with its headline and traceback, status 1 (rlkjax/entry_config.py exit_plainly)."""
     claim_device_memory()
-    config = tyro.cli(GRPOConfig, description=__doc__)
-    compilation_cache.enable(config.runtime.compilation_cache)  # here, not in train(): a caller's process keeps its own
-    train(config)
+    config = tyro.cli(GRPOConfig, description=__doc__, args=args)
+    with exit_plainly("train.grpo"):
+        config.runtime.enable_compilation_cache()  # here, not in train(): a caller's process keeps its own
+        train(config)
+
+
+if __name__ == "__main__":
+    main()

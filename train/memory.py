@@ -23,6 +23,7 @@ from rlkjax.core import model
 from rlkjax.core.config import ModelConfig
 from rlkjax.core.numerics import PAGE_SIZE
 from rlkjax.core.shapes import cdiv
+from rlkjax.entry_config import Refusal
 from train.batch import padded_length
 from train.optimizer import IN_FLIGHT
 
@@ -139,14 +140,14 @@ def flags(shape: RunShape) -> str:
 
 
 def check_fits(cfg: ModelConfig, shape: RunShape, limit: float, what: str) -> None:
-    """Raise a ValueError naming each phase's estimate and the flags that would fit, when the largest phase is
+    """Raise a Refusal naming each phase's estimate and the flags that would fit, when the largest phase is
     over `limit` bytes (the allocator's limit on `what`, a GPU)."""
     plan = phases(cfg, shape)
     if max(peaks(plan).values()) <= limit:
         return
     fits = fitting_options(cfg, shape, limit)
     advice = f"{flags(fits)} would fit" if fits else "no combination of --moments host, --remat and --micro-batch fits"
-    raise ValueError(
+    raise Refusal(
         f"this run needs more memory than {what} lets JAX take ({limit / GIB:.1f} GiB); estimate per phase with "
         f"{flags(shape)}:\n{table(plan, limit)}\n{advice} (train/memory.py; nothing was compiled)"
     )
