@@ -424,6 +424,11 @@ class ChatCompletionRequest(OpenAIRequest):
         for i, m in enumerate(messages):
             if not isinstance(m.get("role"), str):
                 raise BadRequest(f"messages[{i}].role must be a string")
+            if m["role"] == "tool" and m.get("tool_call_id") is None:  # OpenAI's API requires it too
+                raise BadRequest(
+                    f"messages[{i}].tool_call_id is required: a tool message answers the assistant's tool call "
+                    "with that id"
+                )
             try:
                 rendered.append(history_message(i, m))
             except BadRequest:

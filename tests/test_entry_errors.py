@@ -3,8 +3,8 @@ bad flag, a missing or malformed model, tokenizer, template, data or key file, a
 port taken, a memory plan that cannot fit) prints one message naming the flag or file and exits with status 2,
 without a traceback; an environment whose reset or step raises stops train.grpo with a headline naming the step,
 the environment's class, the example's file and line, the turn and the exception, then the environment's own
-traceback; a reward that raises is reported with the reward's name. The subprocess runs stop before anything
-compiles (a few seconds each)."""
+traceback; a reward that raises is reported with the reward's name; a `tool` message without tool_call_id is a
+400. The subprocess runs stop before anything compiles (a few seconds each)."""
 
 import json
 import os
@@ -25,8 +25,10 @@ from rlkjax.rl.data import Example
 from rlkjax.rl.environments import Environment, EnvironmentFailure, Step, load_environment
 from rlkjax.rl.rewards import checked_reward
 from rlkjax.rl.tasks import make_task
-from rlkjax.text.chat import ChatTemplate, prompt_format
+from rlkjax.text.chat import DEFAULT_TEMPLATE, ChatTemplate, prompt_format
 from rlkjax.text.tokenizer import ByteTokenizer, load_tokenizer
+from serve.http import BadRequest
+from serve.protocol import ChatCompletionRequest, Limits
 from tests.helpers import EOS
 from tests.test_episodes import COMPACT, ask_again_run
 from train import grpo, memory
@@ -290,3 +292,19 @@ def test_a_reward_that_raises_is_named_with_its_turn(caplog):
         "step 5: a reward of episode 0 (sums.csv:3) failed (error: turn 2: tests.test_entry_errors:broken_reward "
         "raised ZeroDivisionError: division by zero)" in caplog.text
     )
+
+
+def test_a_tool_message_needs_its_tool_call_id():
+    """/v1/chat/completions: a `tool` message without tool_call_id is a 400 naming the field, as OpenAI's API
+    answers; with one it renders."""
+    limits = Limits(vocab_size=512, max_context=1024, max_batch=8, max_prompts=8)
+    template, tokenizer = ChatTemplate(DEFAULT_TEMPLATE, {}), ByteTokenizer()
+    call = {"id": "call-1", "type": "function", "function": {"name": "calculator", "arguments": "{}"}}
+    history = [{"role": "user", "content": "6*7?"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    answered = {"messages": [*history, {"role": "tool", "tool_call_id": "call-1", "content": "42"}], "max_tokens": 2}
+    ChatCompletionRequest.parse(answered, limits, tokenizer, template, "qwen3-tiny")
+    for tool in ({"role": "tool", "content": "42"}, {"role": "tool", "tool_call_id": None, "content": "42"}):
+        with pytest.raises(BadRequest, match=r"messages\[2\].tool_call_id is required"):
+            ChatCompletionRequest.parse(
+                {"messages": [*history, tool], "max_tokens": 2}, limits, tokenizer, template, "qwen3-tiny"
+            )
