@@ -19,7 +19,7 @@ import json
 import uuid
 
 from rlkjax.core.checks import shown
-from rlkjax.rl.tools import parse_tool_calls
+from rlkjax.rl.tools import parse_arguments, parse_tool_calls
 from rlkjax.text.chat import message_text
 from serve.http import BadRequest
 
@@ -64,15 +64,10 @@ def _history_call(where: str, call) -> dict:
         raise BadRequest(f'{where} must be {{"type": "function", "function": {{"name": str, "arguments": ...}}}}')
     if call.get("id") is not None and not isinstance(call["id"], str):
         raise BadRequest(f"{where}.id must be a string")
-    arguments = function.get("arguments")
-    if isinstance(arguments, str):  # OpenAI sends a JSON string; the template writes the object out
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except ValueError as e:
-            raise BadRequest(f"{where}.function.arguments is not valid JSON: {e}") from None
-    arguments = {} if arguments is None else arguments
-    if not isinstance(arguments, dict):
-        raise BadRequest(f"{where}.function.arguments must be a JSON object (or a string holding one)")
+    try:  # OpenAI sends a JSON string; the template writes the object out
+        arguments = parse_arguments(function.get("arguments"))
+    except ValueError as e:
+        raise BadRequest(f"{where}.function.{e}") from None
     return {"id": call.get("id"), "type": "function", "function": {"name": function["name"], "arguments": arguments}}
 
 

@@ -108,7 +108,7 @@ def test_tool_call_history_is_accepted(served):
         ({"messages": [{"role": "assistant", "tool_calls": {}}]}, r"messages\[0\].tool_calls must be a list"),
         (
             {"messages": [{"role": "assistant", "tool_calls": [CALL | {"function": {"name": "f", "arguments": "{"}}]}]},
-            "arguments is not valid JSON",
+            "arguments are not valid JSON",
         ),
         ({"messages": [{"role": "tool", "content": "4", "tool_call_id": 7}]}, "tool_call_id must be a string"),
     ],
