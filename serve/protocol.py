@@ -436,11 +436,6 @@ class ChatCompletionRequest(OpenAIRequest):
             except ValueError as e:
                 raise BadRequest(f"messages[{i}]: {e}") from None
         tools, parse = request_tools(body)
-        if parse and bool_field(body, "stream"):
-            raise BadRequest(
-                'tool calls are parsed in non-streamed responses only: send stream: false, or tool_choice: "none" '
-                "to stream the raw text"
-            )
         kwargs = optional(body, "chat_template_kwargs", {})
         if not isinstance(kwargs, dict):
             raise BadRequest("chat_template_kwargs must be an object")
