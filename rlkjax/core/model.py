@@ -238,12 +238,11 @@ def layer(p: _Pass, carry, weights: LayerWeights, tables):
         qkv, out = jax.checkpoint(qkv), jax.checkpoint(out)
     q, k, v = qkv(x)
     b, t = p.b, p.t
-    attn, k_pages, v_pages = op.attention(
+    attn, (k_pages, v_pages) = op.attention(
         q[: n * hq].reshape(b, t, hq, dh),
         k[: n * hkv].reshape(b, t, hkv, dh),
         v[:n].reshape(b, t, hkv, dh),
-        k_pages,
-        v_pages,
+        (k_pages, v_pages),
         weights.index,
         plan,
     )
