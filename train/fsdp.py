@@ -261,14 +261,14 @@ def gather(params, specs, dtype=None):
 
 # ----- the learner's jitted functions -----
 def sharded_logprobs(fn, mesh, specs, dtype=None, **static):
-    """fn(params, tokens, positions, temps, rope, layers=..., columns=..., **static) -> [B, T-1]
-    (columns: the Batch's scored columns), with rows sharded over the mesh and the weights gathered as
-    `dtype` (default: their own); params (without "layers" when `layers` is a `Gathered`) and
-    `layers` go on to model.forward (see gather)."""
+    """fn(params, model.Sequences(tokens, positions, temps, columns), rope, layers=..., **static) -> [B, T-1]
+    (columns: the Batch's scored columns), as the jitted (params, tokens, positions, temps, rope, columns),
+    with rows sharded over the mesh and the weights gathered as `dtype` (default: their own); params
+    (without "layers" when `layers` is a `Gathered`) and `layers` go on to model.forward (see gather)."""
 
     def body(params, tokens, positions, temps, rope, columns):
         params, layers = gather(params, specs, dtype)
-        return fn(params, tokens, positions, temps, rope, layers=layers, columns=columns, **static)
+        return fn(params, model.Sequences(tokens, positions, temps, columns), rope, layers=layers, **static)
 
     in_specs = (specs, ROWS, ROWS, ROWS, P(), ROWS)
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=ROWS, check_vma=False))

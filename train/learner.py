@@ -24,7 +24,7 @@ from train.guards import (
     first_update_violation,
     nonfinite,
 )
-from train.loss import grpo_loss, policy_logprobs
+from train.loss import Objective, grpo_loss, policy_logprobs
 
 if TYPE_CHECKING:
     from train.config import GRPOConfig
@@ -83,15 +83,15 @@ def _grad_fn(mesh, spec_leaves, spec_tree, cfg, numerics, clip_eps, beta, remat)
     # reach model.forward as fsdp.Gathered): the same bits as casting after the gather, with half the bytes
     # moved and held.
     specs = _specs(spec_leaves, spec_tree)
-    return fsdp.sharded_value_and_grad(
-        grpo_loss, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics=numerics, clip_eps=clip_eps, beta=beta, remat=remat
-    )
+    objective = Objective(model.LearnerPass(cfg, numerics, remat), clip_eps, beta)
+    return fsdp.sharded_value_and_grad(grpo_loss, mesh, specs, dtype=cfg.dtype, objective=objective)
 
 
 @functools.lru_cache(maxsize=4)
 def _score_fn(mesh, spec_leaves, spec_tree, cfg, numerics):
     specs = _specs(spec_leaves, spec_tree)
-    return fsdp.sharded_logprobs(policy_logprobs, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics=numerics)
+    setting = model.LearnerPass(cfg, numerics)
+    return fsdp.sharded_logprobs(policy_logprobs, mesh, specs, dtype=cfg.dtype, setting=setting)
 
 
 def score(learner: Learner, weights, batch: Batch, micro_batch: int) -> np.ndarray:

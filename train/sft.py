@@ -137,9 +137,8 @@ def make_batch(pairs) -> Batch:
 def sft_loss(master, batch: Batch, rope, cfg, numerics) -> jax.Array:
     """Mean negative log-likelihood per trained token, of the learner's policy (train/loss.py policy_logprobs:
     the master weights cast to cfg.dtype, the log-softmax at the batch's columns only)."""
-    logp = policy_logprobs(
-        master, batch.tokens, batch.positions, batch.temps, rope, cfg, numerics, columns=batch.columns
-    )
+    seqs = model.Sequences(batch.tokens, batch.positions, batch.temps, batch.columns)
+    logp = policy_logprobs(master, seqs, rope, model.LearnerPass(cfg, numerics))
     return -jnp.sum(logp * batch.mask) / jnp.sum(batch.mask)
 
 

@@ -46,7 +46,7 @@ from rlkjax.core.sampling_params import SamplingParams
 from rlkjax.core.shapes import bucket, cdiv
 from rlkjax.engine import executable_cache, prefix_cache, programs
 from rlkjax.engine.config import EngineConfig
-from rlkjax.engine.programs import RowSampling
+from rlkjax.engine.programs import Decoding, RoundStart, RowSampling
 from rlkjax.engine.records import EngineRequest, Listener, Round, Sequence, round_rows
 from rlkjax.engine.scheduler import Scheduler
 from rlkjax.engine.warm_up import WarmUp
@@ -54,7 +54,7 @@ from rlkjax.engine.warm_up import WarmUp
 # The programs, through the executable cache where compilation_cache.enable() set one (a restarted
 # server loads them instead of tracing, lowering and compiling again), else through jax.jit alone.
 prefill_chunk = executable_cache.cached(programs.prefill_chunk, "cfg", "numerics")
-next_round = executable_cache.cached(programs.next_round, "cfg", "numerics", "num_steps", "top_logprobs")
+next_round = executable_cache.cached(programs.next_round, "decoding")
 copy_pages = executable_cache.cached(programs.copy_pages)
 
 
@@ -193,7 +193,9 @@ class Engine(WarmUp):
         if name.startswith("decode_round"):
             length = 1 if name == "decode_round_1" else c.decode_steps
             idle = np.full(r, -1, np.int32)  # no row continues a round; every position is padding
-            args = self._round_args(self._no_carry, idle, zeros, idle, table, RowSampling.idle(r), length, 0)
+            args = self._round_args(
+                RoundStart(self._no_carry, idle, zeros), idle, table, RowSampling.idle(r), length, 0
+            )
             return next_round, args, 2, ("decode_round", (r, 1, 0, False, length))
         return copy_pages, (self.cache, zeros, zeros), None, (name, r)
 
@@ -332,11 +334,11 @@ class Engine(WarmUp):
             self._note_shape("copy_pages", k)
             self.cache = copy_pages(self.cache, src_a, dst_a)
 
-    def _round_args(self, carry, src, tokens, positions, table, sampling, length, top_logprobs) -> tuple:
+    def _round_args(self, start: RoundStart, positions, table, sampling, length, top_logprobs) -> tuple:
         """programs.next_round's arguments, all positional (warm-up and rounds alike: jit keys positional
-        and keyword arguments apart, so both pass the same way)."""
-        params, cache, rope, cfg, numerics = self.params, self.cache, self.rope, self.cfg, self.numerics
-        return params, carry, src, tokens, positions, cache, table, sampling, rope, cfg, numerics, length, top_logprobs
+        and keyword arguments apart, so both pass the same way); a round of `length` steps."""
+        decoding = Decoding(self.cfg, self.numerics, length, top_logprobs)
+        return self.params, start, positions, self.cache, table, sampling, self.rope, decoding
 
     def _next_round(self, *args):
         """The one call of programs.next_round (arguments as `_round_args`'); returns its outputs but the
@@ -369,9 +371,8 @@ class Engine(WarmUp):
             self.stats["gap_s"] += start - self._round_read_at
         carry = previous.carry if previous else self._no_carry
         table = self._page_table(seqs, rows)
-        out_tok, out_lp, carry, *top = self._next_round(
-            carry, src, tokens, positions, table, sampling, length, top_logprobs
-        )
+        first = RoundStart(carry, src, tokens)
+        out_tok, out_lp, carry, *top = self._next_round(first, positions, table, sampling, length, top_logprobs)
         self.stats["dispatch_s"] += time.perf_counter() - start
         self._round_read_at = None
         return Round(seqs, [budget[s] for s in seqs], (out_tok, out_lp, *top), carry)
