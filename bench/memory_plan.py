@@ -4,7 +4,9 @@
 verify, learner step, optimiser update, weight sync) and their totals, whether the largest fits an H200, and with
 `--metrics runs/x/metrics.jsonl` the peak that run measured in each phase (`peak_bytes_<phase>`, read every ms from
 `device.memory_stats()` by train.grpo) beside the plan, in the column of its device count. `--moments auto` (the
-default, as train.grpo's) puts AdamW's moments on the host where they do not fit on the GPU.
+default, as train.grpo's) puts AdamW's moments on the host where they do not fit on the GPU. The rollout's KV cache
+is a page budget, as train.grpo sizes it: `--kv-gib`, or what the rollout phase leaves of an H200 after the weights
+and the resident state, at most what the step's sequences at full length could use.
 `python -m bench.memory_plan --models qwen3-8b,qwen3-4b,qwen3-1.7b --gpus 8 --micro-batch 16 --out PATH` prints
 instead the table of compiled_plan (one column a model; every learner row from XLA's compiled analysis of
 train.grpo's programs on 8 fake CPU devices) with the room left on 8 x H200 and 8 x MI300X, and writes it with its
@@ -31,13 +33,19 @@ JAX_FRACTION = 0.95  # what train.grpo lets JAX take (claim_device_memory)
 
 
 def run_shape(args, gpus: int) -> RunShape:
+    """train.grpo's plan on `gpus` H200s (its plan_memory): the moments chosen beside the KV cache asked for (or the
+    least the rollout runs with), then the rollout's KV page budget, --kv-gib or what the moments leave."""
+    cfg, limit = ModelConfig.preset(args.model), JAX_FRACTION * H200_BYTES
     shape = RunShape(
         args.prompts, args.group, args.new_tokens, args.prompt_tokens, args.micro_batch, gpus, args.remat, "device"
     )
-    moments = args.moments
-    if moments == "auto":
-        moments = memory.choose_moments(ModelConfig.preset(args.model), shape, JAX_FRACTION * H200_BYTES)
-    return dataclasses.replace(shape, moments=moments)
+    pages = memory.least_kv_pages(shape) if args.kv_gib is None else memory.kv_budget(cfg, shape, None, args.kv_gib)
+    shape = dataclasses.replace(shape, kv_pages=pages)
+    if args.moments == "auto":
+        shape = dataclasses.replace(shape, moments=memory.choose_moments(cfg, shape, limit))
+    else:
+        shape = dataclasses.replace(shape, moments=args.moments)
+    return dataclasses.replace(shape, kv_pages=memory.kv_budget(cfg, shape, limit, args.kv_gib))
 
 
 def measured_phases(path: str) -> tuple[int, dict[str, float]]:
@@ -64,6 +72,13 @@ def table(args) -> str:
     lines = [f"| {args.model}, GiB per GPU | " + cells(f"{n} GPU{'s' if n > 1 else ''}" for n in args.gpus) + " |"]
     lines += ["|---|" + "---:|" * len(args.gpus)]
     lines.append("| AdamW moments on | " + cells(shapes[n].moments for n in args.gpus) + " |")
+    lines.append("| rollout KV budget, pages | " + cells(str(shapes[n].kv_pages) for n in args.gpus) + " |")
+    full = memory.least_kv_pages(shapes[args.gpus[0]]) - 1  # pages of one sequence at full length
+    fit = [(shapes[n].kv_pages - 1) // full for n in args.gpus]
+    rows = [cdiv(args.prompts, n) * args.group for n in args.gpus]
+    lines.append(
+        "| sequences of full length it holds (of the step's) | " + cells(f"{f} ({r})" for f, r in zip(fit, rows)) + " |"
+    )
     for phase in memory.PHASES:
         totals = [sum(plans[n][phase].values()) for n in args.gpus]
         lines.append(f"| **{phase}** | " + cells(f"**{t / GIB:.1f}**" for t in totals) + " |")
@@ -187,6 +202,11 @@ def main() -> None:
     parser.add_argument("--remat", action="store_true", help="the learner recomputes each layer (--remat)")
     parser.add_argument(
         "--moments", choices=["auto", "device", "host"], default="auto", help="where AdamW's moments live (--moments)"
+    )
+    parser.add_argument(
+        "--kv-gib",
+        type=float,
+        help="the rollout's KV cache per GPU (--rollout-kv-gib; default: what the plan leaves, at most what it needs)",
     )
     parser.add_argument("--metrics", action="append", default=[], help="a train.grpo metrics.jsonl (repeatable)")
     parser.add_argument(

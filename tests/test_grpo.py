@@ -578,7 +578,7 @@ def test_local_and_remote_rollouts_give_the_same_completions_and_remote_training
     cfg, params = rlkjax.load_hf_checkpoint(model_dir)
     devices = fsdp.pick_devices("learner_devices", "0")
     mesh = fsdp.make_mesh(devices)
-    local = rollout.LocalRollout(params, cfg, "strict", mesh, devices, rows=8, max_length=32, eos_token_id=EOS)
+    local = rollout.LocalRollout(params, cfg, "strict", mesh, devices, rows=8, max_length=32, group=4, eos_token_id=EOS)
     proc, client = start_server("--model", model_dir, "--tokenizer", "bytes")
     try:
         remote = rollout.RemoteRollout(client.url, ADMIN)

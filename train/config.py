@@ -109,7 +109,13 @@ class GRPOConfig:
     """Sample every completion to --max-new-tokens, past the tokenizer's eos. By default a sampled eos ends the
     completion: the eos is its last token, trained on like the others, and nothing after it is sampled."""
     max_prompt_tokens: int = 128
-    """Longest prompt accepted (sizes the in-process engine's KV cache)."""
+    """Longest prompt accepted (with --max-new-tokens, the longest sequence the rollout's engines hold)."""
+    rollout_kv_gib: float | None = None
+    """KV cache of each in-process sampler engine, in GiB: a page budget, not a shape. The step's P x G sequences
+    are admitted as pages free up, and one that must give its pages back is prefilled again later, with the same
+    tokens and logprob bits. Default: what the memory plan (train/memory.py) leaves of the sampler GPU in the
+    rollout after the weights and the state resident there, at most what every sequence at full length needs
+    (that, on a CPU). It must hold one sequence of --max-prompt-tokens + --max-new-tokens."""
     temperature: float = 1.0
     """Sampling temperature, at least 0.0001 (smaller ones underflow float32 in the kernels);
     the learner scores at the same temperature."""
@@ -229,6 +235,10 @@ class GRPOConfig:
             raise ValueError(f"--process-id={self.process_id} must be in [0, --num-processes={self.num_processes})")
         if self.num_processes > 1 and not self.coordinator:
             raise ValueError(f"--num-processes={self.num_processes} needs --coordinator HOST:PORT (process 0's)")
+        if self.rollout_kv_gib is not None:
+            check_float("rollout_kv_gib", self.rollout_kv_gib, "> 0")
+            if self.rollout_url:
+                raise ValueError("--rollout-kv-gib sizes the in-process engines (a server sets its own: --num-pages)")
         if self.num_processes > 1 and self.rollout_url:
             raise ValueError("--rollout-url runs with one learner process (--num-processes=1)")
         if self.data is None and self.task in ("gsm8k", "math"):

@@ -5,6 +5,9 @@ The algorithm, per step:
   1. Sample P prompts x G completions with the rollout engine (in process, or a `serve.rollout`
      server via --rollout-url). Each token's logprob is recorded by the sampler. A sampled eos (the
      tokenizer's) ends a completion and is trained on as its last token (--ignore-eos samples past it).
+     The in-process engines hold a KV page budget (--rollout-kv-gib, by default what the memory plan leaves),
+     not the whole step: sequences are admitted as pages free up, and one preempted for pages is prefilled
+     again later with the same tokens and logprob bits.
      With --env, G multi-turn episodes per prompt instead (train/episodes.py): one token sequence each, the
      sampled tokens of every turn trained and checked, the tokens the environment and template add between
      turns masked out; an episode's reward is its environment's, and its advantage applies to all its turns.
@@ -63,10 +66,10 @@ from train.guards import check_prompt_lengths, check_rewards
 from train.learner import Learner, build_learner, learn, verify
 from train.loggers import Loggers, sample_table
 from train.loss import to_policy
-from train.memory import PhasePeaks, RunShape, check_fits, choose_moments
+from train.memory import PhasePeaks, RunShape, check_fits, choose_moments, kv_budget, least_kv_pages
 from train.metrics import plot, throughput
 from train.rewards import episode_rewards, group_rewards
-from train.rollout import LocalRollout, RemoteRollout, model_eos
+from train.rollout import LocalRollout, RemoteRollout, measure, model_eos
 
 
 # ----- the algorithm: advantages (the loss is train/loss.py's) -----
@@ -173,7 +176,9 @@ def grpo_step(step: int, run: Run, state: dict, data_rng) -> tuple[dict, dict, l
     config, cfg, phases = run.config, run.cfg, run.phases
     t0 = time.perf_counter()
     phases.phase("rollout")
-    prompts, groups, batch, row, samples = rollout_batch(step, run, data_rng)
+    with measure(run.rollout) as sampled:  # concurrency, preemptions, decode rate
+        prompts, groups, batch, row, samples = rollout_batch(step, run, data_rng)
+    row |= sampled
     run.rollout.release_weights()  # the learner's turn: the engines' weights come back with the update's
     t1 = time.perf_counter()
     # Optional recomputation of logp_old by the learner (TIS needs it; --verify-every checks it).
@@ -303,8 +308,8 @@ def start_run(config: GRPOConfig) -> tuple[Run, dict, int, np.random.Generator]:
         )
         learner_devices = fsdp.pick_devices("--learner-devices", config.learner_devices)
         sampler_devices = fsdp.pick_devices("--sampler-devices", config.sampler_devices)
-        moments = plan_memory(config, cfg, learner_devices, sampler_devices)
-    learner, master, opt_state = build_learner(config, cfg, params, learner_devices, moments)
+        plan = plan_memory(config, cfg, learner_devices, sampler_devices)
+    learner, master, opt_state = build_learner(config, cfg, params, learner_devices, plan.moments)
     del params  # the sampler gets the policy from the mesh, as it will after every update
     data_rng = np.random.default_rng(config.seed)
     # The KL reference is the initial policy; it is saved with each checkpoint (a resumed policy is not it).
@@ -317,7 +322,15 @@ def start_run(config: GRPOConfig) -> tuple[Run, dict, int, np.random.Generator]:
         if config.checkpoint_every and jax.process_index() == 0:
             check_disk(checkpoints, state, config.keep_checkpoints)
     rollout = make_rollout(
-        config, cfg, model_eos(tokenizer, cfg), state["master"], learner, sampler_devices, start, out
+        config,
+        cfg,
+        model_eos(tokenizer, cfg),
+        state["master"],
+        learner,
+        sampler_devices,
+        start=start,
+        out=out,
+        kv_pages=plan.kv_pages,
     )
     phases = PhasePeaks([d for d in learner_devices if d.process_index == jax.process_index()])
     run = Run(
@@ -364,12 +377,10 @@ def episode_runner(config: GRPOConfig, task, tokenizer, render: PromptFormat, eo
     )
 
 
-def plan_memory(config: GRPOConfig, cfg, learner_devices, sampler_devices) -> str:
-    """Where AdamW's moments live (--moments, auto resolved by the memory plan), after refusing a run whose plan
-    does not fit a learner GPU, before anything compiles (train/memory.py)."""
-    # This process's learner devices (another process's cannot be asked; with none, make_mesh refuses the run).
-    local = [d for d in learner_devices if d.process_index == jax.process_index()]
-    limit = (local[0].memory_stats() or {}).get("bytes_limit") if local else None
+def plan_memory(config: GRPOConfig, cfg, learner_devices, sampler_devices) -> RunShape:
+    """The run's memory plan (train/memory.py), with where AdamW's moments live (--moments, auto resolved) and the
+    in-process rollout's KV page budget per engine (--rollout-kv-gib, or what the plan leaves the sampler's device;
+    None with --rollout-url), after refusing a run whose plan does not fit a learner GPU, before anything compiles."""
     shape = RunShape(
         prompts=config.prompts_per_step,
         group=config.group_size,
@@ -380,18 +391,37 @@ def plan_memory(config: GRPOConfig, cfg, learner_devices, sampler_devices) -> st
         remat=config.remat,
         sampler=not config.rollout_url and bool(set(learner_devices) & set(sampler_devices)),
     )
+    limit = memory_limit(learner_devices)
+    gib = config.rollout_kv_gib
+    if shape.sampler:  # the moments are chosen beside the KV cache asked for, or the least the rollout runs with
+        pages = least_kv_pages(shape) if gib is None else kv_budget(cfg, shape, None, gib)
+        shape = dataclasses.replace(shape, kv_pages=pages)
     if config.moments != "auto":
         shape = dataclasses.replace(shape, moments=config.moments)
     elif limit is not None:
         shape = dataclasses.replace(shape, moments=choose_moments(cfg, shape, limit))
+    if not config.rollout_url:  # the budget: what the moments leave on the sampler's device
+        at = limit if shape.sampler else memory_limit(sampler_devices)
+        shape = dataclasses.replace(shape, kv_pages=kv_budget(cfg, shape, at, gib))
     if limit is not None:
+        local = [d for d in learner_devices if d.process_index == jax.process_index()]
         check_fits(cfg, shape, limit, f"{local[0].device_kind} {local[0].id}")
-    return shape.moments
+    return shape
 
 
-def make_rollout(config: GRPOConfig, cfg, eos, master, learner: Learner, sampler_devices, start: int, out: Path):
+def memory_limit(devices) -> float | None:
+    """What the allocator lets JAX take on the first of `devices` this process holds (None: unknown, as on a CPU,
+    or none here: another process's cannot be asked; with none, make_mesh refuses the run)."""
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    return (local[0].memory_stats() or {}).get("bytes_limit") if local else None
+
+
+def make_rollout(
+    config: GRPOConfig, cfg, eos, master, learner: Learner, sampler_devices, *, start: int, out: Path, kv_pages
+):
     """The rollout backend, holding the (restored) policy: a server given it now, or in-process engines built
-    with it (it has had `start` updates, so their policy versions continue from there) that stop at `eos`."""
+    with it (it has had `start` updates, so their policy versions continue from there) that stop at `eos`, each
+    with a KV cache of `kv_pages` pages."""
     policy = to_policy(master, cfg)
     if config.rollout_url:
         rollout = RemoteRollout(config.rollout_url, config.admin_key)
@@ -405,6 +435,8 @@ def make_rollout(config: GRPOConfig, cfg, eos, master, learner: Learner, sampler
             sampler_devices,
             rows=cdiv(config.prompts_per_step, len(sampler_devices)) * config.group_size,
             max_length=config.max_prompt_tokens + config.max_new_tokens,
+            group=config.group_size,
+            kv_pages=kv_pages,
             eos_token_id=eos,
             first_version=start,
         )

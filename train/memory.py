@@ -3,8 +3,8 @@ cannot fit is refused before anything compiles), and the check that refuses it n
 
 A step's phases, on a GPU that holds a learner shard and a sampler engine (B = bytes, P = parameters,
 N = learner devices):
-  - rollout: the engine's bf16 weights (2P B) and KV cache, the fp32 master weights (4P/N), AdamW's moments
-    (8P/N) unless they live on the host;
+  - rollout: the engine's bf16 weights (2P B) and KV cache (its page budget: `kv_budget`), the fp32 master weights
+    (4P/N), AdamW's moments (8P/N) unless they live on the host;
   - learner step: master, moments (on the device), the running fp32 gradient (4P/N), the bf16 weights the pass
     computes with (on one device the whole cast; over N the gathered embeddings, LM head and one layer, and the
     gradient exchange), one micro-batch's gradient before it joins the running sum, the activations; the engine's
@@ -17,6 +17,7 @@ bench/memory_plan.py prints these tables; train.grpo's measured peaks per phase 
 import dataclasses
 import threading
 
+import jax.numpy as jnp
 import numpy as np
 
 from rlkjax.core import model
@@ -44,6 +45,7 @@ class RunShape:
     remat: bool = False
     moments: str = "device"  # or "host"
     sampler: bool = True  # an engine shares the GPU (train.grpo's in-process rollout); False with --rollout-url
+    kv_pages: int | None = None  # the engine's KV page budget (`kv_budget`); None: every sequence at full length
 
 
 def parameter_count(cfg: ModelConfig) -> int:
@@ -72,11 +74,61 @@ def activations(cfg: ModelConfig, shape: RunShape) -> int:
     return (2 * (d + 2 * q + 2 * kv) * cfg.num_layers + full) * tokens
 
 
-def kv_cache(cfg: ModelConfig, shape: RunShape) -> int:
-    """The engine's pages for its share of one step's sequences (train.grpo sizes it so), bf16 K and V."""
+def kv_page_bytes(cfg: ModelConfig) -> int:
+    """One KV page of every layer: K and V of PAGE_SIZE positions, in the model's dtype."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * PAGE_SIZE * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+
+
+def kv_pages_needed(shape: RunShape) -> int:
+    """The most pages an engine's share of one step's sequences could use: each at full length, and the trash page."""
     rows = cdiv(shape.prompts, shape.devices) * shape.group
-    pages = 1 + rows * cdiv(shape.prompt_tokens + shape.new_tokens, PAGE_SIZE)
-    return 2 * cfg.num_layers * cfg.num_kv_heads * pages * PAGE_SIZE * cfg.head_dim * 2
+    return 1 + rows * cdiv(shape.prompt_tokens + shape.new_tokens, PAGE_SIZE)
+
+
+def least_kv_pages(shape: RunShape) -> int:
+    """The fewest pages a rollout runs with: one sequence at full length, and the trash page."""
+    return 1 + cdiv(shape.prompt_tokens + shape.new_tokens, PAGE_SIZE)
+
+
+def kv_cache(cfg: ModelConfig, shape: RunShape) -> int:
+    """The engine's KV cache: its page budget, or (kv_pages None) its share of one step's sequences at full length."""
+    return (kv_pages_needed(shape) if shape.kv_pages is None else shape.kv_pages) * kv_page_bytes(cfg)
+
+
+# Of the device's limit, what the rollout's KV budget leaves for the engine's temporaries (logits, a prefill
+# chunk's activations: 0.12 GiB at Qwen3-8B, 128 rows, bench/results/2026-12-03_h200_memory_per_phase_8b_one_gpu.md)
+# and the allocator's fragmentation around the two large K and V arrays.
+ROLLOUT_RESERVE = 0.03
+
+
+def kv_budget(cfg: ModelConfig, shape: RunShape, limit: float | None, gib: float | None = None) -> int | None:
+    """The rollout's KV cache per engine, in pages: `gib` GiB (--rollout-kv-gib) if given, else what the rollout
+    phase leaves of `limit` bytes (the sampler device's) after the weights and the state resident there, less
+    ROLLOUT_RESERVE, at most what the step's sequences could use (`kv_pages_needed`); None when neither bounds it
+    (no limit known, as on a CPU): every sequence at full length. A ValueError when it holds no sequence at full
+    length."""
+    page, least, tokens = kv_page_bytes(cfg), least_kv_pages(shape), shape.prompt_tokens + shape.new_tokens
+    if gib is not None:
+        pages = int(gib * GIB // page)
+        if pages < least:
+            raise ValueError(
+                f"--rollout-kv-gib={gib} holds {pages} KV pages; a sequence of {tokens} tokens (--max-prompt-tokens "
+                f"+ --max-new-tokens) needs {least} with the trash page: at least {least * page / GIB:.3g} GiB"
+            )
+        return pages
+    if limit is None:
+        return None
+    rest = sum(phases(cfg, dataclasses.replace(shape, kv_pages=0))["rollout"].values())
+    if not shape.sampler:  # the engine's device holds its weights and the cache alone
+        rest = 2 * parameter_count(cfg)
+    room = int((limit * (1 - ROLLOUT_RESERVE) - rest) // page)
+    if room < least:
+        raise ValueError(
+            f"the rollout leaves {max(room, 0) * page / GIB:.2f} GiB of the device's {limit / GIB:.1f} GiB for the KV "
+            f"cache, after {rest / GIB:.1f} GiB of weights and state; a sequence of {tokens} tokens needs "
+            f"{least * page / GIB:.2f} GiB (fewer --max-prompt-tokens + --max-new-tokens, or --moments host)"
+        )
+    return min(room, kv_pages_needed(shape))
 
 
 def phases(cfg: ModelConfig, shape: RunShape) -> dict[str, dict[str, float]]:

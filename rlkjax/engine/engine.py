@@ -119,6 +119,10 @@ class Engine(WarmUp):
             "gap_s": 0.0,
             "dispatch_s": 0.0,
             "chained_rows": 0,  # decode rows dispatched before the round they continue was read
+            # Decode rounds and their rows (sequences decoding together; one round a step at most):
+            # rows / rounds is the mean concurrency the KV pages and batch slots admitted.
+            "decode_rounds": 0,
+            "decode_rows": 0,
         }
         self._round_read_at = None  # when the last decode round was read, until the next is dispatched
         # The decode round on the device, not read yet: the next round is dispatched before it is read
@@ -358,6 +362,8 @@ class Engine(WarmUp):
         src = np.full(rows, -1, np.int32)
         src[: len(seqs)] = [row_of.get(s, -1) for s in seqs]
         self.stats["chained_rows"] += int((src >= 0).sum())
+        self.stats["decode_rounds"] += 1
+        self.stats["decode_rows"] += len(seqs)
         # One variant with top logprobs (k = the most any request may ask, so every k shares one
         # compilation), used only by rounds where some row asked: the default round keeps its speed.
         top_logprobs = self._top_logprobs if any(s.request.sampling.top_logprobs for s in seqs) else 0
@@ -459,6 +465,7 @@ class Engine(WarmUp):
             "queue_depth": len(self._inbox) + len(self.scheduler.waiting),
             "running": len(self.scheduler.running),
             "preemptions": self.scheduler.preemptions,
+            "preempted_tokens": self.scheduler.preempted_tokens,
             "pages_used": self.pages.used,
             "pages_total": self.config.num_pages - 1,
             "compiled_shapes": len(self.shapes_seen),
