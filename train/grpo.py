@@ -35,6 +35,7 @@ Deviations from the GRPO paper (Shao et al., 2024), each on purpose:
 
 import dataclasses
 import os
+import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -53,7 +54,7 @@ from rlkjax.rl.environments import load_environment
 from rlkjax.rl.tasks import make_task
 from rlkjax.text.chat import PromptFormat, prompt_format
 from rlkjax.text.tokenizer import load_tokenizer
-from train import fsdp
+from train import fsdp, memory
 from train.batch import Batch, pack
 from train.checkpoints import Checkpoints, check_disk, file_sha256, restore_run, run_config, save_run
 from train.config import GRPOConfig
@@ -63,7 +64,7 @@ from train.guards import check_prompt_lengths, check_rewards
 from train.learner import Learner, build_learner, learn, verify
 from train.loggers import Loggers, sample_table
 from train.loss import to_policy
-from train.memory import PhasePeaks, RunShape, check_fits, choose_moments
+from train.memory import PhasePeaks, RunShape
 from train.metrics import plot, throughput
 from train.rewards import episode_rewards, group_rewards
 from train.rollout import LocalRollout, RemoteRollout, model_eos
@@ -225,8 +226,10 @@ def grpo_step(step: int, run: Run, state: dict, data_rng) -> tuple[dict, dict, l
 
 
 def train(config: GRPOConfig) -> dict:
-    """Run `config` to its last step -> {"master": the final fp32 weights, "history": the metrics rows}."""
+    """Run `config` to its last step -> {"master": the final fp32 weights, "history": the metrics rows, "config":
+    config with the memory plan's choices for its auto settings}."""
     run, state, start, data_rng = start_run(config)
+    config = run.config  # with the memory plan's choices for --moments, --remat, --micro-batch-tokens auto
     primary = jax.process_index() == 0  # writes metrics.jsonl, samples.jsonl, plot.png and final_hf/
     resumed = start if config.resume else None
     loggers = (
@@ -262,7 +265,7 @@ def train(config: GRPOConfig) -> dict:
     if primary:
         rlkjax.save_hf_checkpoint(run.out / "final_hf", run.cfg, final)
         plot(run.out)
-    return {"master": state["master"], "history": history}
+    return {"master": state["master"], "history": history, "config": config}
 
 
 def start_run(config: GRPOConfig) -> tuple[Run, dict, int, np.random.Generator]:
@@ -299,8 +302,8 @@ def start_run(config: GRPOConfig) -> tuple[Run, dict, int, np.random.Generator]:
     )
     learner_devices = fsdp.pick_devices("--learner-devices", config.learner_devices)
     sampler_devices = fsdp.pick_devices("--sampler-devices", config.sampler_devices)
-    moments = plan_memory(config, cfg, learner_devices, sampler_devices)
-    learner, master, opt_state = build_learner(config, cfg, params, learner_devices, moments)
+    config = plan_memory(config, cfg, learner_devices, sampler_devices)
+    learner, master, opt_state = build_learner(config, cfg, params, learner_devices, config.moments)
     del params  # the sampler gets the policy from the mesh, as it will after every update
     data_rng = np.random.default_rng(config.seed)
     # The KL reference is the initial policy; it is saved with each checkpoint (a resumed policy is not it).
@@ -358,29 +361,46 @@ def episode_runner(config: GRPOConfig, task, tokenizer, render: PromptFormat, eo
     )
 
 
-def plan_memory(config: GRPOConfig, cfg, learner_devices, sampler_devices) -> str:
-    """Where AdamW's moments live (--moments, auto resolved by the memory plan), after refusing a run whose plan
-    does not fit a learner GPU, before anything compiles (train/memory.py)."""
+def plan_memory(config: GRPOConfig, cfg, learner_devices, sampler_devices) -> GRPOConfig:
+    """config with --moments, --remat and --micro-batch-tokens auto chosen by the memory plan (train/memory.py),
+    printed; a run that fits no setting (or, with them given, not the given ones) is refused before anything
+    compiles, with the plan's table per phase."""
     # This process's learner devices (another process's cannot be asked; with none, make_mesh refuses the run).
     local = [d for d in learner_devices if d.process_index == jax.process_index()]
     limit = (local[0].memory_stats() or {}).get("bytes_limit") if local else None
+    free = tuple(name for name in memory.SETTINGS if getattr(config, name) == "auto")
+    given = {name: getattr(config, name) for name in memory.SETTINGS if name not in free}
     shape = RunShape(
         prompts=config.prompts_per_step,
         group=config.group_size,
         new_tokens=config.max_new_tokens,
         prompt_tokens=config.max_prompt_tokens,
-        micro_batch=config.micro_batch,
+        micro_batch_tokens=given.get("micro_batch_tokens", 0),
         devices=len(learner_devices),
-        remat=config.remat,
+        remat=given.get("remat") == "on",
+        moments=given.get("moments", "device"),
         sampler=not config.rollout_url and bool(set(learner_devices) & set(sampler_devices)),
     )
-    if config.moments != "auto":
-        shape = dataclasses.replace(shape, moments=config.moments)
-    elif limit is not None:
-        shape = dataclasses.replace(shape, moments=choose_moments(cfg, shape, limit))
-    if limit is not None:
-        check_fits(cfg, shape, limit, f"{local[0].device_kind} {local[0].id}")
-    return shape.moments
+    chosen = memory.choose(cfg, shape, limit, free)
+    if chosen is None:
+        refuse(memory.refusal(cfg, shape, limit, f"{local[0].device_kind} {local[0].id}", free))
+    if free:
+        estimate = f"; the largest phase {max(memory.peaks(memory.phases(cfg, chosen)).values()) / memory.GIB:.1f}"
+        room = f" of {limit / memory.GIB:.1f} GiB" if limit else " GiB (no device limit known)"
+        print(f"memory plan: {memory.flags(chosen)} ({', '.join(free)} chosen{estimate}{room})", file=sys.stderr)
+    return dataclasses.replace(
+        config,
+        moments=chosen.moments,
+        remat="on" if chosen.remat else "off",
+        micro_batch_tokens=chosen.micro_batch_tokens,
+    )
+
+
+def refuse(message: str) -> None:
+    """Stop a run that cannot work, before it compiles anything: the message on stderr, exit status 2, no
+    traceback."""
+    print(message, file=sys.stderr)
+    raise SystemExit(2)
 
 
 def make_rollout(config: GRPOConfig, cfg, eos, master, learner: Learner, sampler_devices, start: int, out: Path):
