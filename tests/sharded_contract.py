@@ -41,7 +41,7 @@ from train.batch import pack, pad_rows
 from train.config import Optimiser
 from train.loss import Objective, grpo_loss
 
-GRPO_RUN = dict(steps=2, prompts_per_step=4, group_size=4, max_new_tokens=4, micro_batch=8, progress=False)
+GRPO_RUN = dict(steps=2, prompts_per_step=4, group_size=4, max_new_tokens=4, micro_batch_tokens=64, progress=False)
 # The layouts' runs are GRPO_RUN's with a first update that moves the weights (no warmup), so a sampler
 # left with stale weights samples step 2 from another policy than the learner's and the rescoring differs.
 LAYOUT_RUN = GRPO_RUN | dict(optimiser=Optimiser(warmup_steps=0))

@@ -31,7 +31,7 @@ from serve.http import BadRequest
 from serve.protocol import ChatCompletionRequest, Limits
 from tests.helpers import EOS
 from tests.test_episodes import COMPACT, ask_again_run
-from train import grpo, memory
+from train import grpo
 from train.config import GRPOConfig
 from train.episodes import EpisodeRunner
 from train.rewards import episode_rewards
@@ -211,12 +211,18 @@ def test_serve_rollout_refusals_exit_2_without_a_traceback(bad_files, tmp_path):
     assert_refused(result, "serve.rollout", f"--port {port}: cannot listen there", "address already in use")
 
 
-def test_memory_plan_refusal_is_a_refusal():
-    """check_fits's refusal is a Refusal, so train.grpo's main prints it and exits with status 2."""
-    cfg = ModelConfig.preset("qwen3-8b")
-    shape = memory.RunShape(prompts=8, group=8, new_tokens=256, prompt_tokens=128, micro_batch=16, devices=1)
-    with pytest.raises(Refusal, match="needs more memory than a test GPU lets JAX take"):
-        memory.check_fits(cfg, shape, 2**30, "a test GPU")
+def test_memory_plan_refusal_is_a_refusal(monkeypatch):
+    """A run the plan fits no setting of is refused by train.grpo's plan_memory as a Refusal (so main prints it and
+    exits with status 2), naming every phase: Qwen3-8B on a device that lets JAX take 1 GiB."""
+    import jax
+
+    monkeypatch.setattr(grpo, "memory_limit", lambda devices: 2**30)
+    config = GRPOConfig(prompts_per_step=8, group_size=8, max_new_tokens=256, max_prompt_tokens=128)
+    devices = jax.devices()[:1]
+    with pytest.raises(Refusal, match="needs more memory than .* lets JAX take") as refused:
+        grpo.plan_memory(config, ModelConfig.preset("qwen3-8b"), devices, devices)
+    assert all(phase in str(refused.value) for phase in ("rollout", "learner step", "optimiser update"))
+    assert "no setting of --moments, --remat and --micro-batch-tokens fits" in str(refused.value)
 
 
 def test_env_whose_reset_raises_stops_train_grpo_with_its_traceback(bad_files, tmp_path):

@@ -25,7 +25,17 @@ from rlkjax.text.tokenizer import ByteTokenizer
 from tests.helpers import EOS, assert_bits_equal, eos_model
 from tests.server_process import ADMIN, start_server
 from train import fsdp, grpo, guards, metrics, rollout
-from train.batch import PAD, Batch, LossStats, micro_batches, pack, pad_rows, padded_length, reduce_stats
+from train.batch import (
+    PAD,
+    Batch,
+    LossStats,
+    micro_batches,
+    pack,
+    pad_rows,
+    padded_length,
+    reduce_stats,
+    unpermute,
+)
 from train.grpo import group_advantages
 from train.loss import Objective, grpo_loss, policy_logprobs
 
@@ -111,13 +121,16 @@ def test_learner_logprobs_do_not_depend_on_micro_batch(tiny):
     rope = model.rope_tables(cfg)
     score_fn = jax.jit(policy_logprobs, static_argnames="setting")
     strict = model.LearnerPass(cfg, "strict")
-    whole = np.asarray(score_fn(master, model.Sequences(batch.tokens, batch.positions, batch.temps), rope, strict))
-    for size in (1, 4):
-        parts = [
-            np.asarray(score_fn(master, model.Sequences(mb.tokens, mb.positions, mb.temps), rope, strict))
-            for mb in micro_batches(batch, size)
-        ]
-        assert_bits_equal(np.concatenate(parts), whole, f"micro-batch {size}")
+
+    def score(mb):
+        return np.asarray(score_fn(master, model.Sequences(mb.tokens, mb.positions, mb.temps), rope, strict))
+
+    whole = score(batch)
+    for budget in (16, 64):
+        plan, parts = zip(*micro_batches(batch, budget))
+        assert_bits_equal(
+            unpermute([score(mb) for mb in parts], plan, *whole.shape), whole, f"micro-batches of {budget} tokens"
+        )
 
 
 @pytest.mark.slow

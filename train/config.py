@@ -129,18 +129,20 @@ class GRPOConfig:
     """Divide advantages by the group std (GRPO); --no-scale-advantages gives Dr. GRPO."""
     updates_per_batch: int = 1
     """Optimiser steps on each sampled batch (PPO epochs)."""
-    micro_batch: int = 16
-    """Sequences per gradient micro-batch (gradients are accumulated; the result does not depend on it)."""
+    micro_batch_tokens: int | Literal["auto"] = "auto"
+    """Padded tokens each learner device holds in one gradient micro-batch (gradients are summed over
+    micro-batches; a row's logprobs do not depend on them): rows of similar length are packed together, and a row
+    longer than the budget runs alone. auto: the largest budget, up to 8k tokens a device, that the memory plan
+    fits (train/memory.py), printed at the start."""
     moments: Literal["auto", "device", "host"] = "auto"
     """Where AdamW's two fp32 moments live: device; host (pinned host memory, streamed through the GPU a layer
     at a time during the update, overlapped with it: 8 bytes a parameter off the GPU, copied in and out every
     update); auto: device when the run's memory plan fits the GPU with them there, host otherwise (Qwen3-8B on
     one H200). Same bits wherever they live."""
-    remat: bool = False
-    """Recompute each layer's norms, projections and MLP in the learner's backward instead of keeping them for
-    every layer: at Qwen3-4B, 4 x 1024 tokens, 100 instead of 428 MiB per layer, for about a quarter more
-    matmul work per learner step. Same bits either way. For a step that does not fit (or a larger
-    --micro-batch)."""
+    remat: Literal["auto", "on", "off"] = "auto"
+    """on: recompute each layer's norms, projections and MLP in the learner's backward instead of keeping them for
+    every layer (at Qwen3-4B, 4 x 1024 tokens, 100 instead of 428 MiB per layer) for about a quarter more matmul
+    work per learner step. Same bits either way. auto: on only when the memory plan needs it."""
     runtime: Annotated[Runtime, tyro.conf.OmitArgPrefixes] = Runtime()
     """The numerics and the compilation cache."""
     tis_cap: float = 0.0
@@ -204,7 +206,6 @@ class GRPOConfig:
             "max_new_tokens",
             "max_prompt_tokens",
             "updates_per_batch",
-            "micro_batch",
             "num_processes",
             "keep_checkpoints",
             "eval_every",
@@ -221,6 +222,8 @@ class GRPOConfig:
             raise ValueError(f"--table-every={self.table_every} must be >= 0 (0: no sample tables)")
         if self.checkpoint_every < 0:
             raise ValueError(f"--checkpoint-every={self.checkpoint_every} must be >= 0 (0: no checkpoints)")
+        if self.micro_batch_tokens != "auto" and self.micro_batch_tokens <= 0:
+            raise ValueError(f"--micro-batch-tokens={self.micro_batch_tokens} must be positive (or auto)")
         check_seed("--seed", self.seed)
         check_temperature("--temperature", self.temperature)  # as the float32 the kernels divide by
         for name, bound in (("clip_eps", "> 0"), ("beta", ">= 0"), ("tis_cap", ">= 0")):

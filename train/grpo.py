@@ -38,6 +38,7 @@ Deviations from the GRPO paper (Shao et al., 2024), each on purpose:
 
 import dataclasses
 import os
+import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -56,7 +57,7 @@ from rlkjax.rl.environments import load_environment
 from rlkjax.rl.tasks import make_task
 from rlkjax.text.chat import PromptFormat, prompt_format
 from rlkjax.text.tokenizer import load_tokenizer
-from train import fsdp
+from train import fsdp, memory
 from train.batch import Batch, pack
 from train.checkpoints import Checkpoints, check_disk, file_sha256, restore_run, run_config, save_run
 from train.config import GRPOConfig
@@ -66,7 +67,7 @@ from train.guards import check_prompt_lengths, check_rewards
 from train.learner import Learner, build_learner, learn, verify
 from train.loggers import Loggers, sample_table
 from train.loss import to_policy
-from train.memory import PhasePeaks, RunShape, check_fits, choose_moments, kv_budget, least_kv_pages
+from train.memory import PhasePeaks, RunShape, kv_budget, least_kv_pages
 from train.metrics import plot, throughput
 from train.rewards import episode_rewards, group_rewards
 from train.rollout import LocalRollout, RemoteRollout, measure, model_eos
@@ -230,8 +231,10 @@ def grpo_step(step: int, run: Run, state: dict, data_rng) -> tuple[dict, dict, l
 
 
 def train(config: GRPOConfig) -> dict:
-    """Run `config` to its last step -> {"master": the final fp32 weights, "history": the metrics rows}."""
+    """Run `config` to its last step -> {"master": the final fp32 weights, "history": the metrics rows, "config":
+    config with the memory plan's choices for its auto settings}."""
     run, state, start, data_rng = start_run(config)
+    config = run.config  # with the memory plan's choices for --moments, --remat, --micro-batch-tokens auto
     primary = jax.process_index() == 0  # writes metrics.jsonl, samples.jsonl, plot.png and final_hf/
     resumed = start if config.resume else None
     loggers = (
@@ -267,7 +270,7 @@ def train(config: GRPOConfig) -> dict:
     if primary:
         rlkjax.save_hf_checkpoint(run.out / "final_hf", run.cfg, final)
         plot(run.out)
-    return {"master": state["master"], "history": history}
+    return {"master": state["master"], "history": history, "config": config}
 
 
 def start_run(config: GRPOConfig) -> tuple[Run, dict, int, np.random.Generator]:
@@ -308,8 +311,8 @@ def start_run(config: GRPOConfig) -> tuple[Run, dict, int, np.random.Generator]:
         )
         learner_devices = fsdp.pick_devices("--learner-devices", config.learner_devices)
         sampler_devices = fsdp.pick_devices("--sampler-devices", config.sampler_devices)
-        plan = plan_memory(config, cfg, learner_devices, sampler_devices)
-    learner, master, opt_state = build_learner(config, cfg, params, learner_devices, plan.moments)
+        config, kv_pages = plan_memory(config, cfg, learner_devices, sampler_devices)
+    learner, master, opt_state = build_learner(config, cfg, params, learner_devices, config.moments)
     del params  # the sampler gets the policy from the mesh, as it will after every update
     data_rng = np.random.default_rng(config.seed)
     # The KL reference is the initial policy; it is saved with each checkpoint (a resumed policy is not it).
@@ -330,7 +333,7 @@ def start_run(config: GRPOConfig) -> tuple[Run, dict, int, np.random.Generator]:
         sampler_devices,
         start=start,
         out=out,
-        kv_pages=plan.kv_pages,
+        kv_pages=kv_pages,
     )
     phases = PhasePeaks([d for d in learner_devices if d.process_index == jax.process_index()])
     run = Run(
@@ -377,36 +380,57 @@ def episode_runner(config: GRPOConfig, task, tokenizer, render: PromptFormat, eo
     )
 
 
-def plan_memory(config: GRPOConfig, cfg, learner_devices, sampler_devices) -> RunShape:
-    """The run's memory plan (train/memory.py), with where AdamW's moments live (--moments, auto resolved) and the
-    in-process rollout's KV page budget per engine (--rollout-kv-gib, or what the plan leaves the sampler's device;
-    None with --rollout-url), after refusing a run whose plan does not fit a learner GPU, before anything compiles."""
+def plan_memory(config: GRPOConfig, cfg, learner_devices, sampler_devices) -> tuple[GRPOConfig, int | None]:
+    """config with --moments, --remat and --micro-batch-tokens auto chosen by the memory plan (train/memory.py), and
+    the in-process rollout's KV page budget per engine (--rollout-kv-gib, or what the plan leaves the sampler's
+    device; None with --rollout-url or where no limit is known), both printed. A run that fits no setting (or, with
+    them given, not the given ones) is refused before anything compiles, with the plan's table per phase."""
+    limit = memory_limit(learner_devices)
+    free = tuple(name for name in memory.SETTINGS if getattr(config, name) == "auto")
+    given = {name: getattr(config, name) for name in memory.SETTINGS if name not in free}
     shape = RunShape(
         prompts=config.prompts_per_step,
         group=config.group_size,
         new_tokens=config.max_new_tokens,
         prompt_tokens=config.max_prompt_tokens,
-        micro_batch=config.micro_batch,
+        micro_batch_tokens=given.get("micro_batch_tokens", 0),
         devices=len(learner_devices),
-        remat=config.remat,
+        remat=given.get("remat") == "on",
+        moments=given.get("moments", "device"),
         sampler=not config.rollout_url and bool(set(learner_devices) & set(sampler_devices)),
     )
-    limit = memory_limit(learner_devices)
     gib = config.rollout_kv_gib
-    if shape.sampler:  # the moments are chosen beside the KV cache asked for, or the least the rollout runs with
-        pages = least_kv_pages(shape) if gib is None else kv_budget(cfg, shape, None, gib)
-        shape = dataclasses.replace(shape, kv_pages=pages)
-    if config.moments != "auto":
-        shape = dataclasses.replace(shape, moments=config.moments)
-    elif limit is not None:
-        shape = dataclasses.replace(shape, moments=choose_moments(cfg, shape, limit))
-    if not config.rollout_url:  # the budget: what the moments leave on the sampler's device
-        at = limit if shape.sampler else memory_limit(sampler_devices)
-        shape = dataclasses.replace(shape, kv_pages=kv_budget(cfg, shape, at, gib))
-    if limit is not None:
+    if shape.sampler:  # the settings are chosen beside the KV cache asked for, or the least the rollout runs with
+        shape = dataclasses.replace(
+            shape, kv_pages=least_kv_pages(shape) if gib is None else kv_budget(cfg, shape, None, gib)
+        )
+    chosen = memory.choose(cfg, shape, limit, free)
+    if chosen is None:
         local = [d for d in learner_devices if d.process_index == jax.process_index()]
-        check_fits(cfg, shape, limit, f"{local[0].device_kind} {local[0].id}")
-    return shape
+        raise Refusal(memory.refusal(cfg, shape, limit, f"{local[0].device_kind} {local[0].id}", free))
+    kv_pages = None
+    if not config.rollout_url:  # the budget: what the chosen settings leave on the sampler's device
+        at = limit if chosen.sampler else memory_limit(sampler_devices)
+        kv_pages = kv_budget(cfg, chosen, at, gib)
+    if free or kv_pages is not None:
+        estimate = f"; the largest phase {max(memory.peaks(memory.phases(cfg, chosen)).values()) / memory.GIB:.1f}"
+        room = f" of {limit / memory.GIB:.1f} GiB" if limit else " GiB (no device limit known)"
+        pages = (
+            ""
+            if kv_pages is None
+            else f"; rollout KV cache {kv_pages} pages ({kv_pages * memory.kv_page_bytes(cfg) / memory.GIB:.2f} GiB)"
+        )
+        print(
+            f"memory plan: {memory.flags(chosen)} ({', '.join(free) or 'nothing'} chosen{estimate}{room}{pages})",
+            file=sys.stderr,
+        )
+    config = dataclasses.replace(
+        config,
+        moments=chosen.moments,
+        remat="on" if chosen.remat else "off",
+        micro_batch_tokens=chosen.micro_batch_tokens,
+    )
+    return config, kv_pages
 
 
 def memory_limit(devices) -> float | None:
