@@ -18,7 +18,7 @@ Reported: files, hops (distinct caller file -> callee file pairs; those with ser
 calls across files (distinct caller function -> callee function pairs; and every call, which varies a
 little from run to run with how the engine's steps fall), and two directions that point upwards: the
 library calling server code (rlkjax -> serve), and the OpenAI route modules calling the Server class's
-module.
+module; and the functions of serve/ that ran on the engine's thread.
 
     PYTHONPATH=$PWD .venv/bin/python -m bench.serve_hops [--chat-tools] [-v]
 """
@@ -78,6 +78,7 @@ class Trace:
         self.calls: collections.Counter = collections.Counter()  # (caller file, fn, callee file, fn) -> count
         self.lock = threading.Lock()
         self.names: dict[str, str | None] = {}
+        self.serve_on_engine_thread: set[str] = set()  # file:function of serve/ run by the thread named "engine"
 
     def file(self, code) -> str | None:
         name = code.co_filename
@@ -94,6 +95,9 @@ class Trace:
         caller = frame.f_back
         while caller is not None and self.file(caller.f_code) is None:
             caller = caller.f_back
+        if callee.startswith("serve/") and threading.current_thread().name == "engine":
+            with self.lock:
+                self.serve_on_engine_thread.add(f"{callee}:{frame.f_code.co_name}")
         with self.lock:
             self.files.add(callee)
             if caller is not None and self.file(caller.f_code) != callee:
@@ -111,6 +115,7 @@ class Trace:
             "library_to_serve": sorted(
                 f"{a}:{f} -> {c}:{g}" for a, f, c, g in self.calls if a.startswith("rlkjax/") and c.startswith("serve/")
             ),
+            "serve_on_engine_thread": sorted(self.serve_on_engine_thread),
             "routes_to_server": sorted(
                 f"{a}:{f} -> {c}:{g}" for a, f, c, g in self.calls if a in ROUTE_MODULES and c in SERVER_MODULES
             ),
