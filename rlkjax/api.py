@@ -24,6 +24,7 @@ from rlkjax.core.model import LearnerPass, Sequences, rope_tables, sequence_logp
 from rlkjax.core.numerics import PAGE_SIZE, Numerics, ops
 from rlkjax.core.sampling_params import SamplingParams
 from rlkjax.core.shapes import bucket, pad_sequences
+from rlkjax.engine import outputs
 from rlkjax.engine.config import EngineConfig
 from rlkjax.engine.engine import Engine
 from rlkjax.engine.records import Completion
@@ -74,8 +75,9 @@ def generate(
     engine = Engine(params, cfg, numerics, sizing, eos_token_id)
     requests = [engine.submit(p, row) for p, row in zip(prompts, rows)]
     engine.run_until_done()
-    _add_prompt_logprobs(params, cfg, prompts, rows, [r.results for r in requests], numerics)
-    return [c for r in requests for c in r.results]
+    results = [outputs.results(r) for r in requests]  # each request's end, off its output queue
+    _add_prompt_logprobs(params, cfg, prompts, rows, results, numerics)
+    return [c for row in results for c in row]
 
 
 def _row_sampling(sampling, n: int, max_tokens, temperature, seeds) -> list[SamplingParams]:

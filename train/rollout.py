@@ -27,6 +27,7 @@ from rlkjax.core.checkpoint import save_orbax_params
 from rlkjax.core.numerics import PAGE_SIZE
 from rlkjax.core.sampling_params import SamplingParams
 from rlkjax.core.shapes import cdiv
+from rlkjax.engine import outputs
 from rlkjax.engine.config import EngineConfig
 from rlkjax.engine.engine import Engine
 from train import fsdp
@@ -138,7 +139,7 @@ class LocalRollout:
             "version": np.zeros(shape, np.int32),
         }
         for i, req in reqs.items():
-            for j, c in enumerate(req.results):
+            for j, c in enumerate(outputs.results(req)):  # its end, off its output queue
                 n = len(c.tokens)
                 mine["tokens"][i, j, :n] = c.tokens
                 mine["logprob_bits"][i, j, :n] = np.asarray(c.logprobs, np.float32).view(np.int32)

@@ -20,8 +20,12 @@ strict forward carries anyway (`min_decode_rows`).
 The device programs are rlkjax.engine.programs', the request and sequence records rlkjax.engine.records', the
 scheduling policy (admission in fair turns, pages, preemption, forks, each call's rows)
 rlkjax.engine.scheduler's, the settings rlkjax.engine.config's, the warm-up (`warm_up`) rlkjax.engine.warm_up's.
-The public surface for a server or a learner: `submit`, `cancel`, `update_weights`, `step`,
+The public surface for a server or a learner: `submit`, `cancel`, `stop`, `update_weights`, `step`,
 `run_until_done`, `abort`, and the read-only `busy`, `weights_pending`, `policy_version` and `metrics()`.
+The engine's one way out is each request's output queue (rlkjax.engine.outputs): each round's new tokens
+where its caller follows them, then its end; it calls no caller code. Its callers' ways in (`submit`,
+`cancel`, `stop`, `update_weights`) only queue what the next step applies, so a request's record is
+written on the engine's thread alone.
 
 Every submitted request ends exactly once, counted in one of three outcomes: finished (every sample
 stopped or reached its length), cancelled (`cancel`: a client gone, a timeout, a shutdown), failed
@@ -46,8 +50,9 @@ from rlkjax.core.sampling_params import SamplingParams
 from rlkjax.core.shapes import bucket, cdiv
 from rlkjax.engine import executable_cache, prefix_cache, programs
 from rlkjax.engine.config import EngineConfig
+from rlkjax.engine.outputs import OutputQueue
 from rlkjax.engine.programs import Decoding, RoundStart, RowSampling
-from rlkjax.engine.records import EngineRequest, Listener, Round, Sequence, round_rows
+from rlkjax.engine.records import EngineRequest, Round, Sequence, round_rows
 from rlkjax.engine.scheduler import Scheduler
 from rlkjax.engine.warm_up import WarmUp
 
@@ -99,6 +104,7 @@ class Engine(WarmUp):
         self._pending_params, self._swap_events = None, []
         self.lock = threading.RLock()  # held by step(); submit, cancel, update_weights and metrics never wait on it
         self._inbox: deque = deque()  # submitted (request, sequences), moved to `waiting` at the next step
+        self._cancels: deque = deque()  # (request, sample index or None: all), applied at the next step
         self._mailbox = threading.Lock()  # guards the pending weights and their events
         self.shapes_seen: set = set()  # (program, batch bucket): one compilation each
         self.stats = {
@@ -133,7 +139,13 @@ class Engine(WarmUp):
 
     # ----- requests -----
     def submit(
-        self, prompt, sampling: SamplingParams | None = None, *, group=None, listener: Listener | None = None, **fields
+        self,
+        prompt,
+        sampling: SamplingParams | None = None,
+        *,
+        group=None,
+        outputs: OutputQueue | None = None,
+        **fields,
     ) -> EngineRequest:
         """Validate and queue a request; raises ValueError naming the bad field.
 
@@ -141,8 +153,9 @@ class Engine(WarmUp):
         `fields` replace some of them (`submit(p, n=4, seed=1)`). A sample stops at max_tokens, or at
         a stop id (stop_token_ids, and the engine's eos_token_id unless ignore_eos) once it has
         min_tokens tokens. Requests with the same `group` (e.g. the prompts of one HTTP request)
-        count as one in admission's fair turns. `listener` (a sequences.Listener) is told, on the engine
-        thread, of each round's tokens where it follows them, and of the request's end."""
+        count as one in admission's fair turns. `outputs`: where the request's outputs go (an OutputQueue that
+        follows rounds gets each round's new tokens, every queue the request's end; several requests may share
+        one); None: a queue of its own that gets only the end, `request.outputs`."""
         sampling = sampling or SamplingParams()
         if fields:
             sampling = dataclasses.replace(sampling, **fields)
@@ -150,7 +163,8 @@ class Engine(WarmUp):
         check_int("n", sampling.n, 1, self.config.max_batch)
         sampling.check_model(self.cfg.vocab_size, self.max_context, len(prompt))
         self.check_pages(len(prompt), sampling.max_tokens)
-        req = EngineRequest(next(self._ids), prompt, sampling, sampling.stop_ids(self.eos_token_id), listener=listener)
+        stop_ids = sampling.stop_ids(self.eos_token_id)
+        req = EngineRequest(next(self._ids), prompt, sampling, stop_ids, outputs=outputs or OutputQueue())
         req.group = ("request", req.id) if group is None else group
         req.results = [None] * sampling.n
         seed = sampling.seed
@@ -171,7 +185,14 @@ class Engine(WarmUp):
 
     def cancel(self, request: EngineRequest):
         """Cancel a request (from any thread); its sequences and pages are released at the next step."""
-        request.cancelled = True
+        self._cancels.append((request, None))  # deque.append is thread-safe; the step writes the record
+
+    def stop(self, request: EngineRequest, index: int):
+        """End sample `index` of `request` at the next step (from any thread), finish reason "stop": its caller
+        found a stop string in its text. Its completion keeps every token sampled until then (the caller cuts
+        the text where the stop string ends it); the request's other samples go on."""
+        check_int("index", index, 0, request.sampling.n - 1)
+        self._cancels.append((request, index))
 
     def update_weights(self, params) -> threading.Event:
         """Swap weights between steps, once no sequence is in flight (no completion mixes versions).
@@ -252,9 +273,10 @@ class Engine(WarmUp):
             self._ensure_cache()
             while self._inbox:
                 req, seqs = self._inbox.popleft()
+                req.take()
                 self.requests[req.id] = req
                 self.scheduler.waiting.extend(seqs)
-            finished = self._reap_cancelled()
+            finished = self._apply_cancels() + self._reap_cancelled()
             # preempted or parked sequences too, and a round not read yet (its rows may have finished)
             in_flight = self.scheduler.started or self._in_flight
             with self._mailbox:
@@ -386,7 +408,8 @@ class Engine(WarmUp):
     def _collect_decode(self, round_: Round) -> list[EngineRequest]:
         """Read a round's tokens (this waits for the device) and finish the sequences that stopped.
         A sequence that finished while the round was in flight (a stop the host found in the round
-        before: a listener's stop, cancellation) is skipped: what the round sampled for it is dropped."""
+        before: the caller's stop, cancellation) is skipped: what the round sampled for it is dropped. Each
+        sample's new tokens go onto its request's queue where that follows rounds."""
         start = time.perf_counter()
         out_tok, out_lp, *top = (np.asarray(a) for a in round_.out)
         top_ids, top_lp = top if top else (None, None)
@@ -399,9 +422,8 @@ class Engine(WarmUp):
             new = s.extend(out_tok[i], out_lp[i], *((top_ids[i], top_lp[i]) if top else ()))
             self.stats["decode_tokens"] += new
             reason = s.stop_reason()
-            listener = s.request.listener
-            if listener is not None and listener.follows_tokens and s.hook_stops(new, reason):
-                reason = "stop"
+            if s.request.outputs.rounds and (new or reason):
+                s.request.outputs.put(s.output(new, reason))
             if reason and self._finish(s, reason):  # its pages, those the round did not fill included, are freed now
                 finished.append(s.request)
         return finished
@@ -428,6 +450,22 @@ class Engine(WarmUp):
         self.stats[outcome] += 1
         req.finish()
         return True
+
+    def _apply_cancels(self) -> list[EngineRequest]:
+        """The cancels and stops asked for since the last step; returns the requests a stop ended."""
+        finished = []
+        while self._cancels:
+            req, index = self._cancels.popleft()
+            if req.done.is_set():  # it ended first: its record is final
+                continue
+            if index is None:
+                req.cancelled = True  # _reap_cancelled ends it
+                continue
+            scheduled = self.scheduler.running + list(self.scheduler.waiting)
+            seq = next((s for s in scheduled if s.request is req and s.index == index), None)
+            if seq is not None and self._finish(seq, "stop"):
+                finished.append(req)
+        return finished
 
     def _reap_cancelled(self) -> list[EngineRequest]:
         finished = []
