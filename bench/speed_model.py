@@ -196,7 +196,7 @@ def learner_row(cfg, name, seq, tokens_per_call, repeats, rate, remat=False, sid
             else:
 
                 def call():
-                    jax.block_until_ready(compiled(*args[:4], args[8]))
+                    jax.block_until_ready(compiled(*args[:5]))  # the objective (static) is compiled in
 
             dt = median_time(call, repeats)
         except (jax.errors.JaxRuntimeError, NotImplementedError) as e:  # out of memory, a failed lowering: results too
