@@ -29,9 +29,15 @@ sweep() {
   RUN="$RUN/train/run" OUT="$RUN/train" MODEL=qwen3-1.7b STEPS="${STEPS:-3}" PROMPTS=8 GROUP=8 NEW_TOKENS=4096 \
     IGNORE_EOS=1 VERIFY_EVERY=1 PY="$PY" bash bench/seed_run.sh start > "$RUN/train/start.log" 2>&1
   RUN="$RUN/train/run" OUT="$RUN/train" PY="$PY" bash bench/seed_run.sh wait 3600 > "$RUN/train/wait.log" 2>&1
+  # the plan beside the peaks measured, at the settings the run chose (train.log's "memory plan:" line)
+  read -r -a chose <<< "$(grep -o -- '--moments [a-z]* --remat [a-z]* --micro-batch-tokens [0-9]*' "$RUN/train/train.log" | head -n 1)"
+  kv=$(grep -o 'rollout KV cache [0-9]* pages ([0-9.]* GiB)' "$RUN/train/train.log" | head -n 1 | grep -o '[0-9.]* GiB' | cut -d' ' -f1)
+  [ -n "$kv" ] && chose+=(--kv-gib "$kv")
   "$PY" -m bench.memory_plan --model qwen3-1.7b --gpus 1 --prompts 8 --group 8 --new-tokens 4096 --prompt-tokens 16 \
-    --metrics "$RUN/train/metrics.jsonl" > "$RUN/train/memory_plan.md" 2>&1
-  "$PY" -m pytest -m gpu -q -n 0 > "$RUN/pytest/pytest_gpu.log" 2>&1; echo $? > "$RUN/pytest/exit"
+    "${chose[@]}" --metrics "$RUN/train/metrics.jsonl" > "$RUN/train/memory_plan.md" 2>&1
+  # the files that hold GPU tests (the others import the openai client, which the GPU image lacks)
+  "$PY" -m pytest -m gpu -q -n 0 tests/test_gpu.py tests/test_executable_cache.py tests/test_learner_slice.py \
+    > "$RUN/pytest/pytest_gpu.log" 2>&1; echo $? > "$RUN/pytest/exit"
   OUT="$RUN/decode" PY="$PY" bash bench/long_context_decode.sh sweep speed1 > "$RUN/decode/log" 2>&1
   "$PY" -m bench.mismatch --models qwen3-8b --batch "${MISMATCH_BATCH:-8}" --new-tokens 8192 --min-prompt 16 \
     --max-prompt 128 --repeats 1 --buckets 0,256,512,1024,2048,4096,8192 --score-batch 1 \
