@@ -83,19 +83,19 @@ def step(devices: int) -> tuple:
 
     from rlkjax.core import model
     from rlkjax.core.config import ModelConfig
-    from train.batch import pack
+    from train.batch import as_sample, pack
     from train.config import GRPOConfig
     from train.learner import build_learner
 
     rng = np.random.default_rng(1)
     samples = [
-        {
-            "prompt": rng.integers(0, 256, int(rng.integers(2, 12))).tolist(),
-            "tokens": rng.integers(0, 256, 5).tolist(),
-            "logprobs": rng.uniform(-6, -0.1, 5).astype(np.float32),
-            "adv": float(rng.normal()),
-            "temperature": 0.7,
-        }
+        as_sample(
+            rng.integers(0, 256, int(rng.integers(2, 12))).tolist(),
+            rng.integers(0, 256, 5).tolist(),
+            rng.uniform(-6, -0.1, 5).astype(np.float32),
+            adv=float(rng.normal()),
+            temperature=0.7,
+        )
         for _ in range(4)
     ]
     config = GRPOConfig(micro_batch_tokens=4 * 32, remat="off")

@@ -37,7 +37,7 @@ from rlkjax.core.config import ModelConfig
 from rlkjax.core.numerics import ATTENTION
 from tests.helpers import assert_bits_equal
 from train import fsdp, grpo
-from train.batch import pack, pad_rows
+from train.batch import as_sample, pack, pad_rows
 from train.config import Optimiser
 from train.loss import Objective, grpo_loss
 
@@ -75,7 +75,7 @@ def learner_step_matches_sampler(cfg, params, devices, prompt_lens, max_new_toke
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in prompt_lens]
     comps = rlkjax.generate(params, cfg, prompts, max_tokens=max_new_tokens, seeds=list(range(len(prompts))))
     samples = [
-        {"prompt": p, "tokens": c.tokens, "logprobs": c.logprobs, "adv": float(a), "temperature": 1.0}
+        as_sample(p, c.tokens, c.logprobs, float(a))
         for p, c, a in zip(prompts, comps, rng.standard_normal(len(prompts)))
     ]
     batch = pad_rows(pack(samples), len(devices))
@@ -97,7 +97,7 @@ def learner_step_matches_sampler(cfg, params, devices, prompt_lens, max_new_toke
     assert float(stats.ratio_min) == float(stats.ratio_max) == 1.0, stats
     norm = np.sqrt(sum(np.sum(np.square(np.asarray(g, np.float64))) for g in jax.tree.leaves(fsdp.to_host(grads))))
     assert np.isfinite(norm) and norm > 0, norm
-    keys = max(len(s["prompt"]) + len(s["tokens"]) for s in samples)
+    keys = max(len(s.prompt) + len(s.tokens) for s in samples)
     return {"logprobs": int(sel.sum()), "keys": keys, "kv_splits": -(-keys // ATTENTION.kv_split), "grad_norm": norm}
 
 

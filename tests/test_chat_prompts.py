@@ -8,7 +8,7 @@ from rlkjax.rl.data import Example
 from rlkjax.text.chat import load_chat_template, prompt_format
 from rlkjax.text.tokenizer import ByteTokenizer, load_tokenizer
 from rlkjax.tiny_qwen3 import write_tiny_qwen3
-from train.guards import check_prompt_lengths
+from train.episodes import EpisodeRunner
 
 IM_START, IM_END = 151644, 151645
 
@@ -56,13 +56,18 @@ def test_bad_choices(tokenizer, choice, kwargs, match):
 
 
 def test_lengths_are_checked_after_rendering(tokenizer):
-    examples = [Example("What is 2+2?", "4", "data.jsonl:1")]
+    """A prompt must fit --max-prompt-tokens as sampled: after the chat template, which adds tokens (checked by the
+    runner that samples it, for every example before step 1)."""
+    example = Example("What is 2+2?", "4", "data.jsonl:1")
+
+    def runner(render, max_prompt_tokens):
+        return EpisodeRunner(None, None, tokenizer, render, tokenizer.eos_token_id, 1, 8, max_prompt_tokens)
 
     render = prompt_format("auto", tokenizer)
     plain = len(tokenizer.encode("What is 2+2?"))
-    check_prompt_lengths(examples, tokenizer, plain)  # fits as plain text
+    assert runner(prompt_format("none", tokenizer), plain).start(example).prompt == tokenizer.encode("What is 2+2?")
     rendered = len(tokenizer.encode(render("What is 2+2?")))
     assert rendered == plain + 8  # <|im_start|>user\n ... <|im_end|>\n<|im_start|>assistant\n
-    with pytest.raises(ValueError, match=f"data.jsonl:1: the prompt is {rendered} tokens"):
-        check_prompt_lengths(examples, tokenizer, plain, render)
-    check_prompt_lengths(examples, tokenizer, rendered, render)
+    with pytest.raises(ValueError, match=f"data.jsonl:1: the first prompt is {rendered} tokens"):
+        runner(render, plain).start(example)
+    assert runner(render, rendered).start(example).prompt == tokenizer.encode(render("What is 2+2?"))

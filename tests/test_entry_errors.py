@@ -25,7 +25,7 @@ from rlkjax.rl.data import Example
 from rlkjax.rl.environments import Environment, EnvironmentFailure, Step, load_environment
 from rlkjax.rl.rewards import checked_reward
 from rlkjax.rl.tasks import make_task
-from rlkjax.text.chat import DEFAULT_TEMPLATE, ChatTemplate, prompt_format
+from rlkjax.text.chat import DEFAULT_TEMPLATE, ChatTemplate, PromptFormat, prompt_format
 from rlkjax.text.tokenizer import ByteTokenizer, load_tokenizer
 from serve.http import BadRequest
 from serve.protocol import ChatCompletionRequest, Limits
@@ -35,6 +35,7 @@ from train import grpo
 from train.config import GRPOConfig
 from train.episodes import EpisodeRunner
 from train.rewards import episode_rewards
+from train.rollout import Completion
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "tests" / "fixtures" / "hf_qwen3_tied"  # config.json + model.safetensors, no tokenizer
@@ -254,10 +255,12 @@ def test_an_env_that_does_not_build_is_named():
 def test_env_step_failure_names_step_class_example_and_turn():
     """EpisodeRunner: a step that raises on turn 2 stops the episode with an EnvironmentFailure naming where (the
     trainer's step), the class and method, the turn, the example and the exception, raised from it."""
-    runner = EpisodeRunner(RaisingStep(None), ByteTokenizer(), ChatTemplate(COMPACT, {}), EOS, 3, 64, 40)
+    runner = EpisodeRunner(
+        None, RaisingStep(None), ByteTokenizer(), PromptFormat(ChatTemplate(COMPACT, {})), EOS, 3, 64, 40
+    )
     example = Example("What is 1+1?", "2", "problems.jsonl:4")
     episode = runner.start(example, "step 7")
-    turn = {"tokens": [ord("x"), EOS], "logprobs": np.zeros(2, np.float32), "policy_version": 0}
+    turn = Completion([ord("x"), EOS], np.zeros(2, np.float32), 0)
     runner.advance(episode, turn, "step 7")
     with pytest.raises(EnvironmentFailure) as failure:
         runner.advance(episode, turn, "step 7")
@@ -287,9 +290,10 @@ def test_a_reward_that_raises_is_named_with_its_turn(caplog):
     """A user reward that raises inside an environment's step: reward 0, counted, and the warning names the step,
     the example, the turn and the reward function with its exception (the run goes on)."""
     task = make_task("arithmetic", reward="tests.test_entry_errors:broken_reward")
-    runner = EpisodeRunner(RewardRaisesOnTurn2(task), ByteTokenizer(), ChatTemplate(COMPACT, {}), EOS, 3, 64, 40)
+    template = PromptFormat(ChatTemplate(COMPACT, {}))
+    runner = EpisodeRunner(task, RewardRaisesOnTurn2(task), ByteTokenizer(), template, EOS, 3, 64, 40)
     episode = runner.start(Example("1+1=", "2", "sums.csv:3"))
-    turn = {"tokens": [ord("2"), EOS], "logprobs": np.zeros(2, np.float32), "policy_version": 0}
+    turn = Completion([ord("2"), EOS], np.zeros(2, np.float32), 0)
     runner.advance(episode, turn)
     runner.advance(episode, turn)
     rewards, counts = episode_rewards("step 5", [[episode]])

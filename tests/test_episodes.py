@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from rlkjax.entry_config import ModelSource
-from rlkjax.rl.environments import CalculatorEnvironment, Environment, Step, load_environment
+from rlkjax.rl.environments import CalculatorEnvironment, Environment, Step, continuation, load_environment
 from rlkjax.rl.tasks import make_task
-from rlkjax.rl.tools import Tools, tool_turn
-from rlkjax.text.chat import load_chat_template
+from rlkjax.rl.tools import Tools, tool_messages
+from rlkjax.text.chat import PromptFormat, load_chat_template
 from rlkjax.text.tokenizer import load_tokenizer
 from rlkjax.tiny_qwen3 import write_tiny_qwen3
 from tests.helpers import EOS, assert_bits_equal, eos_model
@@ -22,6 +22,7 @@ from train import grpo
 from train.batch import pack
 from train.config import GRPOConfig, Optimiser
 from train.episodes import EpisodeRunner, episode_row, learner_samples
+from train.rollout import Completion
 
 IM_END, TOOL_CALL, TOOL_RESPONSE = 151645, 151657, 151665
 CALL = '<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{}"}}}}\n</tool_call>'
@@ -40,13 +41,13 @@ def qwen(tmp_path_factory):
 def runner(qwen, env=None, max_turns=4, max_new_tokens=400, **tools):
     tokenizer, template, task = qwen
     env = env or CalculatorEnvironment(task, **tools)
-    return EpisodeRunner(env, tokenizer, template, IM_END, max_turns, max_new_tokens, 400)
+    return EpisodeRunner(task, env, tokenizer, PromptFormat(template), IM_END, max_turns, max_new_tokens, 400)
 
 
 def sampled(tokenizer, text, eos=True):
     """A turn as the rollout returns it: the text's ids (+ eos), made-up logprobs that name each position."""
     tokens = tokenizer.encode(text) + ([IM_END] if eos else [])
-    return {"tokens": tokens, "logprobs": -np.arange(1, len(tokens) + 1, dtype=np.float32), "policy_version": 0}
+    return Completion(tokens, -np.arange(1, len(tokens) + 1, dtype=np.float32), 0)
 
 
 def test_an_episode_is_the_concatenation_of_sampled_and_added_tokens(qwen):
@@ -63,21 +64,19 @@ def test_an_episode_is_the_concatenation_of_sampled_and_added_tokens(qwen):
     turn1 = sampled(tokenizer, "<think>\nToo big to do by heart.\n</think>\n\n" + CALL.format("1234 * 5678"))
     run.advance(episode, turn1)
     assert not episode.done and len(episode.turns) == 1
-    added = tokenizer.encode(tool_turn(template, ["7006652"], enable_thinking=True))
+    added = tokenizer.encode(continuation(template, tool_messages(["7006652"]), enable_thinking=True))
     assert episode.turns[0].added == added and TOOL_RESPONSE in added
     prompt2 = episode.tokens
-    assert prompt2 == episode.prompt + turn1["tokens"] + added  # the next turn's prompt
+    assert prompt2 == episode.prompt + turn1.tokens + added  # the next turn's prompt
     turn2 = sampled(tokenizer, "<think>\nThe tool said 7006652.\n</think>\n\nSo \\boxed{7006652}")
     run.advance(episode, turn2)
     assert episode.done and episode.ended_by == "env" and episode.reward == 1.0
-    assert episode.tokens == prompt2 + turn2["tokens"] and episode.tokens[: len(prompt2)] == prompt2
-    assert episode.completion == turn1["tokens"] + added + turn2["tokens"]
-    np.testing.assert_array_equal(
-        episode.mask, [1] * len(turn1["tokens"]) + [0] * len(added) + [1] * len(turn2["tokens"])
-    )
+    assert episode.tokens == prompt2 + turn2.tokens and episode.tokens[: len(prompt2)] == prompt2
+    assert episode.completion == turn1.tokens + added + turn2.tokens
+    np.testing.assert_array_equal(episode.mask, [1] * len(turn1.tokens) + [0] * len(added) + [1] * len(turn2.tokens))
     lp = episode.logprobs
     assert lp.dtype == np.float32 and np.all(lp[episode.mask == 0] == 0)
-    np.testing.assert_array_equal(lp[episode.mask == 1], np.r_[turn1["logprobs"], turn2["logprobs"]])
+    np.testing.assert_array_equal(lp[episode.mask == 1], np.r_[turn1.logprobs, turn2.logprobs])
     # Within one query Qwen3's template keeps the reasoning of the turns after it; once a user turn follows,
     # re-rendering drops it: a different sequence from the one sampled, which an episode never becomes.
     follow_up = [*episode.messages, {"role": "user", "content": "And 2 * 3?"}]
@@ -124,7 +123,7 @@ def test_an_episode_ends_at_its_turns_budget_and_length(qwen):
     for name, kwargs, turn in (
         ("turns", dict(max_turns=1), sampled(tokenizer, call)),
         ("length", dict(), sampled(tokenizer, call, eos=False)),
-        ("context", dict(max_new_tokens=len(sampled(tokenizer, call)["tokens"]) + 5), sampled(tokenizer, call)),
+        ("context", dict(max_new_tokens=len(sampled(tokenizer, call).tokens) + 5), sampled(tokenizer, call)),
     ):
         run = runner(qwen, **kwargs)
         episode = run.start(task.examples[0])
@@ -150,7 +149,7 @@ def test_the_learner_never_trains_env_tokens_and_advantages_are_per_episode(qwen
     rewards = np.array([[good.reward, bad.reward]])
     assert rewards.tolist() == [[1.0, 0.0]]
     adv = grpo.group_advantages(rewards)
-    samples = learner_samples([[good, bad]], adv, 1.0)
+    samples = learner_samples([[good, bad]], rewards, adv, 1.0)
     batch = pack(samples)
     for i, episode in enumerate((good, bad)):
         first = len(episode.prompt) - 1
@@ -234,14 +233,77 @@ def test_grpo_env_trains_every_turn_with_zero_mismatch(tmp_path, monkeypatch):
     assert row["tokens_bits_differ"] == 0 and row["first_update_tokens_compared"] == row["tokens_compared"]
     assert row["turns_mean"] > 1.5 and row["env_tokens_mean"] > 0 and row["prefix_cache_hit_tokens"] > 0
     (samples,) = seen
-    assert sum(int(np.sum(s["mask"])) for s in samples) == row["tokens_compared"]
+    assert sum(int(np.sum(s.mask)) for s in samples) == row["tokens_compared"]
     assert row["completion_tokens_mean"] == row["sampled_tokens_mean"]
     for s in samples:
-        added = np.flatnonzero(s["mask"] == 0)
+        added = np.flatnonzero(s.mask == 0)
         # every added run starts after an eos-ended turn with the template's "\n" and ends with "a:"
         if len(added):
-            assert s["tokens"][added[0] - 1] == EOS and s["tokens"][added[0]] == ord("\n")
-            assert bytes(s["tokens"][i] for i in added[-2:]) == b"a:"
+            assert s.tokens[added[0] - 1] == EOS and s.tokens[added[0]] == ord("\n")
+            assert bytes(s.tokens[i] for i in added[-2:]) == b"a:"
+
+
+def test_a_task_is_an_episode_of_one_turn(tmp_path):
+    """Without --env, train.grpo samples a task as episodes of one turn through the same runner as --env: all
+    P x G completions in one rollout call (n = G requests, as the single-turn rollout made, not a call per
+    sequence), with the tokens and logprob bits of sampling the rendered prompts directly; rewards that are the
+    task's of each completion's text (the fraction of lowercase letters, counted here by hand); advantages
+    (r - mean) / (std + 1e-6) per group; and a Batch whose every field has the bits of the one packed from the
+    completions themselves, every sampled token trained (mask 1) and nothing else."""
+    from rlkjax.core.checkpoint import load_hf_checkpoint
+    from rlkjax.core.sampling_params import SamplingParams
+    from rlkjax.rl.tasks import LowercaseTask
+    from rlkjax.text.tokenizer import ByteTokenizer
+    from train import fsdp, rollout
+    from train.batch import as_sample
+
+    cfg, params = load_hf_checkpoint(eos_model(tmp_path / "model"))
+    devices = fsdp.pick_devices("learner_devices", "0")
+    local = rollout.LocalRollout(
+        params, cfg, "strict", fsdp.make_mesh(devices), devices, rows=8, max_length=64, group=4, eos_token_id=EOS
+    )
+    calls = []
+
+    class Counted:  # the rollout, its calls recorded
+        def sample_turns(self, prompts, seeds, samplings):
+            calls.append((len(prompts), [s.n for s in samplings]))
+            return local.sample_turns(prompts, seeds, samplings)
+
+    task, tokenizer, sampling = LowercaseTask(), ByteTokenizer(), SamplingParams(n=4, max_tokens=8)
+    examples = task.sample(np.random.default_rng(0), 2)
+    runner = EpisodeRunner(task, None, tokenizer, PromptFormat(None), EOS, 1, 8, 24)
+    episodes = runner.run(Counted(), examples, [5, 6], sampling)
+    local.release_cache()
+    rewards, failures = runner.rewards("step 1", episodes)
+    samples = learner_samples(episodes, rewards, grpo.group_advantages(rewards), 1.0)
+    assert calls == [(2, [4, 4])] and failures == {"reward_failures": 0, "reward_timeouts": 0}
+
+    prompts = [list(e.prompt.encode()) for e in examples]  # the byte tokenizer, no template: the prompt's bytes
+    groups = local.sample(prompts, [5, 6], sampling)
+    completions = [c for g in groups for c in g]
+    assert any(c.tokens[-1] == EOS for c in completions) and any(len(c.tokens) == 8 for c in completions)
+    texts = [tokenizer.decode(c.tokens) for c in completions]  # the eos is not text
+    lowercase = [sum("a" <= ch <= "z" for ch in text) / max(len(text), 1) for text in texts]
+    expected = np.array(lowercase).reshape(2, 4)
+    assert np.array_equal(rewards.view(np.uint64), expected.view(np.uint64))
+    adv = (expected - expected.mean(axis=1, keepdims=True)) / (expected.std(axis=1, keepdims=True) + 1e-6)
+    for s, c, r, a, p in zip(samples, completions, expected.flat, adv.flat, [p for p in prompts for _ in range(4)]):
+        assert (s.prompt, s.tokens, s.turns, s.policy_version, s.reward, s.adv) == (p, c.tokens, 1, 0, r, a)
+        assert_bits_equal(s.logprobs, c.logprobs, "one-turn episode vs the rollout's completion")
+        assert s.mask.dtype == np.float32 and np.all(s.mask == 1) and len(s.mask) == len(c.tokens)
+    direct = pack(
+        [
+            as_sample(p, c.tokens, c.logprobs, float(a))
+            for p, c, a in zip([p for p in prompts for _ in range(4)], completions, adv.flat)
+        ]
+    )
+    for field, ours, theirs in zip(direct._fields, pack(samples), direct):
+        ours, theirs = np.asarray(ours), np.asarray(theirs)
+        assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, field
+        if ours.dtype == np.float32:
+            assert_bits_equal(ours, theirs, field)
+        else:
+            assert np.array_equal(ours, theirs), field
 
 
 @pytest.mark.slow  # two short runs
@@ -270,7 +332,7 @@ def test_local_and_remote_rollouts_give_the_same_episodes(tmp_path):
     from rlkjax.core.checkpoint import load_hf_checkpoint
     from rlkjax.core.sampling_params import SamplingParams
     from rlkjax.rl.tasks import LowercaseTask
-    from rlkjax.text.chat import ChatTemplate
+    from rlkjax.text.chat import ChatTemplate, PromptFormat
     from rlkjax.text.tokenizer import ByteTokenizer
     from tests.helpers import assert_bits_equal
     from tests.server_process import ADMIN, start_server
@@ -282,7 +344,7 @@ def test_local_and_remote_rollouts_give_the_same_episodes(tmp_path):
     local = rollout.LocalRollout(
         params, cfg, "strict", fsdp.make_mesh(devices), devices, rows=8, max_length=64, group=4, eos_token_id=EOS
     )
-    run = EpisodeRunner(AskAgain(None), ByteTokenizer(), ChatTemplate(COMPACT, {}), EOS, 3, 40, 24)
+    run = EpisodeRunner(None, AskAgain(None), ByteTokenizer(), PromptFormat(ChatTemplate(COMPACT, {})), EOS, 3, 40, 24)
     examples = LowercaseTask().sample(np.random.default_rng(0), 2)
     sampling = SamplingParams(n=4, max_tokens=40)
     proc, client = start_server("--model", model_dir, "--tokenizer", "bytes")

@@ -29,6 +29,7 @@ from train.batch import (
     PAD,
     Batch,
     LossStats,
+    as_sample,
     micro_batches,
     pack,
     pad_rows,
@@ -81,9 +82,7 @@ def test_batch_padding_and_stat_reductions():
     prompt + 512 new tokens trains 640-token rows, not 1,024), logp column t scores token t + 1. Padding
     rows carry the PAD values (positions -1, temperature 1, the rest 0). Stats combine by their declared
     reduction: min of mins, max of maxes, sums added."""
-    samples = [
-        {"prompt": [5, 6, 7], "tokens": [8, 9], "logprobs": np.float32([-0.5, -1.5]), "adv": 2.0, "temperature": 0.7}
-    ]
+    samples = [as_sample([5, 6, 7], [8, 9], np.float32([-0.5, -1.5]), adv=2.0, temperature=0.7)]
     batch = pack(samples)
     assert batch.tokens.shape == (1, 16) and batch.logp_old.shape == (1, 15)
     assert batch.tokens[0, :6].tolist() == [5, 6, 7, 8, 9, 0] and batch.positions[0, :6].tolist() == [0, 1, 2, 3, 4, -1]
@@ -108,13 +107,9 @@ def test_learner_logprobs_do_not_depend_on_micro_batch(tiny):
     master = jax.tree.map(lambda w: w.astype(jnp.float32), params)
     rng = np.random.default_rng(0)
     samples = [
-        {
-            "prompt": rng.integers(0, 256, int(rng.integers(2, 20))).tolist(),
-            "tokens": rng.integers(0, 256, 6).tolist(),
-            "logprobs": np.zeros(6, np.float32),
-            "adv": 0.0,
-            "temperature": 1.0,
-        }
+        as_sample(
+            rng.integers(0, 256, int(rng.integers(2, 20))).tolist(), rng.integers(0, 256, 6).tolist(), np.zeros(6)
+        )
         for _ in range(6)
     ]
     batch = pack(samples)
@@ -141,9 +136,7 @@ def test_learner_logprobs_do_not_depend_on_the_padded_length(tiny):
     master = jax.tree.map(lambda w: w.astype(jnp.float32), params)
     rng = np.random.default_rng(2)
     samples = [
-        {"prompt": rng.integers(0, 256, n).tolist(), "tokens": rng.integers(0, 256, 40).tolist()}
-        | {"logprobs": np.zeros(40, np.float32), "adv": 0.0, "temperature": 1.0}
-        for n in (260, 30)
+        as_sample(rng.integers(0, 256, n).tolist(), rng.integers(0, 256, 40).tolist(), np.zeros(40)) for n in (260, 30)
     ]
     batch = pack(samples)
     assert batch.tokens.shape == (2, 320)
@@ -161,13 +154,13 @@ def learner_step(cfg, params, **options):
     numerics) over strict numerics."""
     rng = np.random.default_rng(1)
     samples = [
-        {
-            "prompt": rng.integers(0, 256, int(rng.integers(2, 12))).tolist(),
-            "tokens": rng.integers(0, 256, 5).tolist(),
-            "logprobs": rng.uniform(-6, -0.1, 5).astype(np.float32),
-            "adv": float(rng.normal()),
-            "temperature": 0.7,
-        }
+        as_sample(
+            rng.integers(0, 256, int(rng.integers(2, 12))).tolist(),
+            rng.integers(0, 256, 5).tolist(),
+            rng.uniform(-6, -0.1, 5).astype(np.float32),
+            adv=float(rng.normal()),
+            temperature=0.7,
+        )
         for _ in range(4)
     ]
     batch = pack(samples)
@@ -305,26 +298,26 @@ def corrupt_one_logprob(monkeypatch, at_step: int, sequence: int, token: int) ->
     """At the `at_step`-th rollout, move one recorded logprob (completion token `token` of batch
     sequence `sequence`) one float32 ulp down: a sampler that broke the contract by the least amount.
     Returns what the error must name (filled in when it happens)."""
-    original, calls, seen = rollout.LocalRollout.sample, [], {}
+    original, calls, seen = rollout.LocalRollout.sample_turns, [], {}
 
-    def sample(self, prompts, seeds, sampling):
-        groups = original(self, prompts, seeds, sampling)
-        group = sampling.n
+    def sample_turns(self, prompts, seeds, samplings):  # a step's one rollout call: its one-turn episodes
+        groups = original(self, prompts, seeds, samplings)
+        group = samplings[0].n
         calls.append(None)
         if len(calls) == at_step:
             s = groups[sequence // group][sequence % group]
-            logprobs = np.array(s["logprobs"], np.float32)
+            logprobs = np.array(s.logprobs, np.float32)
             true, logprobs[token] = logprobs[token], np.nextafter(logprobs[token], np.float32(-np.inf))
-            s["logprobs"] = logprobs
+            groups[sequence // group][sequence % group] = s._replace(logprobs=logprobs)
             seen.update(
                 position=len(prompts[sequence // group]) + token,
-                id=s["tokens"][token],
+                id=s.tokens[token],
                 sampler=f"{float(logprobs[token])!r} (0x{int(logprobs[token : token + 1].view(np.uint32)[0]):08x})",
                 learner=f"{float(true)!r} (0x{int(np.float32(true).view(np.uint32)):08x})",
             )
         return groups
 
-    monkeypatch.setattr(rollout.LocalRollout, "sample", sample)
+    monkeypatch.setattr(rollout.LocalRollout, "sample_turns", sample_turns)
     return seen
 
 
@@ -528,9 +521,9 @@ def check_completions_end_at_eos(groups, max_new_tokens):
     """Each completion is max_new_tokens long or ends with its only eos; returns how many ended early."""
     early = 0
     for s in (s for g in groups for s in g):
-        assert EOS not in s["tokens"][:-1], s["tokens"]
-        assert len(s["tokens"]) == max_new_tokens or s["tokens"][-1] == EOS, s["tokens"]
-        early += len(s["tokens"]) < max_new_tokens
+        assert EOS not in s.tokens[:-1], s.tokens
+        assert len(s.tokens) == max_new_tokens or s.tokens[-1] == EOS, s.tokens
+        early += len(s.tokens) < max_new_tokens
     return early
 
 
@@ -546,14 +539,14 @@ def test_training_stops_at_eos(tmp_path, monkeypatch):
     shorter than max_new_tokens end with eos, the loss mask covers exactly the completion through its eos,
     and the sampler's logprob bits, eos's included, are the learner's (strict numerics stop the run otherwise:
     --verify-every 1 and the first update's ratio of exactly 1 both check every masked token)."""
-    original, seen = rollout.LocalRollout.sample, []
+    original, seen = rollout.LocalRollout.sample_turns, []
 
-    def sample(self, prompts, *args):
+    def sample_turns(self, prompts, *args):
         groups = original(self, prompts, *args)
         seen.append((prompts, groups))
         return groups
 
-    monkeypatch.setattr(rollout.LocalRollout, "sample", sample)
+    monkeypatch.setattr(rollout.LocalRollout, "sample_turns", sample_turns)
     config = grpo.GRPOConfig(
         source=ModelSource(eos_model(tmp_path / "model"), tokenizer="bytes"),
         steps=1,
@@ -564,16 +557,12 @@ def test_training_stops_at_eos(tmp_path, monkeypatch):
     (row,) = grpo.train(config)["history"]
     (prompts, groups) = seen[0]
     assert check_completions_end_at_eos(groups, 4) >= 2
-    samples = [
-        {"prompt": p, "tokens": s["tokens"], "logprobs": s["logprobs"], "adv": 0.0, "temperature": 1.0}
-        for p, g in zip(prompts, groups)
-        for s in g
-    ]
+    samples = [as_sample(p, s.tokens, s.logprobs) for p, g in zip(prompts, groups) for s in g]
     batch = pack(samples)
     for i, s in enumerate(samples):
-        first, n = len(s["prompt"]) - 1, len(s["tokens"])
+        first, n = len(s.prompt) - 1, len(s.tokens)
         assert np.flatnonzero(batch.mask[i]).tolist() == list(range(first, first + n))
-        assert batch.tokens[i, first + n] == s["tokens"][-1]  # the last masked column predicts eos (or the 4th token)
+        assert batch.tokens[i, first + n] == s.tokens[-1]  # the last masked column predicts eos (or the 4th token)
     assert row["tokens_bits_differ"] == 0 and row["tokens_compared"] == int(batch.mask.sum()) < 2 * 4 * 4
     assert row["completion_tokens_mean"] == batch.mask.sum() / 8
 
@@ -603,12 +592,13 @@ def test_local_and_remote_rollouts_give_the_same_completions_and_remote_training
             if not ignore_eos:
                 assert check_completions_end_at_eos(a, 8) >= 2
             else:  # every completion runs to max_new_tokens, some through an eos
-                assert all(len(s["tokens"]) == 8 for g in a for s in g)
-                assert any(EOS in s["tokens"][:-1] for g in a for s in g)
+                assert all(len(s.tokens) == 8 for g in a for s in g)
+                assert any(EOS in s.tokens[:-1] for g in a for s in g)
             for ga, gb in zip(a, b, strict=True):
                 for sa, sb in zip(ga, gb, strict=True):
-                    assert sa["tokens"] == sb["tokens"]
-                    assert_bits_equal(sa["logprobs"], sb["logprobs"], "local vs remote logprobs")
+                    assert type(sa) is type(sb) is rollout.Completion and sa.tokens == sb.tokens
+                    assert sa.policy_version == sb.policy_version
+                    assert_bits_equal(sa.logprobs, sb.logprobs, "local vs remote logprobs")
 
         config = grpo.GRPOConfig(
             source=ModelSource(model_dir, tokenizer="bytes"),
@@ -640,21 +630,16 @@ def test_step_flops_and_mfu_by_hand():
     641,280 draws the first token; decode steps over contexts 4 and 5: 2 x (2 x 106,496) + 4 x 128 x 9 =
     430,592."""
     cfg = rlkjax.ModelConfig.preset("qwen3-tiny")
-    batch = pack(
-        [
-            {"prompt": [1, 2], "tokens": [3, 4, 5], "logprobs": np.zeros(3), "adv": 0.0, "temperature": 1.0},
-            {"prompt": [1], "tokens": [3, 4], "logprobs": np.zeros(2), "adv": 0.0, "temperature": 1.0},
-        ]
-    )
+    batch = pack([as_sample([1, 2], [3, 4, 5], np.zeros(3)), as_sample([1], [3, 4], np.zeros(2))])
     assert metrics.learner_flops(cfg, batch, scoring_passes=1, updates=1) == 5_137_920 + 1_712_640
-    groups = [[{"tokens": [7, 8, 9]}]]
-    assert metrics.rollout_flops(cfg, [[1, 2, 3]], groups) == 641_280 + 430_592
+    sampled = [as_sample([1, 2, 3], [7, 8, 9], np.zeros(3))]  # one group of one
+    assert metrics.rollout_flops(cfg, sampled, 1) == 641_280 + 430_592
     h200 = "NVIDIA H200"
     row = metrics.throughput(
         cfg,
         batch,
-        [[1, 2, 3]],
-        groups,
+        sampled,
+        1,
         {"learner": 2.0, "step": 4.0},
         {"learner": [h200], "all": [h200, h200]},
         scoring_passes=1,
@@ -666,8 +651,8 @@ def test_step_flops_and_mfu_by_hand():
     cpu = metrics.throughput(
         cfg,
         batch,
-        [[1, 2, 3]],
-        groups,
+        sampled,
+        1,
         {"learner": 2.0, "step": 4.0},
         {"learner": ["cpu"], "all": ["cpu"]},
         scoring_passes=1,

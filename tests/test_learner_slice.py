@@ -13,19 +13,19 @@ import pytest
 import rlkjax
 from rlkjax.core import audit, model
 from tests.helpers import STRICT, assert_bits_equal
-from train.batch import PAD, micro_batches, pack
+from train.batch import PAD, as_sample, micro_batches, pack
 from train.loss import Objective, grpo_loss, policy_logprobs
 
 
 def samples(rng, prompt_lengths, completion_lengths, vocab, temperatures=(1.0, 0.7, 0.0, 1.3)):
     return [
-        {
-            "prompt": rng.integers(0, vocab, p).tolist(),
-            "tokens": rng.integers(0, vocab, c).tolist(),
-            "logprobs": rng.uniform(-7, -0.1, c).astype(np.float32),
-            "adv": float(a),
-            "temperature": temp,
-        }
+        as_sample(
+            rng.integers(0, vocab, p).tolist(),
+            rng.integers(0, vocab, c).tolist(),
+            rng.uniform(-7, -0.1, c).astype(np.float32),
+            adv=float(a),
+            temperature=temp,
+        )
         for p, c, a, temp in zip(prompt_lengths, completion_lengths, (1.0, -0.5, 0.25, -1.0), temperatures)
     ]
 
@@ -169,12 +169,7 @@ def test_sliced_learner_compiled(preset):
     rng = np.random.default_rng(4)
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (37, 150, 5, 300)]
     comps = rlkjax.generate(params, cfg, prompts, max_tokens=16, temperature=1.0, seeds=[0, 1, 2, 3])
-    batch = pack(
-        [
-            {"prompt": p, "tokens": c.tokens, "logprobs": c.logprobs, "adv": float(a), "temperature": 1.0}
-            for p, c, a in zip(prompts, comps, (1.0, -0.5, 0.25, -1.0))
-        ]
-    )
+    batch = pack([as_sample(p, c.tokens, c.logprobs, float(a)) for p, c, a in zip(prompts, comps, (1, -0.5, 0.25, -1))])
     rope = model.rope_tables(cfg)
     fn = jax.jit(model.sequence_logprobs, static_argnames="setting")
     seqs = model.Sequences(batch.tokens, batch.positions, batch.temps, batch.columns)

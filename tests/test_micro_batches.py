@@ -8,7 +8,7 @@ import pytest
 
 from tests.helpers import assert_bits_equal
 from train import fsdp
-from train.batch import micro_batches, micro_length, pack, plan_micro_batches, unpermute
+from train.batch import as_sample, micro_batches, micro_length, pack, plan_micro_batches, unpermute
 from train.config import GRPOConfig
 from train.learner import build_learner, gradients, score
 
@@ -16,13 +16,13 @@ from train.learner import build_learner, gradients, score
 def samples(prompt_lens, completion_lens, seed=0):
     rng = np.random.default_rng(seed)
     return [
-        {
-            "prompt": rng.integers(0, 256, p).tolist(),
-            "tokens": rng.integers(0, 256, c).tolist(),
-            "logprobs": rng.uniform(-6, -0.1, c).astype(np.float32),
-            "adv": float(rng.normal()),
-            "temperature": 0.7,
-        }
+        as_sample(
+            rng.integers(0, 256, p).tolist(),
+            rng.integers(0, 256, c).tolist(),
+            rng.uniform(-6, -0.1, c).astype(np.float32),
+            adv=float(rng.normal()),
+            temperature=0.7,
+        )
         for p, c in zip(prompt_lens, completion_lens)
     ]
 

@@ -19,7 +19,7 @@ from rlkjax.engine.config import EngineConfig
 from rlkjax.entry_config import ModelSource
 from rlkjax.rl.environments import Environment, Step
 from rlkjax.rl.tasks import LowercaseTask
-from rlkjax.text.chat import ChatTemplate
+from rlkjax.text.chat import ChatTemplate, PromptFormat
 from rlkjax.text.tokenizer import ByteTokenizer
 from tests.helpers import EOS, assert_bits_equal, eos_model
 from tests.server_process import ADMIN, engine_flags, start_server
@@ -58,7 +58,8 @@ COMPACT += "{% if add_generation_prompt %}{{ 'a:' }}{% endif %}"
 
 
 def episodes_runner() -> EpisodeRunner:
-    return EpisodeRunner(AskAgain(None), ByteTokenizer(), ChatTemplate(COMPACT, {}), EOS, 3, NEW_TOKENS, PROMPT_TOKENS)
+    template = PromptFormat(ChatTemplate(COMPACT, {}))
+    return EpisodeRunner(None, AskAgain(None), ByteTokenizer(), template, EOS, 3, NEW_TOKENS, PROMPT_TOKENS)
 
 
 def local_rollout(model, kv_pages):
@@ -109,8 +110,8 @@ def ample(model):
 def assert_same_samples(a, b, what):
     for ga, gb in zip(a, b, strict=True):
         for sa, sb in zip(ga, gb, strict=True):
-            assert sa["tokens"] == sb["tokens"], what
-            assert_bits_equal(sa["logprobs"], sb["logprobs"], what)
+            assert sa.tokens == sb.tokens and sa.policy_version == sb.policy_version, what
+            assert_bits_equal(sa.logprobs, sb.logprobs, what)
 
 
 def assert_same_episodes(a, b, what):

@@ -15,7 +15,8 @@ import openai
 import pytest
 
 import rlkjax
-from rlkjax.rl.tools import Tools, tool_turn
+from rlkjax.rl.environments import continuation
+from rlkjax.rl.tools import Tools, tool_messages
 from rlkjax.text.chat import ChatTemplate, load_chat_template
 from rlkjax.text.qwen_tokenizer import QWEN3_CHAT_TEMPLATE
 from rlkjax.text.tokenizer import load_tokenizer
@@ -42,7 +43,7 @@ def served(tmp_path_factory):
     directory = tmp_path_factory.mktemp("qwen3_template")
     template = ChatTemplate(QWEN3_CHAT_TEMPLATE, {})
     prompt = template.render(USER, tools=TOOLS)
-    samples = [prompt, prompt + SAMPLED_CALL + "<|im_end|>" + tool_turn(template, ["42"])]
+    samples = [prompt, prompt + SAMPLED_CALL + "<|im_end|>" + continuation(template, tool_messages(["42"]))]
     samples += ["Error: the tool call is not valid JSON 0123456789"]
     tok = load_tokenizer(make_qwen3_template_checkpoint(directory, samples))
     proc, client = start_server("--tokenizer", str(directory))
@@ -89,7 +90,9 @@ def test_tool_call_history_is_accepted(served):
     """An assistant turn with tool_calls and no content (absent, null or ""), then the tool's result: rendered
     as Qwen3 renders them (the call as <tool_call> JSON, the result in <tool_response>)."""
     client, tok, template = served
-    expected = template.render(USER, tools=TOOLS) + SAMPLED_CALL + "<|im_end|>" + tool_turn(template, ["42"])
+    expected = (
+        template.render(USER, tools=TOOLS) + SAMPLED_CALL + "<|im_end|>" + continuation(template, tool_messages(["42"]))
+    )
     for content in ({"content": None}, {}, {"content": ""}):
         history = [HISTORY[0], {"role": "assistant", "tool_calls": [CALL], **content}, HISTORY[2]]
         body = {"messages": history, "tools": TOOLS, "max_tokens": 2, "seed": 1, "return_token_ids": True}
@@ -168,7 +171,9 @@ def test_token_route_shape_bits_and_a_multi_turn_episode(served, tiny):
             len(e["top_logprobs"]) == 1 and e["top_logprobs"][0]["token"].startswith("token_id:") for e in content
         )
     turn1 = first["choices"][0]
-    observation = tok.encode(tool_turn(template, ["42"], after_eos=turn1["token_ids"][-1] == tok.eos_token_id))
+    observation = tok.encode(
+        continuation(template, tool_messages(["42"]), after_eos=turn1["token_ids"][-1] == tok.eos_token_id)
+    )
     second_prompt = prompt + turn1["token_ids"] + observation
     status, second = generate(client, second_prompt, temperature=1.0, max_tokens=4, logprobs=0, seed=4)
     assert status == 200, second
@@ -258,7 +263,9 @@ def caller(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tool_caller")
     template = ChatTemplate(QWEN3_CHAT_TEMPLATE, {})
     prompt = template.render(USER, tools=TOOLS)
-    make_tool_caller(directory, [prompt, prompt + "".join(REPLY) + tool_turn(template, ["42"])], GENERATION, REPLY)
+    make_tool_caller(
+        directory, [prompt, prompt + "".join(REPLY) + continuation(template, tool_messages(["42"]))], GENERATION, REPLY
+    )
     proc, client = start_server("--model", str(directory))
     tok = load_tokenizer(directory)
     oai = openai.OpenAI(base_url=client.url + "/v1", api_key="unused", max_retries=0, timeout=600)

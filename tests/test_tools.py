@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from rlkjax.rl.tools import ToolCall, ToolCallScanner, Tools, calculator, parse_tool_calls, tool_messages, tool_turn
+from rlkjax.rl.environments import continuation
+from rlkjax.rl.tools import ToolCall, ToolCallScanner, Tools, calculator, parse_tool_calls, tool_messages
 from rlkjax.text.chat import load_chat_template
 from rlkjax.text.tokenizer import load_tokenizer
 from rlkjax.tiny_qwen3 import write_tiny_qwen3
@@ -153,8 +154,9 @@ def test_register_refuses_bad_tools():
 def test_the_qwen3_template_renders_tools_and_an_episode_extends_turn_by_turn(tokenizer):
     """The real Qwen3 template lists the tools' schemas in its system turn; a sampled call's result goes back
     as a `tool` message rendered as a <tool_response> user turn. The episode (the prompt's tokens, the sampled
-    tokens up to <|im_end|>, then tool_turn's tokens) is the same text and the same ids as the template's
-    rendering of the whole conversation: each turn appends to the previous tokens, nothing is re-tokenised."""
+    tokens up to <|im_end|>, then the tokens of the results' continuation) is the same text and the same ids as the
+    template's rendering of the whole conversation: each turn appends to the previous tokens, nothing is
+    re-tokenised."""
     template, tools = load_chat_template(tokenizer), Tools()
     user = [{"role": "user", "content": "What is 6 times 7?"}]
     prompt = template.render(user, tools=tools.schemas())
@@ -163,7 +165,7 @@ def test_the_qwen3_template_renders_tools_and_an_episode_extends_turn_by_turn(to
     sampled = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call>'
     content, calls, results = tools.run_text(sampled)
     assert (content, results) == ("", ["42"])
-    turn = tool_turn(template, results)
+    turn = continuation(template, tool_messages(results))
     assert turn == "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     episode = tokenizer.encode(prompt) + tokenizer.encode(sampled) + [IM_END] + tokenizer.encode(turn)
 
@@ -175,7 +177,7 @@ def test_the_qwen3_template_renders_tools_and_an_episode_extends_turn_by_turn(to
     assert episode == tokenizer.encode(whole)
     assert [episode.count(t) for t in (TOOL_CALL, TOOL_CALL_END, TOOL_RESPONSE)] == [3, 3, 1]
     # two results: one user turn holding both responses
-    both = tool_turn(template, ["4", "Error: unknown tool 'x'"], enable_thinking=False)
+    both = continuation(template, tool_messages(["4", "Error: unknown tool 'x'"]), enable_thinking=False)
     assert both == (
         "\n<|im_start|>user\n<tool_response>\n4\n</tool_response>\n<tool_response>\nError: unknown tool 'x'\n"
         "</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"

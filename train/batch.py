@@ -1,5 +1,6 @@
-"""The learner's data, typed: the batch it trains on (`Batch`, built by `pack`) and the statistics its
-loss reports (`LossStats`, each with a declared reduction). Both are NamedTuples, so they are pytrees:
+"""The learner's data, typed: its rows (`Sample`: an episode after its prompt, from train/episodes.py), the batch
+it trains on (`Batch`, built from them by `pack`) and the statistics its loss reports (`LossStats`, each with a
+declared reduction). Batch and LossStats are NamedTuples, so they are pytrees:
 `train/fsdp.py` shards a `Batch` by rows and merges `LossStats` across devices from these declarations,
 with no list of field names of its own.
 """
@@ -11,6 +12,30 @@ import numpy as np
 
 from rlkjax.core.numerics import PAGE_SIZE
 from rlkjax.core.shapes import bucket, cdiv, pad_sequences
+
+
+class Sample(NamedTuple):
+    """One row of a step's batch: an episode (a task's one turn, or an environment's turns) after its first prompt.
+    `tokens` holds every token after the prompt: the sampled ones (trained, their logprobs the sampler's) and those
+    an environment and the chat template added between turns (conditioned on, never trained)."""
+
+    prompt: list[int]
+    tokens: list[int]
+    logprobs: np.ndarray  # [len(tokens)] float32: the sampler's logprob on sampled tokens, 0 on added ones
+    mask: np.ndarray  # [len(tokens)] float32: 1 on sampled tokens, 0 on added ones
+    adv: float  # the episode's advantage, every sampled token's
+    temperature: float  # the sampling temperature, which the learner scores at
+    reward: float = 0.0
+    turns: int = 1  # sampled turns
+    policy_version: int = 0  # the weights' version that sampled its first turn
+
+
+def as_sample(prompt, tokens, logprobs, adv: float = 0.0, temperature: float = 1.0, mask=None) -> Sample:
+    """A Sample of id lists, for rows that are not a step's episodes (the SFT warm-up's, tests', benchmarks');
+    mask None: every token of `tokens` was sampled."""
+    tokens = list(tokens)
+    mask = np.ones(len(tokens), np.float32) if mask is None else np.asarray(mask, np.float32)
+    return Sample(list(prompt), tokens, np.asarray(logprobs, np.float32), mask, float(adv), float(temperature))
 
 
 class Batch(NamedTuple):
@@ -47,22 +72,20 @@ def padded_length(n: int) -> int:
     return bucket(n, PAGE_SIZE) if n <= 128 else cdiv(n, LENGTH_STEP) * LENGTH_STEP
 
 
-def pack(samples) -> Batch:
-    """Samples (dicts with prompt, tokens, logprobs, adv, temperature, and optionally mask) -> a Batch of T =
-    padded_length(the longest sequence) tokens and C = the most sampled tokens of a row, as a power of two (a
-    handful of shapes; a page's minimum, as T has, made short completions' head work twice or more).
-    mask: per token of `tokens`, 1 where it was sampled (trained, logprobs the sampler's) and 0 where an
-    environment or chat template added it (an episode's tool results and turn wrappers: conditioned on, never
-    trained, never scored); absent, every token of `tokens` was sampled."""
-    sequences = [s["prompt"] + s["tokens"] for s in samples]
-    sampled = [np.flatnonzero(s["mask"]) if "mask" in s else np.arange(len(s["tokens"])) for s in samples]
+def pack(samples: list[Sample]) -> Batch:
+    """Samples -> a Batch of T = padded_length(the longest sequence) tokens and C = the most sampled tokens of a
+    row, as a power of two (a handful of shapes; a page's minimum, as T has, made short completions' head work
+    twice or more). Only a sample's sampled tokens (mask 1) are trained and scored; the tokens an environment or
+    chat template added (an episode's tool results and turn wrappers) are conditioned on, never trained or scored."""
+    sequences = [s.prompt + s.tokens for s in samples]
+    sampled = [np.flatnonzero(s.mask) for s in samples]
     rows, length = len(samples), padded_length(max(map(len, sequences)))
     tokens, positions = pad_sequences(sequences, rows, length)
     logp_old, mask = np.zeros((rows, length - 1), np.float32), np.zeros((rows, length - 1), np.float32)
     columns = np.full((rows, bucket(max(map(len, sampled)))), -1, np.int32)
     for i, (s, which) in enumerate(zip(samples, sampled)):
-        cols = len(s["prompt"]) - 1 + which  # column t predicts token t + 1
-        logp_old[i, cols] = np.asarray(s["logprobs"], np.float32)[which]
+        cols = len(s.prompt) - 1 + which  # column t predicts token t + 1
+        logp_old[i, cols] = np.asarray(s.logprobs, np.float32)[which]
         mask[i, cols] = 1
         columns[i, : len(cols)] = cols
     return Batch(
@@ -70,8 +93,8 @@ def pack(samples) -> Batch:
         positions=positions,
         logp_old=logp_old,
         mask=mask,
-        adv=np.array([s["adv"] for s in samples], np.float32),
-        temps=np.array([s["temperature"] for s in samples], np.float32),
+        adv=np.array([s.adv for s in samples], np.float32),
+        temps=np.array([s.temperature for s in samples], np.float32),
         tis=np.ones((rows, length - 1), np.float32),
         columns=columns,
     )

@@ -20,7 +20,6 @@ import math
 import numpy as np
 
 from rlkjax.core.sampling_params import SamplingParams
-from train.rewards import episode_rewards, group_rewards
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:
@@ -38,22 +37,14 @@ def ks(group_size: int) -> list[int]:
 
 def sample_rewards(where: str, run, examples: list, seeds: list[int], sampling: SamplingParams) -> tuple:
     """[E][n] rewards of `examples` (and the failure counts), P at a time (the rollout's engines are sized for one
-    step): single completions rewarded by the task, or with --env whole episodes rewarded as in training."""
+    step): episodes as training samples them (one turn each for a task, or --env's), rewarded as in training."""
     chunk = run.config.prompts_per_step
-    if run.episodes is not None:
-        episodes = []
-        for start in range(0, len(examples), chunk):
-            part = slice(start, start + chunk)
-            episodes += run.episodes.run(run.rollout, examples[part], seeds[part], sampling, where)
-        run.rollout.release_cache()
-        return episode_rewards(where, episodes)
-    texts = []
+    episodes = []
     for start in range(0, len(examples), chunk):
         part = slice(start, start + chunk)
-        prompts = [run.tokenizer.encode(run.render(e.prompt)) for e in examples[part]]
-        groups = run.rollout.sample(prompts, seeds[part], sampling)
-        texts += [[run.tokenizer.decode(s["tokens"]) for s in g] for g in groups]
-    return group_rewards(where, run.task, examples, texts)
+        episodes += run.episodes.run(run.rollout, examples[part], seeds[part], sampling, where)
+    run.rollout.release_cache()
+    return run.episodes.rewards(where, episodes)
 
 
 def load_eval_set(config, make_task) -> list:

@@ -3,14 +3,15 @@ answer in lowercase letters on a laptop CPU in a few minutes, with zero sampler/
 
 The algorithm, per step:
   1. Sample P prompts x G completions with the rollout engine (in process, or a `serve.rollout`
-     server via --rollout-url). Each token's logprob is recorded by the sampler. A sampled eos (the
-     tokenizer's) ends a completion and is trained on as its last token (--ignore-eos samples past it).
+     server via --rollout-url), all P x G in one call. Each token's logprob is recorded by the sampler. A sampled
+     eos (the tokenizer's) ends a completion and is trained on as its last token (--ignore-eos samples past it).
      The in-process engines hold a KV page budget (--rollout-kv-gib, by default what the memory plan leaves),
      not the whole step: sequences are admitted as pages free up, and one preempted for pages is prefilled
      again later with the same tokens and logprob bits.
-     With --env, G multi-turn episodes per prompt instead (train/episodes.py): one token sequence each, the
-     sampled tokens of every turn trained and checked, the tokens the environment and template add between
-     turns masked out; an episode's reward is its environment's, and its advantage applies to all its turns.
+     Each completion is an episode of one turn (train/episodes.py); with --env, G multi-turn episodes per prompt:
+     one token sequence each, the sampled tokens of every turn trained and checked, the tokens the environment and
+     template add between turns masked out; an episode's reward is its environment's, and its advantage applies
+     to all its turns.
   2. Rewards from the task; group-normalised advantages A = (r - mean_group) / (std_group + eps)
      (--no-scale-advantages drops the std division: Dr. GRPO).
   3. `--updates-per-batch` optimiser steps on the batch, each over micro-batches with gradient
@@ -58,18 +59,17 @@ from rlkjax.rl.tasks import make_task
 from rlkjax.text.chat import PromptFormat, prompt_format
 from rlkjax.text.tokenizer import load_tokenizer
 from train import fsdp, memory
-from train.batch import Batch, pack
+from train.batch import Batch, Sample, pack
 from train.checkpoints import Checkpoints, check_disk, file_sha256, restore_run, run_config, save_run
 from train.config import GRPOConfig
 from train.episodes import EpisodeRunner, episode_row, learner_samples
 from train.evaluate import due, evaluate, load_eval_set
-from train.guards import check_prompt_lengths, check_rewards
+from train.guards import check_rewards
 from train.learner import Learner, build_learner, learn, verify
 from train.loggers import Loggers, sample_table
 from train.loss import to_policy
 from train.memory import PhasePeaks, RunShape, kv_budget, least_kv_pages
 from train.metrics import plot, throughput
-from train.rewards import episode_rewards, group_rewards
 from train.rollout import LocalRollout, RemoteRollout, measure, model_eos
 
 
@@ -98,65 +98,31 @@ class Run(NamedTuple):
     eval_set: list  # --eval-data's examples, or []
     data_sha256: str | None  # of the --data file, saved with each checkpoint and checked on --resume
     phases: PhasePeaks  # each phase's peak device memory, for the metrics rows
-    episodes: EpisodeRunner | None  # --env: multi-turn episodes; None: one completion per prompt
+    episodes: EpisodeRunner  # what samples a step's episodes: the task's of one turn, or --env's
 
 
-def rollout_batch(step: int, run: Run, data_rng) -> tuple[list, list, Batch, dict, list]:
-    """1-2. Sample P prompts x G completions (or, with --env, G episodes per example), reward them, group-normalise
-    -> (prompts, groups, Batch, row, the samples' table: prompt, completion and reward text)."""
-    config = run.config
+def rollout_batch(step: int, run: Run, data_rng) -> tuple[list[Sample], Batch, dict, list]:
+    """1-2. G episodes for each of P examples (a task's of one turn; --env's turn by turn: train/episodes.py), their
+    rewards, group-normalised: one advantage per episode, from its reward against its group's; the loss and the
+    contract cover every sampled token of every turn, and no token an environment or the template added.
+    -> (the learner's samples, their Batch, the row, the samples' table: prompt, completion and reward text)."""
+    config, where = run.config, f"step {step}"
     examples = run.task.sample(data_rng, config.prompts_per_step)
-    if run.episodes is not None:
-        return episode_batch(step, run, examples, data_rng)
-    prompts = [run.tokenizer.encode(run.render(e.prompt)) for e in examples]
     seeds = [int(s) for s in data_rng.integers(0, 2**32, config.prompts_per_step)]
-    groups = run.rollout.sample(prompts, seeds, run.sampling)
-    texts = [[run.tokenizer.decode(s["tokens"]) for s in g] for g in groups]
-    rewarded = [[s["tokens"] for s in g] for g in groups] if getattr(run.task, "reads_token_ids", False) else texts
-    rewards, failures = group_rewards(f"step {step}", run.task, examples, rewarded)
-    check_rewards(step, rewards, [e.prompt for e in examples])
-    adv = group_advantages(rewards, config.scale_advantages)
-    samples = [
-        {
-            "prompt": p,
-            "tokens": s["tokens"],
-            "logprobs": np.asarray(s["logprobs"], np.float32),
-            "adv": float(a),
-            "temperature": config.temperature,
-        }
-        for p, g, ar in zip(prompts, groups, adv)
-        for s, a in zip(g, ar)
-    ]
-    batch = pack(samples)
-    return (
-        prompts,
-        groups,
-        batch,
-        batch_row(step, rewards, batch, len(samples)) | failures,
-        sample_table(step, examples, texts, rewards),
-    )
-
-
-def episode_batch(step: int, run: Run, examples, data_rng) -> tuple[list, list, Batch, dict, list]:
-    """rollout_batch with --env: G episodes per example, turn by turn (train/episodes.py); one advantage per
-    episode, from its reward against its group's; the loss and the contract cover every sampled token of every
-    turn, and no token the environment or the template added."""
-    config = run.config
-    seeds = [int(s) for s in data_rng.integers(0, 2**32, config.prompts_per_step)]
-    before = run.rollout.prefix_cache()
-    episodes = run.episodes.run(run.rollout, examples, seeds, run.sampling, f"step {step}")
-    after = run.rollout.prefix_cache()
+    before = run.rollout.prefix_cache() if run.episodes.env is not None else {}
+    episodes = run.episodes.run(run.rollout, examples, seeds, run.sampling, where)
+    after = run.rollout.prefix_cache() if run.episodes.env is not None else {}
     run.rollout.release_cache()
-    rewards, failures = episode_rewards(f"step {step}", episodes)
+    rewards, failures = run.episodes.rewards(where, episodes)
     check_rewards(step, rewards, [e.prompt for e in examples])
     adv = group_advantages(rewards, config.scale_advantages)
-    samples = learner_samples(episodes, adv, config.temperature)
+    samples = learner_samples(episodes, rewards, adv, config.temperature)
     batch = pack(samples)
-    row = batch_row(step, rewards, batch, len(samples)) | failures | episode_row(episodes, before, after)
-    prompts = [g[0].prompt for g in episodes]
-    groups = [[{"tokens": ep.completion, "policy_version": ep.turns[0].policy_version} for ep in g] for g in episodes]
+    row = batch_row(step, rewards, batch, len(samples)) | failures
+    if run.episodes.env is not None:  # the multi-turn fields
+        row |= episode_row(episodes, before, after)
     texts = [[run.tokenizer.decode(ep.completion) for ep in g] for g in episodes]
-    return prompts, groups, batch, row, sample_table(step, examples, texts, rewards)
+    return samples, batch, row, sample_table(step, examples, texts, rewards)
 
 
 def batch_row(step: int, rewards: np.ndarray, batch: Batch, sequences: int) -> dict:
@@ -178,7 +144,7 @@ def grpo_step(step: int, run: Run, state: dict, data_rng) -> tuple[dict, dict, l
     t0 = time.perf_counter()
     phases.phase("rollout")
     with measure(run.rollout) as sampled:  # concurrency, preemptions, decode rate
-        prompts, groups, batch, row, samples = rollout_batch(step, run, data_rng)
+        samples, batch, row, table = rollout_batch(step, run, data_rng)
     row |= sampled
     run.rollout.release_weights()  # the learner's turn: the engines' weights come back with the update's
     t1 = time.perf_counter()
@@ -205,7 +171,7 @@ def grpo_step(step: int, run: Run, state: dict, data_rng) -> tuple[dict, dict, l
         "rollout_s": t1 - t0,
         "verify_s": t2 - t1,
         "sync_s": t4 - t3,
-        "policy_version": int(groups[0][0]["policy_version"]),
+        "policy_version": samples[0].policy_version,
     }
     # What no phase above covers: the learner's host work between its jitted calls (the contract and finiteness
     # checks, the batch's micro-batches onto the mesh).
@@ -216,8 +182,8 @@ def grpo_step(step: int, run: Run, state: dict, data_rng) -> tuple[dict, dict, l
     row |= throughput(
         cfg,
         batch,
-        prompts,
-        groups,
+        samples,
+        config.group_size,
         {"learner": row["verify_s"] + row["learn_s"], "step": t4 - t0},
         devices,
         scoring_passes=scoring_passes,
@@ -227,7 +193,7 @@ def grpo_step(step: int, run: Run, state: dict, data_rng) -> tuple[dict, dict, l
     if memory:
         row["peak_bytes_per_device"] = memory  # jax.devices() order, since the start of the run
     row |= {f"peak_bytes_{phase.replace(' ', '_')}": peak for phase, peak in phases.take().items()}
-    return state, row, samples
+    return state, row, table
 
 
 def train(config: GRPOConfig) -> dict:
@@ -297,12 +263,9 @@ def start_run(config: GRPOConfig) -> tuple[Run, dict, int, np.random.Generator]:
         render = prompt_format(config.chat_template, tokenizer, config.system_prompt, config.enable_thinking)
         eval_set = load_eval_set(config, make_task)
         episodes = episode_runner(config, task, tokenizer, render, model_eos(tokenizer, cfg))
-        for examples in (getattr(task, "examples", ()), eval_set):
-            if episodes is None:
-                check_prompt_lengths(examples, tokenizer, config.max_prompt_tokens, render)
-            else:  # the environment's first prompts, as sampled
-                for example in examples:
-                    episodes.start(example, "before step 1, checking every example's first prompt")
+        for examples in (getattr(task, "examples", ()), eval_set):  # every first prompt, as sampled
+            for example in examples:
+                episodes.start(example, "before step 1, checking every example's first prompt")
         sampling = SamplingParams(
             n=config.group_size,
             max_tokens=config.max_new_tokens,
@@ -355,10 +318,10 @@ def start_run(config: GRPOConfig) -> tuple[Run, dict, int, np.random.Generator]:
     return run, state, start, data_rng
 
 
-def episode_runner(config: GRPOConfig, task, tokenizer, render: PromptFormat, eos) -> EpisodeRunner | None:
-    """--env's environment and what samples its episodes (train/episodes.py), or None for single-turn runs."""
+def episode_runner(config: GRPOConfig, task, tokenizer, render: PromptFormat, eos) -> EpisodeRunner:
+    """What samples a step's episodes (train/episodes.py): the task's, of one turn, or --env's environment's."""
     if config.env is None:
-        return None
+        return EpisodeRunner(task, None, tokenizer, render, eos, 1, config.max_new_tokens, config.max_prompt_tokens)
     if render.template is None:
         raise ValueError(
             f"--env {config.env!r} needs a chat template (its turns are chat messages), and --chat-template "
@@ -368,15 +331,14 @@ def episode_runner(config: GRPOConfig, task, tokenizer, render: PromptFormat, eo
     if eos is None:
         raise ValueError(f"--env {config.env!r} needs a tokenizer with an eos token: a turn ends at it")
     return EpisodeRunner(
+        task,
         load_environment(config.env, task),
         tokenizer,
-        render.template,
+        render,
         eos,
         config.max_turns,
         config.max_new_tokens,
         config.max_prompt_tokens,
-        config.system_prompt,
-        {"enable_thinking": config.enable_thinking},
     )
 
 

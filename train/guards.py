@@ -1,7 +1,8 @@
 """What stops a run rather than let it train on something wrong: a broken numerics contract (the learner's
-logprob bits differ from the sampler's), a non-finite reward, loss, gradient, parameter or optimiser state,
-and a prompt of the data file too long for the engine. Each check returns or raises a message that names
-the step and the place (sequence and token, tensor, example), so the first bad value is found, not guessed.
+logprob bits differ from the sampler's), a non-finite reward, loss, gradient, parameter or optimiser state
+(a prompt too long for the engine is train/episodes.py's to refuse, before step 1). Each check returns or raises
+a message that names the step and the place (sequence and token, tensor, example), so the first bad value is
+found, not guessed.
 """
 
 import logging
@@ -103,16 +104,3 @@ def check_rewards(step: int, rewards: np.ndarray, prompts: list[str]) -> None:
         f"step {step}: the reward of prompt {prompt}, sample {sample} is "
         f"{float(rewards[prompt, sample])!r} ({prompts[prompt]!r})"
     )
-
-
-# ----- prompts that cannot be sampled -----
-def check_prompt_lengths(examples, tokenizer, max_prompt_tokens: int, render=lambda prompt: prompt) -> None:
-    """Every prompt of a data file (a file-backed task's `examples`, an eval set) fits max_prompt_tokens as
-    sampled, after `render` (the chat template), found now, not when it is sampled."""
-    for example in examples:
-        length = len(tokenizer.encode(render(example.prompt)))
-        if not 0 < length <= max_prompt_tokens:
-            raise ValueError(
-                f"{example.source}: the prompt is {length} tokens; max_prompt_tokens={max_prompt_tokens} accepts "
-                f"1 to {max_prompt_tokens}"
-            )

@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 
 from rlkjax.core.flops import decode_flops, mfu, sequence_flops
-from train.batch import Batch
+from train.batch import Batch, Sample
 
 log = logging.getLogger("train.grpo")
 
@@ -30,20 +30,21 @@ def learner_flops(cfg, batch: Batch, *, scoring_passes: int, updates: int) -> fl
     )
 
 
-def rollout_flops(cfg, prompts, groups) -> float:
-    """Model FLOPs of sampling `groups` ([P][G] completions) after `prompts`: each prompt's prefill once
-    (its G samples share the prompt's KV pages), which draws every sample's first token, and one decode
-    step for each further token, over a context of the prompt and the completion so far."""
-    prefill = sequence_flops(cfg, [len(p) for p in prompts], backward=False).model
-    contexts = [len(p) + i for p, g in zip(prompts, groups) for s in g for i in range(1, len(s["tokens"]))]
+def rollout_flops(cfg, samples: list[Sample], group: int) -> float:
+    """Model FLOPs of sampling `samples` (a step's, in groups of `group` after one prompt each): each group's
+    prompt's prefill once (its G samples share the prompt's KV pages), which draws every sample's first token,
+    and one decode step for each further token, over a context of the prompt and the completion so far (an
+    episode's added tokens counted as decoded: an estimate, exact for one turn)."""
+    prefill = sequence_flops(cfg, [len(s.prompt) for s in samples[::group]], backward=False).model
+    contexts = [len(s.prompt) + i for s in samples for i in range(1, len(s.tokens))]
     return prefill + decode_flops(cfg, contexts)
 
 
-def throughput(cfg, batch, prompts, groups, seconds: dict, devices: dict, *, scoring_passes: int, updates: int):
+def throughput(cfg, batch, samples, group: int, seconds: dict, devices: dict, *, scoring_passes: int, updates: int):
     """The row's FLOP/s and MFU fields. seconds: {"learner", "step"}; devices: {"learner", "all"}, lists of
     jax.Device (MFU is left out where the device's peak is unknown, as on a CPU)."""
     learner = learner_flops(cfg, batch, scoring_passes=scoring_passes, updates=updates)
-    step = learner + rollout_flops(cfg, prompts, groups)
+    step = learner + rollout_flops(cfg, samples, group)
     row = {
         "learner_pass_tflops_per_device": learner / seconds["learner"] / len(devices["learner"]) / 1e12,
         "grpo_step_tflops_per_device": step / seconds["step"] / len(devices["all"]) / 1e12,

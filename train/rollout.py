@@ -1,11 +1,11 @@
 """Where train.grpo's completions come from: the in-process engines (`LocalRollout`, the default) or a
-running `serve.rollout` server (`RemoteRollout`). Both have `sample(prompts, seeds, sampling) -> [P][n]
-{tokens, logprobs (float32), policy_version}` (prompt i sampled with seed seeds[i] and the one SamplingParams
-value) and `push(policy, cfg, out_dir)`, and for the same weights, prompts, seeds and sampling both return the
-same tokens and logprob bits. `sample_turns(prompts, seeds, samplings)` is the same with one SamplingParams per
-prompt, for an episode's turns (train/episodes.py): the in-process engines keep their KV caches between calls and
-the server is asked through vLLM's token route, so each next turn's prompt finds the previous turn's pages in the
-prefix cache; `prefix_cache()` reads the counters that show it.
+running `serve.rollout` server (`RemoteRollout`). Both have `sample_turns(prompts, seeds, samplings) -> [P][n]
+Completion` (prompt i sampled with seed seeds[i] and its own SamplingParams: train/episodes.py samples every turn
+of every episode through it, a task's one turn included) and `push(policy, cfg, out_dir)`, and for the same
+weights, prompts, seeds and sampling both return the same tokens and logprob bits. The in-process engines keep
+their KV caches between calls, and the server keeps its own, so each next turn's prompt finds the previous turn's
+pages in the prefix cache; `prefix_cache()` reads the counters that show it. `sample(prompts, seeds, sampling)`
+is the same with one SamplingParams for every prompt, the caches released after.
 
 The in-process engines' KV caches are a page budget, not a step's sequences at full length (EngineConfig.for_budget):
 sequences are admitted as pages free up, and one preempted for pages is prefilled again later, with the same tokens
@@ -18,6 +18,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -31,6 +32,15 @@ from rlkjax.engine import outputs
 from rlkjax.engine.config import EngineConfig
 from rlkjax.engine.engine import Engine
 from train import fsdp
+
+
+class Completion(NamedTuple):
+    """One sampled completion (or an episode's turn), as both rollouts return it."""
+
+    tokens: list[int]  # the sampled tokens, a sampled eos last when one ended it
+    logprobs: np.ndarray  # [len(tokens)] float32: the sampler's logprob of each, the bits the learner must find
+    policy_version: int  # the weights' version that sampled it (updates pushed since the run's start)
+
 
 # The engines' counters a step's row reads twice (Engine.metrics; the server's /metrics as rlkjax_<name>_total).
 ENGINE_COUNTERS = ("preemptions", "preempted_tokens", "decode_tokens", "decode_rounds", "decode_rows")
@@ -109,12 +119,12 @@ class LocalRollout:
                         jax.device_put(local, device), cfg, numerics, self.sizing, eos_token_id
                     )
 
-    def sample(self, prompts, seeds, sampling: SamplingParams):
+    def sample(self, prompts, seeds, sampling: SamplingParams) -> list[list[Completion]]:
         groups = self.sample_turns(prompts, seeds, [sampling] * len(prompts))
         self.release_cache()
         return groups
 
-    def sample_turns(self, prompts, seeds, samplings: list[SamplingParams]):
+    def sample_turns(self, prompts, seeds, samplings: list[SamplingParams]) -> list[list[Completion]]:
         """Like sample, with one SamplingParams per prompt (an episode's turns ask for what their context has left),
         and the KV caches kept, so the prefix cache holds every ended turn for the next (release_cache() after
         the last)."""
@@ -151,11 +161,11 @@ class LocalRollout:
             theirs = {k: v[device.process_index, i] for k, v in every.items()}
             groups.append(
                 [
-                    {
-                        "tokens": theirs["tokens"][j, :n].tolist(),
-                        "logprobs": theirs["logprob_bits"][j, :n].view(np.float32),
-                        "policy_version": int(theirs["version"][j]),
-                    }
+                    Completion(
+                        theirs["tokens"][j, :n].tolist(),
+                        theirs["logprob_bits"][j, :n].view(np.float32),
+                        int(theirs["version"][j]),
+                    )
                     for j, n in enumerate(theirs["length"][: samplings[i].n])
                 ]
             )
@@ -192,6 +202,11 @@ class LocalRollout:
             engine.update_weights(jax.device_put(local, device))  # live before the next request is admitted
 
 
+def completion(sample: dict) -> Completion:
+    """A sample as rlkjax.client returns it (its logprobs already the float32 values the server wrote)."""
+    return Completion(list(sample["tokens"]), np.asarray(sample["logprobs"], np.float32), int(sample["policy_version"]))
+
+
 class RemoteRollout:
     """A `serve.rollout` server; its policy_version is the server's own count of weight updates (a
     restarted server starts again from 0, also on --resume)."""
@@ -204,7 +219,22 @@ class RemoteRollout:
         self.client.wait_until_ready()  # a server started beside the trainer may still be warming up
         self.sample_s = 0.0  # wall seconds waiting for completions, for the decode rate
 
-    def sample(self, prompts, seeds, sampling: SamplingParams):
+    def sample(self, prompts, seeds, sampling: SamplingParams) -> list[list[Completion]]:
+        return self.sample_turns(prompts, seeds, [sampling] * len(prompts))
+
+    def sample_turns(self, prompts, seeds, samplings: list[SamplingParams]) -> list[list[Completion]]:
+        """Like LocalRollout.sample_turns. One SamplingParams for every prompt (a step's first turns, a task's one
+        turn): one /generate request, whose P x n samples the server admits together. Several (an episode's later
+        turns, each asking for what its context has left): one request per prompt through vLLM's token route
+        (/inference/v1/generate), sent together so the server batches them."""
+        if len(set(samplings)) == 1:
+            groups = self._generate(prompts, seeds, samplings[0])
+        else:
+            with timed(self), ThreadPoolExecutor(min(len(prompts), 64) or 1) as pool:
+                groups = list(pool.map(self.client.generate_tokens, prompts, samplings, seeds))
+        return [[completion(s) for s in g] for g in groups]
+
+    def _generate(self, prompts, seeds, sampling: SamplingParams) -> list[list[dict]]:
         carried = dict(n=sampling.n, max_tokens=sampling.max_tokens, temperature=sampling.temperature)
         carried |= dict(stop_token_ids=sampling.stop_token_ids, ignore_eos=sampling.ignore_eos)
         if sampling != SamplingParams(**carried):
@@ -219,12 +249,6 @@ class RemoteRollout:
                 stop_token_ids=sampling.stop_token_ids,
                 ignore_eos=sampling.ignore_eos,  # the server's eos is its tokenizer's, the one the engines here stop at
             )
-
-    def sample_turns(self, prompts, seeds, samplings: list[SamplingParams]):
-        """Like LocalRollout.sample_turns, through vLLM's token route (/inference/v1/generate), one request per
-        prompt, sent together so the server batches them."""
-        with timed(self), ThreadPoolExecutor(min(len(prompts), 64) or 1) as pool:
-            return list(pool.map(self.client.generate_tokens, prompts, samplings, seeds))
 
     def counters(self) -> dict:
         """The server's counters since it started (its /metrics; other clients' work counts too), as

@@ -41,7 +41,7 @@ from rlkjax.rl.environments import checked_reset, first_prompt, load_environment
 from rlkjax.text.chat import load_chat_template, prompt_format
 from rlkjax.text.tokenizer import load_tokenizer
 from train import fsdp, optimizer
-from train.batch import Batch, pack
+from train.batch import Batch, as_sample, pack
 from train.config import Optimiser
 from train.loss import policy_logprobs, to_policy
 
@@ -126,12 +126,9 @@ def make_batch(pairs) -> Batch:
     """(prompt, completion[, mask]) id lists -> the learner's Batch (train/batch.py pack): the trained tokens
     (mask 1; every completion token without a mask) are those the learner would train of a sampled completion,
     scored at temperature 1 (logp_old, adv and tis are not read by the warm-up's loss)."""
-    samples = [
-        {"prompt": p, "tokens": c, "logprobs": np.zeros(len(c), np.float32), "adv": 0.0, "temperature": 1.0}
-        | ({"mask": rest[0]} if rest else {})
-        for p, c, *rest in pairs
-    ]
-    return pack(samples)
+    return pack(
+        [as_sample(p, c, np.zeros(len(c), np.float32), mask=rest[0] if rest else None) for p, c, *rest in pairs]
+    )
 
 
 def sft_loss(master, batch: Batch, rope, cfg, numerics) -> jax.Array:

@@ -16,7 +16,7 @@ One turn of a calculator episode, as train/episodes.py's EpisodeRunner plays eac
     >>> step
     Step(messages=[{'role': 'tool', 'content': '7006652', 'name': 'calculator'}], reward=0.0, done=False)
     >>> episode.add_step(step)
-    >>> episode.turns[-1].added = continuation(template, tokenizer, step.messages, after_eos=True)
+    >>> episode.turns[-1].added = tokenizer.encode(continuation(template, step.messages))
     >>> episode.messages += step.messages
     >>> episode.tokens == episode.prompt + sampled + episode.turns[-1].added  # the next turn's prompt
     True
@@ -235,14 +235,18 @@ def first_prompt(env: Environment, messages: list, template, tokenizer, **kwargs
     return tokenizer.encode(template.render(messages, add_generation_prompt=True, tools=env.tools, **kwargs))
 
 
-def continuation(template, tokenizer, messages: list, after_eos: bool, **kwargs) -> list[int]:
-    """The tokens that follow a sampled assistant turn when `messages` are appended: the template's rendering of
+def continuation(template, messages: list, after_eos: bool = True, **kwargs) -> str:
+    """The text that follows a sampled assistant turn when `messages` are appended: the template's rendering of
     the new messages alone, up to the next generation prompt, after the newline the template writes after an
-    assistant turn's eos (`after_eos`). With Qwen3's template that is "\\n<|im_start|>user\\n<tool_response>\\n...
-    </tool_response><|im_end|>\\n<|im_start|>assistant\\n" for tool results (as rlkjax.rl.tools.tool_turn) and
-    "\\n<|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n" for a user message."""
-    text = template.render(messages, add_generation_prompt=True, **kwargs)
-    return tokenizer.encode(("\n" if after_eos else "") + text)
+    assistant turn's eos (`after_eos`: the sampled turn ended with it). The one renderer of a turn an environment
+    or a tool adds (train's episodes, the SFT warm-up's worked episodes, an outside client of the server's token
+    route). With Qwen3's template, for a tool's results (rlkjax.rl.tools.tool_messages):
+        "\\n<|im_start|>user\\n<tool_response>\\n...\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n"
+    and for a user message:
+        "\\n<|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n"
+    Its tokens are appended to the episode's as they are (the sampled ones are never re-tokenised). kwargs go to
+    the template (enable_thinking=False, ...)."""
+    return ("\n" if after_eos else "") + template.render(messages, add_generation_prompt=True, **kwargs)
 
 
 def worked_episode(template, tokenizer, turns: list, eos: int, **kwargs) -> tuple[list[int], list[int]]:
@@ -258,7 +262,7 @@ def worked_episode(template, tokenizer, turns: list, eos: int, **kwargs) -> tupl
             ids, trained, i = tokenizer.encode(turns[i]["content"]) + [eos], 1, i + 1
         else:
             j = next((k for k in range(i, len(turns)) if turns[k].get("role") == "assistant"), len(turns))
-            ids, trained, i = continuation(template, tokenizer, turns[i:j], after_eos=True, **kwargs), 0, j
+            ids, trained, i = tokenizer.encode(continuation(template, turns[i:j], **kwargs)), 0, j
         tokens += ids
         mask += [trained] * len(ids)
     return tokens, mask

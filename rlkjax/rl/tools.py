@@ -18,7 +18,9 @@ rlkjax.text.chat.load_chat_template):
     ('Let me check.', ['GRPO with exact logprobs'])
     >>> tools.run_text('<tool_call>{"name": "lookup"}</tool_call>')[2]  # a bad call is an observation
     ["Error: lookup: missing argument(s) ['word']"]
-    >>> next_tokens = tokenizer.encode(tool_turn(template, results))  # appended to the episode's tokens
+    >>> from rlkjax.rl.environments import continuation  # the one renderer of a turn appended to an episode
+    >>> turn = continuation(template, tool_messages(results))  # the <tool_response> turn, as the template writes it
+    >>> next_tokens = tokenizer.encode(turn)  # appended to the episode's tokens
 
 `parse_tool_calls` reads a whole turn; `ToolCallScanner` is the same reading of a turn that arrives in pieces
 (the server's streams), and `parse_arguments` the one reading of a call's arguments (sampled, or sent back in a
@@ -284,16 +286,6 @@ def tool_messages(results: list[str], calls: list[ToolCall] | None = None, ids: 
             message["tool_call_id"] = ids[i]
         messages.append(message)
     return messages
-
-
-def tool_turn(template, results: list[str], after_eos: bool = True, **kwargs) -> str:
-    """The text that follows an assistant turn whose calls gave `results`, up to the next generation prompt:
-    with Qwen3's template, "\\n<|im_start|>user\\n<tool_response>\\n...\\n</tool_response><|im_end|>\\n
-    <|im_start|>assistant\\n". Its tokens are appended to the episode's tokens as they are (the sampled ones
-    are never re-tokenised). after_eos: the sampled turn ended with the eos token (<|im_end|>), after which
-    the template writes a newline. kwargs go to the template (enable_thinking=False, ...)."""
-    text = template.render(tool_messages(results), add_generation_prompt=True, **kwargs)
-    return ("\n" if after_eos else "") + text
 
 
 # ----- the built-in calculator -----
