@@ -106,22 +106,27 @@ def test_gradients_are_the_full_passs(tiny):
 
 
 def test_micro_batches_score_as_the_whole_batch(tiny):
-    """Rows sliced into micro-batches (and padded with PAD rows, whose columns are all -1) score the
-    same bits as the whole batch: a row's columns index its own row."""
+    """Rows packed into micro-batches of a token budget (sorted by length, cut to each micro-batch's length and
+    columns, padded with PAD rows whose columns are all -1) score the same bits as the whole batch: a row's
+    columns index its own row."""
     cfg, params = tiny
     batch = pack(samples(np.random.default_rng(3), (7, 30, 2, 12), (9, 1, 20, 5), cfg.vocab_size))
     rope = model.rope_tables(cfg)
     fn = jax.jit(policy_logprobs, static_argnames="setting")
     master = jax.tree.map(lambda w: w.astype(jnp.float32), params)
     strict = model.LearnerPass(cfg, "strict")
-    whole = np.asarray(
-        fn(master, model.Sequences(batch.tokens, batch.positions, batch.temps, batch.columns), rope, strict)
-    )
-    parts = [
-        np.asarray(fn(master, model.Sequences(mb.tokens, mb.positions, mb.temps, mb.columns), rope, strict))[:3]
-        for mb in micro_batches(batch, 3, devices=2)
-    ]
-    assert_bits_equal(np.concatenate(parts)[: len(whole)], whole, "micro-batches of 3 rows, padded to 4")
+
+    def score(b):
+        return np.asarray(fn(master, model.Sequences(b.tokens, b.positions, b.temps, b.columns), rope, strict))
+
+    whole = score(batch)
+    plan, parts = zip(*micro_batches(batch, 32, devices=2))
+    assert len(plan) > 1, "the budget must split the batch"
+    packed = np.zeros_like(whole)
+    for mb, part in zip(plan, parts):
+        scored = score(part)[: len(mb.rows)]
+        packed[mb.rows, : scored.shape[1]] = scored
+    assert_bits_equal(packed, whole, "micro-batches of 32 tokens a device, padded to the 2 devices")
 
 
 def lowered_learner(cfg, grad: bool, columns: bool, b=2, t=16, c=8):
