@@ -161,4 +161,7 @@ PRESETS = {
     "qwen3-1.7b": ModelConfig(151936, 2048, 28, 16, 8, 128, 6144, tie_embeddings=True),
     "qwen3-4b": ModelConfig(151936, 2560, 36, 32, 8, 128, 9728, tie_embeddings=True),
     "qwen3-8b": ModelConfig(151936, 4096, 36, 32, 8, 128, 12288, tie_embeddings=False),
+    # Qwen/Qwen3-14B and Qwen/Qwen3-32B's config.json (shapes only).
+    "qwen3-14b": ModelConfig(151936, 5120, 40, 40, 8, 128, 17408, tie_embeddings=False),
+    "qwen3-32b": ModelConfig(151936, 5120, 64, 64, 8, 128, 25600, tie_embeddings=False),
 }
