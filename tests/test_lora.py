@@ -20,6 +20,7 @@ from rlkjax.core import lora
 from rlkjax.core.config import LoraConfig
 from rlkjax.core.numerics import MATMUL, MATMUL_DECODE
 from tests.helpers import INTERPRET, assert_bits_equal, randn
+from tests.test_checkpoint import FIXTURES, our_logits
 from tests.test_kernels import check_against_truth, check_grads, f32
 
 BF16 = jnp.bfloat16
@@ -165,3 +166,23 @@ def test_merged_export_is_w_plus_scaled_ba(tiny, tmp_path):
     rlkjax.save_hf_checkpoint(tmp_path, dataclasses.replace(cfg, lora=None), merged)
     _, loaded = rlkjax.load_hf_checkpoint(tmp_path)
     assert_bits_equal(loaded["layers"]["v_proj"], merged["layers"]["v_proj"], "merged v_proj")
+
+
+def test_peft_parity():
+    """An adapter PEFT wrote (tests/make_peft_fixture.py: rank 4, lora_alpha 12, all seven projections, A and B
+    random) on the hf_qwen3_untied base: loaded by `load_peft`, our float32 logits (strict kernels) are as close to
+    PEFT's float64 logits as PEFT's own float32 ones are (4x their relative error, test_hf_parity's rule; a
+    transposed adapter, a scale in the wrong place or a missed target is an O(1e-2) error), and the merged export
+    is PEFT's merge_and_unload to float32 rounding (2 ulp of the largest weight)."""
+    ref = np.load(FIXTURES / "peft_lora_qwen3_untied" / "reference.npz")
+    cfg, base = rlkjax.load_hf_checkpoint(FIXTURES / "hf_qwen3_untied")
+    cfg, adapters = lora.load_peft(FIXTURES / "peft_lora_qwen3_untied", cfg)
+    assert cfg.lora == LoraConfig(rank=4, alpha=12.0) and cfg.lora.scale == 3.0
+    params = lora.merge(base, adapters)
+    truth, hf32 = ref["logits_f64"], ref["logits_f32"]
+    e_peft = np.linalg.norm(hf32 - truth) / np.linalg.norm(truth)
+    e_ours = np.linalg.norm(our_logits(cfg, params, ref["input_ids"]) - truth) / np.linalg.norm(truth)
+    assert e_ours <= 4 * e_peft, f"our error {e_ours:.3g} vs PEFT's float32 error {e_peft:.3g}"
+    merged = np.asarray(lora.merged_weights(cfg, params)["layers"]["q_proj"][1])
+    want = ref["merged_q_proj_1"]
+    assert np.abs(merged - want).max() <= 2 * np.finfo(np.float32).eps * np.abs(want).max()

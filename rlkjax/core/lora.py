@@ -120,10 +120,11 @@ def peft_config(lora: LoraConfig, base_model: str | None) -> dict:
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model,
         "r": lora.rank,
-        "lora_alpha": lora.alpha,
+        "lora_alpha": int(lora.alpha) if float(lora.alpha).is_integer() else lora.alpha,  # PEFT writes an int
         "target_modules": list(lora.targets),
         "lora_dropout": 0.0,
         "bias": "none",
+        "lora_bias": False,
         "fan_in_fan_out": False,
         "use_rslora": False,
         "use_dora": False,
@@ -131,6 +132,8 @@ def peft_config(lora: LoraConfig, base_model: str | None) -> dict:
         "inference_mode": True,
         "modules_to_save": None,
         "layers_to_transform": None,
+        "layers_pattern": None,
+        "exclude_modules": None,
         "rank_pattern": {},
         "alpha_pattern": {},
     }
@@ -161,10 +164,12 @@ def load_peft(directory, cfg: ModelConfig, dtype=jnp.float32) -> tuple[ModelConf
     config = json.loads((directory / CONFIG).read_text())
     if config.get("peft_type") != "LORA":
         raise ValueError(f"{directory / CONFIG}: peft_type {config.get('peft_type')!r} is not 'LORA'")
-    for key in ("use_dora", "use_rslora", "fan_in_fan_out"):
+    for key in ("use_dora", "use_rslora", "fan_in_fan_out", "lora_bias", "use_qalora", "use_bdlora"):
         if config.get(key):
             raise ValueError(f"{directory / CONFIG}: {key}=true is not supported")
-    for key in ("rank_pattern", "alpha_pattern", "layers_to_transform", "modules_to_save"):
+    unsupported = ("rank_pattern", "alpha_pattern", "layers_to_transform", "modules_to_save", "exclude_modules")
+    unsupported += ("layer_replication", "trainable_token_indices", "target_parameters", "alora_invocation_tokens")
+    for key in unsupported:
         if config.get(key):
             raise ValueError(f"{directory / CONFIG}: {key}={config[key]!r} is not supported")
     if config.get("bias", "none") != "none":
