@@ -47,7 +47,8 @@ def _fwd(x, w, residual, lora_a, lora_b, config, interpret, scale, stack, layer)
     u = product(x, lora_a, config, interpret, scale=scale)
     b, at = _base(w, stack, layer, "nt", config)
     y = product(x, b, config, interpret, layer=at, residual=residual, adapter=(u, lora_b))
-    return y, (x, w, lora_a, lora_b, u, stack, layer, residual is not None)
+    in_place = stack is not None and _fits(stack, "nn", config)  # dx reads the stack: w is not kept (nor sliced)
+    return y, (x, None if in_place else w, lora_a, lora_b, u, stack, layer, residual is not None)
 
 
 def _bwd(config, interpret, scale, saved, dy):

@@ -64,3 +64,32 @@ def test_the_plan_agrees_with_the_h200_within_10_percent():
             r[f"peak_bytes_{phase.replace(' ', '_')}"] for r in rows if f"peak_bytes_{phase.replace(' ', '_')}" in r
         )
         assert abs(plan[phase] / measured - 1) < 0.10, (phase, plan[phase] / GIB, measured / GIB)
+
+
+H100_LIMIT = 0.95 * 81559 * 2**20  # what train.grpo lets JAX take of an H100 80GB
+
+
+def test_lora_plan_by_hand_and_what_fits_one_h100():
+    """LoRA (rank 16, all seven projections): the base frozen in bf16 (2P, shared with the sampler on one GPU), the
+    A adapter parameters with fp32 master (4A), moments (8A) and gradient (4A), bf16 cast and micro-batch gradient
+    (2A each); no fp32 copy or moment of the base. On one H100 the plan fits Qwen3-8B and -14B at STEP as they are,
+    and Qwen3-32B with --remat and micro-batches of 8 (what check_fits names), where full-parameter 8B needs 98 GiB even
+    with its moments on the host and remat."""
+    lora = rlkjax.LoraConfig(rank=16)
+    cfg = dataclasses.replace(QWEN3_8B, lora=lora)
+    p, a = memory.parameter_count(QWEN3_8B), memory.adapter_params(cfg)
+    plan = memory.phases(cfg, STEP)
+    step = plan["learner step"]
+    assert step["frozen base weights (bf16)"] == 2 * p and step["adapters' master weights (fp32)"] == 4 * a
+    assert (
+        step["adapters' AdamW moments (2 x fp32)"] == 8 * a and step["adapters' gradients (fp32 running sum)"] == 4 * a
+    )
+    assert plan["rollout"]["sampler weights (bf16 adapters; the base is the learner's)"] == 2 * a
+    assert step["activations (estimate)"] == memory.activations(QWEN3_8B, STEP)
+    assert max(memory.peaks(plan).values()) < 32 * GIB < H100_LIMIT
+    memory.check_fits(dataclasses.replace(rlkjax.ModelConfig.preset("qwen3-14b"), lora=lora), STEP, H100_LIMIT, "H100")
+    big = dataclasses.replace(rlkjax.ModelConfig.preset("qwen3-32b"), lora=lora)
+    with pytest.raises(ValueError, match="--moments host --remat --micro-batch 8 would fit"):
+        memory.check_fits(big, STEP, H100_LIMIT, "NVIDIA H100 0")
+    full = dataclasses.replace(STEP, moments="host", remat=True)
+    assert max(memory.peaks(memory.phases(QWEN3_8B, full)).values()) > H100_LIMIT

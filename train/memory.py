@@ -11,6 +11,8 @@ N = learner devices):
     weights and KV cache are released (train/rollout.py) and cast again from the master after the update;
   - optimiser update: master, gradient, the moments (or, on the host, the few layers streaming through);
   - verify (--verify-every's scoring pass) and weight sync (the engine's new cast) hold less than the step.
+With LoRA (cfg.lora) the base is frozen in bf16 (2P/N, every phase) and only the A adapter parameters have a
+master, moments and gradient (`lora_phases`).
 bench/memory_plan.py prints these tables; train.grpo's measured peaks per phase are in its metrics rows.
 """
 
@@ -21,6 +23,7 @@ import numpy as np
 
 from rlkjax.core import model
 from rlkjax.core.config import ModelConfig
+from rlkjax.core.flops import adapter_params
 from rlkjax.core.numerics import PAGE_SIZE
 from rlkjax.core.shapes import cdiv
 from train.batch import padded_length
@@ -80,6 +83,8 @@ def kv_cache(cfg: ModelConfig, shape: RunShape) -> int:
 
 def phases(cfg: ModelConfig, shape: RunShape) -> dict[str, dict[str, float]]:
     """{phase: {row: bytes on one GPU}}."""
+    if cfg.lora is not None:
+        return lora_phases(cfg, shape)
     p, n, layer, outer = parameter_count(cfg), shape.devices, _per_layer(cfg), _embeddings(cfg)
     on_device = shape.moments == "device"
     master, grads, moments = 4 * p / n, 4 * p / n, 8 * p / n
@@ -106,6 +111,43 @@ def phases(cfg: ModelConfig, shape: RunShape) -> dict[str, dict[str, float]]:
         | {"activations (estimate)": activations(cfg, shape)},
         "optimiser update": {"master weights (fp32)": master, "gradients (fp32 running sum)": grads} | update,
         "weight sync": resident | ({"sampler weights (bf16), cast again": 2 * p} if shape.sampler else {}),
+    }
+
+
+def lora_phases(cfg: ModelConfig, shape: RunShape) -> dict[str, dict[str, float]]:
+    """`phases` with LoRA: the frozen bf16 base (2P/N), and the A adapter parameters' fp32 master, moments and
+    gradient, bf16 cast and micro-batch gradient. On one device the sampler runs the learner's base arrays
+    themselves (train/fsdp.py local_copy), over N it holds a whole copy. The activations are full training's: the
+    adapters' weight gradients read every adapted input."""
+    p, a, n = parameter_count(cfg), adapter_params(cfg), shape.devices
+    frozen = {"frozen base weights (bf16)": 2 * p / n}
+    master, grads = (
+        {"adapters' master weights (fp32)": 4 * a / n},
+        {"adapters' gradients (fp32 running sum)": 4 * a / n},
+    )
+    moments = {"adapters' AdamW moments (2 x fp32)": 8 * a / n}
+    resident = frozen | master | (moments if shape.moments == "device" else {})
+    engine = (
+        {"sampler weights (bf16 adapters; the base is the learner's)": 2 * a}
+        if n == 1
+        else {"sampler weights (bf16, a whole copy)": 2 * (p + a)}
+    )
+    sampler = engine | {"KV cache": kv_cache(cfg, shape)} if shape.sampler else {}
+    gathered = {"gathered base (bf16: embeddings, LM head, one layer)": 2 * (_embeddings(cfg) + _per_layer(cfg))}
+    gathered = gathered if n > 1 else {}
+    cast = {"adapters cast to bf16": 2 * a}
+    update = moments if shape.moments == "device" else {"adapters' AdamW moments streaming from the host": 8 * a / n}
+    return {
+        "rollout": resident | sampler,
+        "verify": resident | gathered | cast,
+        "learner step": resident
+        | grads
+        | cast
+        | {"adapters' micro-batch gradient (bf16)": 2 * a}
+        | gathered
+        | {"activations (estimate)": activations(cfg, shape)},
+        "optimiser update": frozen | master | grads | update,
+        "weight sync": resident | ({"sampler weights (bf16 adapters), cast again": 2 * a} if shape.sampler else {}),
     }
 
 
