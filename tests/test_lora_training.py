@@ -16,7 +16,7 @@ import pytest
 
 import rlkjax
 from rlkjax.core import lora
-from tests.helpers import assert_bits_equal
+from tests.helpers import assert_bits_equal, fake_devices
 from tests.test_grpo import SMALL
 from train import adapters as train_adapters
 from train import grpo, sft
@@ -55,14 +55,15 @@ def test_lora_grpo_trains_adapters_only_and_resumes_bit_identically(tmp_path):
 
 @pytest.mark.slow
 def test_lora_grpo_smoke_subprocess(tmp_path):
-    """`python -m train.grpo --lora-rank 4` for 2 steps: finite loss, mismatch 0, first-update ratio exactly 1;
-    final_hf/ is a PEFT adapter that changed, and final_hf_merged/ (--export-merged) is the base, unchanged,
-    plus alpha / r B A."""
+    """`python -m train.grpo --lora-rank 4` for 2 steps, its learner FSDP over 2 (CPU) devices (the adapters and
+    the frozen base both sharded, gathered a layer at a time) and its sampler on one: finite loss, mismatch 0,
+    first-update ratio exactly 1; final_hf/ is a PEFT adapter that changed, and final_hf_merged/ (--export-merged)
+    is the base, unchanged, plus alpha / r B A."""
     out = tmp_path / "run"
     flags = ["--steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "4"]
     flags += ["--max-prompt-tokens", "16", "--learning-rate", "1e-2", "--no-progress", "--out", str(out)]
-    flags += ["--lora-rank", "4", "--lora-alpha", "12", "--export-merged"]
-    subprocess.run([sys.executable, "-m", "train.grpo", *flags], check=True, timeout=600)
+    flags += ["--lora-rank", "4", "--lora-alpha", "12", "--export-merged", "--learner-devices", "0,1"]
+    subprocess.run([sys.executable, "-m", "train.grpo", *flags], check=True, timeout=600, env=fake_devices(2))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2
     for r in rows:
