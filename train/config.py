@@ -208,7 +208,9 @@ class GRPOConfig:
     process_id: int = 0
     """This process's index, 0 to --num-processes - 1; process 0 writes metrics.jsonl, plot.png and final_hf/."""
     rollout_url: str | None = None
-    """Use a running `serve.rollout` server instead of the in-process engine (weights pushed each step)."""
+    """Use a running `serve.rollout` server instead of the in-process engine (weights pushed each step). With LoRA
+    the server serves the same base with --lora-adapter (an adapter of the run's rank, alpha and targets), and each
+    step's adapters are pushed through its /v1/load_lora_adapter."""
     admin_key: str | None = None
     """Admin key of that server (or RLKJAX_ADMIN_KEY)."""
     seed: int = 0
@@ -276,8 +278,6 @@ class GRPOConfig:
             raise ValueError(f"--num-processes={self.num_processes} needs --coordinator HOST:PORT (process 0's)")
         if self.num_processes > 1 and self.rollout_url:
             raise ValueError("--rollout-url runs with one learner process (--num-processes=1)")
-        if self.lora.enabled and self.rollout_url:
-            raise ValueError("LoRA runs sample in process: a rollout server takes whole checkpoints, not adapters")
         if self.data is None and self.task in ("gsm8k", "math"):
             raise ValueError(f"--task {self.task} needs --data: a local file of problems")
         if self.data is not None and self.task not in ("gsm8k", "math"):
