@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tyro
 
 import rlkjax
 from rlkjax.core import lora
@@ -103,3 +104,21 @@ def test_lora_sft_trains_the_adapters_and_nothing_else(tiny):
     assert losses[0] > 6.0 and losses[-1] < losses[0] - 0.44 and np.all(np.diff(losses) < 0), losses
     for x, y in zip(before, _bits(frozen)):
         assert np.array_equal(x, y)
+
+
+def test_lora_flags_are_checked_and_documented(capsys, monkeypatch):
+    for flags, message in [
+        (dict(lora_rank=-1), "--lora-rank=-1"),
+        (dict(lora_rank=4, lora_alpha=float("nan")), "--lora-alpha=nan"),
+        (dict(export_merged=True), "--export-merged needs LoRA"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            Lora(**flags)
+    assert Lora().lora_config() is None and not Lora().enabled
+    assert Lora(lora_rank=16).lora_config() == rlkjax.LoraConfig(16, 32.0)  # TRL's defaults, all seven projections
+    monkeypatch.setenv("COLUMNS", "400")
+    with pytest.raises(SystemExit):
+        tyro.cli(grpo.GRPOConfig, args=["--lora-rank", "8", "--lora-targets", "q_proj", "lm_head"])
+    assert "lm_head" in capsys.readouterr().err
+    config = tyro.cli(grpo.GRPOConfig, args=["--lora-rank", "8", "--lora-targets", "q_proj", "v_proj"])
+    assert config.lora.lora_config() == rlkjax.LoraConfig(8, 32.0, ("q_proj", "v_proj"))
