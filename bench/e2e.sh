@@ -42,7 +42,7 @@
 # Writes to $OUT (default /tmp/out): env.json, <piece>.log, <piece>.json, summary.txt (each piece's exit status,
 # seconds and budget; 124 = cut by its timeout) and the summary printed at the end.
 # Environment: DRY, TOTAL, MIN_PIECE, PY (default python3), PIECES (default "grpo server_e2e latency rollout"),
-# MODELS (GRPO presets, default qwen3-0.6b), MICRO_BATCH (default 8), REMAT (non-empty: the GRPO runs with --remat), ROLLOUT_MODELS (default qwen3-0.6b),
+# MODELS (GRPO presets, default qwen3-0.6b), MICRO_BATCH_TOKENS (default auto), REMAT (auto, on or off: --remat), ROLLOUT_MODELS (default qwen3-0.6b),
 # SYNC_MODELS (default qwen3-0.6b,qwen3-4b,qwen3-8b), B_STRICT B_FAST B_SERVER B_LATENCY B_ROLLOUT (the pieces' budgets), JAX_COMPILATION_CACHE_DIR (default /tmp/jax_cache: shared
 # by the pieces' processes, so a shape compiled by one is loaded by the next).
 set -uo pipefail
@@ -52,14 +52,14 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_cache}
 PIECES=${PIECES:-grpo server_e2e latency rollout}
-MICRO_BATCH=${MICRO_BATCH:-8}
+MICRO_BATCH_TOKENS=${MICRO_BATCH_TOKENS:-auto}
 
 if [ "$DRY" = 1 ]; then  # the same commands at tiny sizes on the CPU; budgets only guard against a hang
   export JAX_PLATFORMS=cpu
   TOTAL=${TOTAL:-3600}; MIN_PIECE=${MIN_PIECE:-10}
   MODELS=${MODELS:-qwen3-tiny}; ROLLOUT_MODELS=${ROLLOUT_MODELS:-qwen3-tiny}; SYNC_MODELS=${SYNC_MODELS:-qwen3-tiny}
   SERVED=qwen3-tiny
-  GRPO_SHAPE=(--prompts 2 --group 2 --new-tokens 4 --micro-batch 4)
+  GRPO_SHAPE=(--prompts 2 --group 2 --new-tokens 4 --micro-batch-tokens 64)
   SERVER_SHAPE=(--requests 6 --max-prompt 24 --min-new-tokens 2 --max-new-tokens 8 --max-batch 8 --decode-steps 2)
   LATENCY_SHAPE=(--concurrency 1,4 --prompt 8 --max-tokens 8 --decode-steps 2 --max-batch 8 --num-pages 16384
                  --max-context 32)
@@ -70,7 +70,7 @@ else
   MODELS=${MODELS:-qwen3-0.6b}; ROLLOUT_MODELS=${ROLLOUT_MODELS:-qwen3-0.6b}
   SYNC_MODELS=${SYNC_MODELS:-qwen3-0.6b,qwen3-4b,qwen3-8b}
   SERVED=qwen3-0.6b
-  GRPO_SHAPE=(--prompts 32 --group 8 --new-tokens 512 --micro-batch "$MICRO_BATCH" ${REMAT:+--remat})
+  GRPO_SHAPE=(--prompts 32 --group 8 --new-tokens 512 --micro-batch-tokens "$MICRO_BATCH_TOKENS" --remat "${REMAT:-auto}")
   SERVER_SHAPE=(--requests 256 --max-prompt 512 --min-new-tokens 128 --max-new-tokens 512 --max-batch 256
                 --decode-steps 8)
   # The server's engine as server_e2e's (pages, context, batch, decode steps), so its compiled step functions
@@ -84,7 +84,7 @@ fi
 
 # Provenance (command, date, commit, hardware through JAX, versions) in env.json, as every piece's JSON carries it.
 "$PY" -m bench._report --out "$OUT/env.json" --command "DRY=$DRY TOTAL=$TOTAL PIECES='$PIECES' MODELS=$MODELS \
-ROLLOUT_MODELS=$ROLLOUT_MODELS SYNC_MODELS=$SYNC_MODELS MICRO_BATCH=$MICRO_BATCH REMAT=${REMAT:-} bash bench/e2e.sh"
+ROLLOUT_MODELS=$ROLLOUT_MODELS SYNC_MODELS=$SYNC_MODELS MICRO_BATCH_TOKENS=$MICRO_BATCH_TOKENS REMAT=${REMAT:-auto} bash bench/e2e.sh"
 : > "$OUT/summary.txt"
 
 # piece NAME BUDGET command...: runs the command under `timeout` for min(BUDGET, what is left of TOTAL), its

@@ -58,7 +58,7 @@ def run(name, numerics, args, lora_rank=0):
         group_size=args.group,
         max_new_tokens=args.new_tokens,
         verify_every=1,
-        micro_batch=args.micro_batch,
+        micro_batch_tokens=args.micro_batch_tokens,
         remat=args.remat,
         optimiser=Optimiser(learning_rate=1e-6),
         out=tempfile.mkdtemp(prefix=f"grpo_{name}_{numerics}_r{lora_rank}_"),
@@ -115,8 +115,13 @@ def main():
     ap.add_argument("--prompts", type=int, default=16, help="P prompts per step")
     ap.add_argument("--group", type=int, default=8, help="G completions per prompt")
     ap.add_argument("--new-tokens", type=int, default=128, help="tokens per completion")
-    ap.add_argument("--micro-batch", type=int, default=32, help="sequences per gradient micro-batch")
-    ap.add_argument("--remat", action="store_true", help="train.grpo --remat (recompute layers in the backward)")
+    ap.add_argument(
+        "--micro-batch-tokens",
+        type=lambda v: v if v == "auto" else int(v),
+        default="auto",
+        help="padded tokens a learner device holds per micro-batch (train.grpo --micro-batch-tokens), or auto",
+    )
+    ap.add_argument("--remat", choices=["auto", "on", "off"], default="auto", help="train.grpo --remat")
     ap.add_argument("--numerics", default="fast,strict", help="comma-separated: fast, strict or both")
     ap.add_argument("--lora-ranks", default="0", help="comma-separated LoRA ranks to run (0: full-parameter training)")
     _flags.add_out(ap)

@@ -98,7 +98,7 @@ def step(devices: int) -> tuple:
         }
         for _ in range(4)
     ]
-    config = GRPOConfig(micro_batch=4)
+    config = GRPOConfig(micro_batch_tokens=4 * 32, remat="off")
     cfg = ModelConfig.preset("qwen3-tiny")
     learner, master, _ = build_learner(config, cfg, model.init_params(cfg), jax.devices()[:devices])
     return learner, master, pack(samples), config

@@ -30,7 +30,7 @@ from rlkjax.core import model, numerics
 from rlkjax.core.config import ModelConfig
 from train import fsdp, optimizer
 from train.batch import PAD, Batch, padded_length
-from train.loss import grpo_loss, policy_logprobs
+from train.loss import Objective, grpo_loss, policy_logprobs
 
 GIB = 2**30
 
@@ -90,10 +90,10 @@ def learner_programs(
     rope = abstract(jax.eval_shape(lambda: model.rope_tables(cfg)), mesh, fsdp.REPLICATED)
     ref_logp = jax.ShapeDtypeStruct((rows, t - 1), jnp.float32, sharding=NamedSharding(mesh, fsdp.ROWS))
     total = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, fsdp.REPLICATED))
-    grad_fn = fsdp.sharded_value_and_grad(
-        grpo_loss, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics=numerics, clip_eps=0.2, beta=0.0, remat=remat
-    )
-    score_fn = fsdp.sharded_logprobs(policy_logprobs, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics=numerics)
+    objective = Objective(model.LearnerPass(cfg, numerics, remat), clip_eps=0.2, beta=0.0)
+    grad_fn = fsdp.sharded_value_and_grad(grpo_loss, mesh, specs, dtype=cfg.dtype, objective=objective)
+    setting = model.LearnerPass(cfg, numerics)
+    score_fn = fsdp.sharded_logprobs(policy_logprobs, mesh, specs, dtype=cfg.dtype, setting=setting)
     opt = optimizer.make(optimizer.Hyper(1e-6, 0, 10, 1.0, 0.0), mesh, specs)
     lower = {
         "step": lambda: grad_fn.lower(master, batch, ref_logp, rope, total, master),

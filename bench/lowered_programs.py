@@ -95,42 +95,28 @@ def engine_programs(cfg, numerics, lower):
     chunk, one, vec = S((b, c), jnp.int32), S((b, 1), jnp.int32), S((b,), jnp.int32)
     carry = (S((8,), jnp.int32), S((8,), jnp.bool_))
     out = {"prefill_chunk": lower(programs.prefill_chunk, params, chunk, chunk, cache, table, rope, cfg, numerics)}
+    start = programs.RoundStart(carry, vec, vec)
     # "_alternatives": top_logprobs=k, under the label (and, for score, the jitted name) earlier outputs have
     for name, rows, k in (("", sampling, 0), ("_alternatives", sampling, 5), ("_truncation", truncating, 3)):
-        out[f"decode_step{name}"] = lower(
-            programs.decode_step, params, one, one, cache, table, rows, rope, cfg, numerics, top_logprobs=k
-        )
-        out[f"next_round{name}"] = lower(
-            programs.next_round,
-            params,
-            carry,
-            vec,
-            vec,
-            vec,
-            cache,
-            table,
-            rows,
-            rope,
-            cfg,
-            numerics,
-            3,
-            top_logprobs=k,
-        )
+        step, round_ = programs.Decoding(cfg, numerics, top_logprobs=k), programs.Decoding(cfg, numerics, 3, k)
+        out[f"decode_step{name}"] = lower(programs.decode_step, params, one, one, cache, table, rows, rope, step)
+        out[f"next_round{name}"] = lower(programs.next_round, params, start, vec, cache, table, rows, rope, round_)
     return out
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "numerics", "k"))
 def score_alternatives(params, tokens, positions, temps, rope, cfg, numerics, k):
     """rlkjax.score's program with top_logprobs=k."""
-    out = model.sequence_logprobs(params, tokens, positions, temps, rope, cfg, numerics, top_logprobs=k)
+    setting = model.LearnerPass(cfg, numerics, top_logprobs=k)
+    out = model.sequence_logprobs(params, model.Sequences(tokens, positions, temps), rope, setting)
     return out.logprobs, out.top_ids, out.top_logprobs
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "numerics"))
 def score_truncated(params, tokens, positions, temps, top_k, top_p, min_p, rope, cfg, numerics):
     """rlkjax.score's program with truncated_logprobs."""
-    truncation = (top_k, top_p, min_p)
-    out = model.sequence_logprobs(params, tokens, positions, temps, rope, cfg, numerics, truncation=truncation)
+    seqs = model.Sequences(tokens, positions, temps, truncation=(top_k, top_p, min_p))
+    out = model.sequence_logprobs(params, seqs, rope, model.LearnerPass(cfg, numerics))
     return out.logprobs, out.renormalised
 
 
@@ -139,9 +125,9 @@ def score_programs(cfg, numerics, lower):
     b, t = 2, 160 if cfg.hidden_size >= 256 else 32  # wide: 320 rows, the learner's tiles
     params, _, rope, *_ = step_args(cfg, b, t, 1)
     tok, temps = S((b, t), jnp.int32), S((b,), jnp.float32)
-    score = jax.jit(model.sequence_logprobs, static_argnames=("cfg", "numerics"))
+    score = jax.jit(model.sequence_logprobs, static_argnames="setting")
     out = {
-        "score": lower(score, params, tok, tok, temps, rope, cfg, numerics),
+        "score": lower(score, params, model.Sequences(tok, tok, temps), rope, model.LearnerPass(cfg, numerics)),
         "score_alternatives": lower(score_alternatives, params, tok, tok, temps, rope, cfg, numerics, 7),
         "score_truncated": lower(
             score_truncated, params, tok, tok, temps, S((b,), jnp.int32), temps, temps, rope, cfg, numerics
@@ -149,11 +135,12 @@ def score_programs(cfg, numerics, lower):
     }
     columns = S((b, 9), jnp.int32)
     for backward in ("in_place", "copies"):
-        opts = dataclasses.replace(numerics, matmul_backward=backward)
+        setting = model.LearnerPass(cfg, dataclasses.replace(numerics, matmul_backward=backward))
 
-        def loss(p, tokens, positions, temps, rope, cols, opts=opts):
-            full = model.sequence_logprobs(p, tokens, positions, temps, rope, cfg, opts).sum()
-            return full + model.sequence_logprobs(p, tokens, positions, temps, rope, cfg, opts, columns=cols).sum()
+        def loss(p, tokens, positions, temps, rope, cols, setting=setting):
+            seqs = model.Sequences(tokens, positions, temps)
+            full = model.sequence_logprobs(p, seqs, rope, setting).sum()
+            return full + model.sequence_logprobs(p, seqs._replace(columns=cols), rope, setting).sum()
 
         out[f"learner_grad_{backward}"] = lower(jax.jit(jax.grad(loss)), params, tok, tok, temps, rope, columns)
     return out

@@ -5,13 +5,17 @@ for each GPU count, every phase's rows (rollout,
 verify, learner step, optimiser update, weight sync) and their totals, whether the largest fits an H200, and with
 `--metrics runs/x/metrics.jsonl` the peak that run measured in each phase (`peak_bytes_<phase>`, read every ms from
 `device.memory_stats()` by train.grpo) beside the plan, in the column of its device count. `--moments auto` (the
-default, as train.grpo's) puts AdamW's moments on the host where they do not fit on the GPU.
-`python -m bench.memory_plan --models qwen3-8b,qwen3-4b,qwen3-1.7b --gpus 8 --micro-batch 16 --out PATH` prints
+default, as train.grpo's) puts AdamW's moments on the host where they do not fit on the GPU; `--remat auto` and
+`--micro-batch-tokens auto` are chosen as train.grpo chooses them. The rollout's KV cache is a page budget, as
+train.grpo sizes it: `--kv-gib`, or what the rollout phase leaves of an H200 after the weights and the resident
+state, at most what the step's sequences at full length could use.
+`python -m bench.memory_plan --models qwen3-8b,qwen3-4b,qwen3-1.7b --gpus 8 --out PATH` prints
 instead the table of compiled_plan (one column a model; every learner row from XLA's compiled analysis of
 train.grpo's programs on 8 fake CPU devices) with the room left on 8 x H200 and 8 x MI300X, and writes it with its
 provenance to PATH.md and PATH.json.
 """
 
+import argparse
 import dataclasses
 import json
 import os
@@ -38,13 +42,23 @@ def model_config(args) -> ModelConfig:
 
 
 def run_shape(args, gpus: int) -> RunShape:
+    """train.grpo's plan on `gpus` H200s (its plan_memory): the settings given as auto chosen beside the KV cache
+    asked for (or the least the rollout runs with; where none fits, the preferred ones, which the table then shows
+    over the limit), then the rollout's KV page budget, --kv-gib or what the chosen settings leave."""
+    cfg, limit = model_config(args), JAX_FRACTION * H200_BYTES
+    tokens = 0 if args.micro_batch_tokens == "auto" else int(args.micro_batch_tokens)
+    moments = "device" if args.moments == "auto" else args.moments
     shape = RunShape(
-        args.prompts, args.group, args.new_tokens, args.prompt_tokens, args.micro_batch, gpus, args.remat, "device"
+        args.prompts, args.group, args.new_tokens, args.prompt_tokens, tokens, gpus, args.remat == "on", moments
     )
-    moments = args.moments
-    if moments == "auto":
-        moments = memory.choose_moments(model_config(args), shape, JAX_FRACTION * H200_BYTES)
-    return dataclasses.replace(shape, moments=moments)
+    pages = memory.least_kv_pages(shape) if args.kv_gib is None else memory.kv_budget(cfg, shape, None, args.kv_gib)
+    shape = dataclasses.replace(shape, kv_pages=pages)
+    free = tuple(name for name in memory.SETTINGS if str(getattr(args, name)) == "auto")
+    shape = memory.choose(cfg, shape, limit, free) or memory.choose(cfg, shape, None, free)
+    try:
+        return dataclasses.replace(shape, kv_pages=memory.kv_budget(cfg, shape, limit, args.kv_gib))
+    except ValueError:  # not even one sequence fits beside the rest: the least, which the table shows over the limit
+        return shape
 
 
 def measured_phases(path: str) -> tuple[int, dict[str, float]]:
@@ -71,6 +85,15 @@ def table(args) -> str:
     lines = [f"| {args.model}, GiB per GPU | " + cells(f"{n} GPU{'s' if n > 1 else ''}" for n in args.gpus) + " |"]
     lines += ["|---|" + "---:|" * len(args.gpus)]
     lines.append("| AdamW moments on | " + cells(shapes[n].moments for n in args.gpus) + " |")
+    lines.append("| --remat | " + cells("on" if shapes[n].remat else "off" for n in args.gpus) + " |")
+    lines.append("| --micro-batch-tokens | " + cells(str(shapes[n].micro_batch_tokens) for n in args.gpus) + " |")
+    lines.append("| rollout KV budget, pages | " + cells(str(shapes[n].kv_pages) for n in args.gpus) + " |")
+    full = memory.least_kv_pages(shapes[args.gpus[0]]) - 1  # pages of one sequence at full length
+    fit = [(shapes[n].kv_pages - 1) // full for n in args.gpus]
+    rows = [cdiv(args.prompts, n) * args.group for n in args.gpus]
+    lines.append(
+        "| sequences of full length it holds (of the step's) | " + cells(f"{f} ({r})" for f, r in zip(fit, rows)) + " |"
+    )
     for phase in memory.PHASES:
         totals = [sum(plans[n][phase].values()) for n in args.gpus]
         lines.append(f"| **{phase}** | " + cells(f"**{t / GIB:.1f}**" for t in totals) + " |")
@@ -93,7 +116,6 @@ def table(args) -> str:
     )
     setting = (
         f"P{args.prompts} x G{args.group}, {args.new_tokens} new tokens, prompts up to {args.prompt_tokens} tokens, "
-        f"micro-batch {args.micro_batch}{', --remat' if args.remat else ''}; "
         f"{parameter_count(cfg) / 1e9:.2f}B parameters"
         + (f", LoRA rank {args.lora_rank} on all seven projections (the base frozen)" if args.lora_rank else "")
     )
@@ -123,10 +145,12 @@ def compiled_plan(model_name: str, gpus: int, args) -> dict:
     their shapes, as plan() counts them."""
     cfg = ModelConfig.preset(model_name)
     tokens = args.prompt_tokens + args.new_tokens
-    full = compiled_learner(model_name, gpus, args.micro_batch, tokens, "step,update")
+    budget = run_shape(argparse.Namespace(**{**vars(args), "model": model_name}), gpus).micro_batch_tokens
+    micro_batch = max(1, budget // padded_length(tokens)) * gpus  # rows: as many a device as the budget holds
+    full = compiled_learner(model_name, gpus, micro_batch, tokens, "step,update")
     one_row = compiled_learner(model_name, gpus, gpus, tokens, "step")["learner step (value and grad)"]
     step, update = full["learner step (value and grad)"], full["optimiser update (one layer)"]
-    rows = cdiv(args.micro_batch, gpus)  # per device
+    rows = cdiv(micro_batch, gpus)  # per device
     activations = (step["temporaries"] - one_row["temporaries"]) * rows / (rows - 1) if rows > 1 else None
     master, _, _, _, _, grads = step["per_argument"]  # (params, batch, ref_logp, rope, total_tokens, grads)
     opt_state = 2 * master  # AdamW's two moments are shaped and sharded as the fp32 master weights
@@ -173,7 +197,7 @@ def compiled_table(args) -> tuple[str, dict]:
         )
     setting = (
         f"P{args.prompts} x G{args.group}, {args.new_tokens} new tokens, prompts up to {args.prompt_tokens} tokens, "
-        f"micro-batch {args.micro_batch} (train.grpo's default is 16), learner FSDP and a sampler engine on every GPU"
+        "micro-batches as the plan chooses them for an H200, learner FSDP and a sampler engine on every GPU"
     )
     return setting + "\n\n" + "\n".join(lines), plans
 
@@ -191,11 +215,18 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8, help="completions per prompt (--group-size)")
     parser.add_argument("--new-tokens", type=int, default=256, help="tokens sampled per completion (--max-new-tokens)")
     parser.add_argument("--prompt-tokens", type=int, default=128, help="longest prompt (--max-prompt-tokens)")
-    parser.add_argument("--micro-batch", type=int, default=16, help="sequences per learner micro-batch (--micro-batch)")
-    parser.add_argument("--remat", action="store_true", help="the learner recomputes each layer (--remat)")
+    parser.add_argument(
+        "--micro-batch-tokens", default="auto", help="padded tokens a learner GPU holds per micro-batch, or auto"
+    )
+    parser.add_argument("--remat", choices=["auto", "on", "off"], default="auto", help="the learner recomputes layers")
     parser.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank (train.grpo --lora-rank)")
     parser.add_argument(
         "--moments", choices=["auto", "device", "host"], default="auto", help="where AdamW's moments live (--moments)"
+    )
+    parser.add_argument(
+        "--kv-gib",
+        type=float,
+        help="the rollout's KV cache per GPU (--rollout-kv-gib; default: what the plan leaves, at most what it needs)",
     )
     parser.add_argument("--metrics", action="append", default=[], help="a train.grpo metrics.jsonl (repeatable)")
     parser.add_argument(

@@ -28,7 +28,7 @@ from bench._timing import F32
 from bench.speed_model import decode_loop, learner_batch, random_cache
 from rlkjax.core import model, numerics
 from rlkjax.core.numerics import PAGE_SIZE
-from train.loss import grpo_loss
+from train.loss import Objective, grpo_loss
 
 
 def device_events(trace_dir):
@@ -99,8 +99,9 @@ def learner_profile(name, seq, tokens, side):
     batch = learner_batch(cfg, b, seq)
     rope = model.rope_tables(cfg)
     ref = jnp.zeros((b, seq - 1), F32)
-    fn = jax.jit(jax.value_and_grad(grpo_loss, has_aux=True), static_argnums=(4, 5, 6, 7))
-    run = lambda: fn(master, batch, ref, rope, cfg, side, 0.2, 0.0, jnp.float32(b * seq))  # noqa: E731
+    fn = jax.jit(jax.value_and_grad(grpo_loss, has_aux=True), static_argnums=5)
+    objective = Objective(model.LearnerPass(cfg, side), clip_eps=0.2, beta=0.0)
+    run = lambda: fn(master, batch, ref, rope, jnp.float32(b * seq), objective)  # noqa: E731
     jax.block_until_ready(run())
     return profile(run, 1)
 

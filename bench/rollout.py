@@ -34,7 +34,7 @@ from rlkjax.core.shapes import cdiv
 from rlkjax.engine import executable_cache
 from rlkjax.engine.config import EngineConfig
 from rlkjax.engine.engine import Engine
-from rlkjax.engine.programs import RowSampling, decode_round
+from rlkjax.engine.programs import Decoding, RowSampling, decode_round
 
 
 def engine_rate(params, cfg, numerics, batch, context, new_tokens, repeats):
@@ -75,9 +75,8 @@ def kernel_rate(params, cfg, numerics, batch, context, new_tokens, repeats):
 
     def run():
         cache = state["cache"]
-        out, _, state["cache"] = decode_round(
-            params, tokens, positions, cache, table, sampling, rope, cfg, numerics, steps
-        )
+        decoding = Decoding(cfg, numerics, num_steps=steps)
+        out, _, state["cache"] = decode_round(params, tokens, positions, cache, table, sampling, rope, decoding)
         out.block_until_ready()
 
     return batch * steps / median_time(run, repeats)

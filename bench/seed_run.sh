@@ -10,8 +10,9 @@
 # The task is --task synthetic-token-ids: with random weights no text task's reward moves at 8B, while the
 # fraction of sampled ids that are multiples of 64 does. Checkpoints are off: one of Qwen3-8B's holds 91.5 GiB
 # (fp32 master weights and AdamW's moments), more than a 64 GiB disk. Environment: RUN (default /tmp/seed_run),
-# MODEL (qwen3-8b), STEPS (200), PROMPTS (8), GROUP (8), NEW_TOKENS (256), MICRO_BATCH (16), LR (2e-4),
-# VERIFY_EVERY (20), PY (python3), OUT (/tmp/out).
+# MODEL (qwen3-8b), STEPS (200), PROMPTS (8), GROUP (8), NEW_TOKENS (256), PROMPT_TOKENS (16), IGNORE_EOS (0; 1 samples
+# every new token, so lengths are real), MICRO_BATCH_TOKENS (auto), LR (2e-4), VERIFY_EVERY (20), PY (python3),
+# OUT (/tmp/out).
 set -uo pipefail
 ACTION=${1:?usage: bash bench/seed_run.sh start | wait SECONDS | dry-run}
 OUT=${OUT:-/tmp/out}; RUN=${RUN:-/tmp/seed_run}; PY=${PY:-python3}
@@ -20,13 +21,15 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 
 if [ "$ACTION" = dry-run ]; then
-  export JAX_PLATFORMS=cpu MODEL=qwen3-tiny STEPS=3 PROMPTS=2 GROUP=4 NEW_TOKENS=8 MICRO_BATCH=4 VERIFY_EVERY=2
+  export JAX_PLATFORMS=cpu MODEL=qwen3-tiny STEPS=3 PROMPTS=2 GROUP=4 NEW_TOKENS=8 MICRO_BATCH_TOKENS=64 VERIFY_EVERY=2
+  export IGNORE_EOS=1
   RUN=$(mktemp -d)/seed_run
 fi
 ARGS=(--model "${MODEL:-qwen3-8b}" --task synthetic-token-ids --steps "${STEPS:-200}"
   --prompts-per-step "${PROMPTS:-8}" --group-size "${GROUP:-8}" --max-new-tokens "${NEW_TOKENS:-256}"
-  --max-prompt-tokens 16 --micro-batch "${MICRO_BATCH:-16}" --learning-rate "${LR:-2e-4}"
-  --verify-every "${VERIFY_EVERY:-20}" --checkpoint-every 0 --no-progress --out "$RUN")
+  --max-prompt-tokens "${PROMPT_TOKENS:-16}" --micro-batch-tokens "${MICRO_BATCH_TOKENS:-auto}"
+  --learning-rate "${LR:-2e-4}" --verify-every "${VERIFY_EVERY:-20}" --checkpoint-every 0 --no-progress --out "$RUN")
+[ "${IGNORE_EOS:-0}" = 1 ] && ARGS+=(--ignore-eos)
 
 start() {
   rm -rf "$RUN"; mkdir -p "$RUN"

@@ -16,7 +16,7 @@ from rlkjax.core.numerics import PAGE_SIZE, NumericsOptions
 from rlkjax.engine.programs import prefill_chunk
 from train import fsdp
 from train.batch import Batch
-from train.loss import grpo_loss
+from train.loss import Objective, grpo_loss
 
 SIDES = ("fast", "strict")
 
@@ -141,9 +141,8 @@ def train_learner_step(master, batch, ref, rope, cfg, remat, options="strict"):
     added into a donated running sum). Returns (jitted step, its arguments but the running sum, a fresh running sum)."""
     mesh = fsdp.make_mesh(jax.devices()[:1])
     specs = fsdp.param_specs(master, 1)
-    step = fsdp.sharded_value_and_grad(
-        grpo_loss, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics=options, clip_eps=0.2, beta=0.0, remat=remat
-    )
+    objective = Objective(model.LearnerPass(cfg, options, remat), clip_eps=0.2, beta=0.0)
+    step = fsdp.sharded_value_and_grad(grpo_loss, mesh, specs, dtype=cfg.dtype, objective=objective)
     on_mesh = fsdp.put(master, mesh, specs, dtype=F32)
     tokens = float(np.asarray(batch.mask).sum())
     args = (
@@ -173,9 +172,9 @@ def learner_row(cfg, name, seq, tokens_per_call, repeats, rate, remat=False, sid
             fn, args, grads = train_learner_step(master, batch, ref, rope, cfg, remat, strict)
             args = (*args, grads)
         else:
-            loss = functools.partial(grpo_loss, remat=remat)
-            fn = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=(4, 5, 6, 7))
-            args = (master, batch, ref, rope, cfg, strict if side == "strict" else side, 0.2, 0.0, jnp.float32(b * seq))
+            fn = jax.jit(jax.value_and_grad(grpo_loss, has_aux=True), static_argnums=5)
+            policy = model.LearnerPass(cfg, strict if side == "strict" else side, remat)
+            args = (master, batch, ref, rope, jnp.float32(b * seq), Objective(policy, clip_eps=0.2, beta=0.0))
         try:
             start = time.perf_counter()
             compiled = fn.lower(*args).compile()
@@ -212,9 +211,10 @@ def score_row(cfg, params, name, b, seq, repeats):
     temps = jnp.ones((b,), F32)
     row = {"section": "score", "model": name, "batch": b, "seq": seq}
     for side in SIDES:
-        fn = jax.jit(model.sequence_logprobs, static_argnames=("cfg", "numerics"))
-        compiled = fn.lower(params, tokens, positions, temps, rope, cfg=cfg, numerics=side).compile()
-        dt = median_time(lambda: jax.block_until_ready(compiled(params, tokens, positions, temps, rope)), repeats)
+        fn = jax.jit(model.sequence_logprobs, static_argnames="setting")
+        seqs = model.Sequences(tokens, positions, temps)
+        compiled = fn.lower(params, seqs, rope, setting=model.LearnerPass(cfg, side)).compile()
+        dt = median_time(lambda: jax.block_until_ready(compiled(params, seqs, rope)), repeats)
         row[f"{side}_tokens_per_s"] = b * seq / dt
         row[f"{side}_memory_GiB"] = compiled_bytes(compiled) / 2**30
     row["strict_over_fast"] = row["fast_tokens_per_s"] / row["strict_tokens_per_s"]

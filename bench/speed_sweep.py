@@ -280,7 +280,7 @@ def attention_bwd_sweep(rate, repeats, add, shapes=None, configs=None):
         interp = interpret_mode()
         for bq, bk, warps, stages in configs:
             c = AttentionBwdConfig(block_q=bq, block_k=bk, num_warps=warps, num_stages=stages)
-            f = jax.jit(lambda q, k, v, out, lse, do, c=c: attention_bwd(q, k, v, out, lse, do, pos, c, interp))
+            f = jax.jit(lambda q, k, v, out, lse, do, c=c: attention_bwd(q, k, v, (out, lse), do, pos, c, interp))
             shape = f"B={b} T={t} Hq={hq} Hkv={hkv} Dh={dh}"
             try:
                 dt = median_time(lambda: jax.block_until_ready(f(q, k, v, out, lse, do)), repeats)

@@ -14,8 +14,8 @@
 #
 # Writes to $OUT (default /tmp/out): env.json (provenance), <piece>.log, <piece>.json (bench/two_gpu.py's summary
 # or comparison) and the run's metrics.jsonl / plot.png; checkpoints and final_hf stay in $RUNS (default /tmp/two_gpu_runs: 8B ones are
-# 16 GB). Environment: TIMEOUT (seconds per piece, default 540), MICRO_BATCH (default 4 sequences: at 16 the
-# 8B learner does not fit two GPUs, see `python -m bench.memory_plan`), REMAT (non-empty: train.grpo --remat),
+# 16 GB). Environment: TIMEOUT (seconds per piece, default 540), MICRO_BATCH_TOKENS (default auto: the memory
+# plan's choice, see `python -m bench.memory_plan`), REMAT (auto, on or off: train.grpo --remat),
 # PY (default python3), BIG_MODEL (default qwen3-8b), LAYOUT_MODEL (default qwen3-0.6b), PROCESS_LIKE (default
 # qwen3-0.6b) and PROCESS_LAYERS (default 4): the processes piece's model, random weights with those widths and
 # a byte vocabulary (bench/two_gpu.py model: with Qwen3's own vocabulary a random model samples no text, every
@@ -54,7 +54,7 @@ record_env() {  # provenance: command, date, commit, hardware through JAX, versi
 big() {  # $1: strict | fast
   local run="$RUNS/big_$1"; rm -rf "$run"
   timeout -k 30 "$TIMEOUT" "$PY" -m train.grpo --model "$BIG_MODEL" "${SHAPE_BIG[@]}" "${COMMON[@]}" --task "${TASK:-lowercase}" --numerics "$1" \
-    --steps "$STEPS" --micro-batch "${MICRO_BATCH:-4}" ${REMAT:+--remat} --learning-rate 1e-6 --checkpoint-every 0 --out "$run" \
+    --steps "$STEPS" --micro-batch-tokens "${MICRO_BATCH_TOKENS:-auto}" --remat "${REMAT:-auto}" --learning-rate 1e-6 --checkpoint-every 0 --out "$run" \
     > "$OUT/big_$1.log" 2>&1
   echo "big_$1: exit $?" | tee -a "$OUT/big_$1.log"
   cp "$run/metrics.jsonl" "$OUT/big_$1.metrics.jsonl" 2>/dev/null; cp "$run/plot.png" "$OUT/big_$1.png" 2>/dev/null

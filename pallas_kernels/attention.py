@@ -164,8 +164,9 @@ def _tiles(q_ref, pos_ref, rows):
     return qs, [pos_ref[pl.ds(t * rows, rows)] for t in range(tiles)]
 
 
-def _kernel(layer_ref, pt_ref, pos_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, rows, kv_split, **kw):
+def _kernel(layer_ref, pt_ref, pos_ref, q_ref, kv_refs, acc_ref, m_ref, l_ref, *, rows, kv_split, **kw):
     """One (group of query tiles, KV split): the split's (acc, max, sum) per row, for the merge."""
+    k_ref, v_ref = kv_refs
     block = kw["page_size"] * kw["block_pages"]
     first = pl.program_id(3) * (kv_split // block)
     last = jnp.minimum(first + kv_split // block, jnp.max(pos_ref[...]) // block + 1)  # -1: padding
@@ -213,12 +214,13 @@ def _merge_kernel(pos_ref, acc_ref, m_ref, l_ref, o_ref, lse_ref, *, kv_split):
     o_ref[...], lse_ref[...] = _finish(jax.lax.fori_loop(0, num_splits, body, _fresh_state(*o_ref.shape)), o_ref.dtype)
 
 
-def _fused_kernel(layer_ref, pt_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, rows, kv_split, **kw):
+def _fused_kernel(layer_ref, pt_ref, pos_ref, q_ref, kv_refs, o_ref, lse_ref, *, rows, kv_split, **kw):
     """`_kernel` for every split of a group of query tiles in turn, each merged as it is done
     (`_merge_step`, the merge kernel's arithmetic, the same order): the same bits, without writing
     the splits' states to memory and reading them back, in one launch. Splits a tile does not reach
     (the group reaches further) leave its rows' l = 0: skipped by the merge's select, as the merge
     kernel's shorter loop skips them."""
+    k_ref, v_ref = kv_refs
     block = kw["page_size"] * kw["block_pages"]
     per_split, max_pos = kv_split // block, jnp.max(pos_ref[...])
     qs, poss = _tiles(q_ref, pos_ref, rows)
@@ -294,10 +296,9 @@ def _pallas_attention(q, k_pages, v_pages, layer, plan: Plan, config, interpret,
         pl.BlockSpec((None, pt.shape[1]), lambda *g: (g[0], 0)),
         pl.BlockSpec((None, grouped), lambda *g: (g[0], g[2])),
         pl.BlockSpec((None, None, grouped, dh), lambda *g: (g[0], g[1], g[2], 0)),
-        pl.BlockSpec((num_layers, None, num_pages, ps, dh), lambda *g: (0, g[1], 0, 0, 0)),
-        pl.BlockSpec((num_layers, None, num_pages, ps, dh), lambda *g: (0, g[1], 0, 0, 0)),
+        (pl.BlockSpec((num_layers, None, num_pages, ps, dh), lambda *g: (0, g[1], 0, 0, 0)),) * 2,  # K and V pages
     ]
-    args = (jnp.reshape(layer, (1,)).astype(jnp.int32), pt, row_pos, qh, k_pages, v_pages)
+    args = (jnp.reshape(layer, (1,)).astype(jnp.int32), pt, row_pos, qh, (k_pages, v_pages))
     out_shape = [jax.ShapeDtypeStruct(qh.shape, q.dtype), jax.ShapeDtypeStruct(qh.shape[:3], F32)]
     if tp // bq >= config.merge_in_kernel_from:
         # Many query tiles (the learner's rows, long prefill chunks): enough programs without a
@@ -376,25 +377,28 @@ def _check(q, k, v, k_pages, v_pages, plan: Plan):
         )
 
 
-def _forward(q, k, v, k_pages, v_pages, layer, plan: Plan, config: AttentionConfig, interpret: bool):
-    """(out, lse [B, T, Hq], k_pages, v_pages): the cache written, then attended."""
+def _forward(q, k, v, kv_pages, layer, plan: Plan, config: AttentionConfig, interpret: bool):
+    """(out, lse [B, T, Hq], (k_pages, v_pages)): the cache written, then attended."""
+    k_pages, v_pages = kv_pages
     _check(q, k, v, k_pages, v_pages, plan)
     k_pages = write_kv(k_pages, k, layer, plan)
     v_pages = write_kv(v_pages, v, layer, plan)
-    return *padded_attention(q, k_pages, v_pages, layer, plan, config, interpret), k_pages, v_pages
+    return *padded_attention(q, k_pages, v_pages, layer, plan, config, interpret), (k_pages, v_pages)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def paged_attention(q, k, v, k_pages, v_pages, layer, plan: Plan, config: AttentionConfig, interpret: bool):
-    """plan: `plan(page_table, positions, Hq // Hkv, page_size, config)`, made once per forward."""
-    out, _, k_pages, v_pages = _forward(q, k, v, k_pages, v_pages, layer, plan, config, interpret)
-    return out, k_pages, v_pages
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def paged_attention(q, k, v, kv_pages, layer, plan: Plan, config: AttentionConfig, interpret: bool):
+    """q [B, T, Hq, Dh], this call's k, v [B, T, Hkv, Dh], kv_pages: (k_pages, v_pages) [L, Hkv, pages,
+    page_size, Dh] -> (out [B, T, Hq, Dh], kv_pages with k, v written into layer `layer`).
+    plan: `plan(page_table, positions, Hq // Hkv, page_size, config)`, made once per forward."""
+    out, _, kv_pages = _forward(q, k, v, kv_pages, layer, plan, config, interpret)
+    return out, kv_pages
 
 
-def _fwd(q, k, v, k_pages, v_pages, layer, plan, config, interpret):
-    out, lse, k_pages, v_pages = _forward(q, k, v, k_pages, v_pages, layer, plan, config, interpret)
+def _fwd(q, k, v, kv_pages, layer, plan, config, interpret):
+    out, lse, kv_pages = _forward(q, k, v, kv_pages, layer, plan, config, interpret)
     saved = (q, k, v, out, lse) if config.backward else (q, k, v, None, None)
-    return (out, k_pages, v_pages), (*saved, plan.positions)
+    return (out, kv_pages), (*saved, plan.positions)
 
 
 def _bwd(config, interpret, saved, cotangents):
@@ -404,11 +408,11 @@ def _bwd(config, interpret, saved, cotangents):
     # Pallas flash backward (fixed loop orders, no atomics) with the forward's log-sum-exp.
     q, k, v, out, lse, positions = saved
     if config.backward is not None:
-        dq, dk, dv = attention_bwd(q, k, v, out, lse, cotangents[0], positions, config.backward, interpret)
+        dq, dk, dv = attention_bwd(q, k, v, (out, lse), cotangents[0], positions, config.backward, interpret)
     else:
         _, vjp = jax.vjp(lambda q, k, v: dense_attention(q, k, v, positions), q, k, v)
         dq, dk, dv = vjp(cotangents[0])
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None
 
 
 paged_attention.defvjp(_fwd, _bwd)
@@ -429,8 +433,9 @@ def dense_attention(q, k, v, positions):
     return jnp.einsum("bhts,bshd->bthd", p.astype(v.dtype), v, preferred_element_type=acc).astype(q.dtype)
 
 
-def paged_attention_reference(q, k, v, k_pages, v_pages, layer, plan: Plan):
+def paged_attention_reference(q, k, v, kv_pages, layer, plan: Plan):
     """Stock XLA attention over the gathered pages: what `numerics="fast"` runs (plan made with config None)."""
+    k_pages, v_pages = kv_pages
     _check(q, k, v, k_pages, v_pages, plan)
     k_pages = write_kv(k_pages, k, layer, plan)
     v_pages = write_kv(v_pages, v, layer, plan)
@@ -443,4 +448,4 @@ def paged_attention_reference(q, k, v, k_pages, v_pages, layer, plan: Plan):
     mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, S]
     out = jax.nn.dot_product_attention(q, keys, vals, mask=mask, implementation="xla")
     valid = (positions >= 0)[:, :, None, None]
-    return jnp.where(valid, out, jnp.zeros_like(out)), k_pages, v_pages
+    return jnp.where(valid, out, jnp.zeros_like(out)), (k_pages, v_pages)

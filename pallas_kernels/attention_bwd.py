@@ -58,23 +58,12 @@ def _sees(q_hi, k_lo, compute, carry):
     return jax.lax.cond(k_lo <= q_hi, compute, lambda c: c, carry)
 
 
-def _dkdv_kernel(
-    q_hi_ref,
-    k_lo_ref,
-    pos_q_ref,
-    pos_k_ref,
-    q_ref,
-    k_ref,
-    v_ref,
-    do_ref,
-    lse_ref,
-    delta_ref,
-    dk_ref,
-    dv_ref,
-    *,
-    block_q,
-    scale,
-):
+def _dkdv_kernel(position_refs, q_ref, k_ref, v_ref, do_ref, row_refs, dk_ref, dv_ref, *, block_q, scale):
+    """dk, dv of one key block over every query block that sees it. position_refs: (per query block its
+    highest position, per key block its lowest, query positions, key positions); row_refs: (lse,
+    delta) per query row."""
+    q_hi_ref, k_lo_ref, pos_q_ref, pos_k_ref = position_refs
+    lse_ref, delta_ref = row_refs
     k, v, pos_k, k_lo = k_ref[...], v_ref[...], pos_k_ref[...], k_lo_ref[0]
     groups, blocks = q_ref.shape[0], q_ref.shape[1] // block_q
 
@@ -99,9 +88,10 @@ def _dkdv_kernel(
     dk_ref[...], dv_ref[...] = dk, dv
 
 
-def _dq_kernel(
-    q_hi_ref, k_lo_ref, pos_q_ref, pos_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, block_k, scale
-):
+def _dq_kernel(position_refs, q_ref, k_ref, v_ref, do_ref, row_refs, dq_ref, *, block_k, scale):
+    """dq of one query block over every key block it sees (refs as `_dkdv_kernel`'s)."""
+    q_hi_ref, k_lo_ref, pos_q_ref, pos_k_ref = position_refs
+    lse_ref, delta_ref = row_refs
     q, do, pos_q, lse, delta = q_ref[...], do_ref[...], pos_q_ref[...], lse_ref[...], delta_ref[...]
     q_hi = q_hi_ref[0]
 
@@ -118,10 +108,11 @@ def _dq_kernel(
     dq_ref[...] = jax.lax.fori_loop(0, k_ref.shape[0] // block_k, body, jnp.zeros(q.shape, F32))
 
 
-def attention_bwd(q, k, v, out, lse, do, positions, config: AttentionBwdConfig, interpret: bool):
-    """(dq, dk, dv) of causal GQA attention (see the module docstring), in q's dtype. out and lse
-    [B, T, Hq] come from the forward: each row's log-sum-exp of its scaled scores (+inf for a row
-    that sees no key, so its probabilities are exact zeros)."""
+def attention_bwd(q, k, v, forward, do, positions, config: AttentionBwdConfig, interpret: bool):
+    """(dq, dk, dv) of causal GQA attention (see the module docstring), in q's dtype. forward: the
+    forward's (out, lse), out [B, T, Hq, Dh] and lse [B, T, Hq] each row's log-sum-exp of its scaled
+    scores (+inf for a row that sees no key, so its probabilities are exact zeros)."""
+    out, lse = forward
     b, t, hq, dh = q.shape
     hkv = k.shape[2]
     g = hq // hkv
@@ -159,13 +150,13 @@ def attention_bwd(q, k, v, out, lse, do, positions, config: AttentionBwdConfig, 
         functools.partial(_dkdv_kernel, block_q=bq, scale=scale),
         name="attention_bwd_dkdv",
         grid=(b, hkv, tp // bk),
-        in_specs=[every(tp // bq), one(), seq(tp), pos_blk(bk)]
-        + [group(tp, dh_p), kv_blk, kv_blk, group(tp, dh_p), group(tp), group(tp)],
+        in_specs=[(every(tp // bq), one(), seq(tp), pos_blk(bk)), group(tp, dh_p), kv_blk, kv_blk, group(tp, dh_p)]
+        + [(group(tp), group(tp))],
         out_specs=[kv_blk, kv_blk],
         out_shape=[jax.ShapeDtypeStruct(kh.shape, F32)] * 2,
         compiler_params=params,
         interpret=interpret,
-    )(q_hi, k_lo, pos, pos, qh, kh, vh, doh, lse, delta)
+    )((q_hi, k_lo, pos, pos), qh, kh, vh, doh, (lse, delta))
 
     q_blk = pl.BlockSpec((None, None, bq, dh_p), lambda i, h, j: (i, h, j, 0))
     kv_seq = pl.BlockSpec((None, None, tp, dh_p), lambda i, h, j: (i, h // g, 0, 0))
@@ -174,12 +165,12 @@ def attention_bwd(q, k, v, out, lse, do, positions, config: AttentionBwdConfig, 
         functools.partial(_dq_kernel, block_k=bk, scale=scale),
         name="attention_bwd_dq",
         grid=(b, hq, tp // bq),
-        in_specs=[one(), every(tp // bk), pos_blk(bq), seq(tp), q_blk, kv_seq, kv_seq, q_blk, row_blk, row_blk],
+        in_specs=[(one(), every(tp // bk), pos_blk(bq), seq(tp)), q_blk, kv_seq, kv_seq, q_blk, (row_blk, row_blk)],
         out_specs=q_blk,
         out_shape=jax.ShapeDtypeStruct(qh.shape, F32),
         compiler_params=params,
         interpret=interpret,
-    )(q_hi, k_lo, pos, pos, qh, kh, vh, doh, lse, delta)
+    )((q_hi, k_lo, pos, pos), qh, kh, vh, doh, (lse, delta))
 
     def back(x, like):  # [B, H, Tp, Dh_p] fp32 -> [B, T, H, Dh] in like's dtype
         return x.transpose(0, 2, 1, 3)[:, :t, :, :dh].astype(like.dtype)

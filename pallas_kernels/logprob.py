@@ -82,12 +82,7 @@ def _split_kernel(
     tgt_ref,
     temp_ref,
     key_ref,
-    m_ref,
-    s_ref,
-    tgt_logit_ref,
-    best_score_ref,
-    best_tok_ref,
-    best_logit_ref,
+    part_refs,
     *,
     block_vocab,
     block_k,
@@ -129,14 +124,15 @@ def _split_kernel(
     neg = jnp.full((rows,), -jnp.inf, F32)
     init = (neg, jnp.zeros((rows,), F32), neg, neg, jnp.zeros((rows,), jnp.int32), neg)
     out = jax.lax.fori_loop(first, jnp.minimum(first + tiles_per_split, num_tiles), body, init)
-    for ref, value in zip((m_ref, s_ref, tgt_logit_ref, best_score_ref, best_tok_ref, best_logit_ref), out):
+    # part_refs: this vocab range's (max, sum, target logit, best score, best token, its logit) per row
+    for ref, value in zip(part_refs, out):
         ref[...] = value
 
 
-def _merge_kernel(
-    m_ref, s_ref, tgt_logit_ref, best_score_ref, best_tok_ref, best_logit_ref, tgt_lp_ref, tok_ref, tok_lp_ref, lse_ref
-):
-    """Merge the vocab ranges in ascending order. Empty ranges carry m = -inf, s = 0: no effect."""
+def _merge_kernel(part_refs, tgt_lp_ref, tok_ref, tok_lp_ref, lse_ref):
+    """Merge the vocab ranges (`_split_kernel`'s parts) in ascending order. Empty ranges carry m = -inf,
+    s = 0: no effect."""
+    m_ref, s_ref, tgt_logit_ref, best_score_ref, best_tok_ref, best_logit_ref = part_refs
     splits = m_ref.shape[0]
     m = jax.lax.fori_loop(0, splits, lambda i, m: jnp.maximum(m, m_ref[i]), m_ref[0])
     s = jax.lax.fori_loop(0, splits, lambda i, s: s + s_ref[i] * _math.exp(m_ref[i] - m), jnp.zeros_like(m))
@@ -194,7 +190,7 @@ def _fused(h, w, targets, temperature, keys, config: LogprobConfig, interpret: b
     row = pl.BlockSpec((br,), lambda i, j: (i,))
     part = pl.BlockSpec((None, br), lambda i, j: (j, i))
     part_types = (F32, F32, F32, F32, jnp.int32, F32)
-    parts = pl.pallas_call(
+    (parts,) = pl.pallas_call(
         functools.partial(
             _split_kernel,
             block_vocab=c.block_vocab,
@@ -213,8 +209,8 @@ def _fused(h, w, targets, temperature, keys, config: LogprobConfig, interpret: b
             row,
             row,
         ],
-        out_specs=[part] * 6,
-        out_shape=[jax.ShapeDtypeStruct((splits, rows_p), t) for t in part_types],
+        out_specs=[(part,) * 6],
+        out_shape=[tuple(jax.ShapeDtypeStruct((splits, rows_p), t) for t in part_types)],
         compiler_params=compiler_params(c.num_warps, c.num_stages),
         interpret=interpret,
     )(h, w, targets, temperature, keys)
@@ -223,12 +219,12 @@ def _fused(h, w, targets, temperature, keys, config: LogprobConfig, interpret: b
         _merge_kernel,
         name="logprob_merge",
         grid=(rows_p // br,),
-        in_specs=[pl.BlockSpec((splits, br), lambda i: (0, i))] * 6,
+        in_specs=[(pl.BlockSpec((splits, br), lambda i: (0, i)),) * 6],
         out_specs=[merged_row] * 4,
         out_shape=[jax.ShapeDtypeStruct((rows_p,), t) for t in (F32, jnp.int32, F32, F32)],
         compiler_params=compiler_params(c.num_warps, 1),
         interpret=interpret,
-    )(*parts)
+    )(parts)
     return tuple(o[:n] for o in outs)
 
 
@@ -309,7 +305,7 @@ class Logprobs(NamedTuple):
 
 
 def head(
-    h, w, temperature, config, interpret: bool, targets=None, seeds=None, steps=None, top_logprobs=0, truncation=None
+    h, w, temperature, config, interpret: bool, *, targets=None, seeds=None, steps=None, top_logprobs=0, truncation=None
 ) -> Logprobs:
     """The lm_head and log-softmax over h [N, D] @ w [V, D].T / temperature [N], for the learner or the
     sampler: scores `targets` [N], or draws one token per row keyed by (seeds, steps) [N].
@@ -335,7 +331,7 @@ def head(
         keys = jnp.zeros(targets.shape, jnp.uint32)
     if truncation is not None:
         z = _logits(h, w, temperature, config, interpret)
-        tok, renorm, tgt_renorm, values, ids = truncate(z, targets, keys, temperature, *truncation, config, interpret)
+        tok, renorm, tgt_renorm, values, ids = truncate(z, targets, keys, temperature, truncation, config, interpret)
         scored = tok if sampling else targets
         lp, _, _, lse = _fused(h, w, scored, temperature, keys, config, interpret)  # the learner's kernel
         out = Logprobs(scored, lp, renorm if sampling else tgt_renorm)
@@ -391,6 +387,7 @@ def head_reference(
     temperature,
     config=None,
     interpret=None,
+    *,
     targets=None,
     seeds=None,
     steps=None,

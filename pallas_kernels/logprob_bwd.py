@@ -45,9 +45,11 @@ def _dz_kernel(v0_ref, h_ref, w_ref, inv_t_ref, lse_ref, tgt_ref, g_ref, o_ref, 
     o_ref[...] = ((g_ref[...] * inv_t)[:, None] * (onehot - p)).astype(o_ref.dtype)
 
 
-def _dz(h, w_tile, v0, inv_t, lse, targets, g, vocab, config: matmul.MatmulConfig, interpret: bool):
+def _dz(h, w_tile, v0, per_row, vocab, config: matmul.MatmulConfig, interpret: bool):
     """dz [N, chunk] in h.dtype for the vocab ids v0 .. v0 + chunk (w_tile [chunk, D], chunk a
-    multiple of block_n). Padded rows get g = 0: their dz is 0 (and sliced away)."""
+    multiple of block_n). per_row: (1 / T, log-sum-exp, target, cotangent g) [N] each. Padded rows
+    get g = 0: their dz is 0 (and sliced away)."""
+    inv_t, lse, targets, g = per_row
     c = config
     n = h.shape[0]
     h = pad_dim(pad_dim(h, 0, c.block_m), 1, c.block_k)
@@ -99,7 +101,7 @@ def backward(config, interpret, saved, g):
 
     def step(dh, xs):
         w_tile, v0 = xs
-        dz = _dz(h, w_tile, v0, inv_t, lse, targets, g.astype(F32), vocab, config.backward, interpret)
+        dz = _dz(h, w_tile, v0, (inv_t, lse, targets, g.astype(F32)), vocab, config.backward, interpret)
         return dh + d_h(dz, w_tile), d_w(dz).astype(w.dtype)
 
     dh, dw = jax.lax.scan(step, jnp.zeros(h.shape, F32), (wc, jnp.arange(wc.shape[0]) * chunk))

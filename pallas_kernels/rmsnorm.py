@@ -115,10 +115,10 @@ def _padded_rmsnorm(x, w, cos, sin, eps, config, interpret, layer=None):
     w = pad(w if layer is None else jax.lax.dynamic_index_in_dim(w, layer, keepdims=False))
     if cos is not None:
         cos, sin = pad_table(cos), pad_table(sin)
-    return unpad(_pallas_rmsnorm(x, w, cos, sin, eps, config, interpret, width))
+    return unpad(_pallas_rmsnorm(x, w, cos, sin, eps, config, interpret, width=width))
 
 
-def _pallas_rmsnorm(x, w, cos, sin, eps, config, interpret, width=None, layer=None):
+def _pallas_rmsnorm(x, w, cos, sin, eps, config, interpret, *, width=None, layer=None):
     """w [D], or w [L, D] with `layer` (read in place)."""
     n, d = x.shape
     rope = cos is not None
@@ -201,7 +201,7 @@ def _bwd_kernel(*refs, eps, block_d, d, rope, width):
         dw_ref[c] = jnp.sum(da * n, axis=0)
 
 
-def _pallas_rmsnorm_bwd(x, w, cos, sin, dy, eps, config, interpret, width):
+def _pallas_rmsnorm_bwd(x, w, cos, sin, dy, eps, config, interpret, *, width):
     """(dx [N, D], dw partial sums [programs, D] fp32) for D a whole number of chunks (or RoPE
     halves of a power of two). Padded rows are zero: dx 0, no share of dw."""
     d, rope = x.shape[1], cos is not None
@@ -240,13 +240,13 @@ def _bwd(eps, config, interpret, saved, dy):
     width = x.shape[1]
     padding = _feature_padding(width, cos is not None, config.backward_block_d)
     if padding is None:
-        dx, dw = _pallas_rmsnorm_bwd(x, weight, cos, sin, dy, eps, config, interpret, width)
+        dx, dw = _pallas_rmsnorm_bwd(x, weight, cos, sin, dy, eps, config, interpret, width=width)
     else:
         pad, pad_table, unpad = padding
         x, w = pad(x), pad(weight)
         if cos is not None:
             cos, sin = pad_table(cos), pad_table(sin)
-        dx, dw = _pallas_rmsnorm_bwd(x, w, cos, sin, pad(dy), eps, config, interpret, width)
+        dx, dw = _pallas_rmsnorm_bwd(x, w, cos, sin, pad(dy), eps, config, interpret, width=width)
         dx, dw = unpad(dx), unpad(dw)
     return dx, jnp.sum(dw, axis=0).astype(weight.dtype), None, None
 

@@ -55,24 +55,11 @@ def _top_p_kernel(sorted_ref, thr_k_ref, top_p_ref, count_ref, *, block_vocab, n
     count_ref[...] = jax.lax.fori_loop(0, num_tiles, count, init)[1]
 
 
-def _sample_kernel(
-    z_ref,
-    thr_ref,
-    max_ref,
-    min_p_ref,
-    key_ref,
-    temp_ref,
-    tgt_ref,
-    tok_ref,
-    renorm_ref,
-    tgt_renorm_ref,
-    *,
-    block_vocab,
-    num_tiles,
-    vocab,
-):
+def _sample_kernel(z_ref, row_refs, tok_ref, renorm_ref, tgt_renorm_ref, *, block_vocab, num_tiles, vocab):
     """Gumbel-max over the kept ids and the kept set's log-sum-exp, vocab tiles ascending; the
-    drawn token's and the target's renormalised logprobs (-inf for a target outside the set)."""
+    drawn token's and the target's renormalised logprobs (-inf for a target outside the set).
+    row_refs: per row, the kept set's threshold, the largest logit, min_p, key, temperature, target."""
+    thr_ref, max_ref, min_p_ref, key_ref, temp_ref, tgt_ref = row_refs
     rows = z_ref.shape[0]
     thr, zmax, min_p, key, tgt = thr_ref[...], max_ref[...], min_p_ref[...], key_ref[...], tgt_ref[...]
     greedy = temp_ref[...] == 0.0
@@ -109,10 +96,12 @@ def _sample_kernel(
     tgt_renorm_ref[...] = tgt_logit - lse_kept
 
 
-def truncate(z, targets, keys, temperature, top_k, top_p, min_p, config, interpret: bool):
-    """z [N, V]: the rows' fp32 logits / T (logprob.head's `_logits`). Returns the drawn tokens and
-    their renormalised logprobs, the targets' renormalised logprobs [N], and the logits sorted
-    descending with their ids [N, V]. config: the head's LogprobConfig (row and vocab tiles)."""
+def truncate(z, targets, keys, temperature, truncation, config, interpret: bool):
+    """z [N, V]: the rows' fp32 logits / T (logprob.head's `_logits`); truncation: (top_k, top_p,
+    min_p) [N] each. Returns the drawn tokens and their renormalised logprobs, the targets'
+    renormalised logprobs [N], and the logits sorted descending with their ids [N, V]. config: the
+    head's LogprobConfig (row and vocab tiles)."""
+    top_k, top_p, min_p = truncation
     n, vocab = z.shape
     c = config
     values, ids = jax.lax.top_k(z, vocab)  # a full sort, descending (selection: no rounding)
@@ -139,12 +128,12 @@ def truncate(z, targets, keys, temperature, top_k, top_p, min_p, config, interpr
     tok, renorm, tgt_renorm = pl.pallas_call(
         functools.partial(_sample_kernel, block_vocab=bv, num_tiles=num_tiles, vocab=vocab),
         grid=(rows_p // br,),
-        in_specs=[pl.BlockSpec((br, zp.shape[1]), lambda i: (i, 0))] + [row] * len(per_row),
+        in_specs=[pl.BlockSpec((br, zp.shape[1]), lambda i: (i, 0)), [row] * len(per_row)],
         out_specs=[row] * 3,
         out_shape=[jax.ShapeDtypeStruct((rows_p,), t) for t in (jnp.int32, F32, F32)],
         compiler_params=compiler_params(c.num_warps, 1),
         interpret=interpret,
-    )(zp, *per_row)
+    )(zp, per_row)
     return tok[:n], renorm[:n], tgt_renorm[:n], values, ids
 
 

@@ -8,7 +8,14 @@ quiet_rocm_plugin_without_gpu()
 from rlkjax.api import generate, score  # noqa: E402
 from rlkjax.core.checkpoint import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 from rlkjax.core.config import PRESETS, LoraConfig, ModelConfig  # noqa: E402
-from rlkjax.core.model import forward, init_params, sequence_logprobs, token_logprobs  # noqa: E402
+from rlkjax.core.model import (  # noqa: E402
+    LearnerPass,
+    Sequences,
+    forward,
+    init_params,
+    sequence_logprobs,
+    token_logprobs,
+)
 from rlkjax.core.sampling_params import SamplingParams  # noqa: E402
 from rlkjax.engine.config import EngineConfig  # noqa: E402
 from rlkjax.engine.engine import Engine  # noqa: E402
@@ -19,9 +26,11 @@ __all__ = [
     "Completion",
     "Engine",
     "EngineConfig",
+    "LearnerPass",
     "LoraConfig",
     "ModelConfig",
     "SamplingParams",
+    "Sequences",
     "forward",
     "generate",
     "init_params",

@@ -20,10 +20,11 @@ from rlkjax.core.checks import (
     per_row,
 )
 from rlkjax.core.config import ModelConfig
-from rlkjax.core.model import rope_tables, sequence_logprobs
+from rlkjax.core.model import LearnerPass, Sequences, rope_tables, sequence_logprobs
 from rlkjax.core.numerics import PAGE_SIZE, Numerics, ops
 from rlkjax.core.sampling_params import SamplingParams
 from rlkjax.core.shapes import bucket, pad_sequences
+from rlkjax.engine import outputs
 from rlkjax.engine.config import EngineConfig
 from rlkjax.engine.engine import Engine
 from rlkjax.engine.records import Completion
@@ -74,8 +75,9 @@ def generate(
     engine = Engine(params, cfg, numerics, sizing, eos_token_id)
     requests = [engine.submit(p, row) for p, row in zip(prompts, rows)]
     engine.run_until_done()
-    _add_prompt_logprobs(params, cfg, prompts, rows, [r.results for r in requests], numerics)
-    return [c for r in requests for c in r.results]
+    results = [outputs.results(r) for r in requests]  # each request's end, off its output queue
+    _add_prompt_logprobs(params, cfg, prompts, rows, results, numerics)
+    return [c for row in results for c in row]
 
 
 def _row_sampling(sampling, n: int, max_tokens, temperature, seeds) -> list[SamplingParams]:
@@ -113,7 +115,7 @@ def _add_prompt_logprobs(params, cfg, prompts, rows: list[SamplingParams], resul
                     comp.prompt_logprobs = row
 
 
-_sequence_logprobs = jax.jit(sequence_logprobs, static_argnames=("cfg", "numerics", "top_logprobs"))
+_sequence_logprobs = jax.jit(sequence_logprobs, static_argnames=("setting",))
 
 
 def score(
@@ -164,18 +166,17 @@ def score(
     tokens, positions = pad_sequences(sequences, b, t)
     temps = np.pad(temps, (0, b - n), constant_values=1.0)
     rows = [slice(p - 1, len(s) - 1) for s, p in zip(sequences, plens)]
+    seqs, rope = Sequences(tokens, positions, temps), rope_tables(cfg)
     if truncated_logprobs:
         truncation = tuple(np.pad(a, (0, b - n), mode="edge") for a in truncation)
-        outs = _sequence_logprobs(
-            params, tokens, positions, temps, rope_tables(cfg), cfg, numerics, truncation=truncation
-        )
+        outs = _sequence_logprobs(params, seqs._replace(truncation=truncation), rope, LearnerPass(cfg, numerics))
         logp = np.asarray(outs.renormalised)
         return [logp[i, r].copy() for i, r in enumerate(rows)]
     if k == 0:
-        logp = np.asarray(_sequence_logprobs(params, tokens, positions, temps, rope_tables(cfg), cfg, numerics))
+        logp = np.asarray(_sequence_logprobs(params, seqs, rope, LearnerPass(cfg, numerics)))
         return [logp[i, r].copy() for i, r in enumerate(rows)]
     # one program for every k, as the engine's rounds: `most` top logprobs, the first k kept
-    outs = _sequence_logprobs(params, tokens, positions, temps, rope_tables(cfg), cfg, numerics, top_logprobs=most)
+    outs = _sequence_logprobs(params, seqs, rope, LearnerPass(cfg, numerics, top_logprobs=most))
     logp, ids, top = (np.asarray(o) for o in (outs.logprobs, outs.top_ids, outs.top_logprobs))
     return [(logp[i, r].copy(), ids[i, r, :k].copy(), top[i, r, :k].copy()) for i, r in enumerate(rows)]
 

@@ -116,11 +116,16 @@ class RolloutClient:
     def prefix_cache(self) -> dict:
         """The server's prefix-cache counters from /metrics: query_tokens (prompt positions admitted after a
         lookup) and hit_tokens (those the cache held: prefill saved)."""
+        served = self.counters()
+        return {k: int(served[f"prefix_cache_{k}_total"]) for k in ("query_tokens", "hit_tokens")}
+
+    def counters(self) -> dict[str, float]:
+        """Every value of /metrics by its name less the rlkjax_ prefix (e.g. preemptions_total)."""
         values = {}
         for line in self.metrics().splitlines():
             name, _, value = line.partition(" ")
-            if name in ("rlkjax_prefix_cache_query_tokens_total", "rlkjax_prefix_cache_hit_tokens_total"):
-                values[name.removeprefix("rlkjax_prefix_cache_").removesuffix("_total")] = int(float(value))
+            if name.startswith("rlkjax_"):
+                values[name.removeprefix("rlkjax_")] = float(value)
         return values
 
     def update_weights(self, path: str) -> int:

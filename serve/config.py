@@ -78,7 +78,11 @@ def admin_key(config: ServerConfig) -> str | None:
     """The key for POST /update_weights: --admin-key-file, else --admin-key, else RLKJAX_ADMIN_KEY; None: updates
     are refused."""
     if config.admin_key_file:
-        lines = Path(config.admin_key_file).read_text().splitlines()
+        try:
+            lines = Path(config.admin_key_file).read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise ValueError(f"--admin-key-file {config.admin_key_file}: cannot read it ({why})") from None
         if not lines or not lines[0].strip():
             raise ValueError(f"--admin-key-file {config.admin_key_file} is empty")
         return lines[0].strip()

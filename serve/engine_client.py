@@ -1,26 +1,28 @@
-"""The routes' one door to the rollout engine: `EngineClient` runs the engine in its thread (warm-up first),
-admits requests, submits them, waits for them, cancels them, streams their tokens, scores prompts, swaps
-weights, and keeps the set of requests in flight that a shutdown cancels.
+"""The routes' one door to the rollout engine: `EngineClient` starts the engine's thread
+(rlkjax.engine.runner: warm-up first), admits requests, submits them, follows their outputs, cancels them,
+scores prompts, swaps weights, and keeps the set of requests in flight that a shutdown cancels.
 
-The engine reports back through the `rlkjax.engine.records.Listener` each submission gives it (on the engine
-thread): a request's end resolves its future on the event loop, and where a route follows the text as it
-grows (streams, stop strings) each round's tokens extend every sample's `SampleText` there, between
-rounds, so a stop string ends its sample in the round it appears; what is safe to stream goes onto the
-submission's queue, which the route reads on the event loop. No route code runs on the engine thread.
+The engine's one way out is each request's output queue (rlkjax.engine.outputs); an HTTP request's prompts
+share one, made for the event loop. `outputs` is one async generator per HTTP request, on the event loop:
+each round's tokens grow every sample's `SampleText` there (detokenising, stop strings); a stop string ends
+its sample's text at once and asks the engine to stop the sample (`Engine.stop`), as vLLM's output processor
+aborts a request whose stop string matched; what is safe to stream is yielded. A non-streamed response is that
+stream collected (`wait`). Nothing of serve/ runs on the engine thread.
 """
 
 import asyncio
 import logging
 import math
-import threading
+import queue
 import time
 
 import rlkjax
 from rlkjax.core.checks import check_int
 from rlkjax.core.sampling_params import SamplingParams
-from rlkjax.engine import compilation_cache
 from rlkjax.engine.engine import Engine
-from rlkjax.engine.records import EngineRequest, Listener
+from rlkjax.engine.outputs import OutputQueue, SampleOutput
+from rlkjax.engine.records import EngineRequest
+from rlkjax.engine.runner import EngineThread
 from serve.http import BadRequest, EngineFailed, RequestTimeout, ShuttingDown, Starting, check_context
 from serve.protocol import Limits
 from serve.text import SampleText
@@ -30,77 +32,12 @@ log = logging.getLogger("serve.rollout")
 
 class Submission:
     """One HTTP request's engine requests, one per prompt with n samples each (choice i*n + j is sample j of
-    prompt i): their ends, and where a route follows them, each sample's text as it grows and the events
-    of a stream: ("tokens", choice, tokens, logprobs, pieces, tops, finish reason or None), ("done", i)."""
+    prompt i), and the one output queue they share."""
 
-    def __init__(self, prompts: int, n: int, texts: list[SampleText] | None, stream: bool):
-        self.loop = asyncio.get_running_loop()
-        self.n, self.texts = n, texts
+    def __init__(self, n: int, outputs: OutputQueue):
+        self.n, self.queue = n, outputs
         self.requests: list[EngineRequest] = []
-        self.ended = [self.loop.create_future() for _ in range(prompts)]  # prompt i's request ended
-        self.queue: asyncio.Queue | None = asyncio.Queue() if stream else None
-        choices = len(texts) if texts else 0
-        self.tops = [[] for _ in range(choices)]  # per choice and kept token: (top ids, top logprobs) or None
-        self.sent = [0] * choices  # tokens streamed per choice
-        self.closed = [False] * choices  # its last chunk (with finish_reason) is queued
-
-    def listener(self, i: int) -> Listener:
-        return _PromptListener(self, i)
-
-    def on_tokens(self, choice: int, tokens, logprobs, top, reason) -> int | None:
-        """Engine thread, after each round: grow the sample's text; queue what is safe to stream (all of it
-        once the engine's `reason` or a stop string ends the sample). Returns the tokens to keep on a stop."""
-        text, tops = self.texts[choice], self.tops[choice]
-        try:
-            keep = text.add(tokens, [float(x) for x in logprobs])
-            rows = [None] * len(tokens) if top is None else [(i.tolist(), lp.tolist()) for i, lp in zip(*top)]
-            tops += rows[: len(text.tokens) - len(tops)]  # those of the tokens the text kept
-        except Exception:  # a bug of ours must not end the engine thread; the response checks its tokens
-            log.exception("on_tokens failed for choice %d", choice)
-            return None
-        if self.queue is not None:
-            # The engine's finish reason, so a sample's last chunk goes now, not when the prompt's other
-            # samples are done too; a stop string found in the text ends it as well.
-            reason = "stop" if keep is not None else reason
-            if reason:
-                text.finish()
-            sent = self.sent[choice]
-            safe = len(text.tokens) if reason else text.safe_tokens(sent)
-            if safe > sent or reason:
-                part = (text.tokens[sent:safe], text.logprobs[sent:safe], text.pieces[sent:safe], tops[sent:safe])
-                self.sent[choice], self.closed[choice] = safe, reason is not None
-                self._put(self.queue.put_nowait, ("tokens", choice, *part, reason))
-        return keep
-
-    def on_end(self, i: int) -> None:
-        """Engine thread: prompt i's request ended."""
-        self._put(self._ended, i)
-
-    def _ended(self, i: int) -> None:
-        if not self.ended[i].done():
-            self.ended[i].set_result(None)
-            if self.queue is not None:
-                self.queue.put_nowait(("done", i))
-
-    def _put(self, fn, *args) -> None:
-        try:
-            self.loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the loop closed (the process is exiting): nobody waits any more
-            pass
-
-
-class _PromptListener(Listener):
-    """The engine's listener of prompt i of a submission."""
-
-    def __init__(self, submission: Submission, i: int):
-        self.submission, self.i = submission, i
-        self.follows_tokens = submission.texts is not None
-
-    def on_tokens(self, index, tokens, logprobs, top, reason):
-        return self.submission.on_tokens(self.i * self.submission.n + index, tokens, logprobs, top, reason)
-
-    def on_end(self):
-        self.submission.on_end(self.i)
+        self.prompt_of: dict[int, int] = {}  # engine request id -> prompt index
 
 
 class EngineClient:
@@ -112,81 +49,40 @@ class EngineClient:
         self.limits = Limits(engine.cfg.vocab_size, engine.max_context, engine.config.max_batch, max_prompts)
         self.max_sequences = max_sequences
         # The engine thread compiles these first, while the server already answers (/health: "starting").
-        self.warm_up_todo = engine.warm_up_shapes() if warmup else []
-        self.warmed_up = 0  # shapes of warm_up_todo compiled so far
-        self.warm_up_started = time.monotonic()
-        self.ready = threading.Event()  # set once the warm-up is done: requests are admitted from then on
-        self.failure: BaseException | None = None  # the warm-up failed: the server exits with it
-        self.wake = threading.Condition()
-        self.stopping = False  # the engine thread exits once idle
+        self.runner = EngineThread(engine, engine.warm_up_shapes() if warmup else [])
         self.draining = False  # a shutdown began: new requests are refused
         self.deadline_passed = False  # a shutdown cancelled what was in flight
         self.cut_event = asyncio.Event()  # set by cut(): waiting handlers answer at once
         self.in_flight: set[EngineRequest] = set()  # submitted and not ended (pruned as they end)
-        self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
     # ----- the engine thread -----
-    def _warm_up(self) -> bool:
-        """Compile the default shapes one at a time, logging each; False if stopped or failed first."""
-        start, total = time.monotonic(), len(self.warm_up_todo)
-        self.warm_up_started = start
-        with compilation_cache.CompileTimes() as times:
-            if total:
-                try:  # several at once; what is not on disk compiles below, one shape at a time
-                    loaded = self.engine.load_warm_up()
-                    log.info("warm-up: %d of %d shapes' executables read from the cache", loaded, total)
-                except Exception:  # the shape's own warm-up below reports it, or compiles past it
-                    log.exception("warm-up: reading stored executables failed")
-            for name, rows in self.warm_up_todo:
-                if self.stopping:
-                    return False
-                try:
-                    seconds = self.engine.warm_up_shape(name, rows)
-                except Exception as e:  # e.g. the KV cache does not fit: nothing will ever be served
-                    log.exception("warm-up failed at %s, %d rows", name, rows)
-                    self.failure = e
-                    return False
-                self.warmed_up += 1
-                log.info("warm-up %d/%d: %s, %d rows, %.1f s", self.warmed_up, total, name, rows, seconds)
-        if total:
-            log.info("warm-up: %d shapes compiled in %.1f s (%s)", total, time.monotonic() - start, times)
-        log.info("ready")
-        self.ready.set()
-        return True
+    @property
+    def ready(self):
+        """Set once the warm-up is done: requests are admitted from then on."""
+        return self.runner.ready
 
-    def _loop(self):
-        if not self._warm_up():
-            return
-        while True:
-            with self.wake:
-                while not (self.engine.busy or self.engine.weights_pending or self.stopping):
-                    self.wake.wait()
-                if self.stopping and not (self.engine.busy or self.engine.weights_pending):
-                    return
-            try:
-                self.engine.step()
-            except Exception as e:  # a bug or a device error: fail what it held, keep serving the next requests
-                log.exception("engine step failed; failing the requests it held")
-                self.engine.abort(f"the engine failed while serving this request: {type(e).__name__}: {e}")
+    @property
+    def failure(self) -> BaseException | None:
+        """The warm-up failed: the server exits with it."""
+        return self.runner.failure
+
+    @property
+    def warm_up_todo(self) -> list:
+        return self.runner.warm_up_todo
 
     def kick(self):
-        with self.wake:
-            self.wake.notify()
+        self.runner.kick()
 
     def start(self) -> None:
-        self.thread.start()
+        self.runner.start()
 
     async def stop(self, grace: float) -> None:
-        """Let the thread finish what it holds and exit; bounded: a step stuck on the device must not keep
-        the process alive (the thread is a daemon)."""
-        with self.wake:
-            self.stopping = True
-            self.wake.notify()
-        await asyncio.to_thread(self.thread.join, grace)
+        """Let the thread finish what it holds and exit; bounded (rlkjax.engine.runner)."""
+        await asyncio.to_thread(self.runner.stop, grace)
 
     def stopped(self) -> bool:
         """The engine thread has exited (or never started)."""
-        return not self.thread.is_alive()
+        return self.runner.stopped()
 
     # ----- the model served -----
     @property
@@ -211,14 +107,14 @@ class EngineClient:
         return self.engine.metrics()
 
     def progress(self) -> str:
-        return f"{self.warmed_up}/{len(self.warm_up_todo)} shapes compiled"
+        return f"{self.runner.warmed_up}/{len(self.warm_up_todo)} shapes compiled"
 
     def retry_after(self) -> int:
         """Seconds until the warm-up is likely done, from its pace so far (at least 1)."""
-        done, total = self.warmed_up, len(self.warm_up_todo)
+        done, total = self.runner.warmed_up, len(self.warm_up_todo)
         if not done:
             return 5
-        return max(1, math.ceil((time.monotonic() - self.warm_up_started) / done * (total - done)))
+        return max(1, math.ceil((time.monotonic() - self.runner.warm_up_started) / done * (total - done)))
 
     # ----- requests -----
     def submit(
@@ -227,13 +123,12 @@ class EngineClient:
         sampling: SamplingParams,
         seeds: list[int],
         *,
-        texts: list[SampleText] | None = None,
-        stream: bool = False,
+        rounds: bool = False,
         max_tokens_name: str = "max_tokens",
     ) -> Submission:
         """Submit every prompt, prompt i with seed seeds[i] (checked first, so a bad one submits nothing).
-        texts: one SampleText per choice, grown on the engine thread as tokens come (None: not followed);
-        stream: queue the submission's events. max_tokens_name: the route's name for max_tokens."""
+        rounds: follow each round's tokens (`outputs` with texts), else only each request's end.
+        max_tokens_name: the route's name for max_tokens."""
         if self.draining:
             raise ShuttingDown("the server is shutting down; retry on another replica")
         if not self.ready.is_set():
@@ -250,12 +145,14 @@ class EngineClient:
             )
         for p in prompts:  # vLLM's wording for an over-long request, on every route
             check_context(self.engine.max_context, len(p), sampling.max_tokens, max_tokens_name)
-        submission, group = Submission(len(prompts), sampling.n, texts, stream), object()
-        try:  # this HTTP request's prompts take one turn together in admission
+        submission = Submission(sampling.n, OutputQueue(rounds, asyncio.get_running_loop()))
+        group = object()  # this HTTP request's prompts take one turn together in admission
+        try:
             for i, (p, s) in enumerate(zip(prompts, seeds)):
                 self.engine.check_pages(len(p), sampling.max_tokens, max_tokens_name)
-                listener = submission.listener(i)
-                submission.requests.append(self.engine.submit(p, sampling, seed=s, group=group, listener=listener))
+                request = self.engine.submit(p, sampling, seed=s, group=group, outputs=submission.queue)
+                submission.requests.append(request)
+                submission.prompt_of[request.id] = i
         except ValueError as e:
             self.cancel(submission.requests)
             raise BadRequest(str(e)) from None
@@ -276,49 +173,97 @@ class EngineClient:
             self.cancel(submission.requests)
         self.in_flight.difference_update(submission.requests)
 
-    async def wait(self, submission: Submission, timeout: float | None = None) -> list[EngineRequest]:
-        """Await the submission's requests; a cancelled handler (client gone) or a timeout cancels them and
-        frees their pages; a failure or a shutdown's cut raises the error its client gets."""
+    async def wait(
+        self, submission: Submission, timeout: float | None = None, texts: list[SampleText] | None = None
+    ) -> list[EngineRequest]:
+        """The submission's outputs collected (`outputs`): its requests once they ended; a cancelled handler (the
+        client gone) cancels them and frees their pages."""
         try:
-            await asyncio.wait_for(self._unless_cut(asyncio.gather(*submission.ended)), timeout)
-        except TimeoutError:
-            self.cancel(submission.requests)
-            raise RequestTimeout(f"the request did not finish within its timeout of {timeout:g} s") from None
+            async for _ in self.outputs(submission, texts, timeout):
+                pass
         except asyncio.CancelledError:  # client went away: free its pages
             self.cancel(submission.requests)
             raise
         self.in_flight.difference_update(submission.requests)
-        self.check_ended(submission.requests)
         return submission.requests
 
-    async def events(self, submission: Submission, timeout: float | None = None):
-        """A streamed submission's events, until every prompt's request ended ("done" once each, after
-        check_ended); RequestTimeout once `timeout` seconds passed. Call `release` when done with it."""
-        done, deadline = set(), None if timeout is None else time.monotonic() + timeout
-        while len(done) < len(submission.requests):
-            left = None if deadline is None else max(deadline - time.monotonic(), 0)
-            try:
-                event = await asyncio.wait_for(submission.queue.get(), left)
-            except TimeoutError:
-                raise RequestTimeout(f"the request did not finish within its timeout of {timeout:g} s") from None
-            if event[0] == "done":
-                done.add(event[1])
-                self.check_ended([submission.requests[event[1]]])
-            yield event
+    async def outputs(self, submission: Submission, texts: list[SampleText] | None = None, timeout=None):
+        """The submission's events, on the event loop, until every prompt's request ended. With `texts` (one
+        SampleText per choice; submitted with rounds) each round's tokens grow their sample's text here: a stop
+        string ends the text and stops the sample in the engine (tokens it sampled after are dropped), the
+        engine's finish reason ends it too, and what is safe to stream is yielded as ("tokens", choice, tokens,
+        logprobs, pieces, tops, finish reason or None); a sample's last event has its finish reason. ("done", i)
+        once prompt i's request ended (after check_ended). RequestTimeout once `timeout` seconds passed (the
+        requests cancelled), ShuttingDown once a shutdown cut them. Call `release` when done with it."""
+        n, requests = submission.n, submission.requests
+        choices = len(texts) if texts else 0
+        tops = [[] for _ in range(choices)]  # per choice and kept token: (top ids, top logprobs) or None
+        sent = [0] * choices  # tokens yielded per choice
+        closed = [False] * choices  # its last event (with a finish reason) is out
+        deadline = None if timeout is None else time.monotonic() + timeout
+        ended = 0
+        while ended < len(requests):
+            item = await self._next(submission, deadline, timeout)
+            i = submission.prompt_of[item.request]
+            if isinstance(item, SampleOutput):
+                k = i * n + item.index
+                if texts is None or closed[k]:  # a stop string ended it: what the engine sampled after is dropped
+                    continue
+                text = texts[k]
+                keep = text.add(item.tokens, item.logprobs.tolist())
+                rows = [None] * len(item.tokens) if item.top is None else list(zip(*(a.tolist() for a in item.top)))
+                tops[k] += rows[: len(text.tokens) - len(tops[k])]  # those of the tokens the text kept
+                reason = item.finish_reason
+                if keep is not None:
+                    reason = "stop"
+                    self.engine.stop(requests[i], item.index)
+                    self.kick()
+            else:
+                ended += 1
+                self.check_ended([requests[i]])
+                # Samples whose last event is not out (cancelled ones) end here, with the engine's reason.
+                for j in range(n if texts else 0):
+                    k, text = i * n + j, texts[i * n + j]
+                    if not closed[k]:
+                        text.finish()
+                        reason = "stop" if text.stopped else item.results[j].finish_reason
+                        rest = slice(sent[k], None)
+                        part = (text.tokens[rest], text.logprobs[rest], text.pieces[rest], tops[k][rest])
+                        sent[k], closed[k] = len(text.tokens), True
+                        yield ("tokens", k, *part, reason)
+                yield ("done", i)
+                continue
+            if reason:
+                text.finish()
+            safe = len(text.tokens) if reason else text.safe_tokens(sent[k])
+            if safe > sent[k] or reason:
+                done = slice(sent[k], safe)
+                part = (text.tokens[done], text.logprobs[done], text.pieces[done], tops[k][done])
+                sent[k], closed[k] = safe, reason is not None
+                yield ("tokens", k, *part, reason)
 
-    async def _unless_cut(self, ended):
-        """Await `ended`, or stop waiting once a shutdown cut what was in flight: the engine ends the
-        cancelled requests at its next step, which on a busy machine can come after the process has
-        exited, so the handler answers 503 now rather than leave its client a dropped connection."""
+    async def _next(self, submission: Submission, deadline: float | None, timeout: float | None):
+        """The submission's next output; RequestTimeout at the deadline (its requests cancelled), ShuttingDown once
+        a shutdown's cut cancelled what was in flight: the engine ends those requests at its next step, which on a
+        busy machine can come after the process has exited, so the handler answers now."""
+        try:
+            return submission.queue.get_nowait()
+        except queue.Empty:  # wait for the engine
+            pass
+        left = None if deadline is None else max(deadline - time.monotonic(), 0)
+        got = asyncio.ensure_future(submission.queue.get())
         cut = asyncio.ensure_future(self.cut_event.wait())
         try:
-            await asyncio.wait({ended, cut}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({got, cut}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            got.cancel()
             cut.cancel()
-        if not ended.done():
-            ended.cancel()
+        if got.done() and not got.cancelled():
+            return got.result()
+        if cut.done() and not cut.cancelled():
             raise ShuttingDown("the server shut down before this request finished (--shutdown-timeout)")
-        await ended
+        self.cancel(submission.requests)
+        raise RequestTimeout(f"the request did not finish within its timeout of {timeout:g} s")
 
     def check_ended(self, requests) -> None:
         """After the engine ended `requests`: raise the error their client gets, if it failed them or a

@@ -7,6 +7,7 @@ import signal
 
 from aiohttp import web
 
+from rlkjax.entry_config import Refusal
 from serve.connections import LimitedRunner
 
 log = logging.getLogger("serve.rollout")
@@ -30,7 +31,14 @@ async def serve(server) -> None:
         shutdown_timeout=SECOND_SIGNAL_GRACE_S,
     )
     await runner.setup()
-    await web.TCPSite(runner, config.host, config.port).start()
+    try:
+        await web.TCPSite(runner, config.host, config.port).start()
+    except OSError as e:
+        await runner.cleanup()
+        raise Refusal(
+            f"--host {config.host} --port {config.port}: cannot listen there ({e.strerror or e}); choose another "
+            "--port, or stop what holds this one"
+        ) from e
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.on_signal)

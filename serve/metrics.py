@@ -42,6 +42,13 @@ class EngineMetrics:
             ("rlkjax_kv_pages_total", m["pages_total"], "KV pages available"),
             ("rlkjax_preemptions_total", m["preemptions"], "sequences preempted for pages"),
             (
+                "rlkjax_preempted_tokens_total",
+                m["preempted_tokens"],
+                "positions whose KV pages preempted sequences gave back (prefilled again on return)",
+            ),
+            ("rlkjax_decode_rounds_total", m["decode_rounds"], "decode rounds run"),
+            ("rlkjax_decode_rows_total", m["decode_rows"], "their rows: / rounds = sequences decoding together"),
+            (
                 "rlkjax_prefix_cache_lookups_total",
                 m["prefix_cache_lookups"],
                 "sequences admitted after a prefix-cache lookup",

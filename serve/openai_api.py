@@ -4,11 +4,13 @@ over the rollout engine, non-streaming or as server-sent events.
 A request becomes one engine request per prompt (n samples each); choice i*n + j is sample j of prompt i.
 The request body is read into a typed request (serve.protocol); the job talks to the engine through the
 engine client (serve.engine_client) only. Each sample's text grows as the engine's rounds arrive (serve.text,
-grown by the client on the engine thread): a stop string ends that sample in the round it appears (its tokens
-after the stop are dropped; the request's other samples go on), and a stream gets every round's new text at
-once (less a tail that might still become a stop string). Token logprobs are the engine's float32 values,
-written as the doubles that hold them exactly; echoed prompt logprobs come from `rlkjax.score`, the
-learner's own pass, over the weights that served the request.
+grown by the client's output generator on the event loop): a stop string ends that sample's text where it
+appears and stops the sample in the engine (the tokens it sampled after the stop are dropped; the request's
+other samples go on), and a stream gets every round's new text at once (less a tail that might still become
+a stop string; with tools, less an unfinished <tool_call> block, whose call goes out as `tool_calls` deltas
+once it closes: serve/tool_calls.py). Token logprobs are the engine's float32 values, written as the doubles
+that hold them exactly; echoed prompt logprobs come from `rlkjax.score`, the learner's own pass, over the
+weights that served the request.
 
 temperature 0 is greedy (the argmax; its logprobs are those of the temperature-1 distribution). top_k, top_p,
 min_p (vLLM's names) truncate the distribution tokens are drawn from; the logprobs returned stay those of the
@@ -30,7 +32,7 @@ from serve.engine_client import EngineClient, Submission
 from serve.http import EngineFailed, RequestTimeout, ShuttingDown, json_response, read_json
 from serve.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from serve.text import SampleText, offsets, token_pieces
-from serve.tool_calls import tool_message
+from serve.tool_calls import ToolCallStream, tool_message
 
 
 class Job:
@@ -50,35 +52,30 @@ class Job:
         self.prompt_tops: list | None = None  # per prompt and token: (top ids, top logprobs) or None
         self.names: dict[int, str] = {}  # a top entry's string: its id decoded alone
         self.version = None  # policy version of the weights that served the request
+        streams_calls = chat and req.stream and req.parse_tools
+        self.call_streams = [ToolCallStream() for _ in self.texts] if streams_calls else None
 
     # ----- running -----
     def submit(self):
         if self.req.max_tokens == 0:  # echo only: nothing to sample
             return
-        # The texts grow on the engine thread, between rounds, only for what needs them as they grow.
-        # Otherwise the text is made once the request is done, off the engine's path.
-        followed = self.req.stream or bool(self.req.stop)
-        texts = self.texts if followed else None
-        self.sub = self.client.submit(
-            self.prompts, self.params, list(self.req.seeds), texts=texts, stream=self.req.stream
-        )
+        self.sub = self.client.submit(self.prompts, self.params, list(self.req.seeds), rounds=True)
         self.requests = self.sub.requests
 
     async def wait(self):
+        """The response's stream collected: the texts grown to their ends."""
         if self.sub is not None:
-            await self.client.wait(self.sub, self.req.timeout)
+            await self.client.wait(self.sub, self.req.timeout, self.texts)
         self._finish()
         await self._score_prompts()
 
     def _finish(self):
-        """After the engine finished: flush each sample's text and check it holds the engine's tokens."""
+        """After the engine finished: check each sample's text holds the engine's tokens (up to its stop string)."""
         for i, r in enumerate(self.requests):
             for j, c in enumerate(r.results):
                 text = self.texts[i * self.n + j]
-                if not text.tokens and c.tokens and not text.stopped:  # not followed: the whole text now
-                    text.add(c.tokens, c.logprobs.tolist())
-                text.finish()
-                assert text.tokens == c.tokens, f"the text holds every token the engine kept: {text.tokens} {c.tokens}"
+                kept = c.tokens if not text.stopped else c.tokens[: len(text.tokens)]
+                assert text.tokens == kept, f"the text holds every token the engine kept: {text.tokens} {c.tokens}"
         versions = {c.policy_version for r in self.requests for c in r.results} or {self.client.policy_version}
         self.version = versions.pop() if len(versions) == 1 else None
 
@@ -119,10 +116,10 @@ class Job:
         """The engine's top logprobs of a finished sample, per token: (top ids, top logprobs) or None."""
         if self.req.max_tokens == 0:
             return []
-        c = self.requests[choice // self.n].results[choice % self.n]
+        c, kept = self.requests[choice // self.n].results[choice % self.n], len(self.texts[choice].tokens)
         if c.top_ids is None:
-            return [None] * len(c.tokens)
-        return list(zip(c.top_ids.tolist(), c.top_logprobs.tolist()))
+            return [None] * kept
+        return list(zip(c.top_ids[:kept].tolist(), c.top_logprobs[:kept].tolist()))
 
     def _name(self, token: int) -> str:
         if token not in self.names:
@@ -245,6 +242,34 @@ class Job:
             obj["token_ids"] = list(tokens)
         return obj
 
+    def _deltas(self, choice: int, tokens, lps, pieces, tops, reason=None, offset=0) -> list[dict]:
+        """A round's chunks of one sample: one delta, or with tool calls parsed, the content, then each call
+        that closed as its name and its arguments (tool_calls.py); the last chunk has the finish_reason."""
+        if self.call_streams is None:
+            return [self._delta(choice, tokens, lps, pieces, tops, reason, offset)]
+        content, calls, released = self.call_streams[choice].add(tokens, lps, pieces, tops, reason is not None)
+        chunks = []
+        if content or released:  # the released tokens' logprobs go with the content they settle
+            chunk = {"index": choice, "delta": {"content": content} if content else {}, "finish_reason": None}
+            rows = tuple(zip(*released)) if released else ([], [], [], [])
+            chunk["logprobs"] = self._chat_logprobs(*rows) if self.req.logprobs else None
+            if self.req.return_token_ids:
+                chunk["token_ids"] = list(rows[0])
+            chunks.append(chunk)
+        for index, call in calls:
+            head = {"index": index, "id": call["id"], "type": "function"}
+            head["function"] = {"name": call["function"]["name"], "arguments": ""}
+            arguments = {"index": index, "function": {"arguments": call["function"]["arguments"]}}
+            for part in (head, arguments):
+                chunks.append(
+                    {"index": choice, "delta": {"tool_calls": [part]}, "logprobs": None, "finish_reason": None}
+                )
+        if reason is not None:
+            if not chunks:
+                chunks.append({"index": choice, "delta": {}, "logprobs": None, "finish_reason": None})
+            chunks[-1]["finish_reason"] = "tool_calls" if self.call_streams[choice].calls else reason
+        return chunks
+
     async def stream(self, request: web.Request) -> web.StreamResponse:
         """Server-sent events: a chunk per engine round with every sample's new text, each sample's last chunk
         with its finish_reason in the round it ends, the usage chunk if asked, then [DONE]. A client that goes
@@ -257,14 +282,12 @@ class Job:
             await response.prepare(request)
             await self._stream_heads(response, offset)
             if self.sub is not None:
-                async for event in self.client.events(self.sub, self.req.timeout):
+                async for event in self.client.outputs(self.sub, self.texts, self.req.timeout):
                     if event[0] == "tokens":
                         _, k, tokens, lps, pieces, tops, reason = event
-                        chunk = self._delta(k, tokens, lps, pieces, tops, reason, offset[k])
-                        await response.write(self._chunk([chunk]))
+                        for chunk in self._deltas(k, tokens, lps, pieces, tops, reason, offset[k]):
+                            await response.write(self._chunk([chunk]))
                         offset[k] += sum(map(len, pieces))
-                    else:
-                        await self._stream_tails(response, event[1], offset)
             if self.req.include_usage:
                 await response.write(self._chunk([], self._usage()))
             await response.write(b"data: [DONE]\n\n")
@@ -302,23 +325,6 @@ class Job:
             await response.write(
                 self._chunk([self._delta(k, [], [], [], [], "length") for k in range(len(self.texts))])
             )
-
-    async def _stream_tails(self, response, i: int, offset):
-        """Prompt i's request is done: the samples whose last chunk is not out yet (cancelled ones) get it."""
-        r, sub = self.requests[i], self.sub
-        for j in range(len(r.results)):
-            k = i * self.n + j
-            if sub.closed[k]:
-                continue
-            text = self.texts[k]
-            text.finish()
-            sent = sub.sent[k]
-            sub.sent[k] = len(text.tokens)
-            tops = sub.tops[k][sent:]
-            chunk = self._delta(
-                k, text.tokens[sent:], text.logprobs[sent:], text.pieces[sent:], tops, self._finish_reason(k), offset[k]
-            )
-            await response.write(self._chunk([chunk]))
 
 
 async def completions(client: EngineClient, config: ServerConfig, request: web.Request):

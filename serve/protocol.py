@@ -424,6 +424,11 @@ class ChatCompletionRequest(OpenAIRequest):
         for i, m in enumerate(messages):
             if not isinstance(m.get("role"), str):
                 raise BadRequest(f"messages[{i}].role must be a string")
+            if m["role"] == "tool" and m.get("tool_call_id") is None:  # OpenAI's API requires it too
+                raise BadRequest(
+                    f"messages[{i}].tool_call_id is required: a tool message answers the assistant's tool call "
+                    "with that id"
+                )
             try:
                 rendered.append(history_message(i, m))
             except BadRequest:
@@ -431,11 +436,6 @@ class ChatCompletionRequest(OpenAIRequest):
             except ValueError as e:
                 raise BadRequest(f"messages[{i}]: {e}") from None
         tools, parse = request_tools(body)
-        if parse and bool_field(body, "stream"):
-            raise BadRequest(
-                'tool calls are parsed in non-streamed responses only: send stream: false, or tool_choice: "none" '
-                "to stream the raw text"
-            )
         kwargs = optional(body, "chat_template_kwargs", {})
         if not isinstance(kwargs, dict):
             raise BadRequest("chat_template_kwargs must be an object")

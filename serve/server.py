@@ -48,8 +48,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 
 from rlkjax.core.checkpoint import load_model
-from rlkjax.engine import compilation_cache
 from rlkjax.engine.engine import Engine
+from rlkjax.entry_config import exit_plainly, refusing
 from rlkjax.text.chat import load_chat_template
 from rlkjax.text.tokenizer import load_tokenizer
 from serve import adapters, openai_api, token_route, weights
@@ -66,24 +66,26 @@ log = logging.getLogger("serve.rollout")
 class Server:
     def __init__(self, config: ServerConfig):
         self.config = config
-        key = admin_key(config)
+        with refusing():  # what the flags name: the admin key file, the model and its tokenizer
+            key = admin_key(config)
+            cfg, params = load_model(config.source.model, seed=config.seed)
+            if config.lora_adapter is not None:
+                cfg, params = adapters.adapted(cfg, params, config.lora_adapter)
+            bad = weights.non_finite(params)
+            if bad:
+                raise ValueError(
+                    f"--model {config.source.model}: non-finite values in {', '.join(bad[:10])}; refusing to serve them"
+                )
+            tokenizer = load_tokenizer(config.source.model, config.source.tokenizer)
+            template = load_chat_template(tokenizer)
         self.admin = AdminAuth(key) if key else None
-        cfg, params = load_model(config.source.model, seed=config.seed)
-        if config.lora_adapter is not None:
-            cfg, params = adapters.adapted(cfg, params, config.lora_adapter)
-        bad = weights.non_finite(params)
-        if bad:
-            raise ValueError(
-                f"--model {config.source.model}: non-finite values in {', '.join(bad[:10])}; refusing to serve them"
-            )
-        tokenizer = load_tokenizer(config.source.model, config.source.tokenizer)
         eos = tokenizer.eos_token_id  # the one eos policy (SamplingParams.stop_ids) applies on every route
         eos = eos if eos is not None and eos < cfg.vocab_size else None
         engine = Engine(params, cfg, config.runtime.numerics, config.engine, eos_token_id=eos)
         self.client = EngineClient(
             engine,
             tokenizer,
-            load_chat_template(tokenizer),
+            template,
             max_prompts=config.max_prompts,
             max_sequences=config.max_sequences,
             warmup=config.warmup,
@@ -201,10 +203,13 @@ class Server:
 
 
 def main(config: ServerConfig) -> None:
+    """Serve until a signal. A start refused (the admin key file, a missing or malformed model or tokenizer, a port
+    that cannot be listened on) prints its message and exits with status 2 (rlkjax/entry_config.py exit_plainly)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    compilation_cache.enable(config.runtime.compilation_cache)  # before the first compilation (loading checks weights)
-    server = Server(config)
-    asyncio.run(serve(server))
+    with exit_plainly("serve.rollout"):
+        config.runtime.enable_compilation_cache()  # before the first compilation (loading checks the weights)
+        server = Server(config)
+        asyncio.run(serve(server))
     if not server.client.stopped():
         # A shutdown cut the engine's step short. Finalising the interpreter while that thread is still
         # inside XLA can abort the process (SIGABRT, seen under load); every answer has been sent, so the

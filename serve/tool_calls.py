@@ -8,9 +8,15 @@ and Qwen3's <tool_call> blocks in a completion returned as `message.tool_calls`.
   vLLM renders them, and the text comes back as it is). "required" and a named function need constrained
   decoding, which this server does not do: 400, rather than a call the model was not made to write.
 - A completion's calls: every <tool_call> block (one cut off at the end included) parsed as JSON
-  {"name", "arguments"} becomes {"id", "type": "function", "function": {"name", "arguments": JSON string}};
-  content is the text outside the blocks (null if none) and finish_reason "tool_calls". A block that does not
-  parse leaves the whole text as content, with no calls, as vLLM does.
+  {"name", "arguments"} becomes {"id", "type": "function", "function": {"name", "arguments": JSON string}},
+  and finish_reason is "tool_calls"; content is the text outside the calls, less its trailing whitespace
+  (null if none). A block that does not parse stays in the content as text (vLLM drops every call of such a
+  completion; a stream cannot take back a call it sent, so each block stands alone here, streamed or not).
+- Streamed (stream: true), in OpenAI's and vLLM's chunk shape: text before a call as `delta.content`; each call
+  once its block closes as two chunks, `delta.tool_calls` [{"index", "id", "type", "function": {"name",
+  "arguments": ""}}] then [{"index", "function": {"arguments"}}]; the raw block text never in the content.
+  The chunks assemble into the message the same request gets unstreamed (MessageStream reads both), and the
+  tokens' logprobs come once each, in order, in the chunk that settles their text.
 - History: an assistant message with `tool_calls` (its content absent, null or "") and `tool` messages with
   `tool_call_id`; arguments given as a JSON string are read into the object the template writes out.
 """
@@ -19,7 +25,7 @@ import json
 import uuid
 
 from rlkjax.core.checks import shown
-from rlkjax.rl.tools import parse_tool_calls
+from rlkjax.rl.tools import ToolCall, ToolCallScanner, parse_arguments
 from rlkjax.text.chat import message_text
 from serve.http import BadRequest
 
@@ -64,15 +70,10 @@ def _history_call(where: str, call) -> dict:
         raise BadRequest(f'{where} must be {{"type": "function", "function": {{"name": str, "arguments": ...}}}}')
     if call.get("id") is not None and not isinstance(call["id"], str):
         raise BadRequest(f"{where}.id must be a string")
-    arguments = function.get("arguments")
-    if isinstance(arguments, str):  # OpenAI sends a JSON string; the template writes the object out
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except ValueError as e:
-            raise BadRequest(f"{where}.function.arguments is not valid JSON: {e}") from None
-    arguments = {} if arguments is None else arguments
-    if not isinstance(arguments, dict):
-        raise BadRequest(f"{where}.function.arguments must be a JSON object (or a string holding one)")
+    try:  # OpenAI sends a JSON string; the template writes the object out
+        arguments = parse_arguments(function.get("arguments"))
+    except ValueError as e:
+        raise BadRequest(f"{where}.function.{e}") from None
     return {"id": call.get("id"), "type": "function", "function": {"name": function["name"], "arguments": arguments}}
 
 
@@ -91,17 +92,81 @@ def history_message(i: int, m: dict) -> dict:
     return m | {"content": message_text(m.get("content"))}
 
 
+class MessageStream:
+    """A sample's text, as it grows, split into the assistant message's content and tool calls: the one
+    reading of a completion, streamed or not (the whole text at once, final: `tool_message`).
+
+    Each <tool_call> block becomes a call once it closes (or the text ends inside it); a block that does not
+    parse stays in the content as the text it is. The content is the text outside the calls, its trailing
+    whitespace dropped when the text called a tool (the newlines Qwen3 writes around its calls); without a
+    call it is the text unchanged. So trailing whitespace is held back until more content comes or the text
+    ends, and a possible tag start until the next piece tells."""
+
+    def __init__(self):
+        self.scanner = ToolCallScanner()
+        self.fed = 0  # characters of the text fed so far
+        self.pending = ""  # trailing whitespace of the content so far, not sent yet
+        self.called = False  # a call was sent
+
+    def add(self, text: str, final: bool) -> tuple[str, list[dict], int]:
+        """Feed the text's next piece; returns (content to send, calls to send in OpenAI's shape, how many of
+        the text's characters are settled: sent, or part of a call sent)."""
+        self.fed += len(text)
+        content, calls = "", []
+        for raw, call in self.scanner.feed(text, final):
+            if call is not None and call.error is None:
+                calls.append(openai_call(call))
+                continue
+            joined = self.pending + raw
+            kept = joined.rstrip()
+            content += kept
+            self.pending = joined[len(kept) :]
+        self.called = self.called or bool(calls)
+        if final:
+            content += "" if self.called else self.pending
+            self.pending = ""
+        return content, calls, self.fed - len(self.scanner.buffer) - len(self.pending)
+
+
+def openai_call(call: ToolCall) -> dict:
+    """A parsed call in OpenAI's shape, with vLLM's ids; arguments as the JSON string of the object."""
+    arguments = json.dumps(call.arguments, ensure_ascii=False)
+    return {
+        "id": f"chatcmpl-tool-{uuid.uuid4().hex}",
+        "type": "function",
+        "function": {"name": call.name, "arguments": arguments},
+    }
+
+
 def tool_message(text: str) -> tuple[dict, bool]:
-    """(the assistant message for a completion's text, whether it called tools), with vLLM's ids and shape."""
-    content, calls = parse_tool_calls(text)
-    if not calls or any(c.error is not None for c in calls):
-        return {"role": "assistant", "content": text, "tool_calls": []}, False
-    tool_calls = [
-        {
-            "id": f"chatcmpl-tool-{uuid.uuid4().hex}",
-            "type": "function",
-            "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)},
-        }
-        for c in calls
-    ]
-    return {"role": "assistant", "content": content or None, "tool_calls": tool_calls}, True
+    """(the assistant message for a completion's text, whether it called tools)."""
+    content, calls, _ = MessageStream().add(text, final=True)
+    if not calls:
+        return {"role": "assistant", "content": content, "tool_calls": []}, False
+    return {"role": "assistant", "content": content or None, "tool_calls": calls}, True
+
+
+class ToolCallStream:
+    """One streamed sample's tokens with its tool calls parsed: a round's tokens in; out, the content and calls
+    to send and the tokens whose text is settled (held ones wait for a later round, or the end)."""
+
+    def __init__(self):
+        self.message = MessageStream()
+        self.held: list[tuple] = []  # (token, logprob, piece, top) of tokens whose text is not settled
+        self.ends: list[int] = []  # each held token's text end, in characters of the whole text
+        self.calls = 0  # calls sent: the next one's index
+
+    def add(self, tokens, logprobs, pieces, tops, final: bool) -> tuple[str, list[tuple[int, dict]], list[tuple]]:
+        """(content, calls with their index in the message, released tokens as (token, logprob, piece, top)
+        rows, in order)."""
+        end = self.message.fed
+        for row in zip(tokens, logprobs, pieces, tops):
+            end += len(row[2])
+            self.held.append(row)
+            self.ends.append(end)
+        content, calls, settled = self.message.add("".join(pieces), final)
+        count = len(self.held) if final else sum(e <= settled for e in self.ends)
+        released, self.held, self.ends = self.held[:count], self.held[count:], self.ends[count:]
+        indexed = list(enumerate(calls, self.calls))
+        self.calls += len(calls)
+        return content, indexed, released

@@ -63,6 +63,7 @@ LONGEST_FILES = (
     "test_multiprocess.py",
     "test_openai_api.py",
     "test_sampling.py",
+    "test_rollout_budget.py",
     "test_engine.py",
     "test_math_demo.py",
     "test_learner_slice.py",

@@ -15,7 +15,6 @@ import rlkjax
 from rlkjax.core import audit
 from rlkjax.core.numerics import NumericsOptions
 from rlkjax.engine.config import EngineConfig
-from rlkjax.engine.records import Listener
 
 INTERPRET = jax.default_backend() == "cpu"  # Pallas kernels run interpreted on the CPU, compiled on a GPU
 # The strict path on the audited GPU's tile table (this machine's GPU, or CUDA's on a machine without one),
@@ -38,16 +37,6 @@ ENGINE = EngineConfig(num_pages=128, max_batch=8, prefill_chunk=16, token_budget
 ENGINE_4 = dataclasses.replace(ENGINE, max_batch=4)
 # Too few pages for the load the tests give it: sequences are preempted and recomputed.
 ENGINE_TIGHT = dataclasses.replace(ENGINE, num_pages=12, max_batch=4)
-
-
-class Hook(Listener):
-    """A listener that follows a request's tokens with one function (sample index, tokens, logprobs, top,
-    reason) -> tokens to keep or None, as the server's stop strings and streams do."""
-
-    follows_tokens = True
-
-    def __init__(self, on_tokens):
-        self.on_tokens = on_tokens
 
 
 def slow(*values):

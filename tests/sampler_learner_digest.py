@@ -13,7 +13,7 @@ import rlkjax
 from rlkjax.core import model
 from tests.helpers import assert_bits_equal
 from train.batch import Batch
-from train.loss import grpo_loss
+from train.loss import Objective, grpo_loss
 
 PROMPTS = ([5, 17, 33, 2, 9], [40, 41, 42])
 TEMPERATURES = [0.7, 1.3]
@@ -37,9 +37,10 @@ def digest() -> str:
     adv, temps = np.array([1.0, -1.0], np.float32), np.array(TEMPERATURES, np.float32)
     batch = Batch(tokens, positions, logp_old, mask, adv, temps, np.ones_like(mask))
     master = jax.tree.map(lambda w: w.astype(jnp.float32), params)
-    step = jax.jit(jax.value_and_grad(grpo_loss, has_aux=True), static_argnums=(4, 5, 6, 7))
+    step = jax.jit(jax.value_and_grad(grpo_loss, has_aux=True), static_argnums=5)
     rope, ref = model.rope_tables(cfg), jnp.zeros_like(mask)
-    (loss, (_, logp)), grads = step(master, batch, ref, rope, cfg, "strict", 0.2, 0.0, jnp.float32(mask.sum()))
+    objective = Objective(model.LearnerPass(cfg, "strict"), clip_eps=0.2, beta=0.0)
+    (loss, (_, logp)), grads = step(master, batch, ref, rope, jnp.float32(mask.sum()), objective)
 
     for i, (c, s) in enumerate(zip(comps, scored)):
         assert_bits_equal(s, c.logprobs, f"row {i}: score vs generate")

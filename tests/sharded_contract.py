@@ -39,9 +39,9 @@ from tests.helpers import assert_bits_equal
 from train import fsdp, grpo
 from train.batch import pack, pad_rows
 from train.config import Optimiser
-from train.loss import grpo_loss
+from train.loss import Objective, grpo_loss
 
-GRPO_RUN = dict(steps=2, prompts_per_step=4, group_size=4, max_new_tokens=4, micro_batch=8, progress=False)
+GRPO_RUN = dict(steps=2, prompts_per_step=4, group_size=4, max_new_tokens=4, micro_batch_tokens=64, progress=False)
 # The layouts' runs are GRPO_RUN's with a first update that moves the weights (no warmup), so a sampler
 # left with stale weights samples step 2 from another policy than the learner's and the rescoring differs.
 LAYOUT_RUN = GRPO_RUN | dict(optimiser=Optimiser(warmup_steps=0))
@@ -81,9 +81,8 @@ def learner_step_matches_sampler(cfg, params, devices, prompt_lens, max_new_toke
     batch = pad_rows(pack(samples), len(devices))
     mesh = fsdp.make_mesh(devices)
     specs = fsdp.param_specs(params, len(devices))
-    grad_fn = fsdp.sharded_value_and_grad(
-        grpo_loss, mesh, specs, dtype=cfg.dtype, cfg=cfg, numerics="strict", clip_eps=0.2, beta=0.0
-    )
+    objective = Objective(model.LearnerPass(cfg, "strict"), clip_eps=0.2, beta=0.0)
+    grad_fn = fsdp.sharded_value_and_grad(grpo_loss, mesh, specs, dtype=cfg.dtype, objective=objective)
     master = fsdp.put(params, mesh, specs, dtype=jnp.float32)
     (_, (stats, logp)), grads = grad_fn(
         master,

@@ -242,19 +242,9 @@ def test_rollout_runs_engine_against_the_kernel_loop(tmp_path):
 @pytest.mark.slow
 def test_grpo_compare_runs_a_strict_step_without_mismatch(tmp_path):
     out = tmp_path / "grpo.json"
-    sizes = ["--steps", "1", "--prompts", "2", "--group", "2", "--new-tokens", "4", "--micro-batch", "4"]
-    table = run_module(
-        "grpo_compare",
-        "--models",
-        "qwen3-tiny",
-        *sizes,
-        "--numerics",
-        "strict",
-        "--lora-ranks",
-        "0,4",
-        "--out",
-        str(out),
-    )
+    sizes = ["--steps", "1", "--prompts", "2", "--group", "2", "--new-tokens", "4", "--micro-batch-tokens", "64"]
+    flags = ["--numerics", "strict", "--lora-ranks", "0,4", "--out", str(out)]
+    table = run_module("grpo_compare", "--models", "qwen3-tiny", *sizes, *flags)
     report = json.loads(out.read_text())
     assert_provenance(report, "python -m bench.grpo_compare --models qwen3-tiny")
     assert [row["lora_rank"] for row in report["results"]] == [0, 4]  # full parameters, then LoRA

@@ -11,8 +11,9 @@ import rlkjax
 from rlkjax.core.checks import sample_seed
 from rlkjax.core.numerics import NumericsOptions
 from rlkjax.engine.engine import Engine
+from rlkjax.engine.outputs import OutputQueue, SampleOutput
 from rlkjax.engine.scheduler import Scheduler
-from tests.helpers import ENGINE, ENGINE_4, ENGINE_TIGHT, Hook, assert_bits_equal, slow
+from tests.helpers import ENGINE, ENGINE_4, ENGINE_TIGHT, assert_bits_equal, slow
 
 
 @pytest.mark.slow  # the default run's no-recompile check: test_no_recompiles_after_warmup
@@ -200,8 +201,9 @@ def test_every_request_ends_once_and_is_counted(tiny):
     """requests == finished + cancelled + failed once idle, pages back to 0, whatever ended a request:
     a cancel before its forks started (such a request used to end uncounted: the server's /metrics
     showed it "submitted, never finished" forever), a cancel mid-decode, a cancel after it finished,
-    and a step that raised (a hook returning a bad count), which `abort` ends as failed. The engine
-    then serves a request with the same bits as before the failure."""
+    and a step that raised mid-decode (the weights taken away under it), which `abort` ends as failed,
+    pages and the round in flight included. The engine then serves a request with the same bits as
+    before the failure."""
     cfg, params = tiny
     engine = Engine(params, cfg, config=ENGINE)
     before = engine.submit([7, 8, 9], max_tokens=6, seed=3)
@@ -214,11 +216,16 @@ def test_every_request_ends_once_and_is_counted(tiny):
     engine.cancel(mid)
     engine.cancel(before)  # ended already: nothing changes
     engine.run_until_done()
-    bad = engine.submit([6], max_tokens=50, seed=4, listener=Hook(lambda *args: -1))
+    bad = engine.submit([6], max_tokens=50, seed=4)
     bystander = engine.submit([5, 6], max_tokens=50, seed=5)
-    with pytest.raises(ValueError, match="keep"):
-        engine.run_until_done()
+    for _ in range(3):
+        engine.step()
+    assert engine.pages.used > 0 and engine.busy
+    engine.params = None
+    with pytest.raises(RuntimeError, match="released"):
+        engine.step()
     assert engine.abort("engine error: test") == [bad, bystander]
+    engine.params = params
     m = engine.metrics()
     assert (m["requests"], m["finished"], m["cancelled"], m["failed"]) == (5, 1, 2, 2)
     assert all(r.done.is_set() for r in (forks_pending, mid, bad, bystander)) and bad.error == "engine error: test"
@@ -356,23 +363,24 @@ def test_rounds_continue_on_the_device_exactly(tiny, monkeypatch):
     """The next round is dispatched before the one in flight is read (its rows continue from the
     device's last token). The same workload, with stops and min_tokens landing mid-round and a hook
     that stops a sample on the host, run that way and with every round read before the next is
-    dispatched: the same tokens, finish reasons and logprob bits, every page back, and rows did
-    continue on the device (none in the reference run)."""
+    dispatched: the same tokens, finish reasons and logprob bits (the host-stopped sample's up to the
+    stop: the tokens the engine sampled before it saw the stop depend on when rounds are read), every page
+    back, and rows did continue on the device (none in the reference run)."""
     cfg, params = tiny
     rng = np.random.default_rng(11)
     work = list(random_workload(rng, cfg, 8, max_new=14))
     work[0] |= dict(n=2, stop_token_ids=[token_at(params, cfg, work[0], 14, 4)], min_tokens=3)  # sample 0: 5th token
     work[1] |= dict(max_tokens=14)
 
-    def stop_after_six():  # the host's stop: keeps 6 tokens, like a stop string would
-        seen = {}
-
-        def hook(index, tokens, logprobs, top, reason):
-            before = seen.get(index, 0)
-            seen[index] = before + len(tokens)
-            return 6 - before if seen[index] >= 6 else None
-
-        return hook
+    def stop_after_six(engine, req):  # the host's stop, as a stop string found in a sample's text asks for it
+        seen = [0] * req.sampling.n
+        while engine.busy:
+            engine.step()
+            for out in req.outputs.drain():
+                if isinstance(out, SampleOutput):
+                    if seen[out.index] < 6 <= seen[out.index] + len(out.tokens):
+                        engine.stop(req, out.index)
+                    seen[out.index] += len(out.tokens)
 
     results = {}
     for chained in (True, False):
@@ -380,16 +388,18 @@ def test_rounds_continue_on_the_device_exactly(tiny, monkeypatch):
             monkeypatch.setattr(Scheduler, "pages_ahead", lambda self, previous: False)
         engine = Engine(params, cfg, config=ENGINE)
         reqs = [
-            engine.submit(**(kw | {"listener": Hook(stop_after_six())} if i == 1 else kw)) for i, kw in enumerate(work)
+            engine.submit(**(kw | {"outputs": OutputQueue(rounds=True)} if i == 1 else kw)) for i, kw in enumerate(work)
         ]
-        engine.run_until_done()
+        stop_after_six(engine, reqs[1])
         assert engine.pages.used == 0 and not engine.busy
         assert (engine.stats["chained_rows"] > 0) == chained, engine.stats
         results[chained] = [r.results for r in reqs]
     assert [c.finish_reason for c in results[True][0]][0] == "stop" and results[True][1][0].finish_reason == "stop"
-    assert len(results[True][1][0].tokens) == 6
-    for req, on, off in zip(reqs, results[True], results[False]):
+    assert len(results[True][1][0].tokens) >= 6 and len(results[False][1][0].tokens) >= 6
+    for i, (req, on, off) in enumerate(zip(reqs, results[True], results[False])):
         for a, b in zip(on, off):
+            if i == 1:  # what a stop string keeps: the first 6 tokens
+                a, b = (dataclasses.replace(c, tokens=c.tokens[:6], logprobs=c.logprobs[:6]) for c in (a, b))
             assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
             assert_bits_equal(a.logprobs, b.logprobs, "continued on the device vs read first")
             check_exact(params, cfg, req, a, req.sampling.temperature)

@@ -280,7 +280,7 @@ def test_local_and_remote_rollouts_give_the_same_episodes(tmp_path):
     cfg, params = load_hf_checkpoint(model_dir)
     devices = fsdp.pick_devices("learner_devices", "0")
     local = rollout.LocalRollout(
-        params, cfg, "strict", fsdp.make_mesh(devices), devices, rows=8, max_length=64, eos_token_id=EOS
+        params, cfg, "strict", fsdp.make_mesh(devices), devices, rows=8, max_length=64, group=4, eos_token_id=EOS
     )
     run = EpisodeRunner(AskAgain(None), ByteTokenizer(), ChatTemplate(COMPACT, {}), EOS, 3, 40, 24)
     examples = LowercaseTask().sample(np.random.default_rng(0), 2)

@@ -10,7 +10,7 @@ import pytest
 
 import rlkjax
 from rlkjax.core import audit, model
-from rlkjax.engine.programs import RowSampling, decode_round, decode_step
+from rlkjax.engine.programs import Decoding, RowSampling, decode_round, decode_step
 from rlkjax.entry_config import ModelSource
 from tests import helpers
 from tests.contract import check_case, random_case
@@ -52,8 +52,9 @@ def test_optimised_hlo_has_no_float_arithmetic(real_shapes):
     b, t, pages = 4, 64, 8
     rope = model.rope_tables(cfg)
     tok = jnp.zeros((b, t), jnp.int32)
-    learner = jax.jit(model.sequence_logprobs, static_argnames=("cfg", "numerics"))
-    text = learner.lower(params, tok, tok, jnp.ones((b,)), rope, cfg, "strict").compile().as_text()
+    learner = jax.jit(model.sequence_logprobs, static_argnames="setting")
+    seqs = model.Sequences(tok, tok, jnp.ones((b,)))
+    text = learner.lower(params, seqs, rope, model.LearnerPass(cfg, "strict")).compile().as_text()
     assert "triton" in text
     bad = audit.float_arithmetic_hlo(text)
     assert not bad, "float arithmetic outside the kernels:\n" + "\n".join(bad)
@@ -62,10 +63,10 @@ def test_optimised_hlo_has_no_float_arithmetic(real_shapes):
     vec = jnp.zeros((b,), jnp.int32)
     sampling = RowSampling(vec.astype(jnp.uint32), vec, jnp.ones((b,)), vec + 4, jnp.full((b, 2), -1, jnp.int32), vec)
     table = jnp.zeros((b, pages), jnp.int32)
-    text = decode_step.lower(params, one, one, cache, table, sampling, rope, cfg, "strict").compile().as_text()
+    text = decode_step.lower(params, one, one, cache, table, sampling, rope, Decoding(cfg)).compile().as_text()
     bad = audit.float_arithmetic_hlo(text)
     assert not bad, "float arithmetic outside the kernels:\n" + "\n".join(bad)
-    lowered = decode_round.lower(params, vec, vec, cache, table, sampling, rope, cfg, "strict", num_steps=4)
+    lowered = decode_round.lower(params, vec, vec, cache, table, sampling, rope, Decoding(cfg, num_steps=4))
     text = lowered.compile().as_text()
     bad = audit.float_arithmetic_hlo(text)
     assert not bad, "float arithmetic outside the kernels (decode round):\n" + "\n".join(bad)

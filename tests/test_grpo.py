@@ -4,7 +4,6 @@ run, naming step, sequence and token), a subprocess smoke run, resume and same-s
 remote-server mode, and clear errors for bad flags."""
 
 import dataclasses
-import functools
 import json
 import logging
 import subprocess
@@ -26,9 +25,19 @@ from rlkjax.text.tokenizer import ByteTokenizer
 from tests.helpers import EOS, assert_bits_equal, eos_model
 from tests.server_process import ADMIN, start_server
 from train import fsdp, grpo, guards, metrics, rollout
-from train.batch import PAD, Batch, LossStats, micro_batches, pack, pad_rows, padded_length, reduce_stats
+from train.batch import (
+    PAD,
+    Batch,
+    LossStats,
+    micro_batches,
+    pack,
+    pad_rows,
+    padded_length,
+    reduce_stats,
+    unpermute,
+)
 from train.grpo import group_advantages
-from train.loss import grpo_loss, policy_logprobs
+from train.loss import Objective, grpo_loss, policy_logprobs
 
 SMALL = dict(prompts_per_step=2, group_size=4, max_new_tokens=4, max_prompt_tokens=16, progress=False)
 
@@ -58,12 +67,12 @@ def test_loss_by_hand(tiny, monkeypatch):
         adv=jnp.array([1.0, -1.0]),
         tis=jnp.ones((2, 3)),
     )
-    loss, (stats, _) = grpo_loss(None, batch, None, None, cfg, "strict", 0.2, 0.0, 2.0)
+    loss, (stats, _) = grpo_loss(None, batch, None, None, 2.0, Objective(model.LearnerPass(cfg), 0.2, 0.0))
     np.testing.assert_allclose(float(loss), -0.2, rtol=1e-6)
     assert float(stats.clipped) == 2
     np.testing.assert_allclose([float(stats.ratio_min), float(stats.ratio_max)], [0.5, 1.5], rtol=1e-6)
     # k3 KL: ref - new = log 2 on both tokens -> exp(log 2) - log 2 - 1 = 1 - log 2 per token, beta 0.5
-    loss_kl, _ = grpo_loss(None, batch, logp_new + np.log(2.0), None, cfg, "strict", 0.2, 0.5, 2.0)
+    loss_kl, _ = grpo_loss(None, batch, logp_new + np.log(2.0), None, 2.0, Objective(model.LearnerPass(cfg), 0.2, 0.5))
     np.testing.assert_allclose(float(loss_kl), -0.2 + 0.5 * (1 - np.log(2.0)), rtol=1e-6)
 
 
@@ -110,14 +119,18 @@ def test_learner_logprobs_do_not_depend_on_micro_batch(tiny):
     ]
     batch = pack(samples)
     rope = model.rope_tables(cfg)
-    score_fn = jax.jit(policy_logprobs, static_argnames=("cfg", "numerics"))
-    whole = np.asarray(score_fn(master, batch.tokens, batch.positions, batch.temps, rope, cfg, "strict"))
-    for size in (1, 4):
-        parts = [
-            np.asarray(score_fn(master, mb.tokens, mb.positions, mb.temps, rope, cfg, "strict"))
-            for mb in micro_batches(batch, size)
-        ]
-        assert_bits_equal(np.concatenate(parts), whole, f"micro-batch {size}")
+    score_fn = jax.jit(policy_logprobs, static_argnames="setting")
+    strict = model.LearnerPass(cfg, "strict")
+
+    def score(mb):
+        return np.asarray(score_fn(master, model.Sequences(mb.tokens, mb.positions, mb.temps), rope, strict))
+
+    whole = score(batch)
+    for budget in (16, 64):
+        plan, parts = zip(*micro_batches(batch, budget))
+        assert_bits_equal(
+            unpermute([score(mb) for mb in parts], plan, *whole.shape), whole, f"micro-batches of {budget} tokens"
+        )
 
 
 @pytest.mark.slow
@@ -136,9 +149,10 @@ def test_learner_logprobs_do_not_depend_on_the_padded_length(tiny):
     assert batch.tokens.shape == (2, 320)
     wider = [np.pad(batch.tokens, ((0, 0), (0, 192))), np.pad(batch.positions, ((0, 0), (0, 192)), constant_values=-1)]
     rope = model.rope_tables(cfg)
-    score_fn = jax.jit(policy_logprobs, static_argnames=("cfg", "numerics"))
-    at_320 = np.asarray(score_fn(master, batch.tokens, batch.positions, batch.temps, rope, cfg, "strict"))
-    at_512 = np.asarray(score_fn(master, *wider, batch.temps, rope, cfg, "strict"))
+    score_fn = jax.jit(policy_logprobs, static_argnames="setting")
+    strict = model.LearnerPass(cfg, "strict")
+    at_320 = np.asarray(score_fn(master, model.Sequences(batch.tokens, batch.positions, batch.temps), rope, strict))
+    at_512 = np.asarray(score_fn(master, model.Sequences(*wider, batch.temps), rope, strict))
     assert_bits_equal(at_512[:, :319], at_320, "T = 512 vs 320")
 
 
@@ -164,14 +178,8 @@ def learner_step(cfg, params, **options):
     total = fsdp.put(np.float32(batch.mask.sum()), mesh, fsdp.REPLICATED)
     ref_logp = fsdp.put(np.zeros(batch.logp_old.shape, np.float32), mesh, fsdp.ROWS)
     on_mesh = fsdp.put(batch, mesh, fsdp.ROWS)
-    grad_fn = fsdp.sharded_value_and_grad(
-        grpo_loss,
-        mesh,
-        specs,
-        dtype=cfg.dtype,
-        cfg=cfg,
-        **{"numerics": "strict", "clip_eps": 0.2, "beta": 0.0, **options},
-    )
+    objective = Objective(model.LearnerPass(cfg, **{"numerics": "strict", **options}), clip_eps=0.2, beta=0.0)
+    grad_fn = fsdp.sharded_value_and_grad(grpo_loss, mesh, specs, dtype=cfg.dtype, objective=objective)
     zeros = jax.tree.map(jnp.zeros_like, master)
     (loss, (_, logp)), grads = grad_fn(master, on_mesh, ref_logp, rope, total, zeros)
     return loss, logp, grads
@@ -231,13 +239,15 @@ def test_learner_reads_weights_in_place_with_the_same_bits(monkeypatch):
 
     total = jnp.float32(b * (t - 1))
 
+    def objective(remat=False):
+        return Objective(model.LearnerPass(cfg, "strict", remat), clip_eps=0.2, beta=0.0)
+
     def step(remat=False):
-        loss = functools.partial(grpo_loss, remat=remat)
-        return jax.value_and_grad(loss, has_aux=True)(master, batch, ref, rope, cfg, "strict", 0.2, 0.0, total)
+        return jax.value_and_grad(grpo_loss, has_aux=True)(master, batch, ref, rope, total, objective(remat))
 
     def gathered(master):
         layers = fsdp.Gathered(master["layers"], specs=specs["layers"], dtype=cfg.dtype)
-        return grpo_loss(master, batch, ref, rope, cfg, "strict", 0.2, 0.0, total, layers=layers)
+        return grpo_loss(master, batch, ref, rope, total, objective(), layers=layers)
 
     (loss, (_, logp)), grads = step()
     assert sum(stacked_reads) == 2 * 7, "every matrix's dx should read its stack in place"
@@ -581,7 +591,7 @@ def test_local_and_remote_rollouts_give_the_same_completions_and_remote_training
     cfg, params = rlkjax.load_hf_checkpoint(model_dir)
     devices = fsdp.pick_devices("learner_devices", "0")
     mesh = fsdp.make_mesh(devices)
-    local = rollout.LocalRollout(params, cfg, "strict", mesh, devices, rows=8, max_length=32, eos_token_id=EOS)
+    local = rollout.LocalRollout(params, cfg, "strict", mesh, devices, rows=8, max_length=32, group=4, eos_token_id=EOS)
     proc, client = start_server("--model", model_dir, "--tokenizer", "bytes")
     try:
         remote = rollout.RemoteRollout(client.url, ADMIN)

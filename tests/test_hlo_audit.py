@@ -34,21 +34,17 @@ def lowered(cfg, fn, numerics_mode, b=2, t=16, pages=4):
     params = abstract(lambda: model_params(cfg))
     rope = abstract(lambda: model.rope_tables(cfg))
     tok = jax.ShapeDtypeStruct((b, t), jnp.int32)
+    seqs = model.Sequences(tok, tok, jax.ShapeDtypeStruct((b,), jnp.float32))
+    learner = jax.jit(model.sequence_logprobs, static_argnames="setting")
     if fn == "learner":
-        f = jax.jit(model.sequence_logprobs, static_argnames=("cfg", "numerics"))
-        return audit.lower_for_gpu(
-            f, params, tok, tok, jax.ShapeDtypeStruct((b,), jnp.float32), rope, cfg, numerics_mode
-        )
+        return audit.lower_for_gpu(learner, params, seqs, rope, model.LearnerPass(cfg, numerics_mode))
     if fn == "learner_truncation":  # score(..., truncated_logprobs=True)
-        f = jax.jit(model.sequence_logprobs, static_argnames=("cfg", "numerics"))
         trunc = (jax.ShapeDtypeStruct((b,), jnp.int32),) + (jax.ShapeDtypeStruct((b,), jnp.float32),) * 2
-        temps = jax.ShapeDtypeStruct((b,), jnp.float32)
-        return audit.lower_for_gpu(f, params, tok, tok, temps, rope, cfg, numerics_mode, truncation=trunc)
+        seqs = seqs._replace(truncation=trunc)
+        return audit.lower_for_gpu(learner, params, seqs, rope, model.LearnerPass(cfg, numerics_mode))
     if fn == "learner_top_logprobs":  # prompt logprobs with top logprobs (score(..., top_logprobs=k))
-        f = jax.jit(model.sequence_logprobs, static_argnames=("cfg", "numerics", "top_logprobs"))
-        return audit.lower_for_gpu(
-            f, params, tok, tok, jax.ShapeDtypeStruct((b,), jnp.float32), rope, cfg, numerics_mode, top_logprobs=5
-        )
+        setting = model.LearnerPass(cfg, numerics_mode, top_logprobs=5)
+        return audit.lower_for_gpu(learner, params, seqs, rope, setting)
     cache = abstract(lambda: model.init_kv_cache(cfg, 1 + b * pages))
     pt = jax.ShapeDtypeStruct((b, pages), jnp.int32)
     one = jax.ShapeDtypeStruct((b, 1), jnp.int32)
@@ -65,36 +61,14 @@ def lowered(cfg, fn, numerics_mode, b=2, t=16, pages=4):
         truncation if fn == "sampler_round_truncation" else None,
     )
     if fn in ("sampler", "sampler_top_logprobs"):
-        return audit.lower_for_gpu(
-            programs.decode_step,
-            params,
-            one,
-            one,
-            cache,
-            pt,
-            sampling,
-            rope,
-            cfg,
-            numerics_mode,
-            top_logprobs=20 if fn == "sampler_top_logprobs" else 0,
-        )
+        decoding = programs.Decoding(cfg, numerics_mode, top_logprobs=20 if fn == "sampler_top_logprobs" else 0)
+        return audit.lower_for_gpu(programs.decode_step, params, one, one, cache, pt, sampling, rope, decoding)
     carry = (jax.ShapeDtypeStruct((2 * b,), jnp.int32), jax.ShapeDtypeStruct((2 * b,), jnp.bool_))
-    return audit.lower_for_gpu(  # the engine's round: decode_round continuing the round in flight
-        programs.next_round,
-        params,
-        carry,
-        vec(jnp.int32),
-        vec(jnp.int32),
-        vec(jnp.int32),
-        cache,
-        pt,
-        sampling,
-        rope,
-        cfg,
-        numerics_mode,
-        num_steps=4,
-        top_logprobs=20 if fn in ("sampler_round_top_logprobs", "sampler_round_truncation") else 0,
-    )
+    start = programs.RoundStart(carry, vec(jnp.int32), vec(jnp.int32))
+    k = 20 if fn in ("sampler_round_top_logprobs", "sampler_round_truncation") else 0
+    decoding = programs.Decoding(cfg, numerics_mode, num_steps=4, top_logprobs=k)
+    # the engine's round: decode_round continuing the round in flight
+    return audit.lower_for_gpu(programs.next_round, params, start, vec(jnp.int32), cache, pt, sampling, rope, decoding)
 
 
 # The default run audits the odd shape (every kernel pads it); qwen3-tiny's runs with the slow tests.
@@ -169,7 +143,8 @@ def learner_gradient(cfg, numerics_mode, b=2, t=16):
     temps = jax.ShapeDtypeStruct((b,), jnp.float32)
 
     def total(params, tokens, positions, temperature):
-        return model.sequence_logprobs(params, tokens, positions, temperature, rope, cfg, numerics_mode).sum()
+        seqs = model.Sequences(tokens, positions, temperature)
+        return model.sequence_logprobs(params, seqs, rope, model.LearnerPass(cfg, numerics_mode)).sum()
 
     return audit.lower_for_gpu(jax.jit(jax.grad(total)), abstract(lambda: rlkjax.init_params(cfg)), tok, tok, temps)
 

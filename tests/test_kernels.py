@@ -180,7 +180,8 @@ def _attention_case(dtype, b=3, t=37, hq=4, hkv=2, dh=16, lens=(37, 20, 1)):
 def _attend(q, k, v, kp, vp, layer, pt, pos, config=numerics.ATTENTION):
     """The strict attention with this call's plan (the model makes one per forward)."""
     plan = attention.plan(pt, pos, q.shape[2] // k.shape[2], config.page_size, config)
-    return attention.paged_attention(q, k, v, kp, vp, layer, plan, config, INTERPRET)
+    out, (kp, vp) = attention.paged_attention(q, k, v, (kp, vp), layer, plan, config, INTERPRET)
+    return out, kp, vp
 
 
 # The default run checks values against dense attention in test_attention_kv_splits, gradients in
@@ -191,7 +192,7 @@ def test_attention_values_and_grads():
     layer = np.int32(1)
     ker = lambda q, k, v: _attend(q, k, v, pages, pages, layer, pt, pos)[0]  # noqa: E731
     ref_plan = attention.plan(pt, pos, q.shape[2] // k.shape[2], numerics.PAGE_SIZE)
-    ref = lambda q, k, v: attention.paged_attention_reference(q, k, v, pages, pages, layer, ref_plan)[0]  # noqa: E731
+    ref = lambda q, k, v: attention.paged_attention_reference(q, k, v, (pages, pages), layer, ref_plan)[0]  # noqa: E731
     dense = lambda q, k, v: attention.dense_attention(q, k, v, pos)  # noqa: E731
     check_against_truth(ker, dense, [q, k, v], "attention vs dense")
     check_against_truth(ker, ref, [q, k, v], "attention vs paged reference", truth_fn=dense)

@@ -132,3 +132,40 @@ def test_only_the_engine_client_reaches_the_engine(tmp_path):
     src = tmp_path / "m.py"
     src.write_text("def f(server):\n    server.in_flight.clear()\n    return server.engine.config.max_batch\n")
     assert len(engine_reaches(src)) == 2
+
+
+PRODUCT = ("pallas_kernels", "rlkjax", "serve", "train")
+MOST_POSITIONAL = 8
+
+
+def long_signatures(path: Path) -> list[str]:
+    """`file:line name(N)` for each function or lambda in a module with more than MOST_POSITIONAL positional
+    parameters (positional-only and ordinary ones; keyword-only ones after `*` or `*args` do not count)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            count = len(node.args.posonlyargs) + len(node.args.args)
+            if count > MOST_POSITIONAL:
+                found.append(f"{path.name}:{node.lineno} {getattr(node, 'name', 'lambda')}({count})")
+    return found
+
+
+def test_no_product_function_takes_more_than_eight_positional_parameters(tmp_path):
+    """Every function in pallas_kernels/, rlkjax/, serve/ and train/ (methods, nested functions and lambdas
+    included; `self` counts) takes at most 8 positional parameters; keyword-only parameters (after `*`) do not
+    count. Static program settings travel as one hashable value (programs.Decoding, model.LearnerPass,
+    loss.Objective), per-call arrays as one pytree (model.Sequences, programs.RowSampling). Prevents: the
+    13-name lists `next_round` and `sequence_logprobs` once repeated at every call site. Not vacuous: a
+    module with a nine-parameter function, method and lambda is caught, keyword-only ones are not."""
+    modules = [p for package in PRODUCT for p in sorted((ROOT / package).rglob("*.py"))]
+    assert len(modules) > 50
+    assert [hit for p in modules for hit in long_signatures(p)] == []
+    src = tmp_path / "m.py"
+    src.write_text(
+        "def f(a, b, c, d, e, f, g, h, i): ...\n"
+        "class C:\n    def m(self, a, b, c, d, e, f, g, h): ...\n"
+        "g = lambda a, b, c, d, e, f, g, h, /, i: 0\n"
+        "def fine(a, b, c, d, e, f, g, h, *, i, j): ...\n"
+        "def rest(a, b, c, d, e, f, g, h, *more, i): ...\n"
+    )
+    assert [hit.split()[1] for hit in long_signatures(src)] == ["f(9)", "m(9)", "lambda(9)"]

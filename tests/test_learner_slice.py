@@ -14,7 +14,7 @@ import rlkjax
 from rlkjax.core import audit, model
 from tests.helpers import STRICT, assert_bits_equal
 from train.batch import PAD, micro_batches, pack
-from train.loss import grpo_loss, policy_logprobs
+from train.loss import Objective, grpo_loss, policy_logprobs
 
 
 def samples(rng, prompt_lengths, completion_lengths, vocab, temperatures=(1.0, 0.7, 0.0, 1.3)):
@@ -50,11 +50,10 @@ def test_completion_logprobs_have_the_full_passs_bits(tiny, numerics):
     cfg, params = tiny
     batch = pack(samples(np.random.default_rng(1), (7, 30, 2, 12), (9, 1, 20, 5), cfg.vocab_size))
     rope = model.rope_tables(cfg)
-    fn = jax.jit(model.sequence_logprobs, static_argnames=("cfg", "numerics"))
-    full = np.asarray(fn(params, batch.tokens, batch.positions, batch.temps, rope, cfg, numerics))
-    sliced = np.asarray(
-        fn(params, batch.tokens, batch.positions, batch.temps, rope, cfg, numerics, columns=batch.columns)
-    )
+    fn = jax.jit(model.sequence_logprobs, static_argnames="setting")
+    seqs, setting = model.Sequences(batch.tokens, batch.positions, batch.temps), model.LearnerPass(cfg, numerics)
+    full = np.asarray(fn(params, seqs, rope, setting))
+    sliced = np.asarray(fn(params, seqs._replace(columns=batch.columns), rope, setting))
     sel = batch.mask > 0
     assert_bits_equal(sliced[sel], full[sel], "completion columns, sliced vs full")
     assert np.all(sliced[~sel] == 0)
@@ -66,7 +65,7 @@ def loss_and_grads(master, batch, cfg):
     ref = jnp.zeros(batch.logp_old.shape, jnp.float32)
 
     def loss(m, b):
-        return grpo_loss(m, b, ref, rope, cfg, "strict", 0.2, 0.1, total)
+        return grpo_loss(m, b, ref, rope, total, Objective(model.LearnerPass(cfg, "strict"), clip_eps=0.2, beta=0.1))
 
     return jax.jit(jax.value_and_grad(loss, has_aux=True))(master, batch)
 
@@ -112,13 +111,14 @@ def test_micro_batches_score_as_the_whole_batch(tiny):
     cfg, params = tiny
     batch = pack(samples(np.random.default_rng(3), (7, 30, 2, 12), (9, 1, 20, 5), cfg.vocab_size))
     rope = model.rope_tables(cfg)
-    fn = jax.jit(policy_logprobs, static_argnames=("cfg", "numerics"))
+    fn = jax.jit(policy_logprobs, static_argnames="setting")
     master = jax.tree.map(lambda w: w.astype(jnp.float32), params)
+    strict = model.LearnerPass(cfg, "strict")
     whole = np.asarray(
-        fn(master, batch.tokens, batch.positions, batch.temps, rope, cfg, "strict", columns=batch.columns)
+        fn(master, model.Sequences(batch.tokens, batch.positions, batch.temps, batch.columns), rope, strict)
     )
     parts = [
-        np.asarray(fn(master, mb.tokens, mb.positions, mb.temps, rope, cfg, "strict", columns=mb.columns))[:3]
+        np.asarray(fn(master, model.Sequences(mb.tokens, mb.positions, mb.temps, mb.columns), rope, strict))[:3]
         for mb in micro_batches(batch, 3, devices=2)
     ]
     assert_bits_equal(np.concatenate(parts)[: len(whole)], whole, "micro-batches of 3 rows, padded to 4")
@@ -130,7 +130,8 @@ def lowered_learner(cfg, grad: bool, columns: bool, b=2, t=16, c=8):
     cols = jax.ShapeDtypeStruct((b, c), jnp.int32) if columns else None
 
     def logprobs(params, tokens, positions, temperature, columns):
-        return model.sequence_logprobs(params, tokens, positions, temperature, rope, cfg, STRICT, columns=columns)
+        seqs = model.Sequences(tokens, positions, temperature, columns)
+        return model.sequence_logprobs(params, seqs, rope, model.LearnerPass(cfg, STRICT))
 
     fn = jax.grad(lambda *a: logprobs(*a).sum()) if grad else logprobs
     return audit.lower_for_gpu(jax.jit(fn), jax.eval_shape(lambda: rlkjax.init_params(cfg)), tok, tok, temps, cols)
@@ -175,10 +176,11 @@ def test_sliced_learner_compiled(preset):
         ]
     )
     rope = model.rope_tables(cfg)
-    fn = jax.jit(model.sequence_logprobs, static_argnames=("cfg", "numerics"))
-    args = (params, batch.tokens, batch.positions, batch.temps, rope, cfg, "strict")
-    logp = np.asarray(fn(*args, columns=batch.columns))
+    fn = jax.jit(model.sequence_logprobs, static_argnames="setting")
+    seqs = model.Sequences(batch.tokens, batch.positions, batch.temps, batch.columns)
+    args = (params, seqs, rope, model.LearnerPass(cfg, "strict"))
+    logp = np.asarray(fn(*args))
     sel = batch.mask > 0
     assert_bits_equal(logp[sel], batch.logp_old[sel], f"{preset}: sliced learner vs sampler")
-    bad = audit.float_arithmetic_hlo(fn.lower(*args, columns=batch.columns).compile().as_text())
+    bad = audit.float_arithmetic_hlo(fn.lower(*args).compile().as_text())
     assert not bad, "float arithmetic outside the kernels:\n" + "\n".join(bad)

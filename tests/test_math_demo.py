@@ -141,7 +141,8 @@ def test_sft_loss_reads_the_learners_logprobs_of_the_completion_only(tiny):
     batch = sft.make_batch([([5, 6, 7, 20], [8, 9]), ([1, 2], [3, 4, 10])])
     rope = model.rope_tables(cfg)
     got = sft.sft_loss(params, batch, rope, cfg, "strict")
-    full = model.sequence_logprobs(params, batch.tokens, batch.positions, batch.temps, rope, cfg, "strict")
+    seqs = model.Sequences(batch.tokens, batch.positions, batch.temps)
+    full = model.sequence_logprobs(params, seqs, rope, model.LearnerPass(cfg, "strict"))
     trained = np.zeros(full.shape, np.float32)
     trained[0, [3, 4]] = trained[1, [1, 2, 3]] = 1
     assert_bits_equal(np.asarray(got), np.asarray(-jnp.sum(full * trained) / jnp.sum(trained)), "warm-up loss")

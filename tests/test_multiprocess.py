@@ -22,7 +22,7 @@ from bench.two_gpu import checkpoint_arrays, compare, metrics
 from tests.helpers import fake_devices
 
 FLAGS = [
-    "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "4", "--micro-batch", "8",
+    "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "4", "--micro-batch-tokens", "64",
     "--warmup-steps", "0", "--learner-devices", "all", "--sampler-devices", "0,2", "--no-progress",
 ]  # fmt: skip
 

@@ -45,7 +45,7 @@ def test_options_are_static_and_part_of_the_compilation():
     cuda = NumericsOptions(platform="cuda")
 
     def text(options):
-        return audit.lower_for_gpu(programs.decode_step, *args, rope, cfg, options)
+        return audit.lower_for_gpu(programs.decode_step, *args, rope, programs.Decoding(cfg, options))
 
     once, twice = text(cuda), text(dataclasses.replace(cuda, layer_unroll=2))
     assert once != twice

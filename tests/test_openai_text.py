@@ -4,11 +4,9 @@ streaming that never lets a partial stop string out, and chat templates rendered
 
 import pytest
 
-from rlkjax.engine.engine import Engine
 from rlkjax.text.chat import DEFAULT_TEMPLATE, ChatTemplate, ChatTemplateError, load_chat_template, message_text
 from rlkjax.text.tokenizer import ByteTokenizer, load_tokenizer
 from serve.text import SampleText, offsets, token_pieces
-from tests.helpers import ENGINE, Hook, assert_bits_equal
 from tests.tokenizer_files import TEXT, make_bpe_checkpoint
 
 
@@ -102,36 +100,3 @@ def test_chat_templates_render_as_hugging_face_does(bpe):
     assert message_text([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]) == "a\nb"
     with pytest.raises(ValueError, match="content"):
         message_text([{"type": "image_url", "image_url": "x"}])
-
-
-@pytest.mark.slow  # compiles the engine's step functions (those of tests.helpers.ENGINE)
-def test_the_engine_hook_stops_one_sample_and_not_the_others(tiny):
-    """Engine.submit(listener=...), what stop strings and streams ride on: the hook sees every token once,
-    in order, a round at a time; returning k stops that sample with the first k tokens of the round kept
-    (finish_reason stop, its pages freed), and the request's other samples run to their length with the
-    tokens and logprob bits of a run without the hook; the hook is told the engine's finish reason."""
-    cfg, params = tiny
-    plain = Engine(params, cfg, "strict", ENGINE)
-    free = plain.submit([5, 6, 7], n=3, max_tokens=10, seed=3)
-    plain.run_until_done()
-    rounds, reasons = {j: [] for j in range(3)}, {j: [] for j in range(3)}
-
-    def hook(j, tokens, logprobs, top, reason):
-        assert len(tokens) == len(logprobs) and top is None  # no top_logprobs asked
-        rounds[j].append(list(tokens))
-        reasons[j].append(reason)
-        return 2 if j == 1 and sum(map(len, rounds[1])) >= 5 else None
-
-    engine = Engine(params, cfg, "strict", ENGINE)
-    hooked = engine.submit([5, 6, 7], n=3, max_tokens=10, seed=3, listener=Hook(hook))
-    engine.run_until_done()
-    kept = sum(map(len, rounds[1][:-1])) + 2
-    stopped = hooked.results[1]
-    assert stopped.finish_reason == "stop" and stopped.tokens == free.results[1].tokens[:kept]
-    assert_bits_equal(stopped.logprobs, free.results[1].logprobs[:kept], "stopped sample")
-    for j in (0, 2):
-        assert hooked.results[j].tokens == free.results[j].tokens == sum(rounds[j], [])
-        assert hooked.results[j].finish_reason == "length"
-        assert reasons[j] == [None] * (len(rounds[j]) - 1) + ["length"], "the engine's reason, in the last round"
-        assert_bits_equal(hooked.results[j].logprobs, free.results[j].logprobs, f"sample {j}")
-    assert engine.metrics()["pages_used"] == 0

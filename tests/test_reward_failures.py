@@ -59,8 +59,9 @@ def test_a_reward_that_raises_scores_zero_and_is_counted(caplog):
         rewards, counts = group_rewards("step 2", task, examples, [["2", "boom"]])
     np.testing.assert_array_equal(rewards, [[1, 0]])
     assert counts == {"reward_failures": 1, "reward_timeouts": 0}
-    assert "step 2: the reward of prompt 0, sample 1 (gen:7) failed (error: RuntimeError: the reward broke)" in (
-        caplog.text
+    assert (
+        "step 2: the reward of prompt 0, sample 1 (gen:7) failed (error: tests.test_reward_failures:failing_reward "
+        "raised RuntimeError: the reward broke)" in caplog.text
     )
     assert group_rewards("step 2", ArithmeticTask(), examples, [["2", "3"]])[0].tolist() == [[1, 0]]
 

@@ -17,7 +17,7 @@ from rlkjax.core.numerics import NumericsOptions
 from rlkjax.engine import programs
 from tests.helpers import assert_bits_equal, slow
 from train.batch import Batch
-from train.loss import grpo_loss
+from train.loss import Objective, grpo_loss
 
 
 def strict_programs(cfg, options, b=2, t=16, pages=4, steps=4):
@@ -33,20 +33,22 @@ def strict_programs(cfg, options, b=2, t=16, pages=4, steps=4):
     i32 = vec(jnp.int32)
     sampling = programs.RowSampling(vec(jnp.uint32), i32, vec(jnp.float32), i32, S((b, 2), jnp.int32), i32)
     carry = (S((2 * b,), jnp.int32), S((2 * b,), jnp.bool_))
-    round_args = (params, carry, i32, i32, i32, cache, pt, sampling, rope)
+    round_args = (params, programs.RoundStart(carry, i32, i32), i32, cache, pt, sampling, rope)
     tok, per_token = S((b, t), jnp.int32), S((b, t - 1), jnp.float32)
     batch = Batch(tok, tok, per_token, per_token, vec(jnp.float32), vec(jnp.float32), per_token)
     rope_tables = model.rope_tables(cfg)
 
     def learner_step(master, batch):
         loss = jax.value_and_grad(grpo_loss, has_aux=True)
-        return loss(master, batch, None, rope_tables, cfg, options, 0.2, 0.0, 100.0)
+        return loss(master, batch, None, rope_tables, 100.0, Objective(model.LearnerPass(cfg, options), 0.2, 0.0))
 
-    logprobs = jax.jit(model.sequence_logprobs, static_argnames=("cfg", "numerics"))
+    logprobs = jax.jit(model.sequence_logprobs, static_argnames="setting")
+    seqs, setting = model.Sequences(tok, tok, vec(jnp.float32)), model.LearnerPass(cfg, options)
+    decoding = programs.Decoding(cfg, options)
     return {
-        "decode_step": (programs.decode_step, (params, one, one, cache, pt, sampling, rope, cfg, options), {}),
-        "learner_logprobs": (logprobs, (params, tok, tok, vec(jnp.float32), rope, cfg, options), {}),
-        "decode_round": (programs.next_round, (*round_args, cfg, options), {"num_steps": steps}),
+        "decode_step": (programs.decode_step, (params, one, one, cache, pt, sampling, rope, decoding), {}),
+        "learner_logprobs": (logprobs, (params, seqs, rope, setting), {}),
+        "decode_round": (programs.next_round, (*round_args, programs.Decoding(cfg, options, num_steps=steps)), {}),
         "learner_step": (jax.jit(learner_step), (master, batch), {}),
     }
 

@@ -100,11 +100,11 @@ def side_kernels(platform: str) -> dict[str, dict]:
     one, vec = S((b, 1), jnp.int32), lambda dt: S((b,), dt)
     i32 = vec(jnp.int32)
     sampling = programs.RowSampling(vec(jnp.uint32), i32, vec(jnp.float32), i32, S((b, 1), jnp.int32), i32)
-    decode = (params, one, one, cache, S((b, pages), jnp.int32), sampling, rope, cfg, options)
+    decode = (params, one, one, cache, S((b, pages), jnp.int32), sampling, rope, programs.Decoding(cfg, options))
     sampler = audit.export_for_gpu(programs.decode_step, *decode, platform=platform)
-    logprobs = jax.jit(model.sequence_logprobs, static_argnames=("cfg", "numerics"))
-    tok = S((b, t), jnp.int32)
-    learner = audit.export_for_gpu(logprobs, params, tok, tok, vec(jnp.float32), rope, cfg, options, platform=platform)
+    logprobs = jax.jit(model.sequence_logprobs, static_argnames="setting")
+    seqs = model.Sequences(S((b, t), jnp.int32), S((b, t), jnp.int32), vec(jnp.float32))
+    learner = audit.export_for_gpu(logprobs, params, seqs, rope, model.LearnerPass(cfg, options), platform=platform)
     return {"sampler": triton_kernels(sampler), "learner": triton_kernels(learner)}
 
 

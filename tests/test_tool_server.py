@@ -3,13 +3,15 @@ qwen3-tiny with Qwen3's real chat template (tests/tokenizer_files.py: its added 
 enough for the tiny vocabulary): tools rendered and tool calls parsed on /v1/chat/completions, tool-call
 history accepted, the token route /inference/v1/generate (its shape, its logprobs the bits of
 `rlkjax.score`, a multi-turn episode appended token by token), vLLM's sampling fields accepted or refused,
-the context-length 400 in vLLM's words on every route, and max_model_len on /v1/models."""
+the context-length 400 in vLLM's words on every route, and max_model_len on /v1/models. A second server's
+model writes tool calls (tests/tool_caller.py): parsed streamed and not, through the official `openai` client."""
 
 import json
 import re
 import urllib.request
 
 import numpy as np
+import openai
 import pytest
 
 import rlkjax
@@ -21,6 +23,7 @@ from serve.tool_calls import tool_message
 from tests.helpers import ENGINE, assert_bits_equal
 from tests.server_process import post_raw, start_server
 from tests.tokenizer_files import make_qwen3_template_checkpoint
+from tests.tool_caller import make_tool_caller
 
 pytestmark = pytest.mark.slow  # a real server process
 
@@ -70,7 +73,7 @@ def test_tools_are_rendered_and_tool_calls_parsed(served):
     assert choice["finish_reason"] in ("length", "stop")
 
     message, called = tool_message(sampled + "\n" + SAMPLED_CALL + "\n" + SAMPLED_CALL.replace("6*7", "1+1"))
-    assert called and message["content"] == (sampled.strip() or None)
+    assert called and message["content"] == (sampled.rstrip() or None)  # the newline before the call dropped
     assert [c["function"] for c in message["tool_calls"]] == [
         {"name": "calculator", "arguments": '{"expression": "6*7"}'},
         {"name": "calculator", "arguments": '{"expression": "1+1"}'},
@@ -104,11 +107,10 @@ def test_tool_call_history_is_accepted(served):
         ({"tools": None, "tool_choice": "auto"}, 'tool_choice "auto" needs tools'),
         ({"tools": [{"type": "function"}]}, r"tools\[0\] must be"),
         ({"tools": [{"type": "function", "function": {"name": ""}}]}, r"tools\[0\].function.name"),
-        ({"stream": True}, "tool calls are parsed in non-streamed responses only"),
         ({"messages": [{"role": "assistant", "tool_calls": {}}]}, r"messages\[0\].tool_calls must be a list"),
         (
             {"messages": [{"role": "assistant", "tool_calls": [CALL | {"function": {"name": "f", "arguments": "{"}}]}]},
-            "arguments is not valid JSON",
+            "arguments are not valid JSON",
         ),
         ({"messages": [{"role": "tool", "content": "4", "tool_call_id": 7}]}, "tool_call_id must be a string"),
     ],
@@ -124,6 +126,20 @@ def test_tool_choice_none_streams_the_raw_text(served):
     body = {"messages": USER, "tools": TOOLS, "tool_choice": "none", "max_tokens": 3, "seed": 2}
     status, out = post_raw(served[0], "/v1/chat/completions", json.dumps(body).encode())
     assert status == 200 and out["choices"][0]["message"]["tool_calls"] == [], out
+
+
+def test_a_stream_with_tools_and_no_call_is_the_plain_text(served):
+    """Random weights write no call: streamed with tools (tool_choice auto), the content is the unstreamed
+    text, no tool_calls delta, the same finish_reason and logprob bits."""
+    oai = openai.OpenAI(base_url=served[0].url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    kw = dict(model="m", messages=USER, tools=TOOLS, max_tokens=9, seed=4, logprobs=True)
+    plain = oai.chat.completions.create(**kw).choices[0]
+    chunks = [c.choices[0] for c in oai.chat.completions.create(**kw, stream=True)]
+    assert plain.message.tool_calls == [] and plain.finish_reason in ("length", "stop")
+    assert "".join(c.delta.content or "" for c in chunks) == plain.message.content
+    assert not any(c.delta.tool_calls for c in chunks) and chunks[-1].finish_reason == plain.finish_reason
+    streamed = [t.logprob for c in chunks if c.logprobs for t in c.logprobs.content]
+    assert_bits_equal(exact(streamed), exact([t.logprob for t in plain.logprobs.content]), "stream vs plain")
 
 
 def generate(client, token_ids, **sampling):
@@ -219,3 +235,107 @@ def test_context_length_400_in_vllms_words_on_every_route_and_max_model_len(serv
     with urllib.request.urlopen(client.url + "/v1/models", timeout=60) as r:
         models = json.loads(r.read())
     assert models["data"][0]["max_model_len"] == CONTEXT
+
+
+# ----- a model that calls the calculator (tests/tool_caller.py), streamed and not -----
+REPLY = [
+    "I will compute it.\n",
+    "<tool_call>",
+    '\n{"name": "calculator", "arguments": ',
+    '{"expression": "6',
+    '*7"}}\n',
+]
+REPLY += ["</tool_call>", "\nand <tool", "_call>", '{"name": "calculator", "arguments": {"expression": "1+1"}}']
+REPLY += ["<|im_end|>"]  # the second block is left open (its tag spelt in two tokens): parsed at the end
+
+
+GENERATION = "<|im_start|>assistant\n"  # the generation prompt: its last token starts the reply
+
+
+@pytest.fixture(scope="module")
+def caller(tmp_path_factory):
+    """(openai client, tokenizer, template, params) of a server whose model answers every turn with REPLY."""
+    directory = tmp_path_factory.mktemp("tool_caller")
+    template = ChatTemplate(QWEN3_CHAT_TEMPLATE, {})
+    prompt = template.render(USER, tools=TOOLS)
+    make_tool_caller(directory, [prompt, prompt + "".join(REPLY) + tool_turn(template, ["42"])], GENERATION, REPLY)
+    proc, client = start_server("--model", str(directory))
+    tok = load_tokenizer(directory)
+    oai = openai.OpenAI(base_url=client.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    yield oai, tok, load_chat_template(tok), rlkjax.load_hf_checkpoint(directory)
+    proc.terminate()
+    proc.wait(timeout=60)
+
+
+def test_a_model_that_calls_a_tool_streamed_and_not(caller):
+    """The model writes text, a call whose arguments span three tokens, and a second call with its tag spelt
+    in two tokens, left open at eos. Unstreamed: both calls in message.tool_calls, the text outside them as
+    content, finish_reason tool_calls, token logprobs the bits of `rlkjax.score`. Streamed with the same seeds,
+    in OpenAI's chunk shape: content before the calls, never the raw blocks; per call a chunk with its index,
+    id, type and name (arguments "") then its arguments; the last chunk's finish_reason tool_calls. Assembled,
+    the same message; every token's logprob once, in order, the unstreamed response's bits."""
+    oai, tok, template, (cfg, params) = caller
+    kw = dict(model="m", messages=USER, tools=TOOLS, max_tokens=20, n=2, seed=11, logprobs=True)
+    extra = {"return_token_ids": True}
+    plain = oai.chat.completions.create(**kw, extra_body=extra)
+    prompt = tok.encode(template.render(USER, tools=TOOLS))
+    for choice in plain.choices:
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content == "I will compute it.\n\nand"
+        calls = [(c.function.name, c.function.arguments, c.type) for c in choice.message.tool_calls]
+        assert calls == [
+            ("calculator", '{"expression": "6*7"}', "function"),
+            ("calculator", '{"expression": "1+1"}', "function"),
+        ]
+        assert choice.token_ids == [t for piece in REPLY[:-1] for t in tok.encode(piece)] + [tok.eos_token_id]
+        scored = rlkjax.score(params, cfg, [prompt + choice.token_ids], [len(prompt)], temperature=1.0)[0]
+        assert_bits_equal(exact([t.logprob for t in choice.logprobs.content]), scored, "plain vs learner")
+
+    chunks = list(oai.chat.completions.create(**kw, extra_body=extra, stream=True))
+    for choice in plain.choices:
+        mine = [c for chunk in chunks for c in chunk.choices if c.index == choice.index]
+        assert mine[0].delta.role == "assistant" and mine[-1].finish_reason == "tool_calls"
+        assert all(c.finish_reason is None for c in mine[:-1])
+        content = "".join(c.delta.content or "" for c in mine)
+        assert content == choice.message.content and "<tool" not in content
+        deltas = [t for c in mine for t in c.delta.tool_calls or []]
+        assert len(deltas) == 4  # per call: its head, then its arguments
+        for index, (head, arguments) in enumerate(zip(deltas[::2], deltas[1::2])):
+            sent = choice.message.tool_calls[index]
+            assert (head.index, head.type, head.function.name, head.function.arguments) == (
+                index,
+                "function",
+                sent.function.name,
+                "",
+            )
+            assert head.id.startswith("chatcmpl-tool-") and arguments.id is None and arguments.function.name is None
+            assert (arguments.index, arguments.function.arguments) == (index, sent.function.arguments)
+        streamed = [t for c in mine if c.logprobs for t in c.logprobs.content]
+        assert [t.token for t in streamed] == [t.token for t in choice.logprobs.content]
+        assert_bits_equal(
+            exact([t.logprob for t in streamed]), exact([t.logprob for t in choice.logprobs.content]), "stream vs plain"
+        )
+        assert [t for c in mine for t in (c.model_extra or {}).get("token_ids") or []] == choice.token_ids
+
+
+def test_a_harness_sends_the_calls_and_results_back(caller):
+    """What agent harnesses do next: the assistant message as the client parsed it (calls with ids, arguments as
+    JSON strings, content) and a `tool` message per call, sent back with the tools. Accepted, streamed or not,
+    and the prompt is the one Qwen3's template renders for that history."""
+    oai, tok, template, _ = caller
+    first = oai.chat.completions.create(model="m", messages=USER, tools=TOOLS, max_tokens=20, seed=1).choices[0]
+    values = {'{"expression": "6*7"}': "42", '{"expression": "1+1"}': "2"}
+    results = [
+        {"role": "tool", "tool_call_id": c.id, "content": values[c.function.arguments]}
+        for c in first.message.tool_calls
+    ]
+    history = [*USER, first.message.model_dump(exclude_none=True), *results]
+    kw = dict(model="m", messages=history, tools=TOOLS, max_tokens=20, seed=2)
+    plain = oai.chat.completions.create(**kw, extra_body={"return_token_ids": True}).choices[0]
+    assert plain.finish_reason == "tool_calls"
+    rendered = [*USER, first.message.model_dump(exclude_none=True), *results]
+    for call in rendered[1]["tool_calls"]:  # the template writes the arguments' object out
+        call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+    assert plain.model_extra["prompt_token_ids"] == tok.encode(template.render(rendered, tools=TOOLS))
+    chunks = list(oai.chat.completions.create(**kw, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"

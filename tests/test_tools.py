@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from rlkjax.rl.tools import ToolCall, Tools, calculator, parse_tool_calls, tool_messages, tool_turn
+from rlkjax.rl.tools import ToolCall, ToolCallScanner, Tools, calculator, parse_tool_calls, tool_messages, tool_turn
 from rlkjax.text.chat import load_chat_template
 from rlkjax.text.tokenizer import load_tokenizer
 from rlkjax.tiny_qwen3 import write_tiny_qwen3
@@ -106,7 +106,7 @@ def test_every_bad_call_is_an_observation(tmp_path):
         "<tool_call>\nnot json\n</tool_call>": "Error: the tool call is not valid JSON",
         '<tool_call>\n{"arguments": {}}\n</tool_call>': 'Error: the tool call must be a JSON object with a "name"',
         '<tool_call>\n["calculator"]\n</tool_call>': 'Error: the tool call must be a JSON object with a "name"',
-        '<tool_call>\n{"name": "calculator", "arguments": [1]}\n</tool_call>': 'Error: "arguments" must be',
+        '<tool_call>\n{"name": "calculator", "arguments": [1]}\n</tool_call>': "Error: arguments must be a JSON object",
         '<tool_call>\n{"name": "rm", "arguments": {}}\n</tool_call>': "Error: unknown tool 'rm'; the tools are",
         '<tool_call>\n{"name": "calculator"}\n</tool_call>': "Error: calculator: missing argument(s) ['expression']",
         '<tool_call>\n{"name": "calculator", "arguments": {"expression": 3}}\n</tool_call>': (
@@ -180,3 +180,31 @@ def test_the_qwen3_template_renders_tools_and_an_episode_extends_turn_by_turn(to
         "\n<|im_start|>user\n<tool_response>\n4\n</tool_response>\n<tool_response>\nError: unknown tool 'x'\n"
         "</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
     )
+
+
+def test_the_scanner_reads_a_text_in_pieces_as_it_reads_it_whole():
+    """The one parser of <tool_call> blocks also reads a turn as it streams (serve/tool_calls.py): fed whole or
+    a character at a time, the same segments (outside text may come in several); a possible tag start is held
+    back until the next piece tells, never lost; parse_tool_calls is the whole text fed at once."""
+    texts = [
+        'Let me.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call>\nok',
+        'a <b> <tool <tool_call>{"name": "f"}</tool_call></tool_call><tool_call>{"name": "g", "argu',
+        "<tool_call>not json</tool_call> x <tool_cal",
+        "no calls",
+    ]
+    for text in texts:
+        whole = ToolCallScanner().feed(text, final=True)
+        assert "".join(raw for raw, _ in whole) == text
+        scanner, merged = ToolCallScanner(), []
+        for i, ch in enumerate(text):
+            for raw, call in scanner.feed(ch, final=i == len(text) - 1):
+                if call is None and merged and merged[-1][1] is None:
+                    merged[-1] = (merged[-1][0] + raw, None)
+                else:
+                    merged.append((raw, call))
+        assert merged == whole, text
+    content, calls = parse_tool_calls(texts[1])
+    assert content == "a <b> <tool </tool_call>" and [c.name for c in calls] == ["f", None]
+    scanner = ToolCallScanner()
+    assert scanner.feed("a <too") == [("a ", None)]
+    assert scanner.feed("ls>") == [("<tools>", None)]

@@ -31,11 +31,12 @@ def make_bpe_checkpoint(directory):
     return directory
 
 
-def make_qwen3_template_checkpoint(directory, samples: list[str]):
+def make_qwen3_template_checkpoint(directory, samples: list[str], added_texts: list[str] = ()):
     """Qwen3's real chat template and added tokens (<|im_start|>, <|im_end|>, <tool_call>, <tool_response>, ...)
     over a byte-level BPE of at most 512 ids (the tiny preset's vocabulary), trained on `samples` (e.g. the
     rendered prompts a test sends, so they fit the tiny engine's context): what a server on qwen3-tiny needs to
-    render tools and tool turns exactly as a Qwen3 checkpoint does. The real tokenizer has 151,669 ids."""
+    render tools and tool turns exactly as a Qwen3 checkpoint does. The real tokenizer has 151,669 ids.
+    added_texts: more strings that become tokens of their own (tests/tool_caller.py's reply pieces)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from rlkjax.text.qwen_tokenizer import QWEN3_ADDED_TOKENS, QWEN3_CHAT_TEMPLATE
@@ -46,6 +47,7 @@ def make_qwen3_template_checkpoint(directory, samples: list[str]):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
+    added += [(text, False) for text in added_texts]
     trainer = trainers.BpeTrainer(vocab_size=500 - len(added), show_progress=False)
     tok.train_from_iterator(samples * 3, trainer)
     for content, special in added:

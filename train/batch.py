@@ -85,10 +85,77 @@ def pad_rows(batch: Batch, multiple: int) -> Batch:
     return jax.tree.map(lambda v, fill: np.concatenate([v, np.full((extra, *v.shape[1:]), fill, v.dtype)]), batch, PAD)
 
 
-def micro_batches(batch: Batch, size: int, devices: int = 1):
-    """Slices of `size` rows, each padded with empty rows to a multiple of the learner's devices."""
-    for start in range(0, len(batch.tokens), size):
-        yield pad_rows(Batch(*(field[start : start + size] for field in batch)), devices)
+def micro_length(n: int, whole: int) -> int:
+    """T of a micro-batch whose longest sequence has n tokens, in a batch padded to `whole`: padded_length's
+    powers of two up to 128, then 8 lengths an octave (multiples of 32, at most 1/8 of padding), never past
+    `whole` (a run whose sequences all reach --max-new-tokens compiles one length, the batch's own). A few
+    shapes over a whole run, whatever its completions' lengths; a token's logprob bits do not depend on T."""
+    if n <= 128:
+        return min(padded_length(n), whole)
+    step = max(LENGTH_STEP, 1 << max(0, (n - 1).bit_length() - 4))
+    return min(cdiv(n, step) * step, whole)
+
+
+class MicroBatch(NamedTuple):
+    """Which rows of a Batch one micro-batch holds, and its shape: `size` rows (the rows, then padding rows)
+    of `length` tokens and `width` scored columns."""
+
+    rows: np.ndarray  # [n] int: indices into the Batch, longest first
+    size: int  # rows with padding: a multiple of the devices
+    length: int  # T
+    width: int  # C
+
+
+def plan_micro_batches(batch: Batch, budget: int, devices: int = 1) -> list[MicroBatch]:
+    """The batch's rows in micro-batches of at most `budget` padded tokens per device: rows sorted by length,
+    longest first, each micro-batch as many rows of its longest row's micro_length as the budget allows on
+    every device (one row a device when that row alone is longer than the budget: a long row still runs).
+    A micro-batch of a length holds that many rows a device, or (the last of its length) a power of two fewer,
+    so a run compiles a few shapes."""
+    if budget <= 0:
+        raise ValueError(f"a micro-batch token budget of {budget} holds nothing; it must be positive")
+    lengths = (batch.positions >= 0).sum(axis=1)
+    scored = (batch.columns >= 0).sum(axis=1) if batch.columns is not None else lengths
+    order = np.argsort(-lengths, kind="stable")
+    whole = batch.tokens.shape[1]
+    plan, start = [], 0
+    while start < len(order):
+        length = micro_length(int(lengths[order[start]]), whole)
+        per_device = max(1, budget // length)
+        rows = order[start : start + per_device * devices]
+        size = min(bucket(cdiv(len(rows), devices)), per_device) * devices
+        width = bucket(int(scored[rows].max())) if batch.columns is not None else 0
+        plan.append(MicroBatch(rows, size, length, width))
+        start += len(rows)
+    return plan
+
+
+def micro_batch(batch: Batch, mb: MicroBatch) -> Batch:
+    """The rows `mb` names, cut to its length and columns and padded with empty rows to its size."""
+    per_token = mb.length - 1  # logprob columns
+
+    def cut(name, values):
+        if values is None or values.ndim == 1:
+            return None if values is None else values[mb.rows]
+        width = {"tokens": mb.length, "positions": mb.length, "columns": mb.width}.get(name, per_token)
+        return values[mb.rows, :width]
+
+    return pad_rows(Batch(*(cut(name, values) for name, values in zip(Batch._fields, batch))), mb.size)
+
+
+def micro_batches(batch: Batch, budget: int, devices: int = 1):
+    """(MicroBatch, its Batch) for each micro-batch of plan_micro_batches."""
+    for mb in plan_micro_batches(batch, budget, devices):
+        yield mb, micro_batch(batch, mb)
+
+
+def unpermute(parts, plan: list[MicroBatch], rows: int, columns: int) -> np.ndarray:
+    """Per-micro-batch [size, length - 1] arrays (logprobs, host) -> [rows, columns] in the batch's row order,
+    zeros past each micro-batch's length (padding, never scored)."""
+    out = np.zeros((rows, columns), np.float32)
+    for mb, part in zip(plan, parts):
+        out[mb.rows, : mb.length - 1] = np.asarray(part)[: len(mb.rows)]
+    return out
 
 
 class LossStats(NamedTuple):

@@ -59,6 +59,7 @@ RESUMABLE_CHANGES = frozenset(
         "resume",
         "resume_allow_changes",
         "rollout_url",
+        "rollout_kv_gib",  # preempted sequences are prefilled again: the same bits (tests/test_rollout_budget.py)
         "admin_key",
         "coordinator",  # how many processes compute a step does not change its bits (tests/test_multiprocess.py)
         "num_processes",

@@ -152,7 +152,13 @@ class GRPOConfig:
     """Sample every completion to --max-new-tokens, past the tokenizer's eos. By default a sampled eos ends the
     completion: the eos is its last token, trained on like the others, and nothing after it is sampled."""
     max_prompt_tokens: int = 128
-    """Longest prompt accepted (sizes the in-process engine's KV cache)."""
+    """Longest prompt accepted (with --max-new-tokens, the longest sequence the rollout's engines hold)."""
+    rollout_kv_gib: float | None = None
+    """KV cache of each in-process sampler engine, in GiB: a page budget, not a shape. The step's P x G sequences
+    are admitted as pages free up, and one that must give its pages back is prefilled again later, with the same
+    tokens and logprob bits. Default: what the memory plan (train/memory.py) leaves of the sampler GPU in the
+    rollout after the weights and the state resident there, at most what every sequence at full length needs
+    (that, on a CPU). It must hold one sequence of --max-prompt-tokens + --max-new-tokens."""
     temperature: float = 1.0
     """Sampling temperature, at least 0.0001 (smaller ones underflow float32 in the kernels);
     the learner scores at the same temperature."""
@@ -166,8 +172,11 @@ class GRPOConfig:
     """Divide advantages by the group std (GRPO); --no-scale-advantages gives Dr. GRPO."""
     updates_per_batch: int = 1
     """Optimiser steps on each sampled batch (PPO epochs)."""
-    micro_batch: int = 16
-    """Sequences per gradient micro-batch (gradients are accumulated; the result does not depend on it)."""
+    micro_batch_tokens: int | Literal["auto"] = "auto"
+    """Padded tokens each learner device holds in one gradient micro-batch (gradients are summed over
+    micro-batches; a row's logprobs do not depend on them): rows of similar length are packed together, and a row
+    longer than the budget runs alone. auto: the largest budget, up to 8k tokens a device, that the memory plan
+    fits (train/memory.py), printed at the start."""
     moments: Literal["auto", "device", "host"] = "auto"
     """Where AdamW's two fp32 moments live: device; host (pinned host memory, streamed through the GPU a layer
     at a time during the update, overlapped with it: 8 bytes a parameter off the GPU, copied in and out every
@@ -175,11 +184,10 @@ class GRPOConfig:
     one H200). Same bits wherever they live."""
     lora: Annotated[Lora, tyro.conf.OmitArgPrefixes] = Lora()
     """LoRA adapters on a frozen base instead of full-parameter training."""
-    remat: bool = False
-    """Recompute each layer's norms, projections and MLP in the learner's backward instead of keeping them for
-    every layer: at Qwen3-4B, 4 x 1024 tokens, 100 instead of 428 MiB per layer, for about a quarter more
-    matmul work per learner step. Same bits either way. For a step that does not fit (or a larger
-    --micro-batch)."""
+    remat: Literal["auto", "on", "off"] = "auto"
+    """on: recompute each layer's norms, projections and MLP in the learner's backward instead of keeping them for
+    every layer (at Qwen3-4B, 4 x 1024 tokens, 100 instead of 428 MiB per layer) for about a quarter more matmul
+    work per learner step. Same bits either way. auto: on only when the memory plan needs it."""
     runtime: Annotated[Runtime, tyro.conf.OmitArgPrefixes] = Runtime()
     """The numerics and the compilation cache."""
     tis_cap: float = 0.0
@@ -245,7 +253,6 @@ class GRPOConfig:
             "max_new_tokens",
             "max_prompt_tokens",
             "updates_per_batch",
-            "micro_batch",
             "num_processes",
             "keep_checkpoints",
             "eval_every",
@@ -262,6 +269,8 @@ class GRPOConfig:
             raise ValueError(f"--table-every={self.table_every} must be >= 0 (0: no sample tables)")
         if self.checkpoint_every < 0:
             raise ValueError(f"--checkpoint-every={self.checkpoint_every} must be >= 0 (0: no checkpoints)")
+        if self.micro_batch_tokens != "auto" and self.micro_batch_tokens <= 0:
+            raise ValueError(f"--micro-batch-tokens={self.micro_batch_tokens} must be positive (or auto)")
         check_seed("--seed", self.seed)
         check_temperature("--temperature", self.temperature)  # as the float32 the kernels divide by
         for name, bound in (("clip_eps", "> 0"), ("beta", ">= 0"), ("tis_cap", ">= 0")):
@@ -276,6 +285,10 @@ class GRPOConfig:
             raise ValueError(f"--process-id={self.process_id} must be in [0, --num-processes={self.num_processes})")
         if self.num_processes > 1 and not self.coordinator:
             raise ValueError(f"--num-processes={self.num_processes} needs --coordinator HOST:PORT (process 0's)")
+        if self.rollout_kv_gib is not None:
+            check_float("rollout_kv_gib", self.rollout_kv_gib, "> 0")
+            if self.rollout_url:
+                raise ValueError("--rollout-kv-gib sizes the in-process engines (a server sets its own: --num-pages)")
         if self.num_processes > 1 and self.rollout_url:
             raise ValueError("--rollout-url runs with one learner process (--num-processes=1)")
         if self.data is None and self.task in ("gsm8k", "math"):

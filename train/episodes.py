@@ -22,7 +22,7 @@ import numpy as np
 
 from rlkjax.core.checks import sample_seed
 from rlkjax.core.sampling_params import SamplingParams
-from rlkjax.rl.environments import Episode, Step, Turn, continuation, first_prompt
+from rlkjax.rl.environments import Episode, Step, Turn, checked_reset, checked_step, continuation, first_prompt
 
 END_REASONS = ("env", "length", "turns", "context")
 
@@ -41,8 +41,10 @@ class EpisodeRunner:
     system_prompt: str | None = None  # a system message before reset's messages
     template_kwargs: dict = dataclasses.field(default_factory=dict)
 
-    def start(self, example) -> Episode:
-        messages = self.env.reset(example)
+    def start(self, example, where: str = "") -> Episode:
+        """A new episode of `example`: the environment's first prompt. `where` (the trainer's step) names the
+        moment in the error if reset raises (rlkjax.rl.environments.EnvironmentFailure)."""
+        messages = checked_reset(self.env, example, where)
         if self.system_prompt is not None:
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
         prompt = first_prompt(self.env, messages, self.template, self.tokenizer, **self.template_kwargs)
@@ -53,9 +55,9 @@ class EpisodeRunner:
             )
         return Episode(example, prompt, list(messages))
 
-    def advance(self, episode: Episode, sample: dict) -> None:
+    def advance(self, episode: Episode, sample: dict, where: str = "") -> None:
         """Add a sampled turn ({tokens, logprobs, policy_version}), ask the environment, and append its messages'
-        tokens or end the episode."""
+        tokens or end the episode. A step that raises stops here, named with `where`, its turn and its example."""
         tokens = list(sample["tokens"])
         eos = bool(tokens) and tokens[-1] == self.eos
         text = self.tokenizer.decode(tokens[:-1] if eos else tokens)
@@ -63,7 +65,7 @@ class EpisodeRunner:
             Turn(tokens, np.asarray(sample["logprobs"], np.float32), text, eos, sample["policy_version"])
         )
         episode.messages.append({"role": "assistant", "content": text})
-        step: Step = self.env.step(episode)
+        step: Step = checked_step(self.env, episode, where)
         episode.add_step(step)
         if step.done:
             return self._end(episode, "env")
@@ -85,14 +87,15 @@ class EpisodeRunner:
         """Tokens the next turn may sample."""
         return self.max_new_tokens - len(episode.completion)
 
-    def run(self, rollout, examples, seeds, sampling: SamplingParams) -> list[list[Episode]]:
-        """[P][G] finished episodes of `examples`; sampling: the first turn's (n = G, max_tokens, temperature)."""
+    def run(self, rollout, examples, seeds, sampling: SamplingParams, where: str = "") -> list[list[Episode]]:
+        """[P][G] finished episodes of `examples`; sampling: the first turn's (n = G, max_tokens, temperature);
+        `where` (the trainer's step) names the moment in an environment's error."""
         group = sampling.n
-        episodes = [[self.start(e) for _ in range(group)] for e in examples]
+        episodes = [[self.start(e, where) for _ in range(group)] for e in examples]
         first = rollout.sample_turns([g[0].prompt for g in episodes], seeds, [sampling] * len(examples))
         for g, samples in zip(episodes, first, strict=True):
             for episode, sample in zip(g, samples, strict=True):
-                self.advance(episode, sample)
+                self.advance(episode, sample, where)
         for turn in range(1, self.max_turns):
             pending = [(i, j) for i, g in enumerate(episodes) for j, ep in enumerate(g) if not ep.done]
             if not pending:
@@ -101,7 +104,7 @@ class EpisodeRunner:
             turn_seeds = [sample_seed(seeds[i], turn * group + j) for i, j in pending]
             samplings = [dataclasses.replace(sampling, n=1, max_tokens=self.left(episodes[i][j])) for i, j in pending]
             for (i, j), samples in zip(pending, rollout.sample_turns(prompts, turn_seeds, samplings), strict=True):
-                self.advance(episodes[i][j], samples[0])
+                self.advance(episodes[i][j], samples[0], where)
         return episodes
 
 

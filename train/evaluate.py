@@ -44,7 +44,7 @@ def sample_rewards(where: str, run, examples: list, seeds: list[int], sampling: 
         episodes = []
         for start in range(0, len(examples), chunk):
             part = slice(start, start + chunk)
-            episodes += run.episodes.run(run.rollout, examples[part], seeds[part], sampling)
+            episodes += run.episodes.run(run.rollout, examples[part], seeds[part], sampling, where)
         run.rollout.release_cache()
         return episode_rewards(where, episodes)
     texts = []

@@ -268,15 +268,16 @@ def _with_frozen(params, specs, frozen: tuple, frozen_specs):
 
 
 def sharded_logprobs(fn, mesh, specs, dtype=None, frozen_specs=None, **static):
-    """fn(params, tokens, positions, temps, rope, layers=..., columns=..., **static) -> [B, T-1]
-    (columns: the Batch's scored columns), with rows sharded over the mesh and the weights gathered as
-    `dtype` (default: their own); params (without "layers" when `layers` is a `Gathered`) and
-    `layers` go on to model.forward (see gather). frozen_specs (LoRA): the jitted function takes the frozen
-    base params as a last argument, merged with params before the gather."""
+    """fn(params, model.Sequences(tokens, positions, temps, columns), rope, layers=..., **static) -> [B, T-1]
+    (columns: the Batch's scored columns), as the jitted (params, tokens, positions, temps, rope, columns),
+    with rows sharded over the mesh and the weights gathered as `dtype` (default: their own); params
+    (without "layers" when `layers` is a `Gathered`) and `layers` go on to model.forward (see gather).
+    frozen_specs (LoRA): the jitted function takes the frozen base params as a last argument, merged with params
+    before the gather."""
 
     def body(params, tokens, positions, temps, rope, columns, *frozen):
         params, layers = gather(*_with_frozen(params, specs, frozen, frozen_specs), dtype)
-        return fn(params, tokens, positions, temps, rope, layers=layers, columns=columns, **static)
+        return fn(params, model.Sequences(tokens, positions, temps, columns), rope, layers=layers, **static)
 
     in_specs = (specs, ROWS, ROWS, ROWS, P(), ROWS) + (() if frozen_specs is None else (frozen_specs,))
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=ROWS, check_vma=False))

@@ -5,6 +5,9 @@ The algorithm, per step:
   1. Sample P prompts x G completions with the rollout engine (in process, or a `serve.rollout`
      server via --rollout-url). Each token's logprob is recorded by the sampler. A sampled eos (the
      tokenizer's) ends a completion and is trained on as its last token (--ignore-eos samples past it).
+     The in-process engines hold a KV page budget (--rollout-kv-gib, by default what the memory plan leaves),
+     not the whole step: sequences are admitted as pages free up, and one preempted for pages is prefilled
+     again later with the same tokens and logprob bits.
      With --env, G multi-turn episodes per prompt instead (train/episodes.py): one token sequence each, the
      sampled tokens of every turn trained and checked, the tokens the environment and template add between
      turns masked out; an episode's reward is its environment's, and its advantage applies to all its turns.
@@ -21,8 +24,8 @@ The algorithm, per step:
      sampler runs base + adapters through the learner's kernels.
   5. Metrics (JSONL, progress bar, PNG plot at the end) and orbax checkpoints.
 
-This file holds the advantages and the loop (the loss is train/loss.py's); docs/map.md says where the
-rest lives, and docs/training.md what stops a run and how --resume continues one bit for bit.
+This file holds the advantages and the loop (the loss is train/loss.py's); README.md's map says where the
+rest lives, and its Training section what stops a run and how --resume continues one bit for bit.
 
 Deviations from the GRPO paper (Shao et al., 2024), each on purpose:
   - logp_old is the sampler's recorded logprob, not a learner recomputation: in strict numerics
@@ -37,6 +40,7 @@ Deviations from the GRPO paper (Shao et al., 2024), each on purpose:
 
 import dataclasses
 import os
+import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -50,12 +54,12 @@ import rlkjax
 from rlkjax.core.checkpoint import load_model
 from rlkjax.core.sampling_params import SamplingParams
 from rlkjax.core.shapes import cdiv
-from rlkjax.engine import compilation_cache
+from rlkjax.entry_config import Refusal, exit_plainly, refusing
 from rlkjax.rl.environments import load_environment
 from rlkjax.rl.tasks import make_task
 from rlkjax.text.chat import PromptFormat, prompt_format
 from rlkjax.text.tokenizer import load_tokenizer
-from train import adapters, fsdp
+from train import adapters, fsdp, memory
 from train.batch import Batch, pack
 from train.checkpoints import Checkpoints, check_disk, file_sha256, restore_run, run_config, save_run
 from train.config import GRPOConfig
@@ -65,10 +69,10 @@ from train.guards import check_prompt_lengths, check_rewards
 from train.learner import Learner, build_learner, learn, policy, verify
 from train.loggers import Loggers, sample_table
 from train.loss import to_policy
-from train.memory import PhasePeaks, RunShape, check_fits, choose_moments
+from train.memory import PhasePeaks, RunShape, kv_budget, least_kv_pages
 from train.metrics import plot, throughput
 from train.rewards import episode_rewards, group_rewards
-from train.rollout import LocalRollout, RemoteRollout, model_eos
+from train.rollout import LocalRollout, RemoteRollout, measure, model_eos
 
 
 # ----- the algorithm: advantages (the loss is train/loss.py's) -----
@@ -142,7 +146,7 @@ def episode_batch(step: int, run: Run, examples, data_rng) -> tuple[list, list, 
     config = run.config
     seeds = [int(s) for s in data_rng.integers(0, 2**32, config.prompts_per_step)]
     before = run.rollout.prefix_cache()
-    episodes = run.episodes.run(run.rollout, examples, seeds, run.sampling)
+    episodes = run.episodes.run(run.rollout, examples, seeds, run.sampling, f"step {step}")
     after = run.rollout.prefix_cache()
     run.rollout.release_cache()
     rewards, failures = episode_rewards(f"step {step}", episodes)
@@ -175,7 +179,9 @@ def grpo_step(step: int, run: Run, state: dict, data_rng) -> tuple[dict, dict, l
     config, cfg, phases = run.config, run.cfg, run.phases
     t0 = time.perf_counter()
     phases.phase("rollout")
-    prompts, groups, batch, row, samples = rollout_batch(step, run, data_rng)
+    with measure(run.rollout) as sampled:  # concurrency, preemptions, decode rate
+        prompts, groups, batch, row, samples = rollout_batch(step, run, data_rng)
+    row |= sampled
     run.rollout.release_weights()  # the learner's turn: the engines' weights come back with the update's
     t1 = time.perf_counter()
     # Optional recomputation of logp_old by the learner (TIS needs it; --verify-every checks it).
@@ -227,8 +233,10 @@ def grpo_step(step: int, run: Run, state: dict, data_rng) -> tuple[dict, dict, l
 
 
 def train(config: GRPOConfig) -> dict:
-    """Run `config` to its last step -> {"master": the final fp32 weights, "history": the metrics rows}."""
+    """Run `config` to its last step -> {"master": the final fp32 weights, "history": the metrics rows, "config":
+    config with the memory plan's choices for its auto settings}."""
     run, state, start, data_rng = start_run(config)
+    config = run.config  # with the memory plan's choices for --moments, --remat, --micro-batch-tokens auto
     primary = jax.process_index() == 0  # writes metrics.jsonl, samples.jsonl, plot.png and final_hf/
     resumed = start if config.resume else None
     loggers = (
@@ -271,7 +279,7 @@ def train(config: GRPOConfig) -> dict:
         adapters.export(run.out / "final_hf", run.cfg, final, frozen, config.source.model, merged)
     if primary:
         plot(run.out)
-    return {"master": state["master"], "history": history}
+    return {"master": state["master"], "history": history, "config": config}
 
 
 def start_run(config: GRPOConfig) -> tuple[Run, dict, int, np.random.Generator]:
@@ -280,37 +288,41 @@ def start_run(config: GRPOConfig) -> tuple[Run, dict, int, np.random.Generator]:
     model, the tokenizer or the data files runs here, before any step."""
     fsdp.join_processes(config.coordinator, config.num_processes, config.process_id)  # or from the environment
     out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
-    cfg, params = load_model(config.source.model, seed=config.seed)
-    cfg, frozen, params = adapters.adapt(config.lora, cfg, params, config.seed)  # LoRA: params are the adapters
-    if config.max_prompt_tokens + config.max_new_tokens > cfg.max_position:
-        raise ValueError(
-            f"--max-prompt-tokens + --max-new-tokens = {config.max_prompt_tokens + config.max_new_tokens} "
-            f"exceeds the model's context of {cfg.max_position} tokens"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise Refusal(f"--out {config.out}: cannot create the directory ({e.strerror or e}); name another") from e
+    with refusing():  # what the flags name: the model, tokenizer, data, environment and devices, and the plan
+        cfg, params = load_model(config.source.model, seed=config.seed)
+        cfg, frozen, params = adapters.adapt(config.lora, cfg, params, config.seed)  # LoRA: params are the adapters
+        if config.max_prompt_tokens + config.max_new_tokens > cfg.max_position:
+            raise ValueError(
+                f"--max-prompt-tokens + --max-new-tokens = {config.max_prompt_tokens + config.max_new_tokens} "
+                f"exceeds the model's context of {cfg.max_position} tokens: lower one of them"
+            )
+        tokenizer = load_tokenizer(config.source.model, config.source.tokenizer)
+        task = make_task(
+            config.task, config.data, config.reward, config.prompt_field, config.answer_field, config.reward_timeout
         )
-    tokenizer = load_tokenizer(config.source.model, config.source.tokenizer)
-    task = make_task(
-        config.task, config.data, config.reward, config.prompt_field, config.answer_field, config.reward_timeout
-    )
-    render = prompt_format(config.chat_template, tokenizer, config.system_prompt, config.enable_thinking)
-    eval_set = load_eval_set(config, make_task)
-    episodes = episode_runner(config, task, tokenizer, render, model_eos(tokenizer, cfg))
-    for examples in (getattr(task, "examples", ()), eval_set):
-        if episodes is None:
-            check_prompt_lengths(examples, tokenizer, config.max_prompt_tokens, render)
-        else:  # the environment's first prompts, as sampled
-            for example in examples:
-                episodes.start(example)
-    sampling = SamplingParams(
-        n=config.group_size,
-        max_tokens=config.max_new_tokens,
-        temperature=config.temperature,
-        ignore_eos=config.ignore_eos,
-    )
-    learner_devices = fsdp.pick_devices("--learner-devices", config.learner_devices)
-    sampler_devices = fsdp.pick_devices("--sampler-devices", config.sampler_devices)
-    moments = plan_memory(config, cfg, learner_devices, sampler_devices)
-    learner, master, opt_state = build_learner(config, cfg, params, learner_devices, moments, frozen)
+        render = prompt_format(config.chat_template, tokenizer, config.system_prompt, config.enable_thinking)
+        eval_set = load_eval_set(config, make_task)
+        episodes = episode_runner(config, task, tokenizer, render, model_eos(tokenizer, cfg))
+        for examples in (getattr(task, "examples", ()), eval_set):
+            if episodes is None:
+                check_prompt_lengths(examples, tokenizer, config.max_prompt_tokens, render)
+            else:  # the environment's first prompts, as sampled
+                for example in examples:
+                    episodes.start(example, "before step 1, checking every example's first prompt")
+        sampling = SamplingParams(
+            n=config.group_size,
+            max_tokens=config.max_new_tokens,
+            temperature=config.temperature,
+            ignore_eos=config.ignore_eos,
+        )
+        learner_devices = fsdp.pick_devices("--learner-devices", config.learner_devices)
+        sampler_devices = fsdp.pick_devices("--sampler-devices", config.sampler_devices)
+        config, kv_pages = plan_memory(config, cfg, learner_devices, sampler_devices)
+    learner, master, opt_state = build_learner(config, cfg, params, learner_devices, config.moments, frozen)
     del params, frozen  # the sampler gets the policy from the mesh, as it will after every update
     data_rng = np.random.default_rng(config.seed)
     # The KL reference is the initial policy; it is saved with each checkpoint (a resumed policy is not it).
@@ -318,11 +330,20 @@ def start_run(config: GRPOConfig) -> tuple[Run, dict, int, np.random.Generator]:
     del master, opt_state
     checkpoints = Checkpoints(out / "checkpoints", config.keep_checkpoints)
     data_sha256 = file_sha256(config.data)
-    state, start = restore_run(config, checkpoints, state, data_rng, data_sha256)
-    if config.checkpoint_every and jax.process_index() == 0:
-        check_disk(checkpoints, state, config.keep_checkpoints)
+    with refusing():  # --out's checkpoints: an earlier run's, or --resume's, and the disk they need
+        state, start = restore_run(config, checkpoints, state, data_rng, data_sha256)
+        if config.checkpoint_every and jax.process_index() == 0:
+            check_disk(checkpoints, state, config.keep_checkpoints)
     rollout = make_rollout(
-        config, cfg, model_eos(tokenizer, cfg), state["master"], learner, sampler_devices, start, out
+        config,
+        cfg,
+        model_eos(tokenizer, cfg),
+        state["master"],
+        learner,
+        sampler_devices,
+        start=start,
+        out=out,
+        kv_pages=kv_pages,
     )
     phases = PhasePeaks([d for d in learner_devices if d.process_index == jax.process_index()])
     run = Run(
@@ -350,8 +371,9 @@ def episode_runner(config: GRPOConfig, task, tokenizer, render: PromptFormat, eo
         return None
     if render.template is None:
         raise ValueError(
-            f"--env {config.env!r} needs a chat template (its turns are chat messages); --chat-template "
-            f"{config.chat_template!r} gives plain prompts"
+            f"--env {config.env!r} needs a chat template (its turns are chat messages), and --chat-template "
+            f"{config.chat_template!r} gives plain prompts here: name a Jinja template file with --chat-template, or "
+            "a --tokenizer whose tokenizer_config.json has one"
         )
     if eos is None:
         raise ValueError(f"--env {config.env!r} needs a tokenizer with an eos token: a turn ends at it")
@@ -368,34 +390,72 @@ def episode_runner(config: GRPOConfig, task, tokenizer, render: PromptFormat, eo
     )
 
 
-def plan_memory(config: GRPOConfig, cfg, learner_devices, sampler_devices) -> str:
-    """Where AdamW's moments live (--moments, auto resolved by the memory plan), after refusing a run whose plan
-    does not fit a learner GPU, before anything compiles (train/memory.py)."""
-    # This process's learner devices (another process's cannot be asked; with none, make_mesh refuses the run).
-    local = [d for d in learner_devices if d.process_index == jax.process_index()]
-    limit = (local[0].memory_stats() or {}).get("bytes_limit") if local else None
+def plan_memory(config: GRPOConfig, cfg, learner_devices, sampler_devices) -> tuple[GRPOConfig, int | None]:
+    """config with --moments, --remat and --micro-batch-tokens auto chosen by the memory plan (train/memory.py), and
+    the in-process rollout's KV page budget per engine (--rollout-kv-gib, or what the plan leaves the sampler's
+    device; None with --rollout-url or where no limit is known), both printed. A run that fits no setting (or, with
+    them given, not the given ones) is refused before anything compiles, with the plan's table per phase."""
+    limit = memory_limit(learner_devices)
+    free = tuple(name for name in memory.SETTINGS if getattr(config, name) == "auto")
+    given = {name: getattr(config, name) for name in memory.SETTINGS if name not in free}
     shape = RunShape(
         prompts=config.prompts_per_step,
         group=config.group_size,
         new_tokens=config.max_new_tokens,
         prompt_tokens=config.max_prompt_tokens,
-        micro_batch=config.micro_batch,
+        micro_batch_tokens=given.get("micro_batch_tokens", 0),
         devices=len(learner_devices),
-        remat=config.remat,
+        remat=given.get("remat") == "on",
+        moments=given.get("moments", "device"),
         sampler=not config.rollout_url and bool(set(learner_devices) & set(sampler_devices)),
     )
-    if config.moments != "auto":
-        shape = dataclasses.replace(shape, moments=config.moments)
-    elif limit is not None:
-        shape = dataclasses.replace(shape, moments=choose_moments(cfg, shape, limit))
-    if limit is not None:
-        check_fits(cfg, shape, limit, f"{local[0].device_kind} {local[0].id}")
-    return shape.moments
+    gib = config.rollout_kv_gib
+    if shape.sampler:  # the settings are chosen beside the KV cache asked for, or the least the rollout runs with
+        shape = dataclasses.replace(
+            shape, kv_pages=least_kv_pages(shape) if gib is None else kv_budget(cfg, shape, None, gib)
+        )
+    chosen = memory.choose(cfg, shape, limit, free)
+    if chosen is None:
+        local = [d for d in learner_devices if d.process_index == jax.process_index()]
+        raise Refusal(memory.refusal(cfg, shape, limit, f"{local[0].device_kind} {local[0].id}", free))
+    kv_pages = None
+    if not config.rollout_url:  # the budget: what the chosen settings leave on the sampler's device
+        at = limit if chosen.sampler else memory_limit(sampler_devices)
+        kv_pages = kv_budget(cfg, chosen, at, gib)
+    if free or kv_pages is not None:
+        estimate = f"; the largest phase {max(memory.peaks(memory.phases(cfg, chosen)).values()) / memory.GIB:.1f}"
+        room = f" of {limit / memory.GIB:.1f} GiB" if limit else " GiB (no device limit known)"
+        pages = (
+            ""
+            if kv_pages is None
+            else f"; rollout KV cache {kv_pages} pages ({kv_pages * memory.kv_page_bytes(cfg) / memory.GIB:.2f} GiB)"
+        )
+        print(
+            f"memory plan: {memory.flags(chosen)} ({', '.join(free) or 'nothing'} chosen{estimate}{room}{pages})",
+            file=sys.stderr,
+        )
+    config = dataclasses.replace(
+        config,
+        moments=chosen.moments,
+        remat="on" if chosen.remat else "off",
+        micro_batch_tokens=chosen.micro_batch_tokens,
+    )
+    return config, kv_pages
 
 
-def make_rollout(config: GRPOConfig, cfg, eos, master, learner: Learner, sampler_devices, start: int, out: Path):
+def memory_limit(devices) -> float | None:
+    """What the allocator lets JAX take on the first of `devices` this process holds (None: unknown, as on a CPU,
+    or none here: another process's cannot be asked; with none, make_mesh refuses the run)."""
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    return (local[0].memory_stats() or {}).get("bytes_limit") if local else None
+
+
+def make_rollout(
+    config: GRPOConfig, cfg, eos, master, learner: Learner, sampler_devices, *, start: int, out: Path, kv_pages
+):
     """The rollout backend, holding the (restored) policy: a server given it now, or in-process engines built
-    with it (it has had `start` updates, so their policy versions continue from there) that stop at `eos`."""
+    with it (it has had `start` updates, so their policy versions continue from there) that stop at `eos`, each
+    with a KV cache of `kv_pages` pages."""
     weights = policy(learner, master, cfg)
     if config.rollout_url:
         rollout = RemoteRollout(config.rollout_url, config.admin_key)
@@ -409,6 +469,8 @@ def make_rollout(config: GRPOConfig, cfg, eos, master, learner: Learner, sampler
             sampler_devices,
             rows=cdiv(config.prompts_per_step, len(sampler_devices)) * config.group_size,
             max_length=config.max_prompt_tokens + config.max_new_tokens,
+            group=config.group_size,
+            kv_pages=kv_pages,
             eos_token_id=eos,
             first_version=start,
         )
@@ -425,8 +487,16 @@ def claim_device_memory(fraction: str = "0.95", host_gib: str = "96") -> None:
     os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", host_gib)
 
 
-if __name__ == "__main__":
+def main(args: list[str] | None = None) -> None:
+    """The command line: a flag the parser (tyro) or GRPOConfig refuses, or a run refused at its start (a missing
+    or malformed file, a memory plan that cannot fit), prints its message and exits with status 2; an environment
+    that raises stops the run with its headline and traceback, status 1 (rlkjax/entry_config.py exit_plainly)."""
     claim_device_memory()
-    config = tyro.cli(GRPOConfig, description=__doc__)
-    compilation_cache.enable(config.runtime.compilation_cache)  # here, not in train(): a caller's process keeps its own
-    train(config)
+    config = tyro.cli(GRPOConfig, description=__doc__, args=args)
+    with exit_plainly("train.grpo"):
+        config.runtime.enable_compilation_cache()  # here, not in train(): a caller's process keeps its own
+        train(config)
+
+
+if __name__ == "__main__":
+    main()

@@ -16,7 +16,7 @@ import numpy as np
 from rlkjax.core import lora, model
 from rlkjax.core.mismatch import mismatch_stats
 from train import fsdp, optimizer
-from train.batch import Batch, micro_batches, reduce_stats
+from train.batch import Batch, micro_batches, plan_micro_batches, reduce_stats, unpermute
 from train.guards import (
     NonFiniteError,
     contract_violation,
@@ -24,7 +24,7 @@ from train.guards import (
     first_update_violation,
     nonfinite,
 )
-from train.loss import grpo_loss, policy_logprobs, to_policy
+from train.loss import Objective, grpo_loss, policy_logprobs, to_policy
 
 if TYPE_CHECKING:
     from train.config import GRPOConfig
@@ -44,16 +44,26 @@ class Learner(NamedTuple):
     update: Callable
     frozen: tuple = ()
 
-    def on_mesh(self, batch: Batch, size: int):
-        """batch's micro-batches of `size` rows on the mesh (each process supplies its own devices' rows of
-        the same host batch)."""
-        return (fsdp.put(mb, self.mesh, fsdp.BATCH_SPECS) for mb in micro_batches(batch, size, len(self.devices)))
+    def on_mesh(self, batch: Batch, budget: int):
+        """batch's micro-batches of at most `budget` padded tokens per device (train/batch.py
+        plan_micro_batches), on the mesh (each process supplies its own devices' rows of the same host batch)."""
+        for _, mb in micro_batches(batch, budget, len(self.devices)):
+            yield fsdp.put(mb, self.mesh, fsdp.BATCH_SPECS)
+
+    def unpermute(self, batch: Batch, budget: int, parts) -> np.ndarray:
+        """Per-micro-batch logprobs (on the mesh, in on_mesh's order) -> [B, T-1] on the host, in batch's rows."""
+        plan = plan_micro_batches(batch, budget, len(self.devices))
+        return unpermute([fsdp.to_host(x) for x in parts], plan, *batch.logp_old.shape)
 
 
 def build_learner(config: "GRPOConfig", cfg, params, devices, moments="device", frozen=None):
     """-> (Learner, fp32 master weights sharded over `devices`, their optimiser state). moments: where AdamW's
     moments live (train/optimizer.py). frozen (LoRA, train/adapters.py): the base params, put on the mesh in
-    their own dtype and never trained; params are then the adapters."""
+    their own dtype and never trained; params are then the adapters. config's --remat and --micro-batch-tokens are
+    settled (train.grpo's plan_memory chooses them where they are auto)."""
+    unsettled = [f"--{n.replace('_', '-')}" for n in ("remat", "micro_batch_tokens") if getattr(config, n) == "auto"]
+    if unsettled:
+        raise ValueError(f"{' and '.join(unsettled)} auto: the memory plan chooses them (train.grpo plan_memory)")
     mesh = fsdp.make_mesh(devices)
     specs = fsdp.param_specs(params, len(devices))
     master = fsdp.put(params, mesh, specs, dtype=jnp.float32)
@@ -62,7 +72,8 @@ def build_learner(config: "GRPOConfig", cfg, params, devices, moments="device", 
     frozen_specs = None if frozen is None else fsdp.param_specs(frozen, len(devices))
     fixed = () if frozen is None else (fsdp.put(frozen, mesh, frozen_specs),)
     frozen_layout = None if frozen is None else _hashable(frozen_specs)
-    grad_fn = _grad_fn(*layout, cfg, config.runtime.numerics, config.clip_eps, config.beta, config.remat, frozen_layout)
+    remat = config.remat == "on"
+    grad_fn = _grad_fn(*layout, cfg, config.runtime.numerics, config.clip_eps, config.beta, remat, frozen_layout)
     score_fn = _score_fn(*layout, cfg, config.runtime.numerics, frozen_layout)
     opt = optimizer.make(config.optimiser.hyper(config.steps * config.updates_per_batch), mesh, specs, moments)
     update = functools.partial(optimizer.update, opt)
@@ -97,41 +108,33 @@ def _grad_fn(mesh, spec_leaves, spec_tree, cfg, numerics, clip_eps, beta, remat,
     # moved and held.
     specs = _specs(spec_leaves, spec_tree)
     frozen = dict(frozen_specs=_specs(*frozen_layout)) if frozen_layout else {}
-    return fsdp.sharded_value_and_grad(
-        grpo_loss,
-        mesh,
-        specs,
-        dtype=cfg.dtype,
-        **frozen,
-        cfg=cfg,
-        numerics=numerics,
-        clip_eps=clip_eps,
-        beta=beta,
-        remat=remat,
-    )
+    objective = Objective(model.LearnerPass(cfg, numerics, remat), clip_eps, beta)
+    return fsdp.sharded_value_and_grad(grpo_loss, mesh, specs, dtype=cfg.dtype, **frozen, objective=objective)
 
 
 @functools.lru_cache(maxsize=4)
 def _score_fn(mesh, spec_leaves, spec_tree, cfg, numerics, frozen_layout=None):
     specs = _specs(spec_leaves, spec_tree)
     frozen = dict(frozen_specs=_specs(*frozen_layout)) if frozen_layout else {}
-    return fsdp.sharded_logprobs(policy_logprobs, mesh, specs, dtype=cfg.dtype, **frozen, cfg=cfg, numerics=numerics)
+    setting = model.LearnerPass(cfg, numerics)
+    return fsdp.sharded_logprobs(policy_logprobs, mesh, specs, dtype=cfg.dtype, **frozen, setting=setting)
 
 
-def score(learner: Learner, weights, batch: Batch, micro_batch: int) -> np.ndarray:
-    """[B, T-1] logprobs of `batch` under `weights` (master or the KL reference), on the host. Every
-    micro-batch is dispatched before any is read back: the device never waits on the host."""
+def score(learner: Learner, weights, batch: Batch, budget: int) -> np.ndarray:
+    """[B, T-1] logprobs of `batch` under `weights` (master or the KL reference), on the host, in micro-batches
+    of at most `budget` tokens per device. Every micro-batch is dispatched before any is read back: the device
+    never waits on the host."""
     scored = [
         learner.score_fn(weights, mb.tokens, mb.positions, mb.temps, learner.rope, mb.columns, *learner.frozen)
-        for mb in learner.on_mesh(batch, micro_batch)
+        for mb in learner.on_mesh(batch, budget)
     ]
-    return np.concatenate([fsdp.to_host(x) for x in scored])[: len(batch.tokens)]
+    return learner.unpermute(batch, budget, scored)
 
 
 def verify(step: int, learner: Learner, master, batch: Batch, config: "GRPOConfig") -> tuple[dict, Batch]:
     """The learner recomputes logp_old: the mismatch row, the contract enforced in strict numerics (before
     any update, so a broken contract never trains), and with --tis-cap the batch's truncated IS weights."""
-    learner_old = score(learner, master, batch, config.micro_batch)
+    learner_old = score(learner, master, batch, config.micro_batch_tokens)
     sel = batch.mask > 0
     row = mismatch_stats(batch.logp_old[sel], learner_old[sel])
     if config.runtime.numerics == "strict":
@@ -149,7 +152,7 @@ def gradients(learner: Learner, master, ref, batch: Batch, total_tokens, config:
     device wait for the host to put the next micro-batch on the mesh)."""
     # Zeros to start the sum: 0 + g is g exactly (a -0.0 becomes +0.0, the same to AdamW).
     grads, losses, stats, logp_new = jax.tree.map(jnp.zeros_like, master), [], [], []
-    for mb in learner.on_mesh(batch, config.micro_batch):
+    for mb in learner.on_mesh(batch, config.micro_batch_tokens):
         ref_logp = (
             learner.score_fn(ref, mb.tokens, mb.positions, mb.temps, learner.rope, mb.columns, *learner.frozen)
             if config.beta
@@ -191,7 +194,7 @@ def learn(step: int, learner: Learner, state: dict, batch: Batch, config: "GRPOC
                 "loss": sum(losses),
             }
             if config.runtime.numerics == "strict":  # before the update is applied
-                logp_new = np.concatenate([fsdp.to_host(x) for x in logp_new])[: len(batch.tokens)]
+                logp_new = learner.unpermute(batch, config.micro_batch_tokens, logp_new)
                 enforce(first_update_violation(step, batch, logp_new, st, config.group_size), config.on_mismatch)
                 row["first_update_tokens_compared"] = int(total_tokens)  # every completion token's bits
         learned = time.perf_counter()

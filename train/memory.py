@@ -3,22 +3,25 @@ cannot fit is refused before anything compiles), and the check that refuses it n
 
 A step's phases, on a GPU that holds a learner shard and a sampler engine (B = bytes, P = parameters,
 N = learner devices):
-  - rollout: the engine's bf16 weights (2P B) and KV cache, the fp32 master weights (4P/N), AdamW's moments
-    (8P/N) unless they live on the host;
+  - rollout: the engine's bf16 weights (2P B) and KV cache (its page budget: `kv_budget`), the fp32 master weights
+    (4P/N), AdamW's moments (8P/N) unless they live on the host;
   - learner step: master, moments (on the device), the running fp32 gradient (4P/N), the bf16 weights the pass
     computes with (on one device the whole cast; over N the gathered embeddings, LM head and one layer, and the
     gradient exchange), one micro-batch's gradient before it joins the running sum, the activations; the engine's
     weights and KV cache are released (train/rollout.py) and cast again from the master after the update;
   - optimiser update: master, gradient, the moments (or, on the host, the few layers streaming through);
   - verify (--verify-every's scoring pass) and weight sync (the engine's new cast) hold less than the step.
+bench/memory_plan.py prints these tables; train.grpo's measured peaks per phase are in its metrics rows.
+train.grpo's automatic settings (--moments, --remat, --micro-batch-tokens auto) come from `choose`; a run that no
+setting fits is refused with `refusal`'s table before anything compiles.
 With LoRA (cfg.lora) the base is frozen in bf16 (2P/N, every phase) and only the A adapter parameters have a
 master, moments and gradient (`lora_phases`).
-bench/memory_plan.py prints these tables; train.grpo's measured peaks per phase are in its metrics rows.
 """
 
 import dataclasses
 import threading
 
+import jax.numpy as jnp
 import numpy as np
 
 from rlkjax.core import model
@@ -30,6 +33,7 @@ from train.batch import padded_length
 from train.optimizer import IN_FLIGHT
 
 GIB = 2**30
+ONE_DEVICE_PEAK = "activations (estimate) or the micro-batch gradient (bf16), the larger"
 PHASES = ("rollout", "verify", "learner step", "optimiser update", "weight sync")
 
 
@@ -41,74 +45,154 @@ class RunShape:
     group: int  # G completions each
     new_tokens: int
     prompt_tokens: int
-    micro_batch: int
+    micro_batch_tokens: int  # padded tokens a learner device holds in one micro-batch (train/batch.py)
     devices: int = 1  # of the FSDP learner, each with a sampler engine
     remat: bool = False
     moments: str = "device"  # or "host"
     sampler: bool = True  # an engine shares the GPU (train.grpo's in-process rollout); False with --rollout-url
+    kv_pages: int | None = None  # the engine's KV page budget (`kv_budget`); None: every sequence at full length
 
 
 def parameter_count(cfg: ModelConfig) -> int:
-    return cfg.num_layers * _per_layer(cfg) + _embeddings(cfg) + cfg.hidden_size  # + the final norm
+    return cfg.num_layers * layer_parameters(cfg) + embedding_parameters(cfg) + cfg.hidden_size  # + the final norm
 
 
-def _per_layer(cfg: ModelConfig) -> int:
+def layer_parameters(cfg: ModelConfig) -> int:
     return sum(int(np.prod(shape)) for shape in model.layer_shapes(cfg).values())
 
 
-def _embeddings(cfg: ModelConfig) -> int:
+def embedding_parameters(cfg: ModelConfig) -> int:
     return cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_embeddings else 2)
 
 
+def micro_batch_tokens(shape: RunShape) -> int:
+    """The most padded tokens one learner device holds in a micro-batch: the budget, or one row of the longest
+    sequence where that alone is longer (train/batch.py plan_micro_batches runs it alone)."""
+    return max(shape.micro_batch_tokens, padded_length(shape.prompt_tokens + shape.new_tokens))
+
+
+def learner_activations(cfg: ModelConfig, tokens: int, remat: bool) -> int:
+    """Bytes the learner step holds for its backward on a device that holds `tokens` padded tokens. Per token:
+    - each layer's kept arrays, bf16 (the residuals jax saves for the backward: jax._src.ad_checkpoint's
+      saved_residuals of model.forward lists them): without remat the layer input and the two normed inputs,
+      the post-attention residual, q and k before and after their norms, v, the attention output and its
+      [tokens, q] view for o_proj, gate, up and the SwiGLU (5d + 4q + 3kv + 3f); with remat the layer input, q,
+      k, v and the attention output (d + 2q + 2kv); either way the attention's fp32 log-sum-exp per head;
+    - each layer's K and V pages: the learner's pass writes a whole model's fresh KV cache (model.forward);
+    - once: the backward of one layer (its recomputed arrays and their cotangents, fp32 where a kernel
+      accumulates) and the final norm and logprob head's hidden states and their cotangents: BACKWARD_D bytes
+      per unit of the hidden size and BACKWARD_F of the intermediate size, what XLA:CPU's compiled analysis holds
+      at 32k tokens (at 1k-4k it packs them into about a sixth).
+    Checked against that analysis from 1k to 32k tokens: never below it
+    (bench/results/2026-12-07_cpu_learner_activations_vs_compiled_1k_32k.md)."""
+    d, f, hq = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads
+    q, kv = hq * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    kept = 2 * (d + 2 * q + 2 * kv) if remat else 2 * (5 * d + 4 * q + 3 * kv + 3 * f)
+    pages = 2 * 2 * kv
+    return tokens * (cfg.num_layers * (kept + 4 * hq + pages) + BACKWARD_D * d + BACKWARD_F * f)
+
+
+BACKWARD_D, BACKWARD_F = 40, 28  # bytes a token per unit of width: see learner_activations
+
+
 def activations(cfg: ModelConfig, shape: RunShape) -> int:
-    """What the backward keeps, bf16 per token and layer: the inputs the weight gradients need (the two normed
-    inputs, the attention output, the SwiGLU's gate and up: 2d + q + 2f; measured at Qwen3-8B on an H200 within 5%
-    of this, bench/results/README.md), or with remat each layer's input, q, k, v and attention output plus one
-    layer's recomputation; times micro-batch / N rows of T tokens (padded as train.batch.pack pads)."""
-    d, f, dh = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    q, kv = cfg.num_heads * dh, cfg.num_kv_heads * dh
-    full = 2 * (2 * d + q + 2 * f)
-    tokens = padded_length(shape.prompt_tokens + shape.new_tokens) * cdiv(shape.micro_batch, shape.devices)
-    if not shape.remat:
-        return full * cfg.num_layers * tokens
-    return (2 * (d + 2 * q + 2 * kv) * cfg.num_layers + full) * tokens
+    """The learner's activations on one device in the largest micro-batch (learner_activations)."""
+    return learner_activations(cfg, micro_batch_tokens(shape), shape.remat)
+
+
+def scoring(cfg: ModelConfig, shape: RunShape) -> int:
+    """The scoring pass's temporaries in the largest micro-batch: every layer's fresh K and V pages and one
+    layer's bf16 arrays (input, normed input, q, k, v, attention output, gate, up, SwiGLU)."""
+    d, f, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return micro_batch_tokens(shape) * (cfg.num_layers * 4 * kv + 2 * (2 * d + 2 * q + 2 * kv + 3 * f))
+
+
+def kv_page_bytes(cfg: ModelConfig) -> int:
+    """One KV page of every layer: K and V of PAGE_SIZE positions, in the model's dtype."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * PAGE_SIZE * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+
+
+def kv_pages_needed(shape: RunShape) -> int:
+    """The most pages an engine's share of one step's sequences could use: each at full length, and the trash page."""
+    rows = cdiv(shape.prompts, shape.devices) * shape.group
+    return 1 + rows * cdiv(shape.prompt_tokens + shape.new_tokens, PAGE_SIZE)
+
+
+def least_kv_pages(shape: RunShape) -> int:
+    """The fewest pages a rollout runs with: one sequence at full length, and the trash page."""
+    return 1 + cdiv(shape.prompt_tokens + shape.new_tokens, PAGE_SIZE)
 
 
 def kv_cache(cfg: ModelConfig, shape: RunShape) -> int:
-    """The engine's pages for its share of one step's sequences (train.grpo sizes it so), bf16 K and V."""
-    rows = cdiv(shape.prompts, shape.devices) * shape.group
-    pages = 1 + rows * cdiv(shape.prompt_tokens + shape.new_tokens, PAGE_SIZE)
-    return 2 * cfg.num_layers * cfg.num_kv_heads * pages * PAGE_SIZE * cfg.head_dim * 2
+    """The engine's KV cache: its page budget, or (kv_pages None) its share of one step's sequences at full length."""
+    return (kv_pages_needed(shape) if shape.kv_pages is None else shape.kv_pages) * kv_page_bytes(cfg)
+
+
+# Of the device's limit, what the rollout's KV budget leaves for the engine's temporaries (logits, a prefill
+# chunk's activations: 0.12 GiB at Qwen3-8B, 128 rows, bench/results/2026-12-03_h200_memory_per_phase_8b_one_gpu.md)
+# and the allocator's fragmentation around the two large K and V arrays.
+ROLLOUT_RESERVE = 0.03
+
+
+def kv_budget(cfg: ModelConfig, shape: RunShape, limit: float | None, gib: float | None = None) -> int | None:
+    """The rollout's KV cache per engine, in pages: `gib` GiB (--rollout-kv-gib) if given, else what the rollout
+    phase leaves of `limit` bytes (the sampler device's) after the weights and the state resident there, less
+    ROLLOUT_RESERVE, at most what the step's sequences could use (`kv_pages_needed`); None when neither bounds it
+    (no limit known, as on a CPU): every sequence at full length. A ValueError when it holds no sequence at full
+    length."""
+    page, least, tokens = kv_page_bytes(cfg), least_kv_pages(shape), shape.prompt_tokens + shape.new_tokens
+    if gib is not None:
+        pages = int(gib * GIB // page)
+        if pages < least:
+            raise ValueError(
+                f"--rollout-kv-gib={gib} holds {pages} KV pages; a sequence of {tokens} tokens (--max-prompt-tokens "
+                f"+ --max-new-tokens) needs {least} with the trash page: at least {least * page / GIB:.3g} GiB"
+            )
+        return pages
+    if limit is None:
+        return None
+    rest = sum(phases(cfg, dataclasses.replace(shape, kv_pages=0))["rollout"].values())
+    if not shape.sampler:  # the engine's device holds its weights and the cache alone
+        rest = 2 * parameter_count(cfg)
+    room = int((limit * (1 - ROLLOUT_RESERVE) - rest) // page)
+    if room < least:
+        raise ValueError(
+            f"the rollout leaves {max(room, 0) * page / GIB:.2f} GiB of the device's {limit / GIB:.1f} GiB for the KV "
+            f"cache, after {rest / GIB:.1f} GiB of weights and state; a sequence of {tokens} tokens needs "
+            f"{least * page / GIB:.2f} GiB (fewer --max-prompt-tokens + --max-new-tokens, or --moments host)"
+        )
+    return min(room, kv_pages_needed(shape))
 
 
 def phases(cfg: ModelConfig, shape: RunShape) -> dict[str, dict[str, float]]:
     """{phase: {row: bytes on one GPU}}."""
     if cfg.lora is not None:
         return lora_phases(cfg, shape)
-    p, n, layer, outer = parameter_count(cfg), shape.devices, _per_layer(cfg), _embeddings(cfg)
+    p, n, layer, outer = parameter_count(cfg), shape.devices, layer_parameters(cfg), embedding_parameters(cfg)
     on_device = shape.moments == "device"
     master, grads, moments = 4 * p / n, 4 * p / n, 8 * p / n
     resident = {"master weights (fp32)": master} | ({"AdamW moments (2 x fp32)": moments} if on_device else {})
     sampler = {"sampler weights (bf16)": 2 * p, "KV cache": kv_cache(cfg, shape)} if shape.sampler else {}
+    acts = activations(cfg, shape)
     if n == 1:
-        weights = {"weights cast to bf16": 2 * p, "micro-batch gradient (bf16, before the running sum)": 2 * p}
+        # The unrolled pass's backward frees each layer's activations as it makes that layer's gradient, so the
+        # two peak at its two ends (the H200's 8B step measured the larger: tests/test_memory.py).
+        weights = {"weights cast to bf16": 2 * p, ONE_DEVICE_PEAK: max(acts, 2 * p)}
     else:
         gathered = 2 * (outer + layer)
         weights = {
             "gathered weights (bf16: embeddings, LM head, one layer)": gathered,
             "gradient exchange (bf16 cotangent + all-to-all)": 2 * gathered,
             "micro-batch gradient (fp32, before the running sum)": 4 * (p - outer) / n,
+            "activations (estimate)": acts,  # the layer scan's gradient output is whole from the start
         }
     streamed = 8 * (outer + (IN_FLIGHT + 2) * layer) / n
     update = {"AdamW moments (2 x fp32)": moments} if on_device else {"AdamW moments streaming from the host": streamed}
     cast = {"weights cast to bf16": 2 * p} if n == 1 else {k: v for k, v in weights.items() if "gathered" in k}
     return {
         "rollout": resident | sampler,
-        "verify": resident | cast,
-        "learner step": resident
-        | {"gradients (fp32 running sum)": grads}
-        | weights
-        | {"activations (estimate)": activations(cfg, shape)},
+        "verify": resident | cast | {"scoring pass (its fresh K/V pages and one layer's arrays)": scoring(cfg, shape)},
+        "learner step": resident | {"gradients (fp32 running sum)": grads} | weights,
         "optimiser update": {"master weights (fp32)": master, "gradients (fp32 running sum)": grads} | update,
         "weight sync": resident | ({"sampler weights (bf16), cast again": 2 * p} if shape.sampler else {}),
     }
@@ -133,13 +217,18 @@ def lora_phases(cfg: ModelConfig, shape: RunShape) -> dict[str, dict[str, float]
         else {"sampler weights (bf16, a whole copy)": 2 * (p + a)}
     )
     sampler = engine | {"KV cache": kv_cache(cfg, shape)} if shape.sampler else {}
-    gathered = {"gathered base (bf16: embeddings, LM head, one layer)": 2 * (_embeddings(cfg) + _per_layer(cfg))}
+    gathered = {
+        "gathered base (bf16: embeddings, LM head, one layer)": 2 * (embedding_parameters(cfg) + layer_parameters(cfg))
+    }
     gathered = gathered if n > 1 else {}
     cast = {"adapters cast to bf16": 2 * a}
     update = moments if shape.moments == "device" else {"adapters' AdamW moments streaming from the host": 8 * a / n}
     return {
         "rollout": resident | sampler,
-        "verify": resident | gathered | cast,
+        "verify": resident
+        | gathered
+        | cast
+        | {"scoring pass (its fresh K/V pages and one layer's arrays)": scoring(cfg, shape)},
         "learner step": resident
         | grads
         | cast
@@ -166,40 +255,65 @@ def table(plan: dict, limit: float | None = None) -> str:
     return "\n".join(lines)
 
 
-def fitting_options(cfg: ModelConfig, shape: RunShape, limit: float) -> RunShape | None:
-    """The first of: moments on the host, then remat, then halving the micro-batch, that makes the plan's
-    largest phase fit `limit`; None when none does."""
-    tries = [dataclasses.replace(shape, moments="host")]
-    tries.append(dataclasses.replace(tries[-1], remat=True))
-    while tries[-1].micro_batch > 1:
-        tries.append(dataclasses.replace(tries[-1], micro_batch=tries[-1].micro_batch // 2))
-    return next((t for t in tries if max(peaks(phases(cfg, t)).values()) <= limit), None)
+def fits(cfg: ModelConfig, shape: RunShape, limit: float) -> bool:
+    return max(peaks(phases(cfg, shape)).values()) <= limit
+
+
+# A micro-batch of this many tokens a device keeps every matmul of the learner at least 8k rows tall; the
+# automatic token budget goes no higher (more headroom for the allocator) and gives up remat or device-resident
+# moments before going lower.
+GOOD_TOKENS = 8192
+SETTINGS = ("moments", "remat", "micro_batch_tokens")
+
+
+def budgets(shape: RunShape) -> list[int]:
+    """Token budgets for --micro-batch-tokens auto, largest first: whole rows of the longest sequence, as many
+    as GOOD_TOKENS needs (no more than the step has per device), halved down to one row."""
+    row = padded_length(shape.prompt_tokens + shape.new_tokens)
+    rows = min(cdiv(GOOD_TOKENS, row), cdiv(shape.prompts * shape.group, shape.devices))
+    out = [row * rows]
+    while rows > 1:
+        rows //= 2
+        out.append(row * rows)
+    return out
+
+
+def choose(cfg: ModelConfig, shape: RunShape, limit: float | None, free: tuple[str, ...] = SETTINGS) -> RunShape | None:
+    """The settings named in `free` (of SETTINGS; the others as `shape` has them) that the plan fits into
+    `limit` bytes, preferring the moments on the device (no transfers), then no remat (no recomputation), then the
+    largest token budget (budgets): first every combination at the largest budget, then smaller budgets. None
+    when nothing fits; the preferred settings when no limit is known (CPU)."""
+    moments = ("device", "host") if "moments" in free else (shape.moments,)
+    remats = (False, True) if "remat" in free else (shape.remat,)
+    sizes = budgets(shape) if "micro_batch_tokens" in free else [shape.micro_batch_tokens]
+    tries = [
+        dataclasses.replace(shape, moments=m, remat=r, micro_batch_tokens=b)
+        for b in sizes
+        for m in moments
+        for r in remats
+    ]
+    if limit is None:
+        return tries[0]
+    return next((t for t in tries if fits(cfg, t, limit)), None)
 
 
 def flags(shape: RunShape) -> str:
-    return f"--moments {shape.moments}" + (" --remat" if shape.remat else "") + f" --micro-batch {shape.micro_batch}"
+    remat = "on" if shape.remat else "off"
+    return f"--moments {shape.moments} --remat {remat} --micro-batch-tokens {shape.micro_batch_tokens}"
 
 
-def check_fits(cfg: ModelConfig, shape: RunShape, limit: float, what: str) -> None:
-    """Raise a ValueError naming each phase's estimate and the flags that would fit, when the largest phase is
-    over `limit` bytes (the allocator's limit on `what`, a GPU)."""
-    plan = phases(cfg, shape)
-    if max(peaks(plan).values()) <= limit:
-        return
-    fits = fitting_options(cfg, shape, limit)
-    advice = f"{flags(fits)} would fit" if fits else "no combination of --moments host, --remat and --micro-batch fits"
-    raise ValueError(
+def refusal(cfg: ModelConfig, shape: RunShape, limit: float, what: str, free: tuple[str, ...]) -> str:
+    """Why a run does not fit: the per-phase table of `shape` (with the settings chosen for it, or the thriftiest
+    of those free to choose) and the settings that would fit, if any."""
+    fit = choose(cfg, shape, limit, SETTINGS)
+    if free:
+        thrifty = {"moments": "host", "remat": True, "micro_batch_tokens": budgets(shape)[-1]}
+        shape = dataclasses.replace(shape, **{k: thrifty[k] for k in free})
+    advice = f"{flags(fit)} would fit" if fit else "no setting of --moments, --remat and --micro-batch-tokens fits"
+    return (
         f"this run needs more memory than {what} lets JAX take ({limit / GIB:.1f} GiB); estimate per phase with "
-        f"{flags(shape)}:\n{table(plan, limit)}\n{advice} (train/memory.py; nothing was compiled)"
+        f"{flags(shape)}:\n{table(phases(cfg, shape), limit)}\n{advice} (train/memory.py; nothing was compiled)"
     )
-
-
-def choose_moments(cfg: ModelConfig, shape: RunShape, limit: float | None) -> str:
-    """--moments auto: on the device when the plan fits with them there (no transfers), on the host otherwise."""
-    if limit is None:
-        return "device"
-    device = dataclasses.replace(shape, moments="device")
-    return "device" if max(peaks(phases(cfg, device)).values()) <= limit else "host"
 
 
 class PhasePeaks:

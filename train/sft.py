@@ -38,10 +38,9 @@ import tyro
 
 from rlkjax.core import lora, model
 from rlkjax.core.checkpoint import load_hf_checkpoint
-from rlkjax.engine import compilation_cache
-from rlkjax.entry_config import Runtime
+from rlkjax.entry_config import Refusal, Runtime, exit_plainly, refusing
 from rlkjax.rl.data import load_examples, read_rows
-from rlkjax.rl.environments import first_prompt, load_environment, worked_episode
+from rlkjax.rl.environments import checked_reset, first_prompt, load_environment, worked_episode
 from rlkjax.text.chat import load_chat_template, prompt_format
 from rlkjax.text.tokenizer import load_tokenizer
 from train import adapters, fsdp, optimizer
@@ -119,7 +118,7 @@ def encode_episodes(config: SFTConfig, tokenizer, eos: int) -> list[tuple[list[i
     out = []
     for example, (source, row) in zip(examples, rows, strict=True):
         system = [{"role": "system", "content": config.system_prompt}] if config.system_prompt is not None else []
-        prompt = first_prompt(env, system + env.reset(example), template, tokenizer, **kwargs)
+        prompt = first_prompt(env, system + checked_reset(env, example), template, tokenizer, **kwargs)
         turns = row.get("turns") or [{"role": "assistant", "content": completion_text(example.answer)}]
         try:
             out.append((prompt, *worked_episode(template, tokenizer, turns, eos, **kwargs)))
@@ -145,9 +144,8 @@ def sft_loss(master, batch: Batch, rope, cfg, numerics, frozen=None) -> jax.Arra
     the master weights cast to cfg.dtype, the log-softmax at the batch's columns only). frozen: with LoRA, the
     base params beside the master adapters (not differentiated)."""
     params = master if frozen is None else lora.merge(frozen, master)
-    logp = policy_logprobs(
-        params, batch.tokens, batch.positions, batch.temps, rope, cfg, numerics, columns=batch.columns
-    )
+    seqs = model.Sequences(batch.tokens, batch.positions, batch.temps, batch.columns)
+    logp = policy_logprobs(params, seqs, rope, model.LearnerPass(cfg, numerics))
     return -jnp.sum(logp * batch.mask) / jnp.sum(batch.mask)
 
 
@@ -179,24 +177,31 @@ def _gradient(cfg, numerics):
 
 def train(config: SFTConfig) -> list[dict]:
     """Run the warm-up and write OUT/ -> the metrics rows."""
-    cfg, params = load_hf_checkpoint(config.model)
-    cfg, frozen, params = adapters.adapt(config.lora, cfg, params, config.seed)  # LoRA: params are the adapters
-    tokenizer = load_tokenizer(config.model)
-    if tokenizer.eos_token_id is None:
-        raise ValueError(f"{config.model}: tokenizer_config.json names no eos token; the completions end with it")
-    if config.env is None:
-        render = prompt_format(config.chat_template, tokenizer, config.system_prompt, config.enable_thinking)
-        examples = load_examples(config.data, config.prompt_field, config.answer_field)
-        pairs = encode(examples, tokenizer, render, tokenizer.eos_token_id)
-    else:
-        pairs = encode_episodes(config, tokenizer, tokenizer.eos_token_id)
-    longest = max(len(p) + len(c) for p, c, *_ in pairs)
-    if longest > cfg.max_position:
-        raise ValueError(f"{config.data}: an example is {longest} tokens, past the model's {cfg.max_position}")
+    with refusing():  # what the flags name: the checkpoint, its tokenizer, the data and the environment
+        cfg, params = load_hf_checkpoint(config.model)
+        cfg, frozen, params = adapters.adapt(config.lora, cfg, params, config.seed)  # LoRA: params: the adapters
+        tokenizer = load_tokenizer(config.model)
+        if tokenizer.eos_token_id is None:
+            raise ValueError(
+                f"{config.model}: tokenizer_config.json names no eos token; the completions end with it (add its "
+                "eos_token)"
+            )
+        if config.env is None:
+            render = prompt_format(config.chat_template, tokenizer, config.system_prompt, config.enable_thinking)
+            examples = load_examples(config.data, config.prompt_field, config.answer_field)
+            pairs = encode(examples, tokenizer, render, tokenizer.eos_token_id)
+        else:
+            pairs = encode_episodes(config, tokenizer, tokenizer.eos_token_id)
+        longest = max(len(p) + len(c) for p, c, *_ in pairs)
+        if longest > cfg.max_position:
+            raise ValueError(f"{config.data}: an example is {longest} tokens, past the model's {cfg.max_position}")
+    out = Path(config.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise Refusal(f"--out {config.out}: cannot create the directory ({e.strerror or e}); name another") from e
     update, master, opt_state = make_update(config, cfg, params, frozen)
     rng = np.random.default_rng(config.seed)
-    out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
     rows, start = [], time.perf_counter()
     with (out / "sft_metrics.jsonl").open("w") as metrics:
         for step in range(1, config.steps + 1):
@@ -221,7 +226,14 @@ def train(config: SFTConfig) -> list[dict]:
     return rows
 
 
+def main(args: list[str] | None = None) -> None:
+    """The command line: a flag the parser (tyro) or SFTConfig refuses, or a file refused at the start, prints its
+    message and exits with status 2 (rlkjax/entry_config.py exit_plainly)."""
+    config = tyro.cli(SFTConfig, description=__doc__, args=args)
+    with exit_plainly("train.sft"):
+        config.runtime.enable_compilation_cache()  # before the first compilation
+        train(config)
+
+
 if __name__ == "__main__":
-    config = tyro.cli(SFTConfig, description=__doc__)
-    compilation_cache.enable(config.runtime.compilation_cache)  # before the first compilation
-    train(config)
+    main()

@@ -4,15 +4,16 @@ Our params keep HF's names and [out, in] layout, so loading and saving only rena
 a save/load round trip is bit-exact.
 """
 
+import contextlib
 import json
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.flax import save_file
 
-from rlkjax.core.config import PRESETS, ModelConfig
+from rlkjax.core.config import PRESETS, ModelConfig, read_json
 from rlkjax.core.model import layer_shapes
 
 _LAYER_PREFIX = {
@@ -64,7 +65,7 @@ def _shard_names(directory: Path) -> list[str]:
     """The safetensors files of a checkpoint: its index's weight_map values, or every *.safetensors."""
     if not (directory / INDEX).is_file():
         return sorted(p.name for p in directory.glob("*.safetensors"))
-    weight_map = json.loads(_inside(directory, INDEX, "file").read_text()).get("weight_map")
+    weight_map = read_json(_inside(directory, INDEX, "file")).get("weight_map")
     if not isinstance(weight_map, dict):
         raise ValueError(f"{directory / INDEX} has no weight_map object")
     for tensor, fname in weight_map.items():
@@ -87,7 +88,7 @@ def load_hf_checkpoint(directory, dtype: str | None = None):
     wanted = hf_names(cfg)
     params, layers, unexpected, tied_head = {}, {name: [None] * cfg.num_layers for name in _LAYER_PREFIX}, [], None
     for fname in files:
-        with safe_open(_inside(directory, fname, f"{INDEX} entry"), framework="flax") as f:
+        with _open_shard(_inside(directory, fname, f"{INDEX} entry")) as f:
             for name in f.keys():
                 path = wanted.pop(name, None)
                 if path is None:
@@ -117,6 +118,17 @@ def load_hf_checkpoint(directory, dtype: str | None = None):
         )
     params["layers"] = {name: jnp.stack(arrays) for name, arrays in layers.items()}
     return cfg, params
+
+
+@contextlib.contextmanager
+def _open_shard(path: Path):
+    """safe_open(path), a missing or malformed file refused with a ValueError naming it (safetensors raises its
+    own SafetensorError, and OSError)."""
+    try:
+        with safe_open(path, framework="flax") as f:
+            yield f
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
 
 
 def _stored_as(f, name: str, fname: str, want: str, override: str | None):

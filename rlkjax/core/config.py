@@ -84,9 +84,16 @@ class ModelConfig:
 
     @staticmethod
     def from_hf_config(config: dict | str | Path, dtype: str | None = None) -> "ModelConfig":
-        """From a Qwen3 `config.json` (a dict or its path)."""
+        """From a Qwen3 `config.json` (a dict or its path). A ValueError says what is wrong, naming the file."""
         if not isinstance(config, dict):
-            config = json.loads(Path(config).read_text())
+            path = config
+            try:
+                return ModelConfig.from_hf_config(read_json(path), dtype)
+            except ValueError as e:
+                raise ValueError(e if str(path) in str(e) else f"{path}: {e}") from None
+        missing = [k for k in HF_REQUIRED if not isinstance(config.get(k), int)]
+        if missing:
+            raise ValueError(f"no integer {missing[0]!r}; a Qwen3 config.json gives {', '.join(HF_REQUIRED)}")
         if config.get("model_type", "qwen3") != "qwen3":
             raise ValueError(f"model_type {config.get('model_type')!r} is not qwen3")
         _check_hf_features(config)
@@ -126,6 +133,22 @@ class ModelConfig:
             "attention_bias": False,
             "torch_dtype": self.dtype,
         }
+
+
+HF_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+
+
+def read_json(path) -> dict:
+    """A JSON object file (config.json, tokenizer_config.json); a ValueError names the file and what is wrong."""
+    try:
+        value = json.loads(Path(path).read_bytes())
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it ({e.strerror or e})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _rope_theta(config: dict) -> float:

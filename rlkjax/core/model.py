@@ -258,12 +258,11 @@ def layer(p: _Pass, carry, weights: LayerWeights, tables):
         qkv, out = jax.checkpoint(qkv), jax.checkpoint(out)
     q, k, v = qkv(x)
     b, t = p.b, p.t
-    attn, k_pages, v_pages = op.attention(
+    attn, (k_pages, v_pages) = op.attention(
         q[: n * hq].reshape(b, t, hq, dh),
         k[: n * hkv].reshape(b, t, hkv, dh),
         v[:n].reshape(b, t, hkv, dh),
-        k_pages,
-        v_pages,
+        (k_pages, v_pages),
         weights.index,
         plan,
     )
@@ -291,13 +290,15 @@ def forward(
     rope,
     cfg: ModelConfig,
     numerics: Numerics,
-    layers: LayerWeights | None = None,
-    remat: bool = False,
+    *,
+    layers=None,
+    remat=False,
 ):
     """tokens, positions [B, T] (position -1 = padding), page_table [B, P] -> hidden [B, T, D] (final-normed)
     and the cache with this call's K/V written in. Only data movement happens outside the ops.
 
-    layers: where the layers' weights come from (`LayerWeights`); None: `InPlace` (the sampler's:
+    layers (keyword only, as remat: the learner's options): where the layers' weights come from
+    (`LayerWeights`); None: `InPlace` (the sampler's:
     params["layers"] read in place, its scan unrolled by the NumericsOptions' layer_unroll). The
     learner passes `Unstacked` (it differentiates through per-layer slices), the FSDP learner
     train/fsdp.py's `Gathered`; params["layers"] is then not read.
@@ -398,59 +399,57 @@ def token_logprobs(params, hidden, targets, temperature, numerics: Numerics):
     return ops(numerics).logprob(hidden, lm_head(params), temperature, targets=targets).logprobs
 
 
-def sequence_logprobs(
-    params,
-    tokens,
-    positions,
-    temperature,
-    rope,
-    cfg: ModelConfig,
-    numerics: Numerics,
-    layers: LayerWeights | None = None,
-    remat=False,
-    columns=None,
-    top_logprobs: int = 0,
-    truncation=None,
-    chunk: int = 64,
-):
+class Sequences(NamedTuple):
+    """The learner's pass's per-call inputs, one pytree: whole sequences and how to score them."""
+
+    tokens: jax.Array  # [B, T] int32
+    positions: jax.Array  # [B, T] int32; -1 pads
+    temperature: jax.Array  # [B] float32: the temperature each row is scored at
+    # [B, C] int32: the only columns scored (a completion's; -1 an empty slot), every other holds 0
+    # (`completion_logprobs`); None scores every column (what `score` and prompt logprobs need)
+    columns: jax.Array | None = None
+    # (top_k, top_p, min_p) [B] each (as `sample` takes them): also the truncated, renormalised logprobs
+    truncation: tuple | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerPass:
+    """How the learner's pass runs, one hashable value (a jit static argument: one compile each)."""
+
+    cfg: ModelConfig
+    numerics: Numerics = "strict"
+    remat: bool = False  # recompute each layer in the backward (see `forward`)
+    top_logprobs: int = 0  # k > 0: also each position's k most likely ids and their logprobs
+    chunk: int = 64  # positions per head call with top logprobs or truncation ([chunk, vocab] logits)
+
+
+def sequence_logprobs(params, seqs: Sequences, rope, setting: LearnerPass, layers: LayerWeights | None = None):
     """The learner's pass: whole sequences [B, T] into fresh pages; returns logp [B, T - 1] where
-    [b, t] is log p(tokens[b, t + 1] | tokens[b, :t + 1]). temperature [B]. Differentiable.
-    layers, remat: see `forward` (None: `Unstacked`, the whole weights; recompute in the backward).
-    columns: None scores every position (what `score` and prompt logprobs need); [B, C] scores only
-    those columns (`completion_logprobs`) and leaves 0 in every other.
-    top_logprobs = k > 0 or truncation = (top_k, top_p, min_p) [B] (as `sample` takes them): a
-    `Logprobs` of [B, T - 1] (tokens None; top ids and logprobs [B, T - 1, k]) instead, logp with the same bits, the
-    rest the sampler's for the same tokens; `chunk` positions at a time (their [chunk, vocab] logits
-    are materialised). Not differentiable."""
+    [b, t] is log p(tokens[b, t + 1] | tokens[b, :t + 1]). Differentiable.
+    layers: see `forward` (None: `Unstacked`, the whole weights); setting.remat: recompute in the backward.
+    seqs.columns: None scores every position; [B, C] scores only those columns (`completion_logprobs`)
+    and leaves 0 in every other.
+    setting.top_logprobs = k > 0 or seqs.truncation: a `Logprobs` of [B, T - 1] (tokens None; top ids
+    and logprobs [B, T - 1, k]) instead, logp with the same bits, the rest the sampler's for the same
+    tokens; `setting.chunk` positions at a time (their [chunk, vocab] logits are materialised). Not
+    differentiable."""
+    tokens, cfg, numerics = seqs.tokens, setting.cfg, setting.numerics
     b, t = tokens.shape
-    if top_logprobs or truncation is not None:
-        return _scored_with_options(
-            params, tokens, positions, temperature, rope, cfg, numerics, top_logprobs, truncation, chunk
-        )
-    if columns is not None:
-        logp = completion_logprobs(params, tokens, positions, columns, temperature, rope, cfg, numerics, layers, remat)
-        return put_rows(logp.reshape(-1), _flat_columns(columns, t - 1), b * (t - 1)).reshape(b, t - 1)
-    hidden = _learner_hidden(params, tokens, positions, rope, cfg, numerics, layers, remat)
+    if setting.top_logprobs or seqs.truncation is not None:
+        return _scored_with_options(params, seqs, rope, setting)
+    if seqs.columns is not None:
+        logp = completion_logprobs(params, seqs, rope, setting, layers)
+        return put_rows(logp.reshape(-1), _flat_columns(seqs.columns, t - 1), b * (t - 1)).reshape(b, t - 1)
+    hidden = _learner_hidden(params, seqs, rope, cfg, numerics, layers, setting.remat)
     h = hidden[:, :-1].reshape(b * (t - 1), -1)
-    temps = jnp.repeat(temperature, t - 1)
+    temps = jnp.repeat(seqs.temperature, t - 1)
     return token_logprobs(params, h, tokens[:, 1:].reshape(-1), temps, numerics).reshape(b, t - 1)
 
 
-def completion_logprobs(
-    params,
-    tokens,
-    positions,
-    columns,
-    temperature,
-    rope,
-    cfg: ModelConfig,
-    numerics: Numerics,
-    layers: LayerWeights | None = None,
-    remat=False,
-):
+def completion_logprobs(params, seqs: Sequences, rope, setting: LearnerPass, layers: LayerWeights | None = None):
     """The learner's pass scored only where a loss needs it: logp [B, C] where [b, j] is
-    log p(tokens[b, c + 1] | tokens[b, :c + 1]) for c = columns[b, j] (a column of the hidden states,
-    0 <= c < T - 1, each at most once per row), and 0 where c = -1 (an empty slot). Differentiable.
+    log p(tokens[b, c + 1] | tokens[b, :c + 1]) for c = seqs.columns[b, j] (a column of the hidden
+    states, 0 <= c < T - 1, each at most once per row), and 0 where c = -1 (an empty slot). Differentiable.
 
     Why: the log-softmax over the vocabulary (151,936 ids for Qwen3) and its backward are the
     learner's largest cost per position after the layers, and a GRPO or SFT loss reads only the
@@ -464,27 +463,30 @@ def completion_logprobs(
     row count on a GPU, so with many rows the hidden states' cotangent is summed over other chunks;
     where the chunk is the same (always, interpreted), every other weight's gradient is the full
     pass's (tests/test_learner_slice.py)."""
+    tokens, columns = seqs.tokens, seqs.columns
     b, t = tokens.shape
     c = columns.shape[1]
-    hidden = _learner_hidden(params, tokens, positions, rope, cfg, numerics, layers, remat)
+    hidden = _learner_hidden(params, seqs, rope, setting.cfg, setting.numerics, layers, setting.remat)
     at = _flat_columns(columns, t)  # each scored column's row in [B * T]
     h = take_rows(hidden.reshape(b * t, -1), at)  # [B * C, D]
     targets = jnp.take(tokens.reshape(-1), at + 1, mode="fill", fill_value=0)  # the next token; empty slots: 0
-    logp = token_logprobs(params, h, targets, jnp.repeat(temperature, c), numerics).reshape(b, c)
+    temps = jnp.repeat(seqs.temperature, c)
+    logp = token_logprobs(params, h, targets, temps, setting.numerics).reshape(b, c)
     return jnp.where(columns >= 0, logp, jnp.zeros_like(logp))
 
 
-def _learner_hidden(params, tokens, positions, rope, cfg: ModelConfig, numerics: Numerics, layers=None, remat=False):
+def _learner_hidden(params, seqs: Sequences, rope, cfg: ModelConfig, numerics: Numerics, layers=None, remat=False):
     """The learner's pass (whole sequences into fresh pages) up to the final norm: hidden [B, T, D].
     layers: None reads params["layers"] whole (`Unstacked`)."""
-    b, t = tokens.shape
+    b, t = seqs.tokens.shape
     pages_per_row = cdiv(t, PAGE_SIZE)
     cache = init_kv_cache(cfg, 1 + b * pages_per_row)
     page_table = fresh_page_table(b, pages_per_row)
     if layers is None:
         _check_adapters(cfg, params["layers"])
         layers = Unstacked(params["layers"])
-    return forward(params, tokens, positions, cache, page_table, rope, cfg, numerics, layers, remat)[0]
+    tokens, positions = seqs.tokens, seqs.positions
+    return forward(params, tokens, positions, cache, page_table, rope, cfg, numerics, layers=layers, remat=remat)[0]
 
 
 def _over_chunks(fn, chunk: int, *per_position):
@@ -497,18 +499,21 @@ def _over_chunks(fn, chunk: int, *per_position):
     return tuple(o.reshape(rows, *o.shape[2:])[:n] for o in jax.lax.map(lambda x: fn(*x), xs))
 
 
-def _scored_with_options(params, tokens, positions, temperature, rope, cfg, numerics, top_logprobs, truncation, chunk):
+def _scored_with_options(params, seqs: Sequences, rope, setting: LearnerPass):
     """`sequence_logprobs` with top logprobs or truncation: the head over `chunk` positions at a time."""
+    tokens, truncation, top_logprobs = seqs.tokens, seqs.truncation, setting.top_logprobs
     b, t = tokens.shape
-    hidden = _learner_hidden(params, tokens, positions, rope, cfg, numerics)
-    per_row = [jnp.repeat(a, t - 1) for a in (temperature, *(truncation or ()))]
-    op, w = ops(numerics), lm_head(params)
+    hidden = _learner_hidden(params, seqs, rope, setting.cfg, setting.numerics)
+    per_row = [jnp.repeat(a, t - 1) for a in (seqs.temperature, *(truncation or ()))]
+    op, w = ops(setting.numerics), lm_head(params)
 
     def head(h, targets, temps, *trunc):
         out = op.logprob(h, w, temps, targets=targets, top_logprobs=top_logprobs, truncation=trunc or None)
         return tuple(x for x in out[1:] if x is not None)
 
-    out = _over_chunks(head, chunk, hidden[:, :-1].reshape(b * (t - 1), -1), tokens[:, 1:].reshape(-1), *per_row)
+    out = _over_chunks(
+        head, setting.chunk, hidden[:, :-1].reshape(b * (t - 1), -1), tokens[:, 1:].reshape(-1), *per_row
+    )
     out = iter(o.reshape(b, t - 1, *o.shape[1:]) for o in out)
     lp = next(out)
     renormalised = next(out) if truncation is not None else None

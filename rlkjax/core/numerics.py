@@ -336,7 +336,7 @@ class Ops(NamedTuple):
     rmsnorm_layer: Callable  # (x, weights_stacked [L, D], layer, cos, sin, eps): reads weights[layer] in place
     swiglu: Callable  # (gate, up)
     attention_plan: Callable  # (page_table, positions, group) -> the index arrays every layer's attention reads
-    attention: Callable  # (q, k, v, k_pages, v_pages, layer, plan) -> (out, k_pages, v_pages)
+    attention: Callable  # (q, k, v, (k_pages, v_pages), layer, plan) -> (out, (k_pages, v_pages))
     # (h, w, temperature, targets= | seeds=, steps=, top_logprobs=0, truncation=None) -> logprob.Logprobs:
     # the lm_head's logprobs of targets, or a sample keyed by (seed, step) (pallas_kernels.logprob.head)
     logprob: Callable

@@ -54,3 +54,32 @@ class EngineConfig:
             token_budget=prefill_chunk * rows,
             max_context=max(lengths),
         )
+
+    @staticmethod
+    def for_budget(num_pages: int, rows: int, max_length: int, group: int, prefill_chunk: int = 64) -> "EngineConfig":
+        """An engine for `rows` sequences of up to `max_length` tokens (prompt + new tokens) in a KV cache of
+        `num_pages` pages (page 0 included), in requests of up to `group` samples: sequences are admitted as
+        pages free up, and one that must give its pages back is prefilled again later (same tokens, same bits).
+
+        Batch slots: twice the sequences that fit at full length (completions that end at their eos, most of
+        them well before max_length in a reasoning run, leave their pages to the others; if all run to full
+        length, about half are preempted once), at most `rows`, at least `group` (the largest n of one request). Not
+        rounded up to a power of two as the programs' rows are: that would admit more than the pages were meant for.
+        With pages for every row at full length it runs as `for_batch([max_length] * rows)` (its batch slots
+        rounded up to a power of two, which only rows sequences ever fill)."""
+        per_sequence = cdiv(max_length, PAGE_SIZE)
+        if num_pages - 1 < per_sequence:
+            raise ValueError(
+                f"num_pages={num_pages} holds no sequence of {max_length} tokens "
+                f"({per_sequence} pages and the trash page)"
+            )
+        if not 0 < group <= rows:
+            raise ValueError(f"group={group} must be in [1, rows={rows}]")
+        slots = max(group, min(rows, 2 * ((num_pages - 1) // per_sequence)))
+        return EngineConfig(
+            num_pages=num_pages,
+            max_batch=slots,
+            prefill_chunk=prefill_chunk,
+            token_budget=prefill_chunk * bucket(slots),
+            max_context=max_length,
+        )

@@ -20,8 +20,12 @@ strict forward carries anyway (`min_decode_rows`).
 The device programs are rlkjax.engine.programs', the request and sequence records rlkjax.engine.records', the
 scheduling policy (admission in fair turns, pages, preemption, forks, each call's rows)
 rlkjax.engine.scheduler's, the settings rlkjax.engine.config's, the warm-up (`warm_up`) rlkjax.engine.warm_up's.
-The public surface for a server or a learner: `submit`, `cancel`, `update_weights`, `step`,
+The public surface for a server or a learner: `submit`, `cancel`, `stop`, `update_weights`, `step`,
 `run_until_done`, `abort`, and the read-only `busy`, `weights_pending`, `policy_version` and `metrics()`.
+The engine's one way out is each request's output queue (rlkjax.engine.outputs): each round's new tokens
+where its caller follows them, then its end; it calls no caller code. Its callers' ways in (`submit`,
+`cancel`, `stop`, `update_weights`) only queue what the next step applies, so a request's record is
+written on the engine's thread alone.
 
 Every submitted request ends exactly once, counted in one of three outcomes: finished (every sample
 stopped or reached its length), cancelled (`cancel`: a client gone, a timeout, a shutdown), failed
@@ -46,15 +50,16 @@ from rlkjax.core.sampling_params import SamplingParams
 from rlkjax.core.shapes import bucket, cdiv
 from rlkjax.engine import executable_cache, prefix_cache, programs
 from rlkjax.engine.config import EngineConfig
-from rlkjax.engine.programs import RowSampling
-from rlkjax.engine.records import EngineRequest, Listener, Round, Sequence, round_rows
+from rlkjax.engine.outputs import OutputQueue
+from rlkjax.engine.programs import Decoding, RoundStart, RowSampling
+from rlkjax.engine.records import EngineRequest, Round, Sequence, round_rows
 from rlkjax.engine.scheduler import Scheduler
 from rlkjax.engine.warm_up import WarmUp
 
 # The programs, through the executable cache where compilation_cache.enable() set one (a restarted
 # server loads them instead of tracing, lowering and compiling again), else through jax.jit alone.
 prefill_chunk = executable_cache.cached(programs.prefill_chunk, "cfg", "numerics")
-next_round = executable_cache.cached(programs.next_round, "cfg", "numerics", "num_steps", "top_logprobs")
+next_round = executable_cache.cached(programs.next_round, "decoding")
 copy_pages = executable_cache.cached(programs.copy_pages)
 
 
@@ -99,6 +104,7 @@ class Engine(WarmUp):
         self._pending_params, self._swap_events = None, []
         self.lock = threading.RLock()  # held by step(); submit, cancel, update_weights and metrics never wait on it
         self._inbox: deque = deque()  # submitted (request, sequences), moved to `waiting` at the next step
+        self._cancels: deque = deque()  # (request, sample index or None: all), applied at the next step
         self._mailbox = threading.Lock()  # guards the pending weights and their events
         self.shapes_seen: set = set()  # (program, batch bucket): one compilation each
         self.stats = {
@@ -119,6 +125,10 @@ class Engine(WarmUp):
             "gap_s": 0.0,
             "dispatch_s": 0.0,
             "chained_rows": 0,  # decode rows dispatched before the round they continue was read
+            # Decode rounds and their rows (sequences decoding together; one round a step at most):
+            # rows / rounds is the mean concurrency the KV pages and batch slots admitted.
+            "decode_rounds": 0,
+            "decode_rows": 0,
         }
         self._round_read_at = None  # when the last decode round was read, until the next is dispatched
         # The decode round on the device, not read yet: the next round is dispatched before it is read
@@ -129,7 +139,13 @@ class Engine(WarmUp):
 
     # ----- requests -----
     def submit(
-        self, prompt, sampling: SamplingParams | None = None, *, group=None, listener: Listener | None = None, **fields
+        self,
+        prompt,
+        sampling: SamplingParams | None = None,
+        *,
+        group=None,
+        outputs: OutputQueue | None = None,
+        **fields,
     ) -> EngineRequest:
         """Validate and queue a request; raises ValueError naming the bad field.
 
@@ -137,8 +153,9 @@ class Engine(WarmUp):
         `fields` replace some of them (`submit(p, n=4, seed=1)`). A sample stops at max_tokens, or at
         a stop id (stop_token_ids, and the engine's eos_token_id unless ignore_eos) once it has
         min_tokens tokens. Requests with the same `group` (e.g. the prompts of one HTTP request)
-        count as one in admission's fair turns. `listener` (a sequences.Listener) is told, on the engine
-        thread, of each round's tokens where it follows them, and of the request's end."""
+        count as one in admission's fair turns. `outputs`: where the request's outputs go (an OutputQueue that
+        follows rounds gets each round's new tokens, every queue the request's end; several requests may share
+        one); None: a queue of its own that gets only the end, `request.outputs`."""
         sampling = sampling or SamplingParams()
         if fields:
             sampling = dataclasses.replace(sampling, **fields)
@@ -146,7 +163,8 @@ class Engine(WarmUp):
         check_int("n", sampling.n, 1, self.config.max_batch)
         sampling.check_model(self.cfg.vocab_size, self.max_context, len(prompt))
         self.check_pages(len(prompt), sampling.max_tokens)
-        req = EngineRequest(next(self._ids), prompt, sampling, sampling.stop_ids(self.eos_token_id), listener=listener)
+        stop_ids = sampling.stop_ids(self.eos_token_id)
+        req = EngineRequest(next(self._ids), prompt, sampling, stop_ids, outputs=outputs or OutputQueue())
         req.group = ("request", req.id) if group is None else group
         req.results = [None] * sampling.n
         seed = sampling.seed
@@ -167,7 +185,14 @@ class Engine(WarmUp):
 
     def cancel(self, request: EngineRequest):
         """Cancel a request (from any thread); its sequences and pages are released at the next step."""
-        request.cancelled = True
+        self._cancels.append((request, None))  # deque.append is thread-safe; the step writes the record
+
+    def stop(self, request: EngineRequest, index: int):
+        """End sample `index` of `request` at the next step (from any thread), finish reason "stop": its caller
+        found a stop string in its text. Its completion keeps every token sampled until then (the caller cuts
+        the text where the stop string ends it); the request's other samples go on."""
+        check_int("index", index, 0, request.sampling.n - 1)
+        self._cancels.append((request, index))
 
     def update_weights(self, params) -> threading.Event:
         """Swap weights between steps, once no sequence is in flight (no completion mixes versions).
@@ -193,7 +218,9 @@ class Engine(WarmUp):
         if name.startswith("decode_round"):
             length = 1 if name == "decode_round_1" else c.decode_steps
             idle = np.full(r, -1, np.int32)  # no row continues a round; every position is padding
-            args = self._round_args(self._no_carry, idle, zeros, idle, table, RowSampling.idle(r), length, 0)
+            args = self._round_args(
+                RoundStart(self._no_carry, idle, zeros), idle, table, RowSampling.idle(r), length, 0
+            )
             return next_round, args, 2, ("decode_round", (r, 1, 0, False, length))
         return copy_pages, (self.cache, zeros, zeros), None, (name, r)
 
@@ -246,9 +273,10 @@ class Engine(WarmUp):
             self._ensure_cache()
             while self._inbox:
                 req, seqs = self._inbox.popleft()
+                req.take()
                 self.requests[req.id] = req
                 self.scheduler.waiting.extend(seqs)
-            finished = self._reap_cancelled()
+            finished = self._apply_cancels() + self._reap_cancelled()
             # preempted or parked sequences too, and a round not read yet (its rows may have finished)
             in_flight = self.scheduler.started or self._in_flight
             with self._mailbox:
@@ -332,11 +360,11 @@ class Engine(WarmUp):
             self._note_shape("copy_pages", k)
             self.cache = copy_pages(self.cache, src_a, dst_a)
 
-    def _round_args(self, carry, src, tokens, positions, table, sampling, length, top_logprobs) -> tuple:
+    def _round_args(self, start: RoundStart, positions, table, sampling, length, top_logprobs) -> tuple:
         """programs.next_round's arguments, all positional (warm-up and rounds alike: jit keys positional
-        and keyword arguments apart, so both pass the same way)."""
-        params, cache, rope, cfg, numerics = self.params, self.cache, self.rope, self.cfg, self.numerics
-        return params, carry, src, tokens, positions, cache, table, sampling, rope, cfg, numerics, length, top_logprobs
+        and keyword arguments apart, so both pass the same way); a round of `length` steps."""
+        decoding = Decoding(self.cfg, self.numerics, length, top_logprobs)
+        return self.params, start, positions, self.cache, table, sampling, self.rope, decoding
 
     def _next_round(self, *args):
         """The one call of programs.next_round (arguments as `_round_args`'); returns its outputs but the
@@ -356,6 +384,8 @@ class Engine(WarmUp):
         src = np.full(rows, -1, np.int32)
         src[: len(seqs)] = [row_of.get(s, -1) for s in seqs]
         self.stats["chained_rows"] += int((src >= 0).sum())
+        self.stats["decode_rounds"] += 1
+        self.stats["decode_rows"] += len(seqs)
         # One variant with top logprobs (k = the most any request may ask, so every k shares one
         # compilation), used only by rounds where some row asked: the default round keeps its speed.
         top_logprobs = self._top_logprobs if any(s.request.sampling.top_logprobs for s in seqs) else 0
@@ -369,9 +399,8 @@ class Engine(WarmUp):
             self.stats["gap_s"] += start - self._round_read_at
         carry = previous.carry if previous else self._no_carry
         table = self._page_table(seqs, rows)
-        out_tok, out_lp, carry, *top = self._next_round(
-            carry, src, tokens, positions, table, sampling, length, top_logprobs
-        )
+        first = RoundStart(carry, src, tokens)
+        out_tok, out_lp, carry, *top = self._next_round(first, positions, table, sampling, length, top_logprobs)
         self.stats["dispatch_s"] += time.perf_counter() - start
         self._round_read_at = None
         return Round(seqs, [budget[s] for s in seqs], (out_tok, out_lp, *top), carry)
@@ -379,7 +408,8 @@ class Engine(WarmUp):
     def _collect_decode(self, round_: Round) -> list[EngineRequest]:
         """Read a round's tokens (this waits for the device) and finish the sequences that stopped.
         A sequence that finished while the round was in flight (a stop the host found in the round
-        before: a listener's stop, cancellation) is skipped: what the round sampled for it is dropped."""
+        before: the caller's stop, cancellation) is skipped: what the round sampled for it is dropped. Each
+        sample's new tokens go onto its request's queue where that follows rounds."""
         start = time.perf_counter()
         out_tok, out_lp, *top = (np.asarray(a) for a in round_.out)
         top_ids, top_lp = top if top else (None, None)
@@ -392,9 +422,8 @@ class Engine(WarmUp):
             new = s.extend(out_tok[i], out_lp[i], *((top_ids[i], top_lp[i]) if top else ()))
             self.stats["decode_tokens"] += new
             reason = s.stop_reason()
-            listener = s.request.listener
-            if listener is not None and listener.follows_tokens and s.hook_stops(new, reason):
-                reason = "stop"
+            if s.request.outputs.rounds and (new or reason):
+                s.request.outputs.put(s.output(new, reason))
             if reason and self._finish(s, reason):  # its pages, those the round did not fill included, are freed now
                 finished.append(s.request)
         return finished
@@ -421,6 +450,22 @@ class Engine(WarmUp):
         self.stats[outcome] += 1
         req.finish()
         return True
+
+    def _apply_cancels(self) -> list[EngineRequest]:
+        """The cancels and stops asked for since the last step; returns the requests a stop ended."""
+        finished = []
+        while self._cancels:
+            req, index = self._cancels.popleft()
+            if req.done.is_set():  # it ended first: its record is final
+                continue
+            if index is None:
+                req.cancelled = True  # _reap_cancelled ends it
+                continue
+            scheduled = self.scheduler.running + list(self.scheduler.waiting)
+            seq = next((s for s in scheduled if s.request is req and s.index == index), None)
+            if seq is not None and self._finish(seq, "stop"):
+                finished.append(req)
+        return finished
 
     def _reap_cancelled(self) -> list[EngineRequest]:
         finished = []
@@ -458,6 +503,7 @@ class Engine(WarmUp):
             "queue_depth": len(self._inbox) + len(self.scheduler.waiting),
             "running": len(self.scheduler.running),
             "preemptions": self.scheduler.preemptions,
+            "preempted_tokens": self.scheduler.preempted_tokens,
             "pages_used": self.pages.used,
             "pages_total": self.config.num_pages - 1,
             "compiled_shapes": len(self.shapes_seen),

@@ -3,9 +3,13 @@
 of a fork. Each is compiled once per shape bucket; the host side (rlkjax.engine.engine) only schedules.
 
 Shapes: prefill tokens [B, C], decode tokens [B, 1] (a round: [B]), page table [B, pages_per_seq],
-per-row sampling options `RowSampling` ([B] arrays); B is a power of two up to max_batch.
+per-row sampling options `RowSampling` ([B] arrays); B is a power of two up to max_batch. A decode
+program's static settings are one `Decoding` value. The KV cache is a parameter of its own, between the
+tokens and the page table: it is donated (a program writes its pages in place), and a program's
+arguments keep one order from call to call, the order of its compiled inputs.
 """
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -13,7 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rlkjax.core.config import ModelConfig
 from rlkjax.core.model import forward, sample
+from rlkjax.core.numerics import Numerics
 from rlkjax.core.sampling_params import at_stop
 
 
@@ -45,16 +51,36 @@ class RowSampling(NamedTuple):
         )
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "numerics", "top_logprobs"), donate_argnames=("kv_cache",))
-def decode_step(
-    params, tokens, positions, kv_cache, page_table, sampling: RowSampling, rope, cfg, numerics, top_logprobs=0
-):
+@dataclasses.dataclass(frozen=True)
+class Decoding:
+    """A decode program's static settings, one hashable value (the jit's static argument: one compile each)."""
+
+    cfg: ModelConfig
+    numerics: Numerics = "strict"
+    num_steps: int = 1  # decode steps per round (a round's; a step is one)
+    # k > 0: also each row's k most likely ids and their logprobs (a separate variant: it materialises
+    # [B, vocab] fp32 logits)
+    top_logprobs: int = 0
+
+
+class RoundStart(NamedTuple):
+    """The tokens `next_round`'s rows start from: the round before's last token where a row continues
+    it (that round is not read by the host yet, so its last tokens and stops stay on the device), else
+    the host's token."""
+
+    carry: tuple  # (last token [C], stopped [C]) of the previous round's rows (padded to C rows)
+    src: jax.Array  # [B] int32: the previous round's row a row continues; -1: a row from the host
+    tokens: jax.Array  # [B] int32: the token a row from the host is fed
+
+
+@functools.partial(jax.jit, static_argnames=("decoding",), donate_argnames=("kv_cache",))
+def decode_step(params, tokens, positions, kv_cache, page_table, sampling: RowSampling, rope, decoding: Decoding):
     """Feed one token per row [B, 1]; sample the next with keys (seed, step); temperature 0 is
-    greedy. With `top_logprobs` = k > 0 (a separate variant: it materialises [B, vocab] fp32
-    logits) also returns each row's k most likely ids and their logprobs [B, k]; the tokens and
-    logprobs are the same bits either way. With `sampling.truncation` draws from the truncated
-    distribution (a row with nothing truncated draws the default path's token and bits) and records
-    the full or, where `renormalised`, the renormalised logprob."""
+    greedy. With `decoding.top_logprobs` = k > 0 also returns each row's k most likely ids and their
+    logprobs [B, k]; the tokens and logprobs are the same bits either way. With `sampling.truncation`
+    draws from the truncated distribution (a row with nothing truncated draws the default path's
+    token and bits) and records the full or, where `renormalised`, the renormalised logprob."""
+    cfg, numerics, top_logprobs = decoding.cfg, decoding.numerics, decoding.top_logprobs
     hidden, kv_cache = forward(params, tokens, positions, kv_cache, page_table, rope, cfg, numerics)
     truncation = None if sampling.truncation is None else sampling.truncation[:3]  # (top_k, top_p, min_p)
     out = sample(
@@ -64,23 +90,9 @@ def decode_step(
     return out.tokens, logprobs, kv_cache, *((out.top_ids, out.top_logprobs) if top_logprobs else ())
 
 
-@functools.partial(
-    jax.jit, static_argnames=("cfg", "numerics", "num_steps", "top_logprobs"), donate_argnames=("kv_cache",)
-)
-def decode_round(
-    params,
-    tokens,
-    positions,
-    kv_cache,
-    page_table,
-    sampling: RowSampling,
-    rope,
-    cfg,
-    numerics,
-    num_steps,
-    top_logprobs=0,
-):
-    """Up to `num_steps` decode steps on the device per host round trip.
+@functools.partial(jax.jit, static_argnames=("decoding",), donate_argnames=("kv_cache",))
+def decode_round(params, tokens, positions, kv_cache, page_table, sampling: RowSampling, rope, decoding: Decoding):
+    """Up to `decoding.num_steps` decode steps on the device per host round trip.
 
     tokens, positions [B]. Every step is exactly `decode_step` (same forward, same sample, keys
     (seed, steps + i)), so a round gives the bits single steps give. A row stops after sampling its
@@ -96,23 +108,16 @@ def decode_round(
     plan the next round while this one runs. A round whose rows all stop early (the last
     one of a batch) runs its remaining steps on padding.
     """
-    rows = tokens.shape[0]
+    rows, num_steps, top_logprobs = tokens.shape[0], decoding.num_steps, decoding.top_logprobs
     steps, budget, stop_ids, min_tokens = sampling.steps, sampling.budget, sampling.stop_ids, sampling.min_tokens
 
     def body(i, carry):
         tok, pos, active, cache, out = carry
         fed = jnp.where(active, pos, -1)
+        fed_tokens, fed_positions = tok[:, None], fed[:, None]
+        at_step = sampling._replace(steps=steps + i)  # keys (seed, steps + i)
         nxt, lp, cache, *top = decode_step(
-            params,
-            tok[:, None],
-            fed[:, None],
-            cache,
-            page_table,
-            sampling._replace(steps=steps + i),
-            rope,
-            cfg,
-            numerics,
-            top_logprobs,
+            params, fed_tokens, fed_positions, cache, page_table, at_step, rope, decoding
         )
         nxt = jnp.where(active, nxt, -1)
         new = (nxt, jnp.where(active, lp, jnp.zeros_like(lp)), *top)
@@ -128,40 +133,23 @@ def decode_round(
     return out[0], out[1], kv_cache, *out[2:]
 
 
-@functools.partial(
-    jax.jit, static_argnames=("cfg", "numerics", "num_steps", "top_logprobs"), donate_argnames=("kv_cache",)
-)
-def next_round(
-    params,
-    carry,
-    src,
-    tokens,
-    positions,
-    kv_cache,
-    page_table,
-    sampling: RowSampling,
-    rope,
-    cfg,
-    numerics,
-    num_steps,
-    top_logprobs=0,
-):
+@functools.partial(jax.jit, static_argnames=("decoding",), donate_argnames=("kv_cache",))
+def next_round(params, start: RoundStart, positions, kv_cache, page_table, sampling: RowSampling, rope, decoding):
     """`decode_round` whose rows may continue the round before it, which the host has not read yet.
 
-    carry: (last token [C], stopped [C]) of the previous round's rows (padded to C rows), src [B]:
-    the previous round's row a row continues (-1: a row from the host, fed `tokens`). The host
-    knows every other input of a continuing row exactly (a row that did not stop sampled its whole
-    budget), so only the last token and whether the row stopped come from the device; a stopped
-    row gets no budget (it samples nothing, writes only the trash page). Integer selects and
-    gathers only: the forward and the sample are decode_round's. Returns decode_round's outputs
-    and this round's carry."""
+    start: where each row's first token comes from (`RoundStart`). The host knows every other input
+    of a continuing row exactly (a row that did not stop sampled its whole budget), so only the last
+    token and whether the row stopped come from the device; a stopped row gets no budget (it samples
+    nothing, writes only the trash page). Integer selects and gathers only: the forward and the
+    sample are decode_round's. Returns decode_round's outputs and this round's carry."""
+    carry, src = start.carry, start.src
     take = src >= 0
     row = jnp.maximum(src, 0)
-    tokens = jnp.where(take, carry[0][row], tokens)
+    tokens = jnp.where(take, carry[0][row], start.tokens)
     budget = jnp.where(take & carry[1][row], 0, sampling.budget)
     sampling = sampling._replace(budget=budget)
     out_tok, out_lp, kv_cache, *top = decode_round(
-        params, tokens, positions, kv_cache, page_table, sampling, rope, cfg, numerics, num_steps, top_logprobs
+        params, tokens, positions, kv_cache, page_table, sampling, rope, decoding
     )
     steps, stop_ids, min_tokens = sampling.steps, sampling.stop_ids, sampling.min_tokens
     produced = jnp.sum(out_tok >= 0, axis=1)

@@ -1,6 +1,6 @@
-"""The engine's host-side records: an EngineRequest (its SamplingParams, its samples' results, the Listener
-it reports to), each sample's sequence (tokens, logprobs, KV pages), the page allocator they share, a
-decode round in flight, and the finished Completion."""
+"""The engine's host-side records: an EngineRequest (its SamplingParams, its samples' results, the output queue
+its caller follows it by), each sample's sequence (tokens, logprobs, KV pages), the page allocator they share,
+a decode round in flight, and the finished Completion."""
 
 import dataclasses
 import threading
@@ -8,9 +8,9 @@ from collections import deque
 
 import numpy as np
 
-from rlkjax.core.checks import check_int
 from rlkjax.core.sampling_params import SamplingParams, at_stop
 from rlkjax.core.shapes import bucket
+from rlkjax.engine.outputs import OutputQueue, RequestEnd, SampleOutput, frozen_array
 from rlkjax.engine.programs import RowSampling
 
 
@@ -134,22 +134,19 @@ class Sequence:
             return "stop"
         return "length" if self.generated >= sampling.max_tokens else None
 
-    def hook_stops(self, new: int, reason: str | None) -> bool:
-        """Show the request's listener the round's `new` tokens (and, when it asked for top_logprobs, their
-        top logprobs: (top ids, their logprobs), one [k] array each per token; else None) and the engine's
-        finish reason (None: the sample goes on); if it keeps only k of them, drop the rest (their K/V
-        is never read: the sequence ends here) and report that the sequence stopped."""
-        tokens, logprobs = self.tokens[len(self.tokens) - new :], self.logprobs[len(self.logprobs) - new :]
-        top = (self.top_ids[len(self.top_ids) - new :], self.top_logprobs[len(self.top_logprobs) - new :])
-        asked = self.request.sampling.top_logprobs
-        keep = self.request.listener.on_tokens(self.index, tokens, logprobs, top if asked else None, reason)
-        if keep is None:
-            return False
-        drop = new - check_int("on_tokens' keep", keep, 0, new)
-        del self.tokens[len(self.tokens) - drop :], self.logprobs[len(self.logprobs) - drop :]
-        if asked:  # the top logprobs stay one per kept token
-            del self.top_ids[len(self.top_ids) - drop :], self.top_logprobs[len(self.top_logprobs) - drop :]
-        return True
+    def output(self, new: int, reason: str | None) -> SampleOutput:
+        """The round's `new` tokens (their logprobs, their top logprobs if asked) and the engine's finish reason
+        (None: the sample goes on), as its request's queue hands them out."""
+        k = self.request.sampling.top_logprobs
+        top = None
+        if k:
+            top = (
+                frozen_array(self.top_ids[len(self.top_ids) - new :], np.int32).reshape(-1, k),
+                frozen_array(self.top_logprobs[len(self.top_logprobs) - new :], np.float32).reshape(-1, k),
+            )
+        tokens = tuple(self.tokens[len(self.tokens) - new :])
+        logprobs = frozen_array(self.logprobs[len(self.logprobs) - new :], np.float32)
+        return SampleOutput(self.request.id, self.index, tokens, logprobs, top, reason)
 
     def completion(self, reason: str, policy_version: int) -> "Completion":
         comp = Completion(
@@ -162,29 +159,12 @@ class Sequence:
         return comp
 
 
-class Listener:
-    """What the engine tells whoever submitted a request, on the engine thread (`Engine.submit(listener=...)`):
-    the tokens of each decode round, where `follows_tokens` asks for them, and the request's end. Both
-    methods do nothing here; a subclass overrides what it needs. A listener must not block: the engine's
-    step waits for it."""
-
-    follows_tokens = False  # on_tokens is called only when True (no per-round work for the others)
-
-    def on_tokens(self, index: int, tokens, logprobs, top, reason) -> int | None:
-        """After each decode round: sample `index`'s new tokens, their logprobs, their top logprobs (top
-        ids, top logprobs: a [k] array each per token) if top_logprobs, else None, and the engine's finish
-        reason ("stop" | "length", None while the sample goes on). Returning an int k keeps the first k
-        tokens and stops that sample ("stop"), e.g. on a stop string; None goes on."""
-        return None
-
-    def on_end(self) -> None:
-        """The request ended (finished, cancelled or failed): its `done` is set, its results or error final."""
-
-
 @dataclasses.dataclass(eq=False)
 class EngineRequest:
     """The engine's record of one submitted prompt and its n samples (`Engine.submit`); an HTTP request
-    (serve's `request`, aiohttp's) becomes one per prompt."""
+    (serve's `request`, aiohttp's) becomes one per prompt. Once a step took it in, only the engine's thread
+    writes it (checked where Python runs its asserts); its caller reads it after `done`, asks for a cancel or
+    a stop through the engine, and follows it through its `outputs` queue."""
 
     id: int
     prompt: list[int]
@@ -196,12 +176,21 @@ class EngineRequest:
     cancelled: bool = False
     error: str | None = None  # why the engine failed it (Engine.abort); None otherwise
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    listener: Listener | None = None  # told of its tokens and its end, on the engine thread
+    outputs: OutputQueue = dataclasses.field(default_factory=OutputQueue)  # the engine's one way out to its caller
+
+    def __setattr__(self, name, value):
+        writer = self.__dict__.get("_writer")
+        assert writer in (None, threading.get_ident()), f"EngineRequest.{name} written off the engine's thread"
+        super().__setattr__(name, value)
+
+    def take(self):
+        """A step takes the request in: from now on only this thread writes it."""
+        self.__dict__["_writer"] = threading.get_ident()
 
     def finish(self):
+        """It ended: `done` is set, then its end goes onto its queue (after every output of its rounds)."""
         self.done.set()
-        if self.listener is not None:
-            self.listener.on_end()
+        self.outputs.put(RequestEnd(self.id, tuple(self.results), self.error))
 
 
 @dataclasses.dataclass

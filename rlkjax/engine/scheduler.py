@@ -30,6 +30,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
+        self.preempted_tokens = 0  # positions whose K/V preempted sequences gave back (prefilled again on return)
         self._admissions = 0  # admission order: prefill goes oldest first, preemption takes the newest
 
     @property
@@ -110,6 +111,7 @@ class Scheduler:
         """Free a sequence's pages; it is recomputed from its tokens when readmitted (same bits), less
         what the prefix cache still holds then."""
         self._release(seq)
+        self.preempted_tokens += seq.cached
         seq.pages, seq.cached = [], 0
         if seq in self.running:
             self.running.remove(seq)

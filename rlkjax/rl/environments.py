@@ -120,8 +120,49 @@ class Episode:
     def add_step(self, step: Step) -> None:
         reward = step.reward if isinstance(step.reward, RewardResult) else RewardResult(float(step.reward))
         self.reward += reward.reward
-        if reward.failure is not None:
-            self.failures.append(reward)
+        if reward.failure is not None:  # reported with the turn it rewarded
+            self.failures.append(dataclasses.replace(reward, detail=f"turn {len(self.turns)}: {reward.detail}"))
+
+
+class EnvironmentFailure(Exception):
+    """An environment's code raised (its constructor, reset or step). The message names where (the trainer's step),
+    the environment's class and method, the example (its data file and line) and the turn, and the exception; that
+    exception is the __cause__, so its traceback stays for whoever debugs the environment."""
+
+
+def example_name(example: Example) -> str:
+    """An example as errors name it: its data file and line, else its prompt's start."""
+    return f"example {example.source}" if example.source else f"example {example.prompt[:80]!r}"
+
+
+def _class_name(env) -> str:
+    return f"{type(env).__module__}.{type(env).__qualname__}"
+
+
+def _failure(where: str, what: str, error: Exception) -> EnvironmentFailure:
+    detail = str(error).strip()
+    return EnvironmentFailure(
+        f"{where + ': ' if where else ''}{what}: {type(error).__name__}{': ' * bool(detail)}{detail}"
+    )
+
+
+def checked_reset(env, example: Example, where: str = "") -> list[dict]:
+    """env.reset(example); whatever it raises comes back as an EnvironmentFailure naming `where`, the environment's
+    class, the example and the exception."""
+    try:
+        return env.reset(example)
+    except Exception as e:
+        raise _failure(where, f"{_class_name(env)}.reset raised on {example_name(example)}", e) from e
+
+
+def checked_step(env, episode: Episode, where: str = "") -> Step:
+    """env.step(episode) after the episode's latest turn; whatever it raises comes back as an EnvironmentFailure
+    naming `where`, the environment's class, the example, the turn (from 1) and the exception."""
+    try:
+        return env.step(episode)
+    except Exception as e:
+        what = f"{_class_name(env)}.step raised on turn {len(episode.turns)} of {example_name(episode.example)}"
+        raise _failure(where, what, e) from e
 
 
 class Environment:
@@ -178,7 +219,10 @@ def load_environment(spec: str, task) -> Environment:
         cls = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"--env {spec!r}: {e}") from None
-    env = cls(task)
+    try:
+        env = cls(task)
+    except Exception as e:
+        raise _failure("", f"--env {spec!r}: {name}(task) raised", e) from e
     for method in ("reset", "step"):
         if not callable(getattr(env, method, None)):
             raise ValueError(f"--env {spec!r}: {name} has no {method}() method")

@@ -174,11 +174,13 @@ def _result(reply: dict) -> RewardResult:
 def checked_reward(task, example, completion: str) -> RewardResult:
     """A task's reward as a RewardResult: its own `check` where it has one (math: bounded in time), else
     its `reward` with anything that raises turned into reward 0 and failure "error" (a user's
-    module:function reward included). The trainer counts failures and reports them with the example."""
+    module:function reward included), its detail naming the reward (the task's `reward_name`, else its class) and
+    the exception. The trainer counts failures and reports them with the example."""
     check = getattr(task, "check", None)
     if check is not None:
         return check(example, completion)
     try:
         return RewardResult(float(task.reward(example, completion)))
     except Exception as e:
-        return RewardResult(0.0, "error", f"{type(e).__name__}: {str(e)[:500]}")
+        name = getattr(task, "reward_name", None) or f"{type(task).__qualname__}.reward"
+        return RewardResult(0.0, "error", f"{name} raised {type(e).__name__}: {str(e)[:500]}")

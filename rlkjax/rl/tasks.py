@@ -116,6 +116,7 @@ class CustomReward:
             raise ValueError(f"reward {spec!r}: {e}") from None
         if not callable(self.fn):
             raise ValueError(f"reward {spec!r} is not a function")
+        self.reward_name = spec  # what a failure of it is called (rlkjax.rl.rewards.checked_reward)
 
     def sample(self, rng, count):
         return self.base.sample(rng, count)

@@ -20,6 +20,10 @@ rlkjax.text.chat.load_chat_template):
     ["Error: lookup: missing argument(s) ['word']"]
     >>> next_tokens = tokenizer.encode(tool_turn(template, results))  # appended to the episode's tokens
 
+`parse_tool_calls` reads a whole turn; `ToolCallScanner` is the same reading of a turn that arrives in pieces
+(the server's streams), and `parse_arguments` the one reading of a call's arguments (sampled, or sent back in a
+client's history).
+
 A schema is OpenAI's `{"type": "function", "function": {"name", "description", "parameters"}}`, which
 Qwen3's chat template lists in its system turn. Whatever goes wrong with a call (a block that is not JSON
 or names no tool, an unknown tool, arguments the schema refuses, a tool that raises or runs past its time)
@@ -53,21 +57,73 @@ class ToolCall:
     text: str = ""  # the block's JSON text as sampled
 
 
-_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
-
-
 def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
     """(the text outside the blocks, stripped; the calls in order). A block is Qwen3's
     `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`; one left open at the end of the text
     (the sample ran out of tokens) is parsed too. `arguments` may also be a JSON string holding the object."""
-    calls, outside, end = [], [], 0
-    for match in _BLOCK.finditer(text):
-        outside.append(text[end : match.start()])
-        end = match.end()
-        body = match.group(1) if match.group(1) is not None else match.group(2)
-        calls.append(_parse_block(body.strip()))
-    outside.append(text[end:])
-    return "".join(outside).strip(), calls
+    segments = ToolCallScanner().feed(text, final=True)
+    content = "".join(raw for raw, call in segments if call is None)
+    return content.strip(), [call for _, call in segments if call is not None]
+
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+class ToolCallScanner:
+    """Qwen3's `<tool_call>` blocks in text that arrives in pieces (a sampled turn as it streams). `feed`
+    returns the segments the new text settles, in order: (text, None) for text outside the blocks and
+    (block text with its tags, ToolCall) for each block once its `</tool_call>` arrives (or, with final=True,
+    a block left open at the end: the sample ran out of tokens). Outside text that may be the start of a
+    `<tool_call>` tag is held back until the next piece tells (a tokenizer can spell the tag in several tokens).
+    Feeding a whole text at once, final, splits it as feeding it in any pieces does."""
+
+    def __init__(self):
+        self.buffer = ""  # text fed and not yet settled: a possible tag start outside, or an open block
+        self.inside = False  # the buffer is an open block (it starts with <tool_call>)
+
+    def feed(self, text: str, final: bool = False) -> list[tuple[str, ToolCall | None]]:
+        self.buffer += text
+        segments = []
+        while True:
+            if self.inside:
+                end = self.buffer.find(CLOSE, len(OPEN))
+                if end < 0:
+                    break
+                end += len(CLOSE)
+                block, self.buffer, self.inside = self.buffer[:end], self.buffer[end:], False
+                segments.append((block, _parse_block(block[len(OPEN) : -len(CLOSE)].strip())))
+                continue
+            start = self.buffer.find(OPEN)
+            if start < 0:  # hold back a tail that may still become the tag
+                keep = next((n for n in range(len(OPEN) - 1, 0, -1) if self.buffer.endswith(OPEN[:n])), 0)
+                keep = 0 if final else keep
+                if len(self.buffer) > keep:
+                    segments.append((self.buffer[: len(self.buffer) - keep], None))
+                    self.buffer = self.buffer[len(self.buffer) - keep :]
+                break
+            if start:
+                segments.append((self.buffer[:start], None))
+            self.buffer, self.inside = self.buffer[start:], True
+        if final and self.inside:  # a block cut off at the end
+            segments.append((self.buffer, _parse_block(self.buffer[len(OPEN) :].strip())))
+            self.buffer, self.inside = "", False
+        return segments
+
+
+def parse_arguments(arguments) -> dict:
+    """A call's arguments as the object Qwen3's template writes out: an object, a JSON string holding one
+    (OpenAI's wire form, and what some models write), or null or "" for none. Raises ValueError saying why
+    not. The one reading of arguments, for sampled calls and for calls a client sends back in its history."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError as e:
+            raise ValueError(f"arguments are not valid JSON ({e})") from None
+    if arguments is None:
+        return {}
+    if not isinstance(arguments, dict):
+        raise ValueError("arguments must be a JSON object (or a string holding one)")
+    return arguments
 
 
 def _parse_block(body: str) -> ToolCall:
@@ -77,16 +133,10 @@ def _parse_block(body: str) -> ToolCall:
         return ToolCall(None, None, f"the tool call is not valid JSON ({e})", body)
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
         return ToolCall(None, None, 'the tool call must be a JSON object with a "name" string', body)
-    arguments = value.get("arguments", {})
-    if isinstance(arguments, str):  # some models write the arguments as a JSON string
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except ValueError as e:
-            return ToolCall(value["name"], None, f"the arguments are not valid JSON ({e})", body)
-    if arguments is None:
-        arguments = {}
-    if not isinstance(arguments, dict):
-        return ToolCall(value["name"], None, '"arguments" must be a JSON object', body)
+    try:
+        arguments = parse_arguments(value.get("arguments"))
+    except ValueError as e:
+        return ToolCall(value["name"], None, str(e), body)
     return ToolCall(value["name"], arguments, None, body)
 
 

@@ -19,6 +19,8 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from rlkjax.core.config import read_json
+
 DEFAULT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
@@ -50,13 +52,17 @@ def _token_text(value):
 
 
 class ChatTemplate:
-    def __init__(self, source: str, special_tokens: dict):
+    def __init__(self, source: str, special_tokens: dict, origin: str = "the chat template"):
+        """origin names the template in the ValueError a syntax error raises (its file, or tokenizer_config.json)."""
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
         self.source, self.special_tokens = source, special_tokens
-        self.template = env.from_string(source)
+        try:
+            self.template = env.from_string(source)
+        except jinja2.exceptions.TemplateSyntaxError as e:
+            raise ValueError(f"{origin}: not a valid Jinja template (line {e.lineno}: {e.message})") from None
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, tools=None, **kwargs) -> str:
         try:
@@ -77,7 +83,7 @@ class ChatTemplate:
 def _tokenizer_config(tokenizer) -> dict:
     directory = getattr(tokenizer, "directory", None)
     path = Path(directory) / "tokenizer_config.json" if directory is not None else None
-    return json.loads(path.read_text()) if path is not None and path.exists() else {}
+    return read_json(path) if path is not None and path.exists() else {}
 
 
 def _special_tokens(config: dict) -> dict:
@@ -98,7 +104,10 @@ def load_chat_template(tokenizer) -> ChatTemplate:
     jinja_file = Path(directory) / "chat_template.jinja"
     if source is None and jinja_file.exists():
         source = jinja_file.read_text()
-    return None if source is None else ChatTemplate(source, _special_tokens(config))
+    origin = f"{Path(directory) / 'tokenizer_config.json'}'s chat_template"
+    if source is not None and "chat_template" not in config:
+        origin = str(jinja_file)
+    return None if source is None else ChatTemplate(source, _special_tokens(config), origin)
 
 
 class PromptFormat:
@@ -131,7 +140,9 @@ def prompt_format(choice: str, tokenizer, system_prompt: str | None = None, enab
         path = Path(choice)
         if not path.is_file():
             raise ValueError(f"chat template {choice!r}: not 'auto', 'none' or a template file")
-        template = ChatTemplate(path.read_text(), _special_tokens(_tokenizer_config(tokenizer)))
+        template = ChatTemplate(
+            path.read_text(), _special_tokens(_tokenizer_config(tokenizer)), f"chat template {choice}"
+        )
     if template is None and system_prompt is not None:
         raise ValueError(f"a system prompt needs a chat template (chat template {choice!r} gives plain prompts)")
     if template is None and not enable_thinking:

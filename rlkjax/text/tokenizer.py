@@ -3,12 +3,11 @@
 Both expose encode(text) -> list[int], decode(ids) -> str and eos_token_id.
 """
 
-import json
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from rlkjax.core.config import PRESETS
+from rlkjax.core.config import PRESETS, read_json
 
 
 class ByteTokenizer:
@@ -29,9 +28,14 @@ class HFTokenizer:
     def __init__(self, directory):
         directory = Path(directory)
         self.directory = directory  # where the server finds tokenizer_config.json's chat template
-        self.tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        try:
+            self.tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        except Exception as e:  # noqa: BLE001  the tokenizers library raises a bare Exception on a malformed file
+            raise ValueError(
+                f"{directory / 'tokenizer.json'}: not a tokenizer the tokenizers library reads ({e})"
+            ) from None
         config = directory / "tokenizer_config.json"
-        eos = json.loads(config.read_text()).get("eos_token") if config.exists() else None
+        eos = read_json(config).get("eos_token") if config.exists() else None
         eos = eos.get("content") if isinstance(eos, dict) else eos
         self.eos_token_id = self.tok.token_to_id(eos) if eos else None
 
