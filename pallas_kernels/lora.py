@@ -16,6 +16,7 @@ to run.
 """
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,42 +25,52 @@ from pallas_kernels.common import acc_dtype
 from pallas_kernels.matmul import MatmulConfig, _fits, product
 
 
-def _base(w, stack, layer, layout: str, config: MatmulConfig):
-    """(b, layer) for `product`: the stack read in place where it fits the layout's tiles, else the layer's w
-    (or the stack sliced by `product` when w is None)."""
+class Adapted(NamedTuple):
+    """What an adapted matmul holds fixed (a custom_vjp's static argument): the tiles, the lowering, the scale."""
+
+    config: MatmulConfig
+    interpret: bool
+    scale: float
+
+
+def _base(base, layout: str, config: MatmulConfig):
+    """(b, layer) for `product` from base = (w, stack, layer): the stack read in place where it fits the layout's
+    tiles, else the layer's w (or the stack sliced by `product` when w is None)."""
+    w, stack, layer = base
     if stack is not None and (w is None or _fits(stack, layout, config)):
         return stack, layer
     return w, None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def adapted_matmul(x, w, residual, lora_a, lora_b, config: MatmulConfig, interpret: bool, scale: float, stack, layer):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def adapted_matmul(x, base, residual, adapter, setting: Adapted):
     """x [M, K] @ w [N, K].T + scale * (x @ lora_a [r, K].T) @ lora_b [N, r].T (+ residual [M, N] or None)
-    -> [M, N] in x.dtype; differentiable in x, residual, lora_a, lora_b (w is frozen: no gradient).
-    stack [L, N, K] and layer (w = stack[layer]) let the kernels read the base weight in place (w may then be
-    None, forward only); None: w is read."""
-    u = product(x, lora_a, config, interpret, scale=scale)
-    b, at = _base(w, stack, layer, "nt", config)
-    return product(x, b, config, interpret, layer=at, residual=residual, adapter=(u, lora_b))
+    -> [M, N] in x.dtype, differentiable in x, residual and adapter = (lora_a, lora_b); base = (w, stack,
+    layer) is frozen (no gradient): w the layer's weight, or stack [L, N, K] and layer (w = stack[layer]) for the
+    kernels to read it in place (w may then be None, forward only; stack None: w is read)."""
+    return _fwd(x, base, residual, adapter, setting)[0]
 
 
-def _fwd(x, w, residual, lora_a, lora_b, config, interpret, scale, stack, layer):
-    u = product(x, lora_a, config, interpret, scale=scale)
-    b, at = _base(w, stack, layer, "nt", config)
-    y = product(x, b, config, interpret, layer=at, residual=residual, adapter=(u, lora_b))
-    in_place = stack is not None and _fits(stack, "nn", config)  # dx reads the stack: w is not kept (nor sliced)
-    return y, (x, None if in_place else w, lora_a, lora_b, u, stack, layer, residual is not None)
+def _fwd(x, base, residual, adapter, setting: Adapted):
+    (lora_a, lora_b), c = adapter, setting.config
+    u = product(x, lora_a, c, setting.interpret, scale=setting.scale)
+    b, at = _base(base, "nt", c)
+    y = product(x, b, c, setting.interpret, layer=at, residual=residual, adapter=(u, lora_b))
+    w, stack, layer = base
+    in_place = stack is not None and _fits(stack, "nn", c)  # dx reads the stack: w is not kept (nor sliced)
+    return y, (x, (None if in_place else w, stack, layer), lora_a, lora_b, u, residual is not None)
 
 
-def _bwd(config, interpret, scale, saved, dy):
-    x, w, lora_a, lora_b, u, stack, layer, has_residual = saved
+def _bwd(setting: Adapted, saved, dy):
+    x, base, lora_a, lora_b, u, has_residual = saved
+    c, interpret = setting.config, setting.interpret
     dy = dy.astype(x.dtype)
-    du = product(dy, lora_b, config, interpret, "nn", scale=scale)  # [M, r]
-    d_lora_b = product(dy, u, config, interpret, "tn").astype(lora_b.dtype)  # [N, r]
-    d_lora_a = product(du, x, config, interpret, "tn").astype(lora_a.dtype)  # [r, K]
-    b, at = _base(w, stack, layer, "nn", config)
-    dx = product(dy, b, config, interpret, "nn", at, residual=product(du, lora_a, config, interpret, "nn"))
-    return dx, None, dy if has_residual else None, d_lora_a, d_lora_b, None, None
+    du = product(dy, lora_b, c, interpret, "nn", scale=setting.scale)  # [M, r]
+    d_lora_b = product(dy, u, c, interpret, "tn").astype(lora_b.dtype)  # [N, r]
+    d_lora_a = product(du, x, c, interpret, "tn").astype(lora_a.dtype)  # [r, K]
+    b, at = _base(base, "nn", c)
+    dx = product(dy, b, c, interpret, "nn", at, residual=product(du, lora_a, c, interpret, "nn"))
+    return dx, None, dy if has_residual else None, (d_lora_a, d_lora_b)
 
 
 adapted_matmul.defvjp(_fwd, _bwd)

@@ -132,6 +132,7 @@ def product(
     layer=None,
     residual=None,
     out_dtype=None,
+    *,
     scale: float | None = None,
     adapter=None,
 ):

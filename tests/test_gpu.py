@@ -94,8 +94,9 @@ def test_lora_contract_compiled(name):
     compared = check_case(params, cfg, prompts, seeds, temps, max_new=8, chunk=37)
     b, t = 4, 64
     tok = jnp.zeros((b, t), jnp.int32)
-    learner = jax.jit(model.sequence_logprobs, static_argnames=("cfg", "numerics"))
-    text = learner.lower(params, tok, tok, jnp.ones((b,)), model.rope_tables(cfg), cfg, "strict").compile().as_text()
+    learner = jax.jit(model.sequence_logprobs, static_argnames="setting")
+    seqs = model.Sequences(tok, tok, jnp.ones((b,)))
+    text = learner.lower(params, seqs, model.rope_tables(cfg), model.LearnerPass(cfg)).compile().as_text()
     bad = audit.float_arithmetic_hlo(text)
     assert not bad, "float arithmetic outside the kernels:\n" + "\n".join(bad)
     print(f"{cfg}: {compared} tokens, 0 differing bits")

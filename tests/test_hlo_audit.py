@@ -111,7 +111,8 @@ def test_lora_adapter_gradient_runs_in_kernels():
 
     def total(adapters, base, tokens, positions, temperature):
         params = lora.merge(base, adapters)
-        return model.sequence_logprobs(params, tokens, positions, temperature, rope, cfg, STRICT).sum()
+        seqs = model.Sequences(tokens, positions, temperature)
+        return model.sequence_logprobs(params, seqs, rope, model.LearnerPass(cfg, STRICT)).sum()
 
     temps = jax.ShapeDtypeStruct((2,), jnp.float32)
     text = audit.lower_for_gpu(jax.jit(jax.grad(total)), adapters, base, tok, tok, temps)

@@ -28,7 +28,8 @@ SCALE = 3.0  # alpha 12 / rank 4: not a power of two, so a scale folded into a w
 
 
 def adapted(config, scale=SCALE):
-    return lambda x, w, r, a, b: lora_kernel.adapted_matmul(x, w, r, a, b, config, INTERPRET, scale, None, None)
+    setting = lora_kernel.Adapted(config, INTERPRET, scale)
+    return lambda x, w, r, a, b: lora_kernel.adapted_matmul(x, (w, None, None), r, (a, b), setting)
 
 
 def reference(scale=SCALE):

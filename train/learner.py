@@ -73,8 +73,10 @@ def build_learner(config: "GRPOConfig", cfg, params, devices, moments="device", 
     fixed = () if frozen is None else (fsdp.put(frozen, mesh, frozen_specs),)
     frozen_layout = None if frozen is None else _hashable(frozen_specs)
     remat = config.remat == "on"
-    grad_fn = _grad_fn(*layout, cfg, config.runtime.numerics, config.clip_eps, config.beta, remat, frozen_layout)
-    score_fn = _score_fn(*layout, cfg, config.runtime.numerics, frozen_layout)
+    grad_fn = _grad_fn(
+        *layout, cfg, config.runtime.numerics, config.clip_eps, config.beta, remat, frozen_layout=frozen_layout
+    )
+    score_fn = _score_fn(*layout, cfg, config.runtime.numerics, frozen_layout=frozen_layout)
     opt = optimizer.make(config.optimiser.hyper(config.steps * config.updates_per_batch), mesh, specs, moments)
     update = functools.partial(optimizer.update, opt)
     return Learner(devices, mesh, rope, grad_fn, score_fn, update, fixed), master, optimizer.init(opt, master)
@@ -102,7 +104,7 @@ def _specs(leaves, treedef):
 
 
 @functools.lru_cache(maxsize=4)
-def _grad_fn(mesh, spec_leaves, spec_tree, cfg, numerics, clip_eps, beta, remat, frozen_layout=None):
+def _grad_fn(mesh, spec_leaves, spec_tree, cfg, numerics, clip_eps, beta, remat, *, frozen_layout=None):
     # The weights are gathered as the policy's dtype (policy_logprobs' own cast is then a no-op; the layers'
     # reach model.forward as fsdp.Gathered): the same bits as casting after the gather, with half the bytes
     # moved and held.
@@ -113,7 +115,7 @@ def _grad_fn(mesh, spec_leaves, spec_tree, cfg, numerics, clip_eps, beta, remat,
 
 
 @functools.lru_cache(maxsize=4)
-def _score_fn(mesh, spec_leaves, spec_tree, cfg, numerics, frozen_layout=None):
+def _score_fn(mesh, spec_leaves, spec_tree, cfg, numerics, *, frozen_layout=None):
     specs = _specs(spec_leaves, spec_tree)
     frozen = dict(frozen_specs=_specs(*frozen_layout)) if frozen_layout else {}
     setting = model.LearnerPass(cfg, numerics)

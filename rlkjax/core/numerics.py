@@ -390,6 +390,6 @@ def _ops(opts: NumericsOptions) -> Ops:
         attention=lambda *a: attention.paged_attention(*a, att, interp),
         logprob=functools.partial(logprob.head, config=lp, interpret=interp),
         adapted_matmul=lambda x, w, r, stack, layer, a, b, scale: lora.adapted_matmul(
-            x, w, r, a, b, mm(x.shape[0]), interp, scale, stack, layer
+            x, (w, stack, layer), r, (a, b), lora.Adapted(mm(x.shape[0]), interp, scale)
         ),
     )
