@@ -95,16 +95,18 @@ def check(cfg: ModelConfig, params) -> None:
 
 
 def merged_weights(cfg: ModelConfig, params) -> dict:
-    """The base params with each target's W + (alpha / r) B @ A folded in (float64 on the host, rounded once to
-    the model's dtype), adapters removed: a plain Hugging Face model for other stacks. Not the strict path: the
-    adapted model's bits come from running the adapters unmerged."""
+    """The base params with each target's W + (alpha / r) B @ A folded in, adapters removed, as host (numpy)
+    arrays: a plain Hugging Face model for other stacks. Each layer is summed in float64 on the host and cast to
+    the model's dtype before the next (a whole 32B stack in float64 would take 8 bytes a weight). Not the strict
+    path: the adapted model's bits come from running the adapters unmerged."""
     frozen, adapters = split(params)
-    layers = dict(frozen["layers"])
+    layers, dtype = dict(frozen["layers"]), jnp.dtype(cfg.dtype)
     for target in cfg.lora.targets:
-        a = np.asarray(adapters["layers"][f"{target}.lora_A"], np.float64)
-        b = np.asarray(adapters["layers"][f"{target}.lora_B"], np.float64)
-        w = np.asarray(layers[target].astype(jnp.float32), np.float64)
-        layers[target] = jnp.asarray(w + cfg.lora.scale * np.einsum("lor,lri->loi", b, a), cfg.dtype)
+        a, b = (np.asarray(adapters["layers"][f"{target}.lora_{x}"], np.float64) for x in "AB")
+        stack = np.asarray(jax.device_get(layers[target]))
+        layers[target] = np.stack(
+            [(stack[i].astype(np.float64) + cfg.lora.scale * (b[i] @ a[i])).astype(dtype) for i in range(len(stack))]
+        )
     return {**frozen, "layers": layers}
 
 
