@@ -7,10 +7,11 @@
 
 Sections (each row: fast, strict, strict/fast time, fraction of a ceiling):
 - ceilings: device-to-device copy bandwidth (bytes read + written) and `jnp.dot` bf16 at 8192^3;
-- decode: tokens/s at batch 1/16/64/256 x context 512/2048, `--steps` decode steps (forward + fused
-  sampling) inside ONE jitted fori_loop, so GPU time, not Python; HBM fraction = (weight bytes + KV
-  bytes read per step) / step time / copy bandwidth. The cache is filled with random values (the
-  time does not depend on them; prefilling 256 x 2048 tokens would take longer than the decode);
+- decode: tokens/s at batch 1/16/64/256 x context 512/2048 (`--contexts` takes any; a side whose
+  cache does not fit records its error), `--steps` decode steps (forward + fused sampling) inside
+  ONE jitted fori_loop, so GPU time, not Python; HBM fraction = (weight bytes + KV bytes read per
+  step) / step time / copy bandwidth. The cache is filled with random values (the time does not
+  depend on them; prefilling 256 x 2048 tokens would take longer than the decode);
 - prefill: 16 x 2048 prompt tokens, one call;
 - learner: value and gradient of the GRPO loss (train.loss.grpo_loss: bf16 policy from fp32 master
   weights, token-level PPO-clip) on random sequences; MFU = (6 x matmul params x tokens + causal
@@ -90,9 +91,10 @@ def parser():
     )
     ap.add_argument(
         "--sweep",
-        default="matmul,qkv,rmsnorm,learner_matmul,attention,attention_bwd",
+        default="matmul,qkv,rmsnorm,learner_matmul,attention,attention_bwd,decode_attention",
         help="parts of the tile sweep (--only sweep): matmul, qkv, rmsnorm, learner_matmul, attention "
-        "(forward: query tiles per program, warps, stages; bits compared), attention_bwd",
+        "(forward: query tiles per program, warps, stages; bits compared), attention_bwd, decode_attention "
+        "(a decode step's attention at 2k-32k keys: KV split size x the merge kernel's launch; bits compared)",
     )
     ap.add_argument("--quick", action="store_true", help="a subset that takes a few minutes on one H200")
     _flags.add_out(ap, "JSON path (default bench/results/speed_<date>.json)")

@@ -173,7 +173,7 @@ def learner_matmul_sweep(rate, repeats, add):
 
 def sweep_rows(bw, rate, repeats, parts):
     """Tile configs side by side at decode and learner shapes, for the parts named (matmul, qkv, rmsnorm,
-    learner_matmul, attention, attention_bwd); 'same_bits' compares a config's output with the first
+    learner_matmul, attention, attention_bwd, decode_attention); 'same_bits' compares a config's output with the first
     config's where a row's bits must not depend on the tiles."""
     rows = []
 
@@ -193,6 +193,8 @@ def sweep_rows(bw, rate, repeats, parts):
         attention_sweep(bw, rate, repeats, add)
     if "attention_bwd" in parts:
         attention_bwd_sweep(rate, repeats, add)
+    if "decode_attention" in parts:
+        decode_attention_sweep(bw, repeats, add)
     return rows
 
 
@@ -249,6 +251,68 @@ def attention_sweep(bw, rate, repeats, add, shapes=None, configs=None):
                     "tflops": flops / dt / 1e12,
                     "dot_fraction": flops / dt / rate,
                     "kv_bytes_fraction": 2 * b * ctx * hkv * dh * 2 / dt / bw,
+                    "same_bits": bool(np.array_equal(out, ref)),
+                }
+            )
+
+
+# Decode attention at long contexts, (kv_split, merge_prefetch, merge_block_d, merge_warps): the
+# shipped table's first; then the merge as it ran before its loads went ahead (one split a step,
+# whole rows, the attention's 2 warps), other merge launches, and other split sizes (a contract
+# setting: they change the bits, of both sides alike).
+DECODE_ATTENTION_CONFIGS = [
+    (256, 8, 32, 4),
+    (256, 1, 128, 2),
+    (256, 4, 32, 4),
+    (256, 8, 16, 4),
+    (256, 8, 64, 8),
+    (128, 8, 32, 4),
+    (512, 8, 32, 4),
+]
+
+
+def decode_attention_sweep(bw, repeats, add, shapes=None, configs=None, iters=LAYERS):
+    """A decode step's attention (one token per row over a filled cache) at Qwen3-8B heads, batch 1
+    and 16, 2k to 32k keys: KV split size x the merge kernel's launch, each timed in a loop of `iters`
+    calls on the device (each call's output is the next one's query, so none is hoisted), with its
+    share of the KV bytes' copy ceiling; the loop's last output compared bit for bit with the first
+    config's (merge launches must keep the bits; another kv_split may not). At batch 1 and 2k keys
+    the cache (8 MB) stays in L2 between calls: that row overstates the bandwidth."""
+    shapes = shapes or [(b, ctx, 32, 8, 128) for b in (1, 16) for ctx in (2048, 8192, 16384, 32768)]
+    for b, ctx, hq, hkv, dh in shapes:
+        q, pages, pt, pos = attention_case(b, 1, ctx, hq, hkv, dh)
+        ref, shape = None, f"B={b} T=1 ctx={ctx} Hq={hq} Hkv={hkv} Dh={dh}"
+        for config in configs or DECODE_ATTENTION_CONFIGS:
+            kv_split, prefetch, block_d, warps = config
+            c = dataclasses.replace(
+                numerics.ATTENTION,
+                kv_split=kv_split,
+                block_pages=min(numerics.ATTENTION.block_pages, kv_split // numerics.PAGE_SIZE),  # tiny splits
+                merge_prefetch=prefetch,
+                merge_block_d=block_d,
+                merge_warps=warps,
+            )
+            plan = attention_plan(pt, pos, hq, hkv, c)
+
+            def step(i, q, consts, c=c):
+                return attention_only(q, *consts, config=c, side="strict")
+
+            r = attempt(
+                add, "decode_attention", shape, config, lambda: loop_time(step, q, (pages, plan), iters, repeats)
+            )
+            if r is None:
+                continue
+            t, f = r
+            out = np.asarray(f(q, (pages, plan))).view(np.uint16)
+            ref = out if ref is None else ref
+            add(
+                {
+                    "what": "decode_attention",
+                    "shape": shape,
+                    "config": list(config),
+                    "config_keys": ["kv_split", "merge_prefetch", "merge_block_d", "merge_warps"],
+                    "us": 1e6 * t,
+                    "kv_bytes_fraction": 2 * b * ctx * hkv * dh * 2 / t / bw,
                     "same_bits": bool(np.array_equal(out, ref)),
                 }
             )

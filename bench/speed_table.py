@@ -64,7 +64,8 @@ def print_table(report):
         if s == "decode":
             shape, unit = f"batch {r['batch']} ctx {r['context']}", "tok/s"
             shape += f" unroll {r['layer_unroll']}" if "layer_unroll" in r else ""
-            f, st, ceil = r["fast_tokens_per_s"], r["strict_tokens_per_s"], f"{100 * r['strict_hbm_fraction']:.0f}% HBM"
+            f, st = r.get("fast_tokens_per_s", NAN), r.get("strict_tokens_per_s", NAN)
+            ceil = f"{100 * r['strict_hbm_fraction']:.0f}% HBM" if "strict_hbm_fraction" in r else "did not fit"
         elif s in ("prefill", "learner", "score"):
             shape = f"{r['batch']} x {r.get('length', r.get('seq'))}" + (" remat" if r.get("remat") else "")
             shape += " dense-bwd" if r.get("flash_backward") is False else ""

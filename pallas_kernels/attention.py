@@ -28,11 +28,12 @@ KV splits (flash-decoding): the positions are cut into fixed absolute ranges of 
 from a fresh state, and the splits' (acc, max, sum) are merged in ascending order. Every pass
 (decode, prefill, the learner's) splits and merges the same way. Where it happens depends only on
 the call's shape, never on the bits: with few query tiles (a decode step) one program per (query
-tile, split), so one token gets batch x KV heads x splits programs, and a second kernel merges;
-with many (`merge_in_kernel_from`: the learner's rows, long prefill chunks) one program per tile
-group walks its splits in turn and merges each as it finishes, with the merge kernel's arithmetic
-(`_merge_step`). A split a row does not reach is an exact no-op in the merge (a select); a split
-past a tile's last position is skipped.
+tile, split), so one token gets batch x KV heads x splits programs, and a second kernel merges
+(one program per tile and block of head-dim columns, with the next splits' states loading while
+it merges: `_merge_kernel`); with many (`merge_in_kernel_from`: the learner's rows, long prefill
+chunks) one program per tile group walks its splits in turn and merges each as it finishes, with
+the merge kernel's arithmetic (`_merge_step`). A split a row does not reach is an exact no-op in
+the merge (a select); a split past a tile's last position is skipped.
 """
 
 import dataclasses
@@ -67,6 +68,12 @@ class AttentionConfig:
     # (tested: tests/test_kernels.py test_attention_chunked_equals_whole_and_decode). Why 8:
     # bench/results/2026-12-03_h200_cpu_measurements_behind_defaults.md.
     merge_in_kernel_from: int = 8
+    # The merge kernel (decode, short prefill chunks): split states loaded ahead of the one being
+    # merged, head-dim columns per program, warps. Launch choices only: the same steps in the same
+    # order on every element (tested: tests/test_kernels.py test_attention_merge_launch_keeps_bits).
+    merge_prefetch: int = 8
+    merge_block_d: int = 32
+    merge_warps: int = 4
     # The learner's gradient: None = XLA's dense backward (dense_attention's vjp); a config = the
     # Pallas flash backward (attention_bwd.py: no [B, H, T, T] arrays). Neither changes a logprob.
     backward: AttentionBwdConfig | None = None
@@ -77,6 +84,9 @@ class AttentionConfig:
         check_block("kv_split", self.kv_split)
         check_block("block_pages", self.block_pages, minimum=1)
         check_block("tiles", self.tiles, minimum=1)
+        check_block("merge_prefetch", self.merge_prefetch, minimum=1)
+        check_block("merge_block_d", self.merge_block_d)
+        check_block("merge_warps", self.merge_warps, minimum=1)
         if self.kv_split % (self.page_size * self.block_pages):
             raise ValueError(
                 f"kv_split={self.kv_split} must be a multiple of page_size x block_pages = "
@@ -206,12 +216,36 @@ def _finish(merged, dtype):
     return jnp.where(seen[:, None], acc / safe[:, None], 0.0).astype(dtype), jnp.where(seen, m + jnp.log(safe), jnp.inf)
 
 
-def _merge_kernel(pos_ref, acc_ref, m_ref, l_ref, o_ref, lse_ref, *, kv_split):
-    """Merge the splits a tile reaches, in ascending order. Also writes each row's log-sum-exp of
-    its scaled scores, which the learner's backward reads."""
+def _merge_kernel(pos_ref, acc_ref, m_ref, l_ref, o_ref, lse_ref, *, kv_split, prefetch):
+    """Merge the splits a tile reaches, in ascending order, for a block of its head-dim columns.
+    Also writes each row's log-sum-exp of its scaled scores (the first column block), which the
+    learner's backward reads. Every column block computes its rows' (max, sum) chain itself: the
+    same operations on the same values, so the blocks change no bit.
+
+    The states of the next `prefetch` splits travel in the loop's carry: each step merges the
+    oldest and loads the one `prefetch` splits ahead, so that load is in flight while the steps
+    between run. Loaded and used in one step, the compiler issues a state's loads next to their
+    use (ptxas did, for any unrolling), and every split then costs two or more round trips to
+    memory, one after another: the merge's whole cost when a decode step at long context merges
+    64 splits or more per tile. Loads past the last split read a clamped index and go unused."""
     num_splits = jnp.maximum(jnp.max(pos_ref[...]), -1) // kv_split + 1
-    body = lambda s, merged: _merge_step(merged, (acc_ref[s], m_ref[s], l_ref[s]))  # noqa: E731
-    o_ref[...], lse_ref[...] = _finish(jax.lax.fori_loop(0, num_splits, body, _fresh_state(*o_ref.shape)), o_ref.dtype)
+    last = acc_ref.shape[0] - 1
+
+    def load(s):
+        s = jnp.minimum(s, last)
+        return acc_ref[s], m_ref[s], l_ref[s]
+
+    def body(s, carry):
+        merged, ahead = carry[0], carry[1:]
+        return _merge_step(merged, ahead[0]), *ahead[1:], load(s + prefetch)
+
+    ahead = tuple(load(s) for s in range(prefetch))
+    merged = jax.lax.fori_loop(0, num_splits, body, (_fresh_state(*o_ref.shape), *ahead))[0]
+    o_ref[...], lse = _finish(merged, o_ref.dtype)
+
+    @pl.when(pl.program_id(3) == 0)
+    def _():
+        lse_ref[...] = lse
 
 
 def _fused_kernel(layer_ref, pt_ref, pos_ref, q_ref, kv_refs, o_ref, lse_ref, *, rows, kv_split, **kw):
@@ -345,18 +379,23 @@ def _split_and_merge(args, in_specs, kernel_args, dims, out_shape, config, inter
         compiler_params=compiler_params(config.num_warps, config.num_stages),
         interpret=interpret,
     )(*args)
-    whole = lambda *blk: pl.BlockSpec((None, None, splits, rows, *blk), lambda i, h, j: (i, h, 0, j, *[0] * len(blk)))  # noqa: E731
+    # The merge: one program per (tile, block of head-dim columns). The merge is elementwise in
+    # the columns, so more, narrower programs only shorten each program's serial walk over the
+    # splits' states (a decode step at batch 1 has just KV heads x tiles of them otherwise).
+    bd = min(config.merge_block_d, dh)
+    acc_spec = pl.BlockSpec((None, None, splits, rows, bd), lambda i, h, j, d: (i, h, 0, j, d))
+    stat_spec = pl.BlockSpec((None, None, splits, rows), lambda i, h, j, d: (i, h, 0, j))
     return pl.pallas_call(
-        functools.partial(_merge_kernel, kv_split=config.kv_split),
+        functools.partial(_merge_kernel, kv_split=config.kv_split, prefetch=min(config.merge_prefetch, splits)),
         name="attention_merge",
-        grid=(b, hkv, tp // bq),
-        in_specs=[pl.BlockSpec((None, rows), lambda i, h, j: (i, j)), whole(dh), whole(), whole()],
+        grid=(b, hkv, tp // bq, dh // bd),
+        in_specs=[pl.BlockSpec((None, rows), lambda i, h, j, d: (i, j)), acc_spec, stat_spec, stat_spec],
         out_specs=[
-            pl.BlockSpec((None, None, rows, dh), lambda i, h, j: (i, h, j, 0)),
-            pl.BlockSpec((None, None, rows), lambda i, h, j: (i, h, j)),
+            pl.BlockSpec((None, None, rows, bd), lambda i, h, j, d: (i, h, j, d)),
+            pl.BlockSpec((None, None, rows), lambda i, h, j, d: (i, h, j)),
         ],
         out_shape=out_shape,
-        compiler_params=compiler_params(config.num_warps, 1),
+        compiler_params=compiler_params(config.merge_warps, 1),
         interpret=interpret,
     )(args[2], acc, m, l)
 

@@ -345,8 +345,8 @@ def test_speed_attention_sweeps_run_and_compare_bits():
     timed row without error, and the forward rows compare each config's output bits with the first
     config's (the adoption rule for the attention program shape): the split kernels with the merge
     kernel against the in-kernel merge, same bits; a decode step's single tile and a learner-like pass
-    both run. Guards the harness, which once broke silently when the attention
-    plan changed its calling convention."""
+    both run; the decode sweep's merge launches keep the bits. Guards the harness, which once broke
+    silently when the attention plan changed its calling convention."""
     from bench import speed_sweep
 
     rows = []
@@ -360,6 +360,13 @@ def test_speed_attention_sweeps_run_and_compare_bits():
     bwd_configs = [(64, 64, 4, 2), (32, 64, 4, 2)]
     speed_sweep.attention_bwd_sweep(1e14, 1, bwd.append, shapes=[(2, 128, 4, 2, 16)], configs=bwd_configs)
     assert len(bwd) == 2 and all("error" not in r and r["tflops"] > 0 for r in bwd), bwd
+    # Decode attention: 5 splits of 16 keys (merged one a step over whole rows, or 4 ahead in blocks of 16
+    # columns: the same bits), then 32-key splits, timed in a loop of 2 calls.
+    dec = []
+    dec_configs = [(16, 1, 32, 2), (16, 4, 16, 4), (32, 8, 16, 4)]
+    speed_sweep.decode_attention_sweep(1e12, 1, dec.append, shapes=[(2, 70, 4, 2, 32)], configs=dec_configs, iters=2)
+    assert [r["config"] for r in dec] == [list(c) for c in dec_configs], dec
+    assert all("error" not in r and r["us"] > 0 for r in dec) and dec[1]["same_bits"] is True, dec
 
 
 @pytest.fixture(scope="module")

@@ -2,12 +2,15 @@
 for random prompt sets, batch sizes, temperatures and prefill chunk sizes; every row the same
 alone or batched. Prevents: any batch-, chunk- or position-dependent reduction on the strict path."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import rlkjax
+from rlkjax.core import numerics
 from rlkjax.engine.config import EngineConfig
 from tests.contract import BATCH_SIZES, check_case, random_case
 from tests.helpers import ENGINE, ODD
@@ -52,6 +55,23 @@ def test_edge_lengths(tiny):
     lens = [1, 15, 16, 17, 31, 32, 33, 64, 70]
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lens]
     check_case(params, cfg, prompts, list(range(9)), [0.7, 1.0, 1.3] * 3, 5, 16, engine=ENGINE, alone=GENERATE_37)
+
+
+@pytest.mark.slow
+def test_contract_across_kv_splits(tiny):
+    """The contract where a row's keys span several KV splits: the shipped tile table with 16-key
+    splits of 16-key blocks, so a 70-token prompt and its 6 new tokens span 5 splits. The sampler's
+    decode steps and 16-token prefill chunks merge their splits in the merge kernel, the learner's
+    76-token rows in the attention kernel; rows of 70, 33, 17 and 1 prompt tokens side by side, the
+    longest and the shortest alone with 5-token chunks. Prevents: a split structure, merge order or
+    split count that differs between decode and the learner's pass, or depends on the neighbours."""
+    cfg, params = tiny
+    tiles = numerics.NumericsOptions().resolved().tiles
+    attention = dataclasses.replace(tiles.attention, kv_split=16, block_pages=1)
+    options = numerics.NumericsOptions(tiles=dataclasses.replace(tiles, attention=attention))
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (70, 33, 17, 1)]
+    check_case(params, cfg, prompts, [1, 2, 3, 4], [0.7, 1.0, 1.3, 1.0], max_new=6, chunk=16, numerics=options)
 
 
 @pytest.mark.slow

@@ -45,6 +45,17 @@ def test_contract_compiled(real_shapes):
     print(f"{cfg}: {compared} tokens, 0 differing bits")
 
 
+def test_contract_compiled_past_kv_splits(real_shapes):
+    """The contract on the shipped tile table where prompts span several KV splits (600 tokens: 3 splits
+    of 256 keys): decode steps merge their splits in the merge kernel, the learner's rows in the
+    attention kernel; rows of 600, 300 and 17 prompt tokens side by side, and alone."""
+    cfg, params = real_shapes
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (600, 300, 17)]
+    compared = check_case(params, cfg, prompts, [5, 6, 7], [0.7, 1.0, 1.3], max_new=8, chunk=37)
+    print(f"{cfg}: {compared} tokens past 3 KV splits, 0 differing bits")
+
+
 def test_optimised_hlo_has_no_float_arithmetic(real_shapes):
     """After XLA's own GPU passes (fusion, algebraic simplification), still only data movement
     outside the Triton calls, for the learner's pass, the decode step and the multi-step decode round."""

@@ -462,6 +462,66 @@ def test_attention_kv_splits(kv_split, t, block_pages):
     assert_bits_equal(np.concatenate(outs, axis=1), whole, f"kv_split {kv_split}: chunked prefill + decode vs whole")
 
 
+@functools.partial(jax.jit, static_argnames="config")
+def _attend_with_lse(q, k, v, kp, vp, pt, pos, config):
+    """The strict attention's (out, log-sum-exp, k_pages): the lse is what the learner's backward reads."""
+    plan = attention.plan(pt, pos, q.shape[2] // k.shape[2], config.page_size, config)
+    out, lse, (kp, _) = attention._forward(q, k, v, (kp, vp), np.int32(0), plan, config, INTERPRET)
+    return out, lse, kp
+
+
+@pytest.mark.slow  # the default run's merges: test_attention_kv_splits[16-37-1], test_attention_row_alone_...
+def test_attention_merge_launch_keeps_bits():
+    """The merge kernel's launch choices (AttentionConfig.merge_prefetch, merge_block_d,
+    merge_warps) change no bit: split states loaded ahead in the loop's carry and head-dim column
+    blocks per program give the out and log-sum-exp of one split a step over whole rows. 5 KV splits
+    (fewer than the default prefetch of 8, more than a prefetch of 2), rows of 37, 18 and 1 keys;
+    compiled on a GPU at Qwen3-8B heads and a 2,000-key context (32 splits of 64). Prevents: a
+    prefetched state merged twice, a slot past the last split merged, a column block that writes
+    another block's columns or a wrong log-sum-exp."""
+    if INTERPRET:
+        case, split = dict(t=37, dh=32, lens=(37, 18, 1)), dict(kv_split=16, block_pages=1)
+    else:
+        case, split = dict(t=2000, hq=32, hkv=8, dh=128, lens=(2000, 1000, 1)), dict(kv_split=64)
+    q, k, v, pages, pt, pos = _attention_case(BF16, **case)
+    base = dataclasses.replace(numerics.ATTENTION, **split, merge_in_kernel_from=2**30)
+    one_split_a_step = dataclasses.replace(base, merge_prefetch=1, merge_block_d=q.shape[3], merge_warps=2)
+    want = _attend_with_lse(q, k, v, pages, pages, pt, pos, one_split_a_step)[:2]
+    for prefetch, block_d, warps in [(base.merge_prefetch, 16, base.merge_warps), (2, 16, 8)]:
+        c = dataclasses.replace(base, merge_prefetch=prefetch, merge_block_d=block_d, merge_warps=warps)
+        got = _attend_with_lse(q, k, v, pages, pages, pt, pos, c)[:2]
+        for g, w, name in zip(got, want, ("out", "lse")):
+            seen = np.asarray(pos >= 0)  # padding tokens' rows are not outputs of anything
+            assert_bits_equal(
+                np.asarray(g)[seen], np.asarray(w)[seen], f"{name}: prefetch {prefetch}, {block_d} columns"
+            )
+
+
+def test_attention_row_alone_equals_batched_across_splits():
+    """A row's attention bits do not depend on its batch or its neighbours' lengths, past several KV
+    splits: each row attended alone (batch 1, its keys on other physical pages) equals its row in a
+    batch of rows of 37, 20 and 1 keys, for the whole pass and for its last token decoded after a
+    prefill of the others. 16-key splits of 16-key blocks (3 splits for the longest row), merged in
+    the attention kernel from 2 query tiles: the whole passes merge there (the learner's way), a
+    decode token in the merge kernel (the sampler's)."""
+    config = dataclasses.replace(numerics.ATTENTION, kv_split=16, block_pages=1, merge_in_kernel_from=2)
+    q, k, v, pages, pt, pos = _attention_case(BF16)
+
+    def attend(sl, kp, vp, table):
+        return _attend(q[sl], k[sl], v[sl], kp, vp, np.int32(0), table, pos[sl], config)
+
+    batched, _, _ = attend((slice(None), slice(None)), pages, pages, pt)
+    for row, n in enumerate((pos >= 0).sum(axis=1)):
+        table = pt[row : row + 1, ::-1] + 0  # the same logical pages on other physical pages
+        whole, _, _ = attend((slice(row, row + 1), slice(None)), pages, pages, table)
+        assert_bits_equal(np.asarray(whole)[0, :n], np.asarray(batched)[row, :n], f"row {row} alone, whole pass")
+        kp = vp = pages
+        if n > 1:
+            _, kp, vp = attend((slice(row, row + 1), slice(0, n - 1)), pages, pages, table)
+        token, _, _ = attend((slice(row, row + 1), slice(n - 1, n)), kp, vp, table)
+        assert_bits_equal(np.asarray(token)[0, 0], np.asarray(batched)[row, n - 1], f"row {row} alone, decode")
+
+
 @pytest.mark.slow  # 300 tokens through the interpreted gradient; the default run audits it in test_hlo_audit.py
 def test_embedding_gradient_sums_repeated_tokens_in_fp32():
     """embedding.embed: the forward is plain indexing (same bits); the gradient of a row is its tokens'
