@@ -8,9 +8,13 @@ without a known peak, such as the CPU) and the sampler/learner mismatch (strict 
 
     python -m bench.grpo_compare --models qwen3-0.6b,qwen3-1.7b --steps 3 --out bench/results/grpo.json
 
+`--lora-ranks 0,16` runs each also with LoRA adapters of rank 16 on every projection (0: full parameters), whose
+MFU counts what LoRA computes (rlkjax.core.flops: no weight gradient of the frozen base).
+
 The report is rewritten after every run, so a run cut short keeps the rows it finished.
 """
 
+import dataclasses
 import json
 import tempfile
 
@@ -22,7 +26,7 @@ from bench._report import new_report, save_report
 from rlkjax.core import flops
 from rlkjax.entry_config import ModelSource, Runtime
 from train import grpo
-from train.config import Optimiser
+from train.config import Lora, Optimiser
 
 
 def percent(x):
@@ -31,21 +35,22 @@ def percent(x):
 
 def print_table(results):
     print(
-        f"\n{'model':11} {'numerics':8} {'step s':>7} {'rollout':>8} {'learn':>7} {'sync':>6} {'host':>6} "
+        f"\n{'model':11} {'numerics':8} {'LoRA':>4} {'step s':>7} {'rollout':>8} {'learn':>7} {'sync':>6} {'host':>6} "
         f"{'learn tok/s':>11} {'MFU learner pass':>16} {'MFU GRPO step':>13} {'bits differ':>11} {'max|d|':>8}"
     )
     for r in results:
         print(
-            f"{r['model']:11} {r['numerics']:8} {r['step_s']:7.2f} {r['rollout_s']:8.2f} {r['learn_s']:7.2f} "
-            f"{r['sync_s']:6.3f} {r['host_s']:6.2f} {r['learner_tokens_per_s']:11.0f} "
+            f"{r['model']:11} {r['numerics']:8} {r['lora_rank']:4d} {r['step_s']:7.2f} {r['rollout_s']:8.2f} "
+            f"{r['learn_s']:7.2f} {r['sync_s']:6.3f} {r['host_s']:6.2f} {r['learner_tokens_per_s']:11.0f} "
             f"{percent(r['learner_pass_mfu']):>16} {percent(r['grpo_step_mfu']):>13} "
             f"{r['mismatch_tokens']:5d}/{r['tokens_compared']:<6d} {r['mismatch_max']:8.3g}"
         )
 
 
-def run(name, numerics, args):
-    """One train.grpo run (verify on) and its row."""
+def run(name, numerics, args, lora_rank=0):
+    """One train.grpo run (verify on) and its row; lora_rank > 0 trains LoRA adapters of that rank."""
     config = grpo.GRPOConfig(
+        lora=Lora(lora_rank=lora_rank),
         source=ModelSource(name),
         runtime=Runtime(numerics=numerics),
         steps=args.steps,
@@ -56,7 +61,7 @@ def run(name, numerics, args):
         micro_batch_tokens=args.micro_batch_tokens,
         remat=args.remat,
         optimiser=Optimiser(learning_rate=1e-6),
-        out=tempfile.mkdtemp(prefix=f"grpo_{name}_{numerics}_"),
+        out=tempfile.mkdtemp(prefix=f"grpo_{name}_{numerics}_r{lora_rank}_"),
         progress=False,
         checkpoint_every=10**6,
     )
@@ -71,7 +76,13 @@ def run(name, numerics, args):
     row = {
         "model": name,
         "numerics": numerics,
+        "lora_rank": lora_rank,
         "matmul_params": flops.matmul_params(rlkjax.ModelConfig.preset(name)),
+        "adapter_params": flops.adapter_params(
+            dataclasses.replace(rlkjax.ModelConfig.preset(name), lora=rlkjax.LoraConfig(rank=lora_rank))
+        )
+        if lora_rank
+        else 0,
         "step_s": mean("step_s"),
         "rollout_s": mean("rollout_s"),
         "verify_s": mean("verify_s"),
@@ -112,16 +123,18 @@ def main():
     )
     ap.add_argument("--remat", choices=["auto", "on", "off"], default="auto", help="train.grpo --remat")
     ap.add_argument("--numerics", default="fast,strict", help="comma-separated: fast, strict or both")
+    ap.add_argument("--lora-ranks", default="0", help="comma-separated LoRA ranks to run (0: full-parameter training)")
     _flags.add_out(ap)
     args = ap.parse_args()
     grpo.claim_device_memory()  # as `python -m train.grpo` does
     report = new_report("bench.grpo_compare")
     for name in args.models.split(","):
         for numerics in args.numerics.split(","):
-            row = run(name, numerics, args)
-            report["results"].append(row)
-            print(json.dumps(row), flush=True)
-            save_report(report, args.out)
+            for rank in (int(r) for r in args.lora_ranks.split(",")):
+                row = run(name, numerics, args, rank)
+                report["results"].append(row)
+                print(json.dumps(row), flush=True)
+                save_report(report, args.out)
     print_table(report["results"])
     save_report(report, args.out)
 

@@ -1,6 +1,7 @@
 """Per-GPU memory of train.grpo, per phase of a step, from train/memory.py's plan (shapes alone).
 
-`python -m bench.memory_plan --model qwen3-8b --gpus 1` prints, for each GPU count, every phase's rows (rollout,
+`python -m bench.memory_plan --model qwen3-8b --gpus 1` (`--lora-rank 16`: LoRA adapters on the frozen base) prints,
+for each GPU count, every phase's rows (rollout,
 verify, learner step, optimiser update, weight sync) and their totals, whether the largest fits an H200, and with
 `--metrics runs/x/metrics.jsonl` the peak that run measured in each phase (`peak_bytes_<phase>`, read every ms from
 `device.memory_stats()` by train.grpo) beside the plan, in the column of its device count. `--moments auto` (the
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from bench import _flags
 from bench._report import new_report
-from rlkjax.core.config import ModelConfig
+from rlkjax.core.config import LoraConfig, ModelConfig
 from rlkjax.core.shapes import cdiv
 from train import memory
 from train.batch import padded_length
@@ -34,11 +35,17 @@ H200_BYTES = 143771 * 2**20  # nvidia-smi's memory.total
 JAX_FRACTION = 0.95  # what train.grpo lets JAX take (claim_device_memory)
 
 
+def model_config(args) -> ModelConfig:
+    """--model's shapes, with rank --lora-rank adapters on every projection (0: full-parameter training)."""
+    cfg = ModelConfig.preset(args.model)
+    return dataclasses.replace(cfg, lora=LoraConfig(rank=args.lora_rank)) if args.lora_rank else cfg
+
+
 def run_shape(args, gpus: int) -> RunShape:
     """train.grpo's plan on `gpus` H200s (its plan_memory): the settings given as auto chosen beside the KV cache
     asked for (or the least the rollout runs with; where none fits, the preferred ones, which the table then shows
     over the limit), then the rollout's KV page budget, --kv-gib or what the chosen settings leave."""
-    cfg, limit = ModelConfig.preset(args.model), JAX_FRACTION * H200_BYTES
+    cfg, limit = model_config(args), JAX_FRACTION * H200_BYTES
     tokens = 0 if args.micro_batch_tokens == "auto" else int(args.micro_batch_tokens)
     moments = "device" if args.moments == "auto" else args.moments
     shape = RunShape(
@@ -70,7 +77,7 @@ def measured_phases(path: str) -> tuple[int, dict[str, float]]:
 
 
 def table(args) -> str:
-    cfg = ModelConfig.preset(args.model)
+    cfg = model_config(args)
     shapes = {n: run_shape(args, n) for n in args.gpus}
     plans = {n: memory.phases(cfg, shapes[n]) for n in args.gpus}
     measured = [measured_phases(path) for path in args.metrics]
@@ -110,6 +117,7 @@ def table(args) -> str:
     setting = (
         f"P{args.prompts} x G{args.group}, {args.new_tokens} new tokens, prompts up to {args.prompt_tokens} tokens, "
         f"{parameter_count(cfg) / 1e9:.2f}B parameters"
+        + (f", LoRA rank {args.lora_rank} on all seven projections (the base frozen)" if args.lora_rank else "")
     )
     return setting + "\n\n" + "\n".join(lines)
 
@@ -211,6 +219,7 @@ def main() -> None:
         "--micro-batch-tokens", default="auto", help="padded tokens a learner GPU holds per micro-batch, or auto"
     )
     parser.add_argument("--remat", choices=["auto", "on", "off"], default="auto", help="the learner recomputes layers")
+    parser.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank (train.grpo --lora-rank)")
     parser.add_argument(
         "--moments", choices=["auto", "device", "host"], default="auto", help="where AdamW's moments live (--moments)"
     )

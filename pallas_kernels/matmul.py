@@ -82,7 +82,12 @@ def accumulate(a_tile, b_tile, shape, block_k: int, k_steps: int, interpret: boo
     return jax.lax.fori_loop(0, k_steps, body, jnp.zeros(shape, F32))
 
 
-def _kernel(*refs, layout, block_k, k_steps, stacked, has_residual, interpret):
+# The K step of an adapter's product in the epilogue (its K is the rank, padded to a multiple of it): Triton's
+# smallest dot, and a rank of 16 (PEFT's usual 8 padded, or 16) is one step.
+ADAPTER_BLOCK_K = 16
+
+
+def _kernel(*refs, layout, block_k, k_steps, stacked, has_residual, interpret, scale=None, adapter_k=0):
     if stacked:
         layer_ref, a_ref, b_ref, *refs = refs
     else:
@@ -97,7 +102,15 @@ def _kernel(*refs, layout, block_k, k_steps, stacked, has_residual, interpret):
         b_tile = lambda ks: b_ref[layer, :, ks]  # noqa: E731
     else:  # the index loaded in each K step (the same bits as loading it once; a different program)
         b_tile = lambda ks: b_ref[layer_ref[0], ks, :]  # noqa: E731
-    y = accumulate(a_tile, b_tile, o_ref.shape, block_k, k_steps, interpret, layout).astype(o_ref.dtype)
+    acc = accumulate(a_tile, b_tile, o_ref.shape, block_k, k_steps, interpret, layout)
+    if scale is not None:  # a multiply and its rounding only: nothing for a compiler to fuse into an FMA
+        acc = acc * jnp.float32(scale)
+    y = acc.astype(o_ref.dtype)
+    if adapter_k:  # y + u @ lora_b.T: the fp32 sum of the rounded product and the adapter's accumulator, rounded
+        u_ref, lb_ref = refs[int(has_residual) : int(has_residual) + 2]
+        u_tile, lb_tile = (lambda ks: u_ref[:, ks]), (lambda ks: lb_ref[:, ks])
+        z = accumulate(u_tile, lb_tile, o_ref.shape, ADAPTER_BLOCK_K, adapter_k // ADAPTER_BLOCK_K, interpret)
+        y = (y.astype(F32) + z).astype(o_ref.dtype)
     if has_residual:
         y = (y.astype(F32) + refs[0][...].astype(F32)).astype(o_ref.dtype)
     o_ref[...] = y
@@ -110,16 +123,35 @@ def _fits(b, layout: str, config: MatmulConfig) -> bool:
     return not (b.shape[n_axis] % config.block_n or b.shape[k_axis] % config.block_k)
 
 
-def product(a, b, config: MatmulConfig, interpret: bool, layout="nt", layer=None, residual=None, out_dtype=None):
+def product(
+    a,
+    b,
+    config: MatmulConfig,
+    interpret: bool,
+    layout="nt",
+    layer=None,
+    residual=None,
+    out_dtype=None,
+    *,
+    scale: float | None = None,
+    adapter=None,
+):
     """a @ b as `layout` says ("nt": a [M, K] @ b [N, K].T; "nn": a [M, K] @ b [K, N]; "tn":
     a [K, M].T @ b [K, N]) (+ residual [M, N]) -> [M, N] in out_dtype (default a.dtype; float32
     keeps the accumulator unrounded). Not differentiable (`matmul` is). With `layer`, b is a stack
     [L, N, K] or [L, K, N] read at that layer in place; a stack whose N or K is not a whole number
     of tiles is sliced (and padded) instead: the same bits, a copy. Odd shapes are padded with zeros
-    (exact zero products) and the result sliced."""
+    (exact zero products) and the result sliced.
+
+    LoRA's two extras (pallas_kernels/lora.py): `scale` multiplies the fp32 accumulator before it is
+    rounded; `adapter` = (u [M, r], lora_b [N, r]) ("nt" only) adds u @ lora_b.T, accumulated in fp32
+    over r in ascending steps of ADAPTER_BLOCK_K, to the rounded product before the residual:
+    round(round(a @ b.T) + u @ lora_b.T), then + residual as without it."""
     c, (a_k, b_k) = config, K_AXES[layout]
     if a.ndim != 2 or b.ndim != (2 if layer is None else 3) or a.shape[a_k] != b.shape[b_k - 2]:
         raise ValueError(f"matmul shapes do not match ({layout}): {a.shape}, {b.shape}")
+    if adapter is not None and (layout != "nt" or adapter[0].shape[1] != adapter[1].shape[1]):
+        raise ValueError(f"an adapter needs layout 'nt' and u [M, r], lora_b [N, r]; got {layout}, {adapter}")
     if layer is not None and not _fits(b, layout, c):
         b, layer = jax.lax.dynamic_index_in_dim(b, layer, keepdims=False), None
     m, n = a.shape[1 - a_k], b.shape[-1 - b_k]
@@ -141,6 +173,16 @@ def product(a, b, config: MatmulConfig, interpret: bool, layout="nt", layer=None
     if residual is not None:
         args.append(pad_dim(pad_dim(residual, 0, c.block_m), 1, c.block_n))
         in_specs.append(pl.BlockSpec((c.block_m, c.block_n), lambda i, j: (i, j)))
+    adapter_k = 0
+    if adapter is not None:
+        u, lora_b = (pad_dim(t, 1, ADAPTER_BLOCK_K) for t in adapter)  # zero columns: exact zero products
+        adapter_k = u.shape[1]
+        args += [pad_dim(u, 0, c.block_m), pad_dim(lora_b, 0, c.block_n)]
+        in_specs.append(pl.BlockSpec((c.block_m, adapter_k), lambda i, j: (i, 0)))
+        in_specs.append(pl.BlockSpec((c.block_n, adapter_k), lambda i, j: (j, 0)))
+    extras = {"scale": scale} if scale is not None else {}
+    if adapter_k:
+        extras["adapter_k"] = adapter_k
     y = pl.pallas_call(
         functools.partial(
             _kernel,
@@ -150,8 +192,11 @@ def product(a, b, config: MatmulConfig, interpret: bool, layout="nt", layer=None
             stacked=layer is not None,
             has_residual=residual is not None,
             interpret=interpret,
+            **extras,  # absent without LoRA: the programs are the same text as before it existed
         ),
-        name=f"matmul_n{n}_k{kp}" if layout == "nt" else f"matmul_{layout}_n{n}_k{kp}",  # profiles tell them apart
+        name=(f"matmul_n{n}_k{kp}" if layout == "nt" else f"matmul_{layout}_n{n}_k{kp}")  # profiles tell them apart
+        + ("_lora" if adapter_k else "")
+        + ("_scaled" if scale is not None else ""),
         grid=(mp // c.block_m, np_ // c.block_n),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((c.block_m, c.block_n), lambda i, j: (i, j)),

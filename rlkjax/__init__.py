@@ -7,7 +7,7 @@ quiet_rocm_plugin_without_gpu()
 
 from rlkjax.api import generate, score  # noqa: E402
 from rlkjax.core.checkpoint import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
-from rlkjax.core.config import PRESETS, ModelConfig  # noqa: E402
+from rlkjax.core.config import PRESETS, LoraConfig, ModelConfig  # noqa: E402
 from rlkjax.core.model import (  # noqa: E402
     LearnerPass,
     Sequences,
@@ -27,6 +27,7 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "LearnerPass",
+    "LoraConfig",
     "ModelConfig",
     "SamplingParams",
     "Sequences",

@@ -131,6 +131,11 @@ class RolloutClient:
     def update_weights(self, path: str) -> int:
         return self._call("POST", "/update_weights", {"path": str(path)}, auth=True)["policy_version"]
 
+    def load_lora_adapter(self, name: str, path: str) -> int:
+        """POST /v1/load_lora_adapter (vLLM's body): serve the PEFT adapter at `path` from now on -> policy_version."""
+        body = {"lora_name": name, "lora_path": str(path)}
+        return self._call("POST", "/v1/load_lora_adapter", body, auth=True)["policy_version"]
+
     def health(self) -> dict:
         return self._call("GET", "/health")
 

@@ -22,10 +22,14 @@ class ServerConfig:
     port: int = 8000
     """TCP port."""
     admin_key: str | None = None
-    """Key for POST /update_weights. Prefer --admin-key-file or RLKJAX_ADMIN_KEY: a flag is visible in `ps`. With
-    none of the three, weight updates are refused."""
+    """Key for POST /update_weights and /v1/load_lora_adapter. Prefer --admin-key-file or RLKJAX_ADMIN_KEY: a flag
+    is visible in `ps`. With none of the three, weight and adapter updates are refused."""
     admin_key_file: str | None = None
     """File holding the admin key (its first line)."""
+    lora_adapter: str | None = None
+    """A PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors, as train.grpo --lora-rank
+    writes) served on --model, unmerged through the learner's kernels; POST /v1/load_lora_adapter then swaps in
+    others of its rank, alpha and targets."""
     seed: int = 0
     """Seed of the random weights when --model is a preset."""
     runtime: Annotated[Runtime, tyro.conf.OmitArgPrefixes] = Runtime()

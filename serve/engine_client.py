@@ -95,6 +95,11 @@ class EngineClient:
         return self.engine.cfg
 
     @property
+    def params(self):
+        """The served weights, for a route that swaps a part of them (serve/adapters.py keeps the base)."""
+        return self.engine.params
+
+    @property
     def max_context(self) -> int:
         return self.engine.max_context
 

@@ -12,6 +12,9 @@ and the server keeps serving; a request without a seed gets a fresh one, reporte
                          sample token ids, logprobs as {"token": "token_id:<id>", "logprob"}, finish_reason
   POST /update_weights   {"path": checkpoint dir}; needs `Authorization: Bearer <admin key>`;
                          swapped between engine steps once in-flight sequences finish
+  POST /v1/load_lora_adapter
+                         vLLM's {"lora_name", "lora_path": PEFT dir}, with --lora-adapter: swaps the served adapter as
+                         /update_weights swaps weights (serve/adapters.py)
   GET  /v1/models       the served model (OpenAI list shape, with vLLM's max_model_len)
   GET  /health           200 {"status": "ok"} once ready; while the warm-up compiles, 503 {"status": "starting",
                          "progress": "k/N shapes compiled"} (generation routes: 503 with Retry-After); once a
@@ -49,7 +52,7 @@ from rlkjax.engine.engine import Engine
 from rlkjax.entry_config import exit_plainly, refusing
 from rlkjax.text.chat import load_chat_template
 from rlkjax.text.tokenizer import load_tokenizer
-from serve import openai_api, token_route, weights
+from serve import adapters, openai_api, token_route, weights
 from serve.auth import AdminAuth
 from serve.config import ServerConfig, admin_key
 from serve.engine_client import EngineClient
@@ -66,6 +69,8 @@ class Server:
         with refusing():  # what the flags name: the admin key file, the model and its tokenizer
             key = admin_key(config)
             cfg, params = load_model(config.source.model, seed=config.seed)
+            if config.lora_adapter is not None:
+                cfg, params = adapters.adapted(cfg, params, config.lora_adapter)
             bad = weights.non_finite(params)
             if bad:
                 raise ValueError(
@@ -103,6 +108,7 @@ class Server:
                 web.post("/v1/chat/completions", functools.partial(openai_api.chat_completions, client, config)),
                 web.post("/inference/v1/generate", functools.partial(token_route.generate_tokens, client, config)),
                 web.post("/update_weights", functools.partial(weights.update_weights, client, self.admin, config)),
+                *adapters.routes(client, self.admin, config),
                 web.get("/health", self.health),
                 web.get("/v1/models", self.models),
                 web.get("/metrics", self.metrics),

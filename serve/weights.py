@@ -53,6 +53,8 @@ def load_update(path: str, served: ModelConfig):
     checkpoint that does not load (corrupt safetensors or config.json, extra or missing
     tensors), other shapes, another dtype (float32 weights served in bfloat16's place would
     break sampler == learner), and non-finite values."""
+    if served.lora is not None:
+        raise BadRequest("this server serves a LoRA adapter on its base: swap adapters with /v1/load_lora_adapter")
     try:
         is_dir = Path(path).is_dir()
     except OSError as e:  # a name longer than the file system allows, say: the client's path, not a 500

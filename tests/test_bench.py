@@ -243,13 +243,16 @@ def test_rollout_runs_engine_against_the_kernel_loop(tmp_path):
 def test_grpo_compare_runs_a_strict_step_without_mismatch(tmp_path):
     out = tmp_path / "grpo.json"
     sizes = ["--steps", "1", "--prompts", "2", "--group", "2", "--new-tokens", "4", "--micro-batch-tokens", "64"]
-    table = run_module("grpo_compare", "--models", "qwen3-tiny", *sizes, "--numerics", "strict", "--out", str(out))
+    flags = ["--numerics", "strict", "--lora-ranks", "0,4", "--out", str(out)]
+    table = run_module("grpo_compare", "--models", "qwen3-tiny", *sizes, *flags)
     report = json.loads(out.read_text())
     assert_provenance(report, "python -m bench.grpo_compare --models qwen3-tiny")
-    (row,) = report["results"]
-    assert row["numerics"] == "strict" and row["mismatch_tokens"] == 0 and 0 < row["tokens_compared"] <= 16, row
-    assert row["matmul_params"] == flops.matmul_params(rlkjax.ModelConfig.preset("qwen3-tiny"))
-    assert row["learner_pass_mfu"] is None and row["grpo_step_mfu"] is None  # the CPU has no peak
+    assert [row["lora_rank"] for row in report["results"]] == [0, 4]  # full parameters, then LoRA
+    for row in report["results"]:
+        assert row["numerics"] == "strict" and row["mismatch_tokens"] == 0 and 0 < row["tokens_compared"] <= 16, row
+        assert row["matmul_params"] == flops.matmul_params(rlkjax.ModelConfig.preset("qwen3-tiny"))
+        assert row["learner_pass_mfu"] is None and row["grpo_step_mfu"] is None  # the CPU has no peak
+    assert report["results"][1]["adapter_params"] == 2 * 4 * (4 * 64 + 2 * 32 + 2 * 64 + 3 * (64 + 128))
     assert "MFU learner pass" in table and "MFU GRPO step" in table
 
 

@@ -162,6 +162,11 @@ def test_presets_have_the_real_qwen3_shapes():
     assert (p("qwen3-0.6b").hidden_size, p("qwen3-0.6b").num_layers, p("qwen3-0.6b").tie_embeddings) == (1024, 28, True)
     assert (p("qwen3-8b").hidden_size, p("qwen3-8b").num_layers, p("qwen3-8b").tie_embeddings) == (4096, 36, False)
     assert p("qwen3-4b").intermediate_size == 9728 and p("qwen3-1.7b").intermediate_size == 6144
+    # Qwen/Qwen3-14B and -32B's config.json: hidden 5120, 8 kv heads of 128, untied; 40 / 64 layers and heads
+    for name, layers, ffn in (("qwen3-14b", 40, 17408), ("qwen3-32b", 64, 25600)):
+        c = p(name)
+        assert (c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (5120, layers, layers, 8, 128)
+        assert (c.intermediate_size, c.vocab_size, c.tie_embeddings) == (ffn, 151936, False)
     with pytest.raises(ValueError, match="unknown preset"):
         p("qwen3-70b")
 

@@ -1,10 +1,13 @@
 """The one FLOPs and MFU definition against the hand count in rlkjax/core/flops.py's docstring."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 import rlkjax
-from rlkjax.core import flops, model
+from rlkjax.core import flops, lora, model
+from rlkjax.core.config import LoraConfig
 
 QWEN3_06B = rlkjax.ModelConfig.preset("qwen3-0.6b")
 
@@ -57,3 +60,24 @@ def test_peaks_and_mfu():
     assert flops.peak_flops("cpu") is None and flops.mfu(1e12, 1.0, "cpu") is None
     # 4.02 TFLOP in 10 ms on two H200s: 4.0225e14 FLOP/s over 2 x 989e12.
     assert flops.mfu(4_022_505_308_160, 0.01, "NVIDIA H200", devices=2) == pytest.approx(0.20336, abs=1e-5)
+
+
+def test_lora_flops_hand_count():
+    """Qwen3-8B with rank-16 adapters on all seven projections (flops.py's docstring): 43,646,976 adapter
+    parameters, counted from the adapters' own shapes too; a trained token costs 4 x the frozen base (forward and
+    input gradient, no weight gradient) + 6 x the adapters; a forward 2 x both; attention unchanged."""
+    base = rlkjax.ModelConfig.preset("qwen3-8b")
+    cfg = dataclasses.replace(base, lora=LoraConfig(rank=16))
+    assert flops.matmul_params(cfg) == 7_568_097_280
+    assert flops.adapter_params(cfg) == 36 * 16 * 75_776 == 43_646_976
+    assert flops.adapter_params(cfg) == sum(int(np.prod(s)) for s in lora.adapter_shapes(cfg).values())
+    n = 1024
+    attention = 6 * 36 * 32 * 128 * n * n
+    trained = flops.sequence_flops(cfg, [n], backward=True).model
+    assert trained == (4 * 7_568_097_280 + 6 * 43_646_976) * n + attention == 30_534_270_976 * n + attention
+    assert flops.sequence_flops(base, [n], backward=True).model == 45_408_583_680 * n + attention
+    forward = flops.sequence_flops(cfg, [n], backward=False).model
+    assert forward == 2 * (7_568_097_280 + 43_646_976) * n + attention // 3
+    assert flops.decode_flops(cfg, [1]) == 2 * (7_568_097_280 + 43_646_976) + 4 * 36 * 32 * 128
+    only_qv = dataclasses.replace(base, lora=LoraConfig(rank=8, targets=("q_proj", "v_proj")))
+    assert flops.adapter_params(only_qv) == 36 * 8 * ((4096 + 4096) + (4096 + 1024))

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import pytest
 
 import rlkjax
-from rlkjax.core import audit, embedding, model
+from rlkjax.core import audit, embedding, lora, model
+from rlkjax.core.config import LoraConfig
 from rlkjax.engine import programs
 from tests.helpers import ODD, STRICT, slow
 
@@ -21,8 +22,16 @@ def abstract(make):
     return jax.eval_shape(make)
 
 
+def model_params(cfg):
+    """Random params of cfg, with its LoRA adapters (in the model's dtype, as the policy holds them) if any."""
+    params = rlkjax.init_params(cfg)
+    if cfg.lora is None:
+        return params
+    return lora.merge(params, jax.tree.map(lambda w: w.astype(cfg.dtype), lora.init_adapters(cfg)))
+
+
 def lowered(cfg, fn, numerics_mode, b=2, t=16, pages=4):
-    params = abstract(lambda: rlkjax.init_params(cfg))
+    params = abstract(lambda: model_params(cfg))
     rope = abstract(lambda: model.rope_tables(cfg))
     tok = jax.ShapeDtypeStruct((b, t), jnp.int32)
     seqs = model.Sequences(tok, tok, jax.ShapeDtypeStruct((b,), jnp.float32))
@@ -80,6 +89,36 @@ def test_strict_path_has_no_xla_float_arithmetic(tiny, fn, shape):
     assert audit.float_arithmetic(text) == []
     if fn.endswith(("top_logprobs", "truncation")):
         assert "chlo.top_k" in text or "stablehlo.sort" in text
+
+
+@pytest.mark.parametrize("fn", ["learner", "sampler", "sampler_round"])
+def test_lora_strict_path_has_no_xla_float_arithmetic(fn):
+    """With adapters on every projection (rank 4: the kernels pad it; alpha 12: a scale that is no power of two),
+    the adapted projections run in kernels too: XLA only slices the adapters out of their stacks."""
+    cfg = dataclasses.replace(ODD, lora=LoraConfig(rank=4, alpha=12.0))
+    text = lowered(cfg, fn, STRICT)
+    assert "_lora" in text  # the adapted kernels really are there
+    assert audit.float_arithmetic(text) == []
+
+
+def test_lora_adapter_gradient_runs_in_kernels():
+    """The adapters' gradient (what the LoRA learner computes; the base frozen) has no XLA dot and no combining
+    scatter: every product in our kernels, every sum in a fixed order."""
+    cfg = dataclasses.replace(ODD, lora=LoraConfig(rank=4, alpha=12.0))
+    rope = model.rope_tables(cfg)
+    tok = jax.ShapeDtypeStruct((2, 16), jnp.int32)
+    base, adapters = lora.split(abstract(lambda: model_params(cfg)))
+
+    def total(adapters, base, tokens, positions, temperature):
+        params = lora.merge(base, adapters)
+        seqs = model.Sequences(tokens, positions, temperature)
+        return model.sequence_logprobs(params, seqs, rope, model.LearnerPass(cfg, STRICT)).sum()
+
+    temps = jax.ShapeDtypeStruct((2,), jnp.float32)
+    text = audit.lower_for_gpu(jax.jit(jax.grad(total)), adapters, base, tok, tok, temps)
+    assert "_lora" in text
+    assert audit.xla_dots(text) == []
+    assert audit.combining_scatters(text) == []
 
 
 def test_audit_reads_chlo_ops():

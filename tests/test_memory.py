@@ -135,3 +135,27 @@ def test_the_activation_estimate_covers_xlas_compiled_analysis_from_1k_to_32k_to
         assert 1.0 <= row["ratio_at_depth"] <= 1.26, row
         assert 1.0 <= row["ratio"] <= 2.1, row
         assert abs(row["per_layer_plan"] / row["per_layer_compiled"] - 1) < 0.3, row
+
+
+def test_lora_plan_by_hand_and_what_fits_one_h100():
+    """LoRA (rank 16, all seven projections): the base frozen in bf16 (2P, shared with the sampler on one GPU), the
+    A adapter parameters with fp32 master (4A), moments (8A) and gradient (4A), bf16 cast and micro-batch gradient
+    (2A each); no fp32 copy or moment of the base. On one H100 the plan fits Qwen3-8B at STEP as it is (the learner
+    step, 51.5 GiB, its largest phase) and Qwen3-14B and -32B with the settings `choose` finds (remat; 32B also
+    smaller micro-batches); full-parameter 8B fits no setting."""
+    lora = rlkjax.LoraConfig(rank=16)
+    cfg = dataclasses.replace(QWEN3_8B, lora=lora)
+    p, a = memory.parameter_count(QWEN3_8B), memory.adapter_params(cfg)
+    plan = memory.phases(cfg, STEP)
+    step = plan["learner step"]
+    assert step["frozen base weights (bf16)"] == 2 * p and step["adapters' master weights (fp32)"] == 4 * a
+    assert (
+        step["adapters' AdamW moments (2 x fp32)"] == 8 * a and step["adapters' gradients (fp32 running sum)"] == 4 * a
+    )
+    assert plan["rollout"]["sampler weights (bf16 adapters; the base is the learner's)"] == 2 * a
+    assert step["activations (estimate)"] == memory.activations(QWEN3_8B, STEP)
+    assert memory.fits(cfg, STEP, H100_LIMIT) and max(memory.peaks(plan).values()) == sum(step.values())
+    for name in ("qwen3-14b", "qwen3-32b"):
+        big = dataclasses.replace(rlkjax.ModelConfig.preset(name), lora=lora)
+        assert memory.choose(big, STEP, H100_LIMIT) is not None, name
+    assert memory.choose(QWEN3_8B, STEP, H100_LIMIT) is None

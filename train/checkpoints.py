@@ -126,6 +126,8 @@ def config_changes(saved: dict, config) -> list[str]:
     changes = []
     for name, now in run_config(config).items():
         before = saved.get(name, defaults[name])
+        if isinstance(now, tuple):  # saved as JSON, which has lists only (--lora-targets)
+            now, before = list(now), list(before)
         if name not in RESUMABLE_CHANGES and before != now:
             changes.append(f"--{name.replace('_', '-')}: {before!r} -> {now!r}")
     return changes

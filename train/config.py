@@ -12,6 +12,7 @@ import numpy as np
 import tyro
 
 from rlkjax.core.checks import check_seed, check_temperature
+from rlkjax.core.config import LORA_TARGETS, LoraConfig
 from rlkjax.entry_config import ModelSource, Runtime
 from train import fsdp, optimizer
 
@@ -50,6 +51,48 @@ class Optimiser:
         return optimizer.Hyper(
             self.learning_rate, self.warmup_steps, decay_steps, self.max_grad_norm, self.weight_decay
         )
+
+
+Target = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Lora:
+    """LoRA adapters instead of full-parameter training (train/adapters.py), as train.grpo and train.sft run it."""
+
+    lora_rank: int = 0
+    """Train rank-r LoRA adapters on the --lora-targets projections of every layer, the base model frozen in its
+    own dtype (only the adapters and their AdamW state are fp32); 0: train every parameter. The sampler runs the
+    adapted model through the learner's kernels, so the logprob contract holds unchanged."""
+    lora_alpha: float = 32.0
+    """The adapters' scale is alpha / rank (TRL's defaults, rank 16 and alpha 32, give 2); applied inside the
+    kernels, so any value is exact on both sides."""
+    lora_targets: tuple[Target, ...] = LORA_TARGETS
+    """The projections that get adapters (PEFT's module names); default all seven (PEFT's "all-linear")."""
+    lora_init: str | None = None
+    """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to start from; its r,
+    lora_alpha and target_modules replace the three flags above."""
+    export_merged: bool = False
+    """With LoRA, also write the base with the adapters merged in (W + alpha / r B A, rounded once to the model's
+    dtype) as a Hugging Face checkpoint, for stacks that do not read adapters."""
+
+    def __post_init__(self):
+        if self.lora_rank < 0:
+            raise ValueError(f"--lora-rank={self.lora_rank} must be >= 0 (0: full-parameter training)")
+        check_float("lora_alpha", self.lora_alpha, "> 0")
+        self.lora_config()  # the targets, checked once
+        if self.export_merged and not self.enabled:
+            raise ValueError("--export-merged needs LoRA (--lora-rank or --lora-init)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.lora_rank > 0 or self.lora_init is not None
+
+    def lora_config(self) -> LoraConfig | None:
+        """The adapters these flags ask for (None: no LoRA, or --lora-init's, read when the run starts)."""
+        if self.lora_rank == 0:
+            return None
+        return LoraConfig(self.lora_rank, float(self.lora_alpha), tuple(self.lora_targets))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +182,8 @@ class GRPOConfig:
     at a time during the update, overlapped with it: 8 bytes a parameter off the GPU, copied in and out every
     update); auto: device when the run's memory plan fits the GPU with them there, host otherwise (Qwen3-8B on
     one H200). Same bits wherever they live."""
+    lora: Annotated[Lora, tyro.conf.OmitArgPrefixes] = Lora()
+    """LoRA adapters on a frozen base instead of full-parameter training."""
     remat: Literal["auto", "on", "off"] = "auto"
     """on: recompute each layer's norms, projections and MLP in the learner's backward instead of keeping them for
     every layer (at Qwen3-4B, 4 x 1024 tokens, 100 instead of 428 MiB per layer) for about a quarter more matmul
@@ -171,7 +216,9 @@ class GRPOConfig:
     process_id: int = 0
     """This process's index, 0 to --num-processes - 1; process 0 writes metrics.jsonl, plot.png and final_hf/."""
     rollout_url: str | None = None
-    """Use a running `serve.rollout` server instead of the in-process engine (weights pushed each step)."""
+    """Use a running `serve.rollout` server instead of the in-process engine (weights pushed each step). With LoRA
+    the server serves the same base with --lora-adapter (an adapter of the run's rank, alpha and targets), and each
+    step's adapters are pushed through its /v1/load_lora_adapter."""
     admin_key: str | None = None
     """Admin key of that server (or RLKJAX_ADMIN_KEY)."""
     seed: int = 0

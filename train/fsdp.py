@@ -36,7 +36,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rlkjax.core import model
+from rlkjax.core import lora, model
 from train.batch import PAD, REDUCTION
 
 AXIS = "data"
@@ -260,37 +260,48 @@ def gather(params, specs, dtype=None):
 
 
 # ----- the learner's jitted functions -----
-def sharded_logprobs(fn, mesh, specs, dtype=None, **static):
+def _with_frozen(params, specs, frozen: tuple, frozen_specs):
+    """LoRA: the trainable adapters beside the frozen base (rlkjax/core/lora.py merge), and their specs."""
+    if not frozen:
+        return params, specs
+    return lora.merge(frozen[0], params), lora.merge(frozen_specs, specs)
+
+
+def sharded_logprobs(fn, mesh, specs, dtype=None, frozen_specs=None, **static):
     """fn(params, model.Sequences(tokens, positions, temps, columns), rope, layers=..., **static) -> [B, T-1]
     (columns: the Batch's scored columns), as the jitted (params, tokens, positions, temps, rope, columns),
     with rows sharded over the mesh and the weights gathered as `dtype` (default: their own); params
-    (without "layers" when `layers` is a `Gathered`) and `layers` go on to model.forward (see gather)."""
+    (without "layers" when `layers` is a `Gathered`) and `layers` go on to model.forward (see gather).
+    frozen_specs (LoRA): the jitted function takes the frozen base params as a last argument, merged with params
+    before the gather."""
 
-    def body(params, tokens, positions, temps, rope, columns):
-        params, layers = gather(params, specs, dtype)
+    def body(params, tokens, positions, temps, rope, columns, *frozen):
+        params, layers = gather(*_with_frozen(params, specs, frozen, frozen_specs), dtype)
         return fn(params, model.Sequences(tokens, positions, temps, columns), rope, layers=layers, **static)
 
-    in_specs = (specs, ROWS, ROWS, ROWS, P(), ROWS)
+    in_specs = (specs, ROWS, ROWS, ROWS, P(), ROWS) + (() if frozen_specs is None else (frozen_specs,))
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=ROWS, check_vma=False))
 
 
-def sharded_value_and_grad(loss_fn, mesh, specs, dtype=None, **static):
+def sharded_value_and_grad(loss_fn, mesh, specs, dtype=None, frozen_specs=None, **static):
     """loss_fn(params, batch, ref_logp, rope, total_tokens, layers=..., **static) -> (loss,
     (stats, logp)), the loss and LossStats over this device's rows and logp [rows, T-1], with the
     weights gathered as `dtype` (params["layers"] gathered a layer at a time by `layers`: see gather).
     The jitted function takes (params, batch, ref_logp, rope, total_tokens, grads_so_far) and
     returns the global loss, the stats merged by their declared REDUCTION, every row's logp, and
     grads_so_far + this micro-batch's FSDP-sharded gradients (in the params' dtype), added in place:
-    grads_so_far is donated, so a micro-batch's gradients never take a second copy of that memory."""
+    grads_so_far is donated, so a micro-batch's gradients never take a second copy of that memory.
+    frozen_specs (LoRA): the jitted function takes the frozen base params as a last argument, merged with params
+    (the adapters, the only ones differentiated) before the gather."""
     collectives = {
         "min": lambda v: jax.lax.pmin(v, AXIS),
         "max": lambda v: jax.lax.pmax(v, AXIS),
         "sum": ordered_sum,
     }
 
-    def body(params, batch, ref_logp, rope, total_tokens, grads_so_far):
+    def body(params, batch, ref_logp, rope, total_tokens, grads_so_far, *frozen):
         def local(p):
-            p, layers = gather(p, specs, dtype)
+            p, layers = gather(*_with_frozen(p, specs, frozen, frozen_specs), dtype)
             return loss_fn(p, batch, ref_logp, rope, total_tokens=total_tokens, layers=layers, **static)
 
         (loss, (stats, logp)), grads = jax.value_and_grad(local, has_aux=True)(params)
@@ -301,7 +312,7 @@ def sharded_value_and_grad(loss_fn, mesh, specs, dtype=None, **static):
         jax.shard_map(
             body,
             mesh=mesh,
-            in_specs=(specs, BATCH_SPECS, ROWS, P(), P(), specs),
+            in_specs=(specs, BATCH_SPECS, ROWS, P(), P(), specs) + (() if frozen_specs is None else (frozen_specs,)),
             out_specs=((P(), (P(), ROWS)), specs),
             check_vma=False,
         ),

@@ -20,7 +20,9 @@ The algorithm, per step:
      rho = exp(logp_new - logp_old). Aggregation is token-level over the whole batch (every token
      weighs the same, as in DAPO), not a mean of per-sequence means.
   4. AdamW (warmup + cosine schedule, global-norm clipping) on fp32 master weights; the policy
-     is their bf16 cast, pushed to the sampler (device to device, or through /update_weights).
+     is their bf16 cast, pushed to the sampler (device to device, or through /update_weights). With
+     --lora-rank the master weights are LoRA adapters on a frozen bf16 base (train/adapters.py), and the
+     sampler runs base + adapters through the learner's kernels.
   5. Metrics (JSONL, progress bar, PNG plot at the end) and orbax checkpoints.
 
 This file holds the advantages and the loop (the loss is train/loss.py's); README.md's map says where the
@@ -58,14 +60,14 @@ from rlkjax.rl.environments import load_environment
 from rlkjax.rl.tasks import make_task
 from rlkjax.text.chat import PromptFormat, prompt_format
 from rlkjax.text.tokenizer import load_tokenizer
-from train import fsdp, memory
+from train import adapters, fsdp, memory
 from train.batch import Batch, Sample, pack
 from train.checkpoints import Checkpoints, check_disk, file_sha256, restore_run, run_config, save_run
 from train.config import GRPOConfig
 from train.episodes import EpisodeRunner, episode_row, learner_samples
 from train.evaluate import due, evaluate, load_eval_set
 from train.guards import check_rewards
-from train.learner import Learner, build_learner, learn, verify
+from train.learner import Learner, build_learner, learn, policy, verify
 from train.loggers import Loggers, sample_table
 from train.loss import to_policy
 from train.memory import PhasePeaks, RunShape, kv_budget, least_kv_pages
@@ -159,10 +161,10 @@ def grpo_step(step: int, run: Run, state: dict, data_rng) -> tuple[dict, dict, l
     row |= learned
     t3 = time.perf_counter()
     phases.phase("weight sync")
-    policy = to_policy(state["master"], cfg)
-    jax.block_until_ready(policy)
-    run.rollout.push(policy, cfg, run.out)
-    del policy
+    weights = policy(run.learner, state["master"], cfg)
+    jax.block_until_ready(weights)
+    run.rollout.push(weights, cfg, run.out)
+    del weights
     t4 = time.perf_counter()
     phases.phase(None)
     row |= {
@@ -232,9 +234,16 @@ def train(config: GRPOConfig) -> dict:
         run.phases.close()
         if loggers is not None:
             loggers.close()
-    final = fsdp.to_host(to_policy(state["master"], run.cfg))  # every process takes part in the gather
-    if primary:
+    # Every process takes part in the gathers; process 0 writes. LoRA: final_hf/ is the PEFT adapter (and
+    # final_hf_merged/ with --export-merged).
+    frozen = fsdp.to_host(run.learner.frozen[0]) if run.learner.frozen else None
+    final = fsdp.to_host(state["master"] if frozen is not None else to_policy(state["master"], run.cfg))
+    if primary and frozen is None:
         rlkjax.save_hf_checkpoint(run.out / "final_hf", run.cfg, final)
+    elif primary:
+        merged = run.out / "final_hf_merged" if config.lora.export_merged else None
+        adapters.export(run.out / "final_hf", run.cfg, final, frozen, config.source.model, merged)
+    if primary:
         plot(run.out)
     return {"master": state["master"], "history": history, "config": config}
 
@@ -251,6 +260,7 @@ def start_run(config: GRPOConfig) -> tuple[Run, dict, int, np.random.Generator]:
         raise Refusal(f"--out {config.out}: cannot create the directory ({e.strerror or e}); name another") from e
     with refusing():  # what the flags name: the model, tokenizer, data, environment and devices, and the plan
         cfg, params = load_model(config.source.model, seed=config.seed)
+        cfg, frozen, params = adapters.adapt(config.lora, cfg, params, config.seed)  # LoRA: params are the adapters
         if config.max_prompt_tokens + config.max_new_tokens > cfg.max_position:
             raise ValueError(
                 f"--max-prompt-tokens + --max-new-tokens = {config.max_prompt_tokens + config.max_new_tokens} "
@@ -275,8 +285,8 @@ def start_run(config: GRPOConfig) -> tuple[Run, dict, int, np.random.Generator]:
         learner_devices = fsdp.pick_devices("--learner-devices", config.learner_devices)
         sampler_devices = fsdp.pick_devices("--sampler-devices", config.sampler_devices)
         config, kv_pages = plan_memory(config, cfg, learner_devices, sampler_devices)
-    learner, master, opt_state = build_learner(config, cfg, params, learner_devices, config.moments)
-    del params  # the sampler gets the policy from the mesh, as it will after every update
+    learner, master, opt_state = build_learner(config, cfg, params, learner_devices, config.moments, frozen)
+    del params, frozen  # the sampler gets the policy from the mesh, as it will after every update
     data_rng = np.random.default_rng(config.seed)
     # The KL reference is the initial policy; it is saved with each checkpoint (a resumed policy is not it).
     state = {"master": master, "opt_state": opt_state, "ref": to_policy(master, cfg) if config.beta else None}
@@ -408,13 +418,13 @@ def make_rollout(
     """The rollout backend, holding the (restored) policy: a server given it now, or in-process engines built
     with it (it has had `start` updates, so their policy versions continue from there) that stop at `eos`, each
     with a KV cache of `kv_pages` pages."""
-    policy = to_policy(master, cfg)
+    weights = policy(learner, master, cfg)
     if config.rollout_url:
         rollout = RemoteRollout(config.rollout_url, config.admin_key)
-        rollout.push(policy, cfg, out)
+        rollout.push(weights, cfg, out)
     else:
         rollout = LocalRollout(
-            policy,
+            weights,
             cfg,
             config.runtime.numerics,
             learner.mesh,

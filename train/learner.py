@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlkjax.core import model
+from rlkjax.core import lora, model
 from rlkjax.core.mismatch import mismatch_stats
 from train import fsdp, optimizer
 from train.batch import Batch, micro_batches, plan_micro_batches, reduce_stats, unpermute
@@ -24,7 +24,7 @@ from train.guards import (
     first_update_violation,
     nonfinite,
 )
-from train.loss import Objective, grpo_loss, policy_logprobs
+from train.loss import Objective, grpo_loss, policy_logprobs, to_policy
 
 if TYPE_CHECKING:
     from train.config import GRPOConfig
@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 class Learner(NamedTuple):
     """The learner's mesh and its jitted functions: gradients of grpo_loss (grad_fn, summed over micro-batches
     into its last argument), scoring (score_fn, policy_logprobs) and the optimiser step (update,
-    train/optimizer.py's: (grads, state, master) -> (master, state, gradient norm, finiteness))."""
+    train/optimizer.py's: (grads, state, master) -> (master, state, gradient norm, finiteness)). frozen: with
+    LoRA, (the frozen base params on the mesh,), every grad_fn and score_fn call's last argument; else ()."""
 
     devices: list
     mesh: jax.sharding.Mesh
@@ -41,6 +42,7 @@ class Learner(NamedTuple):
     grad_fn: Callable
     score_fn: Callable
     update: Callable
+    frozen: tuple = ()
 
     def on_mesh(self, batch: Batch, budget: int):
         """batch's micro-batches of at most `budget` padded tokens per device (train/batch.py
@@ -54,10 +56,11 @@ class Learner(NamedTuple):
         return unpermute([fsdp.to_host(x) for x in parts], plan, *batch.logp_old.shape)
 
 
-def build_learner(config: "GRPOConfig", cfg, params, devices, moments="device"):
+def build_learner(config: "GRPOConfig", cfg, params, devices, moments="device", frozen=None):
     """-> (Learner, fp32 master weights sharded over `devices`, their optimiser state). moments: where AdamW's
-    moments live (train/optimizer.py). config's --remat and --micro-batch-tokens are settled (train.grpo's
-    plan_memory chooses them where they are auto)."""
+    moments live (train/optimizer.py). frozen (LoRA, train/adapters.py): the base params, put on the mesh in
+    their own dtype and never trained; params are then the adapters. config's --remat and --micro-batch-tokens are
+    settled (train.grpo's plan_memory chooses them where they are auto)."""
     unsettled = [f"--{n.replace('_', '-')}" for n in ("remat", "micro_batch_tokens") if getattr(config, n) == "auto"]
     if unsettled:
         raise ValueError(f"{' and '.join(unsettled)} auto: the memory plan chooses them (train.grpo plan_memory)")
@@ -66,11 +69,24 @@ def build_learner(config: "GRPOConfig", cfg, params, devices, moments="device"):
     master = fsdp.put(params, mesh, specs, dtype=jnp.float32)
     rope = fsdp.put(model.rope_tables(cfg), mesh, fsdp.REPLICATED)
     layout = (mesh, *_hashable(specs))
-    grad_fn = _grad_fn(*layout, cfg, config.runtime.numerics, config.clip_eps, config.beta, config.remat == "on")
-    score_fn = _score_fn(*layout, cfg, config.runtime.numerics)
+    frozen_specs = None if frozen is None else fsdp.param_specs(frozen, len(devices))
+    fixed = () if frozen is None else (fsdp.put(frozen, mesh, frozen_specs),)
+    frozen_layout = None if frozen is None else _hashable(frozen_specs)
+    remat = config.remat == "on"
+    grad_fn = _grad_fn(
+        *layout, cfg, config.runtime.numerics, config.clip_eps, config.beta, remat, frozen_layout=frozen_layout
+    )
+    score_fn = _score_fn(*layout, cfg, config.runtime.numerics, frozen_layout=frozen_layout)
     opt = optimizer.make(config.optimiser.hyper(config.steps * config.updates_per_batch), mesh, specs, moments)
     update = functools.partial(optimizer.update, opt)
-    return Learner(devices, mesh, rope, grad_fn, score_fn, update), master, optimizer.init(opt, master)
+    return Learner(devices, mesh, rope, grad_fn, score_fn, update, fixed), master, optimizer.init(opt, master)
+
+
+def policy(learner: Learner, master, cfg):
+    """The weights the sampler runs: the master cast to the policy's dtype (train/loss.py to_policy), beside the
+    frozen base with LoRA."""
+    cast = to_policy(master, cfg)
+    return lora.merge(learner.frozen[0], cast) if learner.frozen else cast
 
 
 # The learner's jitted functions are built once per process for each key, not once per run, so a process that
@@ -88,20 +104,22 @@ def _specs(leaves, treedef):
 
 
 @functools.lru_cache(maxsize=4)
-def _grad_fn(mesh, spec_leaves, spec_tree, cfg, numerics, clip_eps, beta, remat):
+def _grad_fn(mesh, spec_leaves, spec_tree, cfg, numerics, clip_eps, beta, remat, *, frozen_layout=None):
     # The weights are gathered as the policy's dtype (policy_logprobs' own cast is then a no-op; the layers'
     # reach model.forward as fsdp.Gathered): the same bits as casting after the gather, with half the bytes
     # moved and held.
     specs = _specs(spec_leaves, spec_tree)
+    frozen = dict(frozen_specs=_specs(*frozen_layout)) if frozen_layout else {}
     objective = Objective(model.LearnerPass(cfg, numerics, remat), clip_eps, beta)
-    return fsdp.sharded_value_and_grad(grpo_loss, mesh, specs, dtype=cfg.dtype, objective=objective)
+    return fsdp.sharded_value_and_grad(grpo_loss, mesh, specs, dtype=cfg.dtype, **frozen, objective=objective)
 
 
 @functools.lru_cache(maxsize=4)
-def _score_fn(mesh, spec_leaves, spec_tree, cfg, numerics):
+def _score_fn(mesh, spec_leaves, spec_tree, cfg, numerics, *, frozen_layout=None):
     specs = _specs(spec_leaves, spec_tree)
+    frozen = dict(frozen_specs=_specs(*frozen_layout)) if frozen_layout else {}
     setting = model.LearnerPass(cfg, numerics)
-    return fsdp.sharded_logprobs(policy_logprobs, mesh, specs, dtype=cfg.dtype, setting=setting)
+    return fsdp.sharded_logprobs(policy_logprobs, mesh, specs, dtype=cfg.dtype, **frozen, setting=setting)
 
 
 def score(learner: Learner, weights, batch: Batch, budget: int) -> np.ndarray:
@@ -109,7 +127,7 @@ def score(learner: Learner, weights, batch: Batch, budget: int) -> np.ndarray:
     of at most `budget` tokens per device. Every micro-batch is dispatched before any is read back: the device
     never waits on the host."""
     scored = [
-        learner.score_fn(weights, mb.tokens, mb.positions, mb.temps, learner.rope, mb.columns)
+        learner.score_fn(weights, mb.tokens, mb.positions, mb.temps, learner.rope, mb.columns, *learner.frozen)
         for mb in learner.on_mesh(batch, budget)
     ]
     return learner.unpermute(batch, budget, scored)
@@ -138,11 +156,13 @@ def gradients(learner: Learner, master, ref, batch: Batch, total_tokens, config:
     grads, losses, stats, logp_new = jax.tree.map(jnp.zeros_like, master), [], [], []
     for mb in learner.on_mesh(batch, config.micro_batch_tokens):
         ref_logp = (
-            learner.score_fn(ref, mb.tokens, mb.positions, mb.temps, learner.rope, mb.columns)
+            learner.score_fn(ref, mb.tokens, mb.positions, mb.temps, learner.rope, mb.columns, *learner.frozen)
             if config.beta
             else fsdp.put(np.zeros(mb.logp_old.shape, np.float32), learner.mesh, fsdp.ROWS)
         )
-        (loss, (st, logp)), grads = learner.grad_fn(master, mb, ref_logp, learner.rope, total_tokens, grads)
+        (loss, (st, logp)), grads = learner.grad_fn(
+            master, mb, ref_logp, learner.rope, total_tokens, grads, *learner.frozen
+        )
         losses.append(loss)
         stats.append(st)
         logp_new.append(logp)

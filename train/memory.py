@@ -14,6 +14,8 @@ N = learner devices):
 bench/memory_plan.py prints these tables; train.grpo's measured peaks per phase are in its metrics rows.
 train.grpo's automatic settings (--moments, --remat, --micro-batch-tokens auto) come from `choose`; a run that no
 setting fits is refused with `refusal`'s table before anything compiles.
+With LoRA (cfg.lora) the base is frozen in bf16 (2P/N, every phase) and only the A adapter parameters have a
+master, moments and gradient (`lora_phases`).
 """
 
 import dataclasses
@@ -24,6 +26,7 @@ import numpy as np
 
 from rlkjax.core import model
 from rlkjax.core.config import ModelConfig
+from rlkjax.core.flops import adapter_params
 from rlkjax.core.numerics import PAGE_SIZE
 from rlkjax.core.shapes import cdiv
 from train.batch import padded_length
@@ -163,6 +166,8 @@ def kv_budget(cfg: ModelConfig, shape: RunShape, limit: float | None, gib: float
 
 def phases(cfg: ModelConfig, shape: RunShape) -> dict[str, dict[str, float]]:
     """{phase: {row: bytes on one GPU}}."""
+    if cfg.lora is not None:
+        return lora_phases(cfg, shape)
     p, n, layer, outer = parameter_count(cfg), shape.devices, layer_parameters(cfg), embedding_parameters(cfg)
     on_device = shape.moments == "device"
     master, grads, moments = 4 * p / n, 4 * p / n, 8 * p / n
@@ -190,6 +195,48 @@ def phases(cfg: ModelConfig, shape: RunShape) -> dict[str, dict[str, float]]:
         "learner step": resident | {"gradients (fp32 running sum)": grads} | weights,
         "optimiser update": {"master weights (fp32)": master, "gradients (fp32 running sum)": grads} | update,
         "weight sync": resident | ({"sampler weights (bf16), cast again": 2 * p} if shape.sampler else {}),
+    }
+
+
+def lora_phases(cfg: ModelConfig, shape: RunShape) -> dict[str, dict[str, float]]:
+    """`phases` with LoRA: the frozen bf16 base (2P/N), and the A adapter parameters' fp32 master, moments and
+    gradient, bf16 cast and micro-batch gradient. On one device the sampler runs the learner's base arrays
+    themselves (train/fsdp.py local_copy), over N it holds a whole copy. The activations are full training's: the
+    adapters' weight gradients read every adapted input."""
+    p, a, n = parameter_count(cfg), adapter_params(cfg), shape.devices
+    frozen = {"frozen base weights (bf16)": 2 * p / n}
+    master, grads = (
+        {"adapters' master weights (fp32)": 4 * a / n},
+        {"adapters' gradients (fp32 running sum)": 4 * a / n},
+    )
+    moments = {"adapters' AdamW moments (2 x fp32)": 8 * a / n}
+    resident = frozen | master | (moments if shape.moments == "device" else {})
+    engine = (
+        {"sampler weights (bf16 adapters; the base is the learner's)": 2 * a}
+        if n == 1
+        else {"sampler weights (bf16, a whole copy)": 2 * (p + a)}
+    )
+    sampler = engine | {"KV cache": kv_cache(cfg, shape)} if shape.sampler else {}
+    gathered = {
+        "gathered base (bf16: embeddings, LM head, one layer)": 2 * (embedding_parameters(cfg) + layer_parameters(cfg))
+    }
+    gathered = gathered if n > 1 else {}
+    cast = {"adapters cast to bf16": 2 * a}
+    update = moments if shape.moments == "device" else {"adapters' AdamW moments streaming from the host": 8 * a / n}
+    return {
+        "rollout": resident | sampler,
+        "verify": resident
+        | gathered
+        | cast
+        | {"scoring pass (its fresh K/V pages and one layer's arrays)": scoring(cfg, shape)},
+        "learner step": resident
+        | grads
+        | cast
+        | {"adapters' micro-batch gradient (bf16)": 2 * a}
+        | gathered
+        | {"activations (estimate)": activations(cfg, shape)},
+        "optimiser update": frozen | master | grads | update,
+        "weight sync": resident | ({"sampler weights (bf16 adapters), cast again": 2 * a} if shape.sampler else {}),
     }
 
 

@@ -24,7 +24,9 @@ import jax
 import numpy as np
 
 from rlkjax.client import RolloutClient
+from rlkjax.core import lora
 from rlkjax.core.checkpoint import save_orbax_params
+from rlkjax.core.lora import save_peft
 from rlkjax.core.numerics import PAGE_SIZE
 from rlkjax.core.sampling_params import SamplingParams
 from rlkjax.core.shapes import cdiv
@@ -268,6 +270,11 @@ class RemoteRollout:
         """Nothing to free here: the server's memory is its own."""
 
     def push(self, params, cfg, out_dir):
+        if cfg.lora is not None:  # the adapters only, as PEFT files (bf16 values, exact in their float32)
+            path = Path(out_dir) / "sync_adapter"
+            save_peft(path, cfg, lora.split(params)[1])
+            self.client.load_lora_adapter("policy", str(path.absolute()))
+            return
         path = Path(out_dir) / "sync"
         save_orbax_params(path, cfg, params)
         self.client.update_weights(str(path.absolute()))

@@ -10,7 +10,10 @@ trained on. The pieces are train.grpo's learner's: its batch packing (train/batc
 scoring (train/loss.py policy_logprobs) and its optimiser (train/optimizer.py: the fixed-order gradient norm,
 the clip, AdamW and its schedule), on one device. Writes OUT/ as an HF checkpoint (the weights in the model's
 dtype, beside the input's tokenizer files), so `python -m train.grpo --model OUT` starts from it, plus
-OUT/sft_metrics.jsonl.
+OUT/sft_metrics.jsonl. With LoRA (--lora-rank, train/adapters.py) only adapters train, the base stays frozen in its
+dtype, and OUT/ holds them as a PEFT adapter (adapter_config.json + adapter_model.safetensors; with
+--export-merged also OUT/merged/, the base with them folded in): `python -m train.grpo --model BASE --lora-init OUT`
+continues training them.
 
 A random model learns the answer format in a few dozen steps and the answers themselves much later: stopping
 early (--steps) leaves a policy that answers in the right form and is sometimes right, the room GRPO needs.
@@ -33,17 +36,17 @@ import jax.numpy as jnp
 import numpy as np
 import tyro
 
-from rlkjax.core import model
-from rlkjax.core.checkpoint import load_hf_checkpoint, save_hf_checkpoint
+from rlkjax.core import lora, model
+from rlkjax.core.checkpoint import load_hf_checkpoint
 from rlkjax.entry_config import Refusal, Runtime, exit_plainly, refusing
 from rlkjax.rl.data import load_examples, read_rows
 from rlkjax.rl.environments import checked_reset, first_prompt, load_environment, worked_episode
 from rlkjax.text.chat import load_chat_template, prompt_format
 from rlkjax.text.tokenizer import load_tokenizer
-from train import fsdp, optimizer
+from train import adapters, fsdp, optimizer
 from train.batch import Batch, as_sample, pack
-from train.config import Optimiser
-from train.loss import policy_logprobs, to_policy
+from train.config import Lora, Optimiser
+from train.loss import policy_logprobs
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "generation_config.json")
 
@@ -78,6 +81,8 @@ class SFTConfig:
     """Examples per step, drawn at random (with replacement) from --data."""
     optimiser: Annotated[Optimiser, tyro.conf.OmitArgPrefixes] = Optimiser(warmup_steps=10)
     """train.grpo's AdamW settings."""
+    lora: Annotated[Lora, tyro.conf.OmitArgPrefixes] = Lora()
+    """LoRA adapters on a frozen base instead of full-parameter training."""
     runtime: Annotated[Runtime, tyro.conf.OmitArgPrefixes] = Runtime(numerics="fast")
     """The numerics (fast by default: the warm-up is not on the logprob contract) and the compilation cache."""
     seed: int = 0
@@ -131,28 +136,31 @@ def make_batch(pairs) -> Batch:
     )
 
 
-def sft_loss(master, batch: Batch, rope, cfg, numerics) -> jax.Array:
+def sft_loss(master, batch: Batch, rope, cfg, numerics, frozen=None) -> jax.Array:
     """Mean negative log-likelihood per trained token, of the learner's policy (train/loss.py policy_logprobs:
-    the master weights cast to cfg.dtype, the log-softmax at the batch's columns only)."""
+    the master weights cast to cfg.dtype, the log-softmax at the batch's columns only). frozen: with LoRA, the
+    base params beside the master adapters (not differentiated)."""
+    params = master if frozen is None else lora.merge(frozen, master)
     seqs = model.Sequences(batch.tokens, batch.positions, batch.temps, batch.columns)
-    logp = policy_logprobs(master, seqs, rope, model.LearnerPass(cfg, numerics))
+    logp = policy_logprobs(params, seqs, rope, model.LearnerPass(cfg, numerics))
     return -jnp.sum(logp * batch.mask) / jnp.sum(batch.mask)
 
 
-def make_update(config: SFTConfig, cfg, params):
+def make_update(config: SFTConfig, cfg, params, frozen=None):
     """-> (a step (master, opt_state, batch) -> (master, opt_state, loss, gradient norm), the fp32 master weights
     on a one-device mesh, their AdamW state). The step is train.grpo's optimiser (train/optimizer.py: the
     fixed-order global norm, the clip, AdamW with its schedule) on the warm-up loss's gradient; master and
-    opt_state are consumed."""
+    opt_state are consumed. frozen (LoRA): the base params, kept in their dtype; params are the adapters."""
     mesh = fsdp.make_mesh(jax.devices()[:1])
     specs = fsdp.param_specs(params, 1)
     master = fsdp.put(params, mesh, specs, dtype=jnp.float32)
+    frozen = None if frozen is None else fsdp.put(frozen, mesh, fsdp.REPLICATED)
     rope = fsdp.put(model.rope_tables(cfg), mesh, fsdp.REPLICATED)
     opt = optimizer.make(config.optimiser.hyper(config.steps), mesh, specs)
     gradient = _gradient(cfg, config.runtime.numerics)
 
     def update(master, opt_state, batch):
-        loss, grads = gradient(master, batch, rope)
+        loss, grads = gradient(master, batch, rope, frozen=frozen)
         master, opt_state, grad_norm, _ = optimizer.update(opt, grads, opt_state, master)
         return master, opt_state, loss, grad_norm
 
@@ -168,6 +176,7 @@ def train(config: SFTConfig) -> list[dict]:
     """Run the warm-up and write OUT/ -> the metrics rows."""
     with refusing():  # what the flags name: the checkpoint, its tokenizer, the data and the environment
         cfg, params = load_hf_checkpoint(config.model)
+        cfg, frozen, params = adapters.adapt(config.lora, cfg, params, config.seed)  # LoRA: params: the adapters
         tokenizer = load_tokenizer(config.model)
         if tokenizer.eos_token_id is None:
             raise ValueError(
@@ -188,7 +197,7 @@ def train(config: SFTConfig) -> list[dict]:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise Refusal(f"--out {config.out}: cannot create the directory ({e.strerror or e}); name another") from e
-    update, master, opt_state = make_update(config, cfg, params)
+    update, master, opt_state = make_update(config, cfg, params, frozen)
     rng = np.random.default_rng(config.seed)
     rows, start = [], time.perf_counter()
     with (out / "sft_metrics.jsonl").open("w") as metrics:
@@ -205,11 +214,12 @@ def train(config: SFTConfig) -> list[dict]:
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
                 print(json.dumps(row), flush=True)
-    policy = fsdp.to_host(to_policy(master, cfg))
-    save_hf_checkpoint(out, cfg, policy)
-    for name in TOKENIZER_FILES:
-        if (Path(config.model) / name).is_file():
-            shutil.copyfile(Path(config.model) / name, out / name)
+    merged = out / "merged" if config.lora.export_merged else None
+    adapters.export(out, cfg, master, frozen, config.model, merged)
+    for directory in (out, merged) if merged else (out,):
+        for name in TOKENIZER_FILES:
+            if (Path(config.model) / name).is_file():
+                shutil.copyfile(Path(config.model) / name, directory / name)
     return rows
 
 

@@ -1,8 +1,38 @@
-"""Model shapes: one frozen dataclass, presets for the real Qwen3 dense sizes, and HF config.json."""
+"""Model shapes: one frozen dataclass, presets for the real Qwen3 dense sizes, and HF config.json; and the LoRA
+adapters a model may carry (`LoraConfig`)."""
 
 import dataclasses
 import json
 from pathlib import Path
+
+# The projections an adapter can target, by their HF (and PEFT) module names.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters on the model's projections: y = x W^T + (alpha / rank) (x A^T) B^T, W frozen, A [rank, in]
+    and B [out, rank] trained (rlkjax/core/lora.py). The defaults are TRL's (r 16, alpha 32) on every linear
+    projection of the decoder layers (PEFT's "all-linear"; PEFT's own default r 8, alpha 8 on q_proj and v_proj
+    only trains far less of the model)."""
+
+    rank: int = 16
+    alpha: float = 32.0
+    targets: tuple[str, ...] = LORA_TARGETS
+
+    def __post_init__(self):
+        if self.rank <= 0:
+            raise ValueError(f"LoRA rank={self.rank} must be positive")
+        if not self.alpha > 0:
+            raise ValueError(f"LoRA alpha={self.alpha} must be positive")
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if unknown or not self.targets or len(set(self.targets)) != len(self.targets):
+            raise ValueError(f"LoRA targets {list(self.targets)}: name each of {list(LORA_TARGETS)} at most once")
+
+    @property
+    def scale(self) -> float:
+        """alpha / rank, applied inside the kernels (pallas_kernels/lora.py), whatever its value."""
+        return float(self.alpha) / self.rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,6 +49,7 @@ class ModelConfig:
     rope_theta: float = 1_000_000.0
     rms_norm_eps: float = 1e-6
     dtype: str = "bfloat16"  # weights, activations and the KV cache
+    lora: LoraConfig | None = None  # adapters on the projections (params["layers"] then holds them), or none
 
     def __post_init__(self):
         for name in (
@@ -39,6 +70,8 @@ class ModelConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates halves)")
         if self.dtype not in ("bfloat16", "float32"):
             raise ValueError(f"dtype={self.dtype!r} must be 'bfloat16' or 'float32'")
+        if self.lora is not None and not isinstance(self.lora, LoraConfig):
+            raise ValueError(f"lora={self.lora!r} must be a LoraConfig or None")
 
     def replace_dtype(self, dtype: str) -> "ModelConfig":
         return dataclasses.replace(self, dtype=dtype)
@@ -151,4 +184,7 @@ PRESETS = {
     "qwen3-1.7b": ModelConfig(151936, 2048, 28, 16, 8, 128, 6144, tie_embeddings=True),
     "qwen3-4b": ModelConfig(151936, 2560, 36, 32, 8, 128, 9728, tie_embeddings=True),
     "qwen3-8b": ModelConfig(151936, 4096, 36, 32, 8, 128, 12288, tie_embeddings=False),
+    # Qwen/Qwen3-14B and Qwen/Qwen3-32B's config.json (shapes only).
+    "qwen3-14b": ModelConfig(151936, 5120, 40, 40, 8, 128, 17408, tie_embeddings=False),
+    "qwen3-32b": ModelConfig(151936, 5120, 64, 64, 8, 128, 25600, tie_embeddings=False),
 }

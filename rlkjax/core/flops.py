@@ -33,6 +33,15 @@ vocab 151,936), the shape `tests/test_flops.py` checks:
         6 x 28 x 16 x 128 x 1,024^2  =   360,777,252,864
         total                        = 4,022,505,308,160 FLOPs (3.93 GFLOP per token)
 
+LoRA (cfg.lora): the base weights are frozen, so their weight gradient is never computed: a trained token costs
+4 x matmul parameters (forward and input gradient) + 6 x adapter parameters (A [r, in] and B [out, r] of every
+target, trained) + the same attention term (it has no weights; its backward is all input gradient); a forward pass
+2 x (matmul + adapter parameters). Qwen3-8B at rank 16 on all seven projections: per layer 16 x (q 4096 + 4096,
+k and v 2 x (4096 + 1024), o 4096 + 4096, gate, up and down 3 x (4096 + 12288)) = 16 x 75,776 = 1,212,416, so
+36 x that = 43,646,976 adapter parameters against 7,568,097,280 matmul ones; a trained token counts
+4 x 7,568,097,280 + 6 x 43,646,976 = 30,534,270,976 FLOPs before attention, where full-parameter training
+counts 45,408,583,680: an MFU computed with 6 x would overstate LoRA's by half.
+
 MFU = model FLOPs / seconds / (devices x peak), with the dense bf16 peak of the device kind below.
 Say with every MFU whether it is the learner pass alone or the whole GRPO step (rollout included).
 """
@@ -60,6 +69,27 @@ def matmul_params(cfg: ModelConfig) -> int:
     return cfg.num_layers * (attention + mlp) + cfg.vocab_size * d
 
 
+def adapter_params(cfg: ModelConfig) -> int:
+    """LoRA's trained parameters, r x (in + out) per target per layer; 0 without LoRA."""
+    if cfg.lora is None:
+        return 0
+    d, q, kv, f = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    sides = {"q_proj": d + q, "k_proj": d + kv, "v_proj": d + kv, "o_proj": q + d}
+    sides |= {"gate_proj": d + f, "up_proj": d + f, "down_proj": f + d}
+    return cfg.num_layers * cfg.lora.rank * sum(sides[t] for t in cfg.lora.targets)
+
+
+def matmul_flops_per_token(cfg: ModelConfig, backward: bool) -> int:
+    """The weights' FLOPs per token: 2 (forward) or 6 (training) x matmul parameters; with LoRA the frozen base
+    costs 4 in training (no weight gradient) and the adapters 6 (see the module docstring)."""
+    adapters = adapter_params(cfg)
+    if not backward:
+        return FORWARD * (matmul_params(cfg) + adapters)
+    if cfg.lora is None:
+        return TRAINING * matmul_params(cfg)
+    return (TRAINING - FORWARD) * matmul_params(cfg) + TRAINING * adapters
+
+
 def attention_flops_per_token(cfg: ModelConfig, length: int, per_param: int = TRAINING) -> int:
     """The causal attention term per token of a sequence of `length` real tokens (MaxText's)."""
     return per_param * cfg.num_layers * cfg.num_heads * cfg.head_dim * length
@@ -85,7 +115,7 @@ def sequence_flops(cfg: ModelConfig, lengths, padded_length: int | None = None, 
     per_param = TRAINING if backward else FORWARD
 
     def count(n: np.ndarray) -> float:
-        per_seq = per_param * matmul_params(cfg) * n + attention_flops_per_token(cfg, 1, per_param) * n * n
+        per_seq = matmul_flops_per_token(cfg, backward) * n + attention_flops_per_token(cfg, 1, per_param) * n * n
         return float(per_seq.sum())
 
     model = count(lengths)
@@ -97,10 +127,10 @@ def sequence_flops(cfg: ModelConfig, lengths, padded_length: int | None = None, 
 
 def decode_flops(cfg: ModelConfig, context_lengths) -> float:
     """FLOPs of one decode step (forward only) over rows whose contexts hold these many keys, the
-    new token included: 2 x matmul parameters + 4 x layers x query heads x head dim x context per row."""
+    new token included: 2 x matmul (and adapter) parameters + 4 x layers x query heads x head dim x context per row."""
     context = np.asarray(context_lengths, np.int64).reshape(-1)
     per_key = 2 * FORWARD * cfg.num_layers * cfg.num_heads * cfg.head_dim  # QK^T and PV
-    return float((FORWARD * matmul_params(cfg) + per_key * context).sum())
+    return float((matmul_flops_per_token(cfg, backward=False) + per_key * context).sum())
 
 
 def _lookup(table: dict[str, float], device) -> float | None:

@@ -93,13 +93,20 @@ def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int = PAGE_SIZE):
 MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def _adapter(weights: dict, name: str):
+    """(lora_A, lora_B) of projection `name` in `weights` (rlkjax/core/lora.py's keys), or None."""
+    a = weights.get(f"{name}.lora_A")
+    return None if a is None else (a, weights[f"{name}.lora_B"])
+
+
 class LayerWeights(Protocol):
     """The layer's one weight path. `run(step, carry, tables)` applies `step(carry, view, tables)`
     for each layer in order (the provider chooses the loop), `view` being its view of that layer;
     the layer reads every weight through the view, once per use: `matmul` (a @ w.T + residual),
     `matmuls` (projections of one input), `norm`. The view applies the kernel rather than handing
     out the weight: read in place, the kernel reads layer `index` out of the stack and no weight
-    array exists; fetched (`Sliced`), the fetch sits inside the matmul's checkpoint."""
+    array exists; fetched (`Sliced`), the fetch sits inside the matmul's checkpoint. A projection with LoRA
+    adapters beside it (rlkjax/core/lora.py) runs `op.adapted_matmul` instead, in every view."""
 
     index: object
 
@@ -129,9 +136,15 @@ class InPlace:
         return jax.lax.scan(body, carry, layer_ids(self.stacks), unroll=self.unroll)[0]
 
     def matmul(self, op, a, name, residual=None):
+        adapter = _adapter(self.stacks, name)
+        if adapter is not None:  # the adapters are small: this layer's are sliced out, the base read in place
+            lora_a, lora_b = (w[self.index] for w in adapter)
+            return op.adapted_matmul(a, None, residual, self.stacks[name], self.index, lora_a, lora_b)
         return op.matmul(a, None, residual, self.stacks[name], self.index)
 
     def matmuls(self, op, a, names):
+        if any(_adapter(self.stacks, n) is not None for n in names):  # one call each (the fused launch's bits)
+            return tuple(self.matmul(op, a, n) for n in names)
         return op.matmul_fused(a, tuple(self.stacks[n] for n in names), self.index)
 
     def norm(self, op, a, name, eps, cos=None, sin=None):
@@ -160,6 +173,10 @@ class Sliced:
         return jax.lax.scan(body, carry, (self.weights, layer_ids(self.weights)))[0]
 
     def matmul(self, op, a, name, residual=None):
+        adapter = _adapter(self.weights, name)  # fetched with the norms, once per layer (they are small)
+        if adapter is not None:
+            fetched = lambda a, w, r, la, lb: op.adapted_matmul(a, self.fetch(name, w), r, None, None, la, lb)  # noqa: E731
+            return jax.checkpoint(fetched)(a, self.weights[name], residual, *adapter)
         fetched = lambda a, w, r: op.matmul(a, self.fetch(name, w), r)  # noqa: E731
         return jax.checkpoint(fetched)(a, self.weights[name], residual)
 
@@ -200,6 +217,9 @@ class Unstacked(Sliced):
         return carry
 
     def matmul(self, op, a, name, residual=None):
+        adapter = _adapter(self.weights, name)
+        if adapter is not None:
+            return op.adapted_matmul(a, self.weights[name], residual, self.stacks[name], self.index, *adapter)
         return op.matmul(a, self.weights[name], residual, self.stacks[name], self.index)
 
 
@@ -250,6 +270,17 @@ def layer(p: _Pass, carry, weights: LayerWeights, tables):
 
 
 # ----- the forward -----
+def _check_adapters(cfg: ModelConfig, stacks: dict) -> None:
+    """Adapters run only with the model config's LoRA (its scale) and vice versa: either alone is a mistake."""
+    has = any(name.endswith((".lora_A", ".lora_B")) for name in stacks)
+    if has != (cfg.lora is not None):
+        raise ValueError(
+            "the params hold LoRA adapters but the model config has no LoRA"
+            if has
+            else f"the model config has LoRA {cfg.lora} but the params hold no adapters"
+        )
+
+
 def forward(
     params,
     tokens,
@@ -278,6 +309,8 @@ def forward(
     same inputs: the same bits.
     numerics: "strict", "fast" or a NumericsOptions."""
     op = ops(numerics)
+    if cfg.lora is not None:  # the adapters' scale is the model's, static: every view's adapted matmuls apply it
+        op = op._replace(adapted_matmul=functools.partial(op.adapted_matmul, scale=cfg.lora.scale))
     b, t = tokens.shape
     n = b * t
     rows = padded_rows(n, numerics)  # activations carry `rows` rows; the padding rows are sliced off for attention
@@ -289,6 +322,7 @@ def forward(
     cos_k, sin_k = jnp.repeat(cos, hkv, axis=0), jnp.repeat(sin, hkv, axis=0)
     plan = op.attention_plan(page_table, positions, hq // hkv)  # once, not per layer (XLA would not hoist it)
     if layers is None:
+        _check_adapters(cfg, params["layers"])
         layers = InPlace(params["layers"], options(numerics).layer_unroll)
     step = functools.partial(layer, _Pass(op, cfg, b, t, rows, remat))
     x, *kv_cache = layers.run(step, (x, *kv_cache), (cos_q, sin_q, cos_k, sin_k, plan))
@@ -448,7 +482,9 @@ def _learner_hidden(params, seqs: Sequences, rope, cfg: ModelConfig, numerics: N
     pages_per_row = cdiv(t, PAGE_SIZE)
     cache = init_kv_cache(cfg, 1 + b * pages_per_row)
     page_table = fresh_page_table(b, pages_per_row)
-    layers = Unstacked(params["layers"]) if layers is None else layers
+    if layers is None:
+        _check_adapters(cfg, params["layers"])
+        layers = Unstacked(params["layers"])
     tokens, positions = seqs.tokens, seqs.positions
     return forward(params, tokens, positions, cache, page_table, rope, cfg, numerics, layers=layers, remat=remat)[0]
 

@@ -15,7 +15,7 @@ from typing import Literal, NamedTuple
 
 import jax
 
-from pallas_kernels import attention, attention_bwd, logprob, matmul, rmsnorm, swiglu
+from pallas_kernels import attention, attention_bwd, logprob, lora, matmul, rmsnorm, swiglu
 
 Mode = Literal["strict", "fast"]
 
@@ -340,6 +340,9 @@ class Ops(NamedTuple):
     # (h, w, temperature, targets= | seeds=, steps=, top_logprobs=0, truncation=None) -> logprob.Logprobs:
     # the lm_head's logprobs of targets, or a sample keyed by (seed, step) (pallas_kernels.logprob.head)
     logprob: Callable
+    # (x, w, residual, stack, layer, lora_a, lora_b, scale): x @ w.T + scale * (x @ lora_a.T) @ lora_b.T
+    # (+ residual), w frozen (pallas_kernels/lora.py); stack and layer as for `matmul` (w None: read in place)
+    adapted_matmul: Callable
 
 
 def ops(numerics: Numerics) -> Ops:
@@ -364,6 +367,9 @@ def _ops(opts: NumericsOptions) -> Ops:
             attention_plan=lambda pt, pos, g: attention.plan(pt, pos, g, PAGE_SIZE),
             attention=attention.paged_attention_reference,
             logprob=logprob.head_reference,
+            adapted_matmul=lambda x, w, r, stack, layer, a, b, scale: lora.adapted_matmul_reference(
+                x, stack[layer] if w is None else w, r, a, b, scale
+            ),
         )
     interp = opts.platform == "cpu"
     mm, norm = opts.matmul_config, opts.rmsnorm_config
@@ -383,4 +389,7 @@ def _ops(opts: NumericsOptions) -> Ops:
         attention_plan=lambda pt, pos, g: attention.plan(pt, pos, g, att.page_size, att),
         attention=lambda *a: attention.paged_attention(*a, att, interp),
         logprob=functools.partial(logprob.head, config=lp, interpret=interp),
+        adapted_matmul=lambda x, w, r, stack, layer, a, b, scale: lora.adapted_matmul(
+            x, (w, stack, layer), r, (a, b), lora.Adapted(mm(x.shape[0]), interp, scale)
+        ),
     )
