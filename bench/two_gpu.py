@@ -31,6 +31,7 @@ from bench._report import provenance
 
 # train.grpo's row fields that are timings (train/metrics.py defines the two MFUs and their FLOP/s)
 TIMINGS = {"tokens_per_s", "step_s", "rollout_s", "verify_s", "learn_s", "update_s", "sync_s", "host_s"}
+TIMINGS |= {"rollout_decode_tokens_per_s"}  # the decode rate inside the rollout
 TIMINGS |= {"learner_pass_mfu", "grpo_step_mfu", "learner_pass_tflops_per_device", "grpo_step_tflops_per_device"}
 
 

@@ -150,7 +150,7 @@ def test_overlong_prompt_is_found_when_the_file_is_loaded(tmp_path):
     whenever it happens to be sampled, maybe hours in)."""
     path = tmp_path / "data.jsonl"
     path.write_text("\n".join([gsm8k(), "", gsm8k(question="x" * 17), gsm8k()]) + "\n")
-    with pytest.raises(ValueError, match=rf"^{path}:3: the prompt is 17 tokens; max_prompt_tokens=16"):
+    with pytest.raises(ValueError, match=rf"^{path}:3: the first prompt is 17 tokens; --max-prompt-tokens=16 accepts"):
         grpo.train(grpo.GRPOConfig(task="gsm8k", data=str(path), out=str(tmp_path / "run"), **SMALL))
     assert not (tmp_path / "run" / "checkpoints").exists()
 
