@@ -17,10 +17,10 @@ from aiohttp import web
 from rlkjax.core import lora
 from rlkjax.core.checks import shown
 from rlkjax.core.config import ModelConfig
-from serve.auth import AdminAuth
+from serve.auth import AdminAuth, admin_gate
 from serve.config import ServerConfig
 from serve.engine_client import EngineClient
-from serve.http import BadRequest, check_fields, error_response, json_response, read_json
+from serve.http import BadRequest, check_fields, json_response, read_json
 from serve.weights import non_finite
 
 
@@ -56,11 +56,7 @@ def load_swap(path: str, served: ModelConfig, base):
 async def load_lora_adapter(client: EngineClient, admin: AdminAuth | None, config: ServerConfig, request):
     """vLLM's POST /v1/load_lora_adapter {"lora_name", "lora_path"[, "load_inplace"]}: swap in the adapter once
     the admin key checks; answers {"lora_name", "policy_version"}."""
-    if admin is None:
-        return error_response(
-            403, "adapter loads are disabled: start the server with --admin-key-file or RLKJAX_ADMIN_KEY"
-        )
-    refused = admin.check(request)
+    refused = admin_gate(admin, request, "adapter loads")
     if refused is not None:
         return refused
     if client.model_config.lora is None:

@@ -73,3 +73,11 @@ class AdminAuth:
         )
         response.headers["Retry-After"] = str(retry)
         return response
+
+
+def admin_gate(admin: AdminAuth | None, request: web.Request, what: str) -> web.Response | None:
+    """The answer that refuses an admin route's request, or None to let it through: 403 when the server has no
+    admin key (`what` is disabled), else the key check's 401/429."""
+    if admin is None:
+        return error_response(403, f"{what} are disabled: start the server with --admin-key-file or RLKJAX_ADMIN_KEY")
+    return admin.check(request)

@@ -11,10 +11,10 @@ from aiohttp import web
 from rlkjax.core.checkpoint import load_model
 from rlkjax.core.checks import shown
 from rlkjax.core.config import ModelConfig
-from serve.auth import AdminAuth
+from serve.auth import AdminAuth, admin_gate
 from serve.config import ServerConfig
 from serve.engine_client import EngineClient
-from serve.http import BadRequest, check_fields, error_response, json_response, read_json
+from serve.http import BadRequest, check_fields, json_response, read_json
 
 
 @jax.jit
@@ -33,11 +33,7 @@ def non_finite(params) -> list[str]:
 
 async def update_weights(client: EngineClient, admin: AdminAuth | None, config: ServerConfig, request: web.Request):
     """Swap in the checkpoint at the body's "path" once the admin key checks; answers the new policy_version."""
-    if admin is None:
-        return error_response(
-            403, "weight updates are disabled: start the server with --admin-key-file or RLKJAX_ADMIN_KEY"
-        )
-    refused = admin.check(request)
+    refused = admin_gate(admin, request, "weight updates")
     if refused is not None:
         return refused
     body = check_fields(await read_json(request, config.read_timeout), {"path"}, {"path"})

@@ -17,12 +17,12 @@ import rlkjax
 from rlkjax.core.sampling_params import SamplingParams
 from rlkjax.engine.config import EngineConfig
 from rlkjax.entry_config import ModelSource
-from rlkjax.rl.environments import Environment, Step
 from rlkjax.rl.tasks import LowercaseTask
 from rlkjax.text.chat import ChatTemplate, PromptFormat
 from rlkjax.text.tokenizer import ByteTokenizer
 from tests.helpers import EOS, assert_bits_equal, eos_model
 from tests.server_process import ADMIN, engine_flags, start_server
+from tests.test_episodes import COMPACT, AskAgain
 from train import fsdp, grpo, memory
 from train.config import GRPOConfig
 from train.episodes import EpisodeRunner
@@ -38,23 +38,6 @@ TINY = rlkjax.ModelConfig.preset("qwen3-tiny")
 PROMPTS, SEEDS = [list(b"ab"), list(b"the quick brown fox, ")], [11, 12]
 SAMPLING = SamplingParams(n=GROUP, max_tokens=NEW_TOKENS, ignore_eos=True)
 TURN = SamplingParams(n=GROUP, max_tokens=NEW_TOKENS)
-
-
-class AskAgain(Environment):
-    """Asks "?" after each turn until the third; each turn earns the fraction of its letters that are lowercase."""
-
-    def reset(self, example):
-        return [{"role": "user", "content": example.prompt}]
-
-    def step(self, episode):
-        text = episode.turns[-1].text
-        reward = sum("a" <= c <= "z" for c in text) / max(len(text), 1)
-        return Step([{"role": "user", "content": "?"}], reward, len(episode.turns) >= 3)
-
-
-# A compact chat template for the byte tokenizer: short prompts and short turn wrappers.
-COMPACT = "{% for m in messages %}{{ m['role'][0] + ':' + m['content'] + '\\n' }}{% endfor %}"
-COMPACT += "{% if add_generation_prompt %}{{ 'a:' }}{% endif %}"
 
 
 def episodes_runner() -> EpisodeRunner:
