@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -74,6 +75,17 @@ def measured_phases(path: str) -> tuple[int, dict[str, float]]:
     if devices is None or not found:
         raise ValueError(f"{path}: no per-phase peaks (the platform reported no memory stats)")
     return devices, found
+
+
+def chosen_by_run(args, log: str) -> None:
+    """Set args' memory settings to those train.grpo printed on its "memory plan:" line."""
+    line = next((ln for ln in log.splitlines() if ln.startswith("memory plan:")), None)
+    found = line and re.search(r"--moments (\w+) --remat (\w+) --micro-batch-tokens (\d+)", line)
+    if not found:
+        sys.exit("--train-log: no 'memory plan: --moments M --remat R --micro-batch-tokens N' line in the log")
+    args.moments, args.remat, args.micro_batch_tokens = found.groups()
+    pages = re.search(r"rollout KV cache (\d+) pages", line)  # pages, not the rounded GiB: the same budget
+    args.kv_gib = int(pages.group(1)) * memory.kv_page_bytes(model_config(args)) / GIB if pages else args.kv_gib
 
 
 def table(args) -> str:
@@ -230,6 +242,11 @@ def main() -> None:
     )
     parser.add_argument("--metrics", action="append", default=[], help="a train.grpo metrics.jsonl (repeatable)")
     parser.add_argument(
+        "--train-log",
+        help="take --moments, --remat, --micro-batch-tokens and --kv-gib from the 'memory plan:' line of a train.grpo "
+        "log (the settings that run chose on its GPU)",
+    )
+    parser.add_argument(
         "--models",
         type=lambda s: s.split(","),
         help="instead: the compiled table for these presets on the first of --gpus (every row from XLA's "
@@ -237,6 +254,8 @@ def main() -> None:
     )
     _flags.add_out(parser, "with --models: write the table (markdown, with provenance) and its JSON here")
     args = parser.parse_args()
+    if args.train_log:
+        chosen_by_run(args, Path(args.train_log).read_text())
     if not args.models:
         print(table(args))
         return

@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
-# The reasoning-length measurements on one GPU, one after another in a detached session (together they outlast
-# one command), each into its own folder of $RUN:
-#   train/     train.grpo, Qwen3-1.7B, P8 x G8 x 4096 new tokens, --ignore-eos, no memory flag (the plan chooses),
-#              $STEPS steps, every step verified (bench/seed_run.sh), and bench.memory_plan's estimate beside the
-#              peaks it measured per phase;
-#   pytest/    pytest -m gpu: the contract compiled;
-#   decode/    bench/long_context_decode.sh sweep speed1: a decode step's attention alone at 8B heads (KV split size
-#              x the merge kernel's launch, the earlier launch beside, bits compared), then Qwen3-8B decode at
-#              batch 1, contexts 2k to 32k, strict beside fast, share of the HBM roofline;
-#   mismatch/  bench.mismatch: Qwen3-8B shapes, sampler against learner by completion position up to 8k tokens,
-#              fast numerics beside strict, with the plot.
-# In that order: what a shorter lease cuts is the last.
+# The reasoning-length measurements on one GPU, in a detached session (together they outlast one command), each
+# part into its own folder of $RUN, in the order PARTS names them (what a shorter lease cuts is the last):
+#   pytest    pytest -m gpu: the contract compiled. It runs beside `mismatch` (neither preallocates; pytest only
+#             checks bits, and mismatch's numbers are bits and counts, not times).
+#   mismatch  bench.mismatch: Qwen3-8B shapes, sampler against learner by completion position up to 8k tokens,
+#             fast numerics beside strict, with the plot.
+#   lora      bench/lora_gpu.sh's train part: Qwen3-8B with LoRA rank 16, P16 x G8 x 256, $LORA_STEPS steps.
+#   train     train.grpo, $MODEL, P8 x G8 x $NEW_TOKENS new tokens, --ignore-eos, no memory flag (the plan
+#             chooses), $STEPS steps, every step verified (bench/seed_run.sh), and bench.memory_plan's estimate
+#             beside the peaks it measured per phase.
+#   decode    bench/long_context_decode.sh sweep speed1: decode attention alone at 8B heads, then Qwen3-8B decode
+#             at batch 1, contexts 2k to 32k, strict beside fast, share of the HBM roofline.
 #
 #   bash bench/reasoning_gpu.sh start          # starts it (setsid) and returns
-#   bash bench/reasoning_gpu.sh wait SECONDS   # waits up to SECONDS, then packs what is written into
-#                                              #   $OUT/reasoning_gpu.tar.gz and prints each part's state
-# Environment: RUN (/tmp/reasoning_gpu), STEPS (3), MISMATCH_BATCH (8), PY (python3), OUT (/tmp/out).
+#   bash bench/reasoning_gpu.sh wait SECONDS   # waits up to SECONDS, then copies what is written (small files only:
+#                                              #   no weights) into $OUT/reasoning_gpu.tar.gz; prints each part's state
+# Environment: RUN (/tmp/reasoning_gpu), PARTS ("pytest mismatch train decode"), MODEL (qwen3-1.7b),
+# NEW_TOKENS (4096), STEPS (3), LORA_STEPS (50), MISMATCH_BATCH (8), PY (python3), OUT (/tmp/out).
 set -uo pipefail
 ACTION=${1:?usage: bash bench/reasoning_gpu.sh start | wait SECONDS}
 OUT=${OUT:-/tmp/out}; RUN=${RUN:-/tmp/reasoning_gpu}; PY=${PY:-python3}
@@ -23,38 +24,64 @@ mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 
-sweep() {
-  mkdir -p "$RUN/train" "$RUN/pytest" "$RUN/mismatch" "$RUN/decode"
-  "$PY" -m bench._report --command "bash bench/reasoning_gpu.sh start" --out "$RUN/env.json" > /dev/null
-  RUN="$RUN/train/run" OUT="$RUN/train" MODEL=qwen3-1.7b STEPS="${STEPS:-3}" PROMPTS=8 GROUP=8 NEW_TOKENS=4096 \
-    IGNORE_EOS=1 VERIFY_EVERY=1 PY="$PY" bash bench/seed_run.sh start > "$RUN/train/start.log" 2>&1
-  RUN="$RUN/train/run" OUT="$RUN/train" PY="$PY" bash bench/seed_run.sh wait 3600 > "$RUN/train/wait.log" 2>&1
-  # the plan beside the peaks measured, at the settings the run chose (train.log's "memory plan:" line)
-  read -r -a chose <<< "$(grep -o -- '--moments [a-z]* --remat [a-z]* --micro-batch-tokens [0-9]*' "$RUN/train/train.log" | head -n 1)"
-  kv=$(grep -o 'rollout KV cache [0-9]* pages ([0-9.]* GiB)' "$RUN/train/train.log" | head -n 1 | grep -o '[0-9.]* GiB' | cut -d' ' -f1)
-  [ -n "$kv" ] && chose+=(--kv-gib "$kv")
-  "$PY" -m bench.memory_plan --model qwen3-1.7b --gpus 1 --prompts 8 --group 8 --new-tokens 4096 --prompt-tokens 16 \
-    "${chose[@]}" --metrics "$RUN/train/metrics.jsonl" > "$RUN/train/memory_plan.md" 2>&1
+part_pytest() {
   # the files that hold GPU tests (the others import the openai client, which the GPU image lacks)
-  "$PY" -m pytest -m gpu -q -n 0 tests/test_gpu.py tests/test_executable_cache.py tests/test_learner_slice.py \
-    > "$RUN/pytest/pytest_gpu.log" 2>&1; echo $? > "$RUN/pytest/exit"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m pytest -m gpu -q -n 0 tests/test_gpu.py tests/test_executable_cache.py \
+    tests/test_learner_slice.py > "$RUN/pytest/pytest_gpu.log" 2>&1; echo $? > "$RUN/pytest/exit"
+}
+
+part_mismatch() {
+  XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m bench.mismatch --models qwen3-8b --batch "${MISMATCH_BATCH:-8}" \
+    --new-tokens 8192 --min-prompt 16 --max-prompt 128 --repeats 1 --buckets 0,256,512,1024,2048,4096,8192 \
+    --score-batch 1 --plot "$RUN/mismatch/by_position.png" --out "$RUN/mismatch/by_position.json" \
+    > "$RUN/mismatch/log" 2>&1
+}
+
+part_lora() {
+  OUT="$RUN/lora" PARTS=train STEPS="${LORA_STEPS:-50}" PY="$PY" bash bench/lora_gpu.sh > "$RUN/lora/log" 2>&1
+}
+
+part_train() {
+  local model=${MODEL:-qwen3-1.7b} new=${NEW_TOKENS:-4096} here="$RUN/train"  # seed_run copies its files here
+  RUN="$here/run" OUT="$here" MODEL="$model" STEPS="${STEPS:-3}" PROMPTS=8 GROUP=8 NEW_TOKENS="$new" \
+    IGNORE_EOS=1 VERIFY_EVERY=1 PY="$PY" bash bench/seed_run.sh start > "$here/start.log" 2>&1
+  RUN="$here/run" OUT="$here" PY="$PY" bash bench/seed_run.sh wait 7200 > "$here/wait.log" 2>&1
+  # the plan beside the peaks measured, at the settings the run chose on this GPU
+  "$PY" -m bench.memory_plan --model "$model" --gpus 1 --prompts 8 --group 8 --new-tokens "$new" --prompt-tokens 16 \
+    --train-log "$RUN/train/train.log" --metrics "$RUN/train/metrics.jsonl" > "$RUN/train/memory_plan.md" 2>&1
+}
+
+part_decode() {
   OUT="$RUN/decode" PY="$PY" bash bench/long_context_decode.sh sweep speed1 > "$RUN/decode/log" 2>&1
-  "$PY" -m bench.mismatch --models qwen3-8b --batch "${MISMATCH_BATCH:-8}" --new-tokens 8192 --min-prompt 16 \
-    --max-prompt 128 --repeats 1 --buckets 0,256,512,1024,2048,4096,8192 --score-batch 1 \
-    --plot "$RUN/mismatch/by_position.png" --out "$RUN/mismatch/by_position.json" > "$RUN/mismatch/log" 2>&1
+}
+
+sweep() {
+  "$PY" -m bench._report --command "PARTS='$PARTS' bash bench/reasoning_gpu.sh start" --out "$RUN/env.json" > /dev/null
+  local parts=" $PARTS "
+  for part in $PARTS; do mkdir -p "$RUN/$part"; done
+  if [[ $parts == *" pytest "* && $parts == *" mismatch "* ]]; then  # side by side, then the rest in order
+    part_pytest & part_mismatch; wait
+    parts=${parts/ pytest / }; parts=${parts/ mismatch / }
+  fi
+  for part in $parts; do "part_$part"; done
 }
 
 case "$ACTION" in
   start)
     rm -rf "$RUN"; mkdir -p "$RUN"
-    export -f sweep; export RUN PY
+    export PARTS=${PARTS:-pytest mismatch train decode}
+    export -f sweep part_pytest part_mismatch part_lora part_train part_decode; export RUN PY
     setsid nohup bash -c "sweep; touch '$RUN/ended'" > "$RUN/sweep.log" 2>&1 < /dev/null &
-    echo "started: $RUN" ;;
+    echo "started: $RUN ($PARTS)" ;;
   wait)
     deadline=$((SECONDS + ${2:?wait SECONDS}))
     while [ ! -f "$RUN/ended" ] && [ "$SECONDS" -lt "$deadline" ]; do sleep 5; done
-    tar -czf "$OUT/reasoning_gpu.tar.gz" -C "$(dirname "$RUN")" "$(basename "$RUN")" --exclude run/checkpoints
+    # what was written, less anything over 16 MiB (weights, checkpoints) and the run folders' copies
+    (cd "$(dirname "$RUN")" && find "$(basename "$RUN")" -type f -size -16M -not -path '*/run/*' -print0 |
+      tar -czf "$OUT/reasoning_gpu.tar.gz" --null -T -)
     [ -f "$RUN/ended" ] && echo "ended" || echo "running"
-    for part in train pytest decode mismatch; do echo "== $part"; tail -n 4 "$RUN/$part"/*log* 2>/dev/null; done ;;
+    for part in pytest mismatch lora train decode; do
+      [ -d "$RUN/$part" ] && { echo "== $part"; tail -n 4 "$RUN/$part"/*log* 2>/dev/null; }
+    done ;;
   *) echo "usage: bash bench/reasoning_gpu.sh start | wait SECONDS" >&2; exit 2 ;;
 esac

@@ -7,6 +7,7 @@ Every in-process rollout here has one of two engines, so each compiles once: row
 (prompts up to 24, 40 new), with a budget of 7 pages (6 usable: one sequence at full length takes 4, so the
 sequences grow into each other and are preempted) or with pages for all 8 at full length (33)."""
 
+import argparse
 import dataclasses
 import math
 
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 import rlkjax
+from bench.memory_plan import chosen_by_run
 from rlkjax.core.sampling_params import SamplingParams
 from rlkjax.engine.config import EngineConfig
 from rlkjax.entry_config import ModelSource
@@ -153,10 +155,11 @@ def test_tight_server_gives_the_ample_bits(model_dir, ample):
         assert 1 <= fields["rollout_sequences_mean"] <= GROUP and fields["rollout_decode_tokens_per_s"] > 0
 
 
-def test_grpo_under_a_tight_budget_preempts_with_zero_mismatch(model_dir, tmp_path):
+def test_grpo_under_a_tight_budget_preempts_with_zero_mismatch(model_dir, tmp_path, capfd):
     """train.grpo with --rollout-kv-gib worth 7 pages: every step's row shows preemptions, and every sampled
     token's logprob equals the learner's in its bits (the verify pass and the first update's ratio). The KV cache
-    is released for the learner and allocated again for the second step's rollout."""
+    is released for the learner and allocated again for the second step's rollout. bench.memory_plan --train-log
+    reads the settings back from the log's "memory plan:" line."""
     gib = TIGHT_PAGES * memory.kv_page_bytes(TINY) / GIB
     config = GRPOConfig(
         source=ModelSource(model_dir, tokenizer="bytes"),
@@ -177,6 +180,10 @@ def test_grpo_under_a_tight_budget_preempts_with_zero_mismatch(model_dir, tmp_pa
         assert row["rollout_kv_pages"] == TIGHT_PAGES and row["rollout_batch_slots"] == GROUP, row
         assert row["rollout_preemptions"] > 0 and row["rollout_sequences_peak"] <= GROUP, row
         assert row["tokens_bits_differ"] == 0 and row["tokens_compared"] == row["first_update_tokens_compared"] > 0
+    args = argparse.Namespace(model="qwen3-tiny", lora_rank=0, moments="auto", remat="auto", micro_batch_tokens="auto")
+    chosen_by_run(args, capfd.readouterr().err)
+    assert (args.moments, args.remat, args.micro_batch_tokens) == ("device", "off", "512"), args
+    assert args.kv_gib == gib, (args.kv_gib, gib)
 
 
 def test_the_plan_sizes_the_kv_cache_by_the_budget():
