@@ -4,7 +4,9 @@ of the same rank, alpha and targets between engine steps, as /update_weights swa
 policy_version bump; no completion mixes two adapters). The engine runs base + adapters unmerged through the
 learner's kernels, so served logprobs keep the contract with `rlkjax.score` of the same base and adapter.
 
-One adapter is served at a time: a load replaces it (vLLM keeps several, chosen per request by `model`).
+One adapter is served at a time: a load replaces it (vLLM keeps several, chosen per request by `model`). GET
+/v1/models lists it after the base, as vLLM lists a loaded adapter: its name (the --lora-adapter directory's, or the
+last load's lora_name), "parent" the base and "root" its path.
 """
 
 import asyncio
@@ -22,6 +24,18 @@ from serve.config import ServerConfig
 from serve.engine_client import EngineClient
 from serve.http import BadRequest, check_fields, json_response, read_json
 from serve.weights import non_finite
+
+
+@dataclasses.dataclass
+class Served:
+    """The adapter served now: its name and directory, as GET /v1/models lists them."""
+
+    name: str
+    path: str
+
+    @classmethod
+    def at_start(cls, directory: str) -> "Served":
+        return cls(Path(directory).name, str(Path(directory).absolute()))
 
 
 def adapted(cfg: ModelConfig, params, directory: str):
@@ -53,9 +67,9 @@ def load_swap(path: str, served: ModelConfig, base):
     return params
 
 
-async def load_lora_adapter(client: EngineClient, admin: AdminAuth | None, config: ServerConfig, request):
+async def load_lora_adapter(client: EngineClient, admin: AdminAuth | None, config: ServerConfig, served, request):
     """vLLM's POST /v1/load_lora_adapter {"lora_name", "lora_path"[, "load_inplace"]}: swap in the adapter once
-    the admin key checks; answers {"lora_name", "policy_version"}."""
+    the admin key checks, and record it in `served` (a Served); answers {"lora_name", "policy_version"}."""
     refused = admin_gate(admin, request, "adapter loads")
     if refused is not None:
         return refused
@@ -68,8 +82,10 @@ async def load_lora_adapter(client: EngineClient, admin: AdminAuth | None, confi
     base, _ = lora.split(client.params)
     params = await asyncio.to_thread(load_swap, body["lora_path"], client.model_config, base)
     version = await client.update_weights(params)
+    served.name, served.path = body["lora_name"], str(Path(body["lora_path"]).absolute())
     return json_response({"lora_name": body["lora_name"], "policy_version": version})
 
 
-def routes(client: EngineClient, admin: AdminAuth | None, config: ServerConfig) -> list:
-    return [web.post("/v1/load_lora_adapter", lambda request: load_lora_adapter(client, admin, config, request))]
+def routes(client: EngineClient, admin: AdminAuth | None, config: ServerConfig, served: Served | None) -> list:
+    route = lambda request: load_lora_adapter(client, admin, config, served, request)  # noqa: E731
+    return [web.post("/v1/load_lora_adapter", route)]

@@ -15,7 +15,7 @@ and the server keeps serving; a request without a seed gets a fresh one, reporte
   POST /v1/load_lora_adapter
                          vLLM's {"lora_name", "lora_path": PEFT dir}, with --lora-adapter: swaps the served adapter as
                          /update_weights swaps weights (serve/adapters.py)
-  GET  /v1/models       the served model (OpenAI list shape, with vLLM's max_model_len)
+  GET  /v1/models       the served model (OpenAI list shape, with vLLM's max_model_len), and its LoRA adapter
   GET  /health           200 {"status": "ok"} once ready; while the warm-up compiles, 503 {"status": "starting",
                          "progress": "k/N shapes compiled"} (generation routes: 503 with Retry-After); once a
                          shutdown began, 503 {"status": "draining"}
@@ -79,6 +79,7 @@ class Server:
             tokenizer = load_tokenizer(config.source.model, config.source.tokenizer)
             template = load_chat_template(tokenizer)
         self.admin = AdminAuth(key) if key else None
+        self.adapter = None if config.lora_adapter is None else adapters.Served.at_start(config.lora_adapter)
         eos = tokenizer.eos_token_id  # the one eos policy (SamplingParams.stop_ids) applies on every route
         eos = eos if eos is not None and eos < cfg.vocab_size else None
         engine = Engine(params, cfg, config.runtime.numerics, config.engine, eos_token_id=eos)
@@ -108,7 +109,7 @@ class Server:
                 web.post("/v1/chat/completions", functools.partial(openai_api.chat_completions, client, config)),
                 web.post("/inference/v1/generate", functools.partial(token_route.generate_tokens, client, config)),
                 web.post("/update_weights", functools.partial(weights.update_weights, client, self.admin, config)),
-                *adapters.routes(client, self.admin, config),
+                *adapters.routes(client, self.admin, config, self.adapter),
                 web.get("/health", self.health),
                 web.get("/v1/models", self.models),
                 web.get("/metrics", self.metrics),
@@ -119,22 +120,20 @@ class Server:
         return app
 
     async def models(self, request):
-        """GET /v1/models: the one served model, in OpenAI's list shape."""
-        return json_response(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": self.config.source.model,
-                        "object": "model",
-                        "created": int(self.started),
-                        "owned_by": "rlkjax",
-                        "policy_version": self.client.policy_version,
-                        "max_model_len": self.client.max_context,
-                    }
-                ],
-            }
-        )
+        """GET /v1/models: the served model in OpenAI's list shape, then its LoRA adapter if one is served (vLLM's
+        card for a loaded adapter: "parent" the base, "root" the adapter's directory)."""
+        card = {
+            "id": self.config.source.model,
+            "object": "model",
+            "created": int(self.started),
+            "owned_by": "rlkjax",
+            "policy_version": self.client.policy_version,
+            "max_model_len": self.client.max_context,
+        }
+        cards = [card]
+        if self.adapter is not None:
+            cards.append(card | {"id": self.adapter.name, "parent": card["id"], "root": self.adapter.path})
+        return json_response({"object": "list", "data": cards})
 
     async def health(self, request):
         """ok (200); starting (503, with progress) until warmed up; draining (503) once a shutdown began, so a

@@ -1,10 +1,12 @@
 """The rollout server with LoRA: `serve.rollout --lora-adapter DIR` serves base + adapter with the learner's bits, and
 POST /v1/load_lora_adapter (vLLM's body, the admin key) swaps in another adapter, bumping the policy version, as
 train.grpo --rollout-url pushes its adapters each step. Prevents: a server that samples the base while the
-learner scores the adapted model, an adapter of another shape or an unauthenticated swap taken silently."""
+learner scores the adapted model, an adapter of another shape or an unauthenticated swap taken silently, and a
+/v1/models that does not list the adapter served."""
 
 import dataclasses
 import json
+import urllib.request
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +34,12 @@ def adapter(cfg, seed: int):
     return jax.tree.map(lambda w: w.astype(cfg.dtype), {"layers": layers})
 
 
+def listed(client) -> list[tuple]:
+    """GET /v1/models: (id, parent, root) of each card."""
+    with urllib.request.urlopen(client.url + "/v1/models", timeout=60) as r:
+        return [(card["id"], card.get("parent"), card.get("root")) for card in json.load(r)["data"]]
+
+
 def check_served(client, params, cfg, version: int):
     """Sampled by the server == scored here with `params`, bit for bit, on policy `version`."""
     results = client.generate(PROMPTS, max_tokens=4, temperature=1.0, seed=[0, 1])
@@ -57,6 +65,7 @@ def test_served_adapter_and_its_swap_keep_the_contract(tmp_path):
     proc, client = start_server("--model", "qwen3-tiny", "--lora-adapter", str(tmp_path / "first"))
     try:
         check_served(client, lora.merge(base, first), cfg, 0)
+        assert listed(client) == [("qwen3-tiny", None, None), ("first", "qwen3-tiny", str(tmp_path / "first"))]
         body = json.dumps({"lora_name": "x", "lora_path": str(tmp_path / "other_rank")}).encode()
         status, answer = post_raw(client, "/v1/load_lora_adapter", body)
         assert status == 401, answer  # no admin key
@@ -72,6 +81,8 @@ def test_served_adapter_and_its_swap_keep_the_contract(tmp_path):
         # train.grpo --rollout-url's push: the adapters as PEFT files, then the route
         RemoteRollout(client.url, ADMIN).push(lora.merge(base, second), cfg, tmp_path / "run")
         check_served(client, lora.merge(base, second), cfg, 1)
+        pushed = str((tmp_path / "run" / "sync_adapter").absolute())
+        assert listed(client) == [("qwen3-tiny", None, None), ("policy", "qwen3-tiny", pushed)]
     finally:
         proc.terminate()
         proc.wait(timeout=60)
