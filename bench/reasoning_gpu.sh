@@ -8,7 +8,8 @@
 #   lora      bench/lora_gpu.sh's train part: Qwen3-8B with LoRA rank 16, P16 x G8 x 256, $LORA_STEPS steps.
 #   train     train.grpo, $MODEL, P8 x G8 x $NEW_TOKENS new tokens, --ignore-eos, no memory flag (the plan
 #             chooses), $STEPS steps, every step verified (bench/seed_run.sh), and bench.memory_plan's estimate
-#             beside the peaks it measured per phase.
+#             beside the peaks it measured per phase, and bench.rollout_roofline's targets (rollout against the
+#             decode roofline at the copy bandwidth measured then, learner MFU).
 #   decode    bench/long_context_decode.sh sweep speed1: decode attention alone at 8B heads, then Qwen3-8B decode
 #             at batch 1, contexts 2k to 32k, strict beside fast, share of the HBM roofline.
 #
@@ -49,6 +50,9 @@ part_train() {
   # the plan beside the peaks measured, at the settings the run chose on this GPU
   "$PY" -m bench.memory_plan --model "$model" --gpus 1 --prompts 8 --group 8 --new-tokens "$new" --prompt-tokens 16 \
     --train-log "$RUN/train/train.log" --metrics "$RUN/train/metrics.jsonl" > "$RUN/train/memory_plan.md" 2>&1
+  # the two targets: the rollout beside its decode roofline (copy bandwidth measured now), the learner's MFU
+  "$PY" -m bench.rollout_roofline --model "$model" --prompts 8 --group 8 --prompt-tokens 16 --measure \
+    --metrics "$RUN/train/metrics.jsonl" --out "$RUN/train/roofline.json" > "$RUN/train/roofline.md" 2>&1
 }
 
 part_decode() {
