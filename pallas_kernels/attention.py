@@ -472,8 +472,15 @@ def dense_attention(q, k, v, positions):
     return jnp.einsum("bhts,bshd->bthd", p.astype(v.dtype), v, preferred_element_type=acc).astype(q.dtype)
 
 
+# Queries per stock-XLA attention call: its fp32 scores and probabilities are [B, Hq, queries, keys] each, so a
+# whole row of 16,384 tokens at Qwen3-8B's heads compiles to 64 GiB of temporaries; chunks of 2,048 to 8.2 GiB.
+REFERENCE_QUERY_CHUNK = 2048
+
+
 def paged_attention_reference(q, k, v, kv_pages, layer, plan: Plan):
-    """Stock XLA attention over the gathered pages: what `numerics="fast"` runs (plan made with config None)."""
+    """Stock XLA attention over the gathered pages: what `numerics="fast"` runs (plan made with config None).
+    Rows of more than REFERENCE_QUERY_CHUNK queries are split into equal chunks (where T divides evenly), each an
+    XLA attention call over all the keys: a query's row of scores is the same computation either way."""
     k_pages, v_pages = kv_pages
     _check(q, k, v, k_pages, v_pages, plan)
     k_pages = write_kv(k_pages, k, layer, plan)
@@ -484,7 +491,19 @@ def paged_attention_reference(q, k, v, kv_pages, layer, plan: Plan):
     keys = k_pages[layer][:, page_table].reshape(hkv, b, p * ps, dh).transpose(1, 2, 0, 3)
     vals = v_pages[layer][:, page_table].reshape(hkv, b, p * ps, dh).transpose(1, 2, 0, 3)
     key_pos = jnp.arange(p * ps)
-    mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, S]
-    out = jax.nn.dot_product_attention(q, keys, vals, mask=mask, implementation="xla")
+
+    def attend(q, positions):
+        mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, S]
+        return jax.nn.dot_product_attention(q, keys, vals, mask=mask, implementation="xla")
+
+    t = q.shape[1]
+    chunks = -(-t // REFERENCE_QUERY_CHUNK)
+    if chunks > 1 and t % chunks == 0:
+        split = lambda x: x.reshape(b, chunks, t // chunks, *x.shape[2:]).swapaxes(0, 1)  # noqa: E731
+        # checkpointed: a gradient recomputes each chunk's probabilities rather than keeping every chunk's
+        out = jax.lax.map(jax.checkpoint(lambda qp: attend(*qp)), (split(q), split(positions)))
+        out = out.swapaxes(0, 1).reshape(q.shape)
+    else:
+        out = attend(q, positions)
     valid = (positions >= 0)[:, :, None, None]
     return jnp.where(valid, out, jnp.zeros_like(out)), (k_pages, v_pages)
