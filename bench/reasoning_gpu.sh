@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # The reasoning-length measurements on one GPU, in a detached session (together they outlast one command), each
 # part into its own folder of $RUN, in the order PARTS names them (what a shorter lease cuts is the last):
-#   pytest    pytest -m gpu: the contract compiled. It runs beside `mismatch` (neither preallocates; pytest only
-#             checks bits, and mismatch's numbers are bits and counts, not times).
+#   pytest    pytest -m gpu: the contract compiled. Alone: beside another process its 8B tests run out of memory.
 #   mismatch  bench.mismatch: Qwen3-8B shapes, sampler against learner by completion position up to 8k tokens,
 #             fast numerics beside strict, with the plot.
 #   lora      bench/lora_gpu.sh's train part: Qwen3-8B with LoRA rank 16, P16 x G8 x 256, $LORA_STEPS steps.
@@ -27,12 +26,12 @@ export PYTHONUNBUFFERED=1
 
 part_pytest() {
   # the files that hold GPU tests (the others import the openai client, which the GPU image lacks)
-  XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m pytest -m gpu -q -n 0 tests/test_gpu.py tests/test_executable_cache.py \
+  "$PY" -m pytest -m gpu -q -n 0 tests/test_gpu.py tests/test_executable_cache.py \
     tests/test_learner_slice.py > "$RUN/pytest/pytest_gpu.log" 2>&1; echo $? > "$RUN/pytest/exit"
 }
 
 part_mismatch() {
-  XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m bench.mismatch --models qwen3-8b --batch "${MISMATCH_BATCH:-8}" \
+  "$PY" -m bench.mismatch --models qwen3-8b --batch "${MISMATCH_BATCH:-8}" \
     --new-tokens 8192 --min-prompt 16 --max-prompt 128 --repeats 1 --buckets 0,256,512,1024,2048,4096,8192 \
     --score-batch 1 --plot "$RUN/mismatch/by_position.png" --out "$RUN/mismatch/by_position.json" \
     > "$RUN/mismatch/log" 2>&1
@@ -61,13 +60,7 @@ part_decode() {
 
 sweep() {
   "$PY" -m bench._report --command "PARTS='$PARTS' bash bench/reasoning_gpu.sh start" --out "$RUN/env.json" > /dev/null
-  local parts=" $PARTS "
-  for part in $PARTS; do mkdir -p "$RUN/$part"; done
-  if [[ $parts == *" pytest "* && $parts == *" mismatch "* ]]; then  # side by side, then the rest in order
-    part_pytest & part_mismatch; wait
-    parts=${parts/ pytest / }; parts=${parts/ mismatch / }
-  fi
-  for part in $parts; do "part_$part"; done
+  for part in $PARTS; do mkdir -p "$RUN/$part" && "part_$part"; done
 }
 
 case "$ACTION" in
