@@ -4,7 +4,8 @@
 #   pytest    pytest -m gpu: the contract compiled. Alone: beside another process its 8B tests run out of memory.
 #   mismatch  bench.mismatch: Qwen3-8B shapes, sampler against learner by completion position up to 8k tokens,
 #             fast numerics beside strict, with the plot.
-#   lora      bench/lora_gpu.sh's train part: Qwen3-8B with LoRA rank 16, P16 x G8 x 256, $LORA_STEPS steps.
+#   lora      bench/lora_gpu.sh's train part: $LORA_MODEL (qwen3-8b) with LoRA rank 16, P$LORA_PROMPTS (16) x G8 x
+#             256, $LORA_STEPS (50) steps.
 #   train     train.grpo, $MODEL, P8 x G8 x $NEW_TOKENS new tokens, --ignore-eos, no memory flag (the plan
 #             chooses), $STEPS steps, every step verified (bench/seed_run.sh), and bench.memory_plan's estimate
 #             beside the peaks it measured per phase, and bench.rollout_roofline's targets (rollout against the
@@ -16,7 +17,8 @@
 #   bash bench/reasoning_gpu.sh wait SECONDS   # waits up to SECONDS, then copies what is written (small files only:
 #                                              #   no weights) into $OUT/reasoning_gpu.tar.gz; prints each part's state
 # Environment: RUN (/tmp/reasoning_gpu), PARTS ("pytest mismatch train decode"), MODEL (qwen3-1.7b),
-# NEW_TOKENS (4096), STEPS (3), LORA_STEPS (50), MISMATCH_BATCH (8), PY (python3), OUT (/tmp/out).
+# NEW_TOKENS (4096), STEPS (3), LORA_MODEL (qwen3-8b), LORA_PROMPTS (16), LORA_STEPS (50), MISMATCH_BATCH (8),
+# PY (python3), OUT (/tmp/out).
 set -uo pipefail
 ACTION=${1:?usage: bash bench/reasoning_gpu.sh start | wait SECONDS}
 OUT=${OUT:-/tmp/out}; RUN=${RUN:-/tmp/reasoning_gpu}; PY=${PY:-python3}
@@ -38,7 +40,8 @@ part_mismatch() {
 }
 
 part_lora() {
-  OUT="$RUN/lora" PARTS=train STEPS="${LORA_STEPS:-50}" PY="$PY" bash bench/lora_gpu.sh > "$RUN/lora/log" 2>&1
+  OUT="$RUN/lora" PARTS=train MODEL="${LORA_MODEL:-qwen3-8b}" PROMPTS="${LORA_PROMPTS:-16}" STEPS="${LORA_STEPS:-50}" \
+    PY="$PY" bash bench/lora_gpu.sh > "$RUN/lora/log" 2>&1
 }
 
 part_train() {
