@@ -51,10 +51,10 @@ part_train() {
   RUN="$here/run" OUT="$here" PY="$PY" bash bench/seed_run.sh wait 7200 > "$here/wait.log" 2>&1
   # the plan beside the peaks measured, at the settings the run chose on this GPU
   "$PY" -m bench.memory_plan --model "$model" --gpus 1 --prompts 8 --group 8 --new-tokens "$new" --prompt-tokens 16 \
-    --train-log "$RUN/train/train.log" --metrics "$RUN/train/metrics.jsonl" > "$RUN/train/memory_plan.md" 2>&1
+    --train-log "$here/train.log" --metrics "$here/metrics.jsonl" > "$here/memory_plan.md" 2>&1
   # the two targets: the rollout beside its decode roofline (copy bandwidth measured now), the learner's MFU
   "$PY" -m bench.rollout_roofline --model "$model" --prompts 8 --group 8 --prompt-tokens 16 --measure \
-    --metrics "$RUN/train/metrics.jsonl" --out "$RUN/train/roofline.json" > "$RUN/train/roofline.md" 2>&1
+    --metrics "$here/metrics.jsonl" --out "$here/roofline.json" > "$here/roofline.md" 2>&1
 }
 
 part_decode() {
