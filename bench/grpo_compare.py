@@ -121,7 +121,7 @@ def main():
         default="auto",
         help="padded tokens a learner device holds per micro-batch (train.grpo --micro-batch-tokens), or auto",
     )
-    ap.add_argument("--remat", choices=["auto", "on", "off"], default="auto", help="train.grpo --remat")
+    ap.add_argument("--remat", choices=["auto", "off", "qkv", "on"], default="auto", help="train.grpo --remat")
     ap.add_argument("--numerics", default="fast,strict", help="comma-separated: fast, strict or both")
     ap.add_argument("--lora-ranks", default="0", help="comma-separated LoRA ranks to run (0: full-parameter training)")
     _flags.add_out(ap)

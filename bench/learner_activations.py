@@ -3,7 +3,7 @@ of the learner step, at sequence lengths from 1k to 32k tokens (CPU, abstract in
 
 `python -m bench.learner_activations --model qwen3-0.6b --out bench/results/NAME` compiles train.grpo's learner
 step (fsdp.sharded_value_and_grad of grpo_loss, bench/learner_memory.py) on 2 fake CPU devices, one row of T
-tokens a device, at 2 and 4 layers, with and without --remat. The activations XLA holds are the step's
+tokens a device, at 2 and 4 layers, at each --remat level asked (--levels). The activations XLA holds are the step's
 temporaries at T less its temporaries at T = 128 (what does not grow with T: the gathered weights, the
 micro-batch's gradient and its exchange), against the plan's difference between the same two lengths. Two
 layer counts separate what grows with depth (a layer's kept arrays and its KV pages) from what does not (one
@@ -29,6 +29,7 @@ from pathlib import Path
 
 from bench import _flags
 from bench._report import new_report
+from rlkjax.core import model
 from rlkjax.core.config import ModelConfig
 from train import memory
 
@@ -38,7 +39,12 @@ LENGTHS = (1024, 4096, 8192, 16384, 32768)
 BASE = 128  # the step at this length holds what the weights need and almost no activations: subtracted
 
 
-def compiled_temporaries(cfg: ModelConfig, tokens: int, remat: bool) -> int:
+def level(row: dict) -> str:
+    """A row's --remat level (results written before the qkv level say true or false)."""
+    return {True: "on", False: "off"}.get(row["remat"], row["remat"])
+
+
+def compiled_temporaries(cfg: ModelConfig, tokens: int, remat: str) -> int:
     """XLA's temporaries of the learner step on DEVICES devices, one row of `tokens` a device."""
     from bench.learner_memory import compiled_memory, learner_programs  # sets up nothing before the flags
 
@@ -46,9 +52,9 @@ def compiled_temporaries(cfg: ModelConfig, tokens: int, remat: bool) -> int:
     return result["temporaries"]
 
 
-def measure(preset: str) -> list[dict]:
+def measure(preset: str, levels: list[str]) -> list[dict]:
     rows = []
-    for remat in (True, False):
+    for remat in levels:
         for tokens in (BASE, *LENGTHS):
             for layers in LAYERS:
                 cfg = dataclasses.replace(ModelConfig.preset(preset), num_layers=layers)
@@ -63,12 +69,12 @@ def measure(preset: str) -> list[dict]:
 
 
 def compare(preset: str, rows: list[dict]) -> list[dict]:
-    """Per (remat, T): the compiled activations at the larger layer count, its per-layer slope and its
+    """Per (remat level, T): the compiled activations at the larger layer count, its per-layer slope and its
     depth-free part, next to the plan's."""
     out = []
-    for remat in (True, False):
+    for remat in sorted({level(r) for r in rows}, key=model.REMAT.index, reverse=True):
         for tokens in LENGTHS:
-            at = {(r["layers"], r["tokens"]): r["temporaries"] for r in rows if r["remat"] == remat}
+            at = {(r["layers"], r["tokens"]): r["temporaries"] for r in rows if level(r) == remat}
             if not all((layers, t) in at for layers in LAYERS for t in (BASE, tokens)):
                 continue
             acts, plan = {}, {}
@@ -116,7 +122,7 @@ def table(preset: str, comparison: list[dict]) -> str:
     ]
     for c in comparison:
         lines.append(
-            f"| {'--remat' if c['remat'] else 'no remat'} | {c['tokens']:,} | {mib(c['compiled'])} | {mib(c['plan'])} "
+            f"| --remat {c['remat']} | {c['tokens']:,} | {mib(c['compiled'])} | {mib(c['plan'])} "
             f"| {c['ratio']:.2f} | {mib(c['per_layer_compiled'])} / {mib(c['per_layer_plan'])} "
             f"| {mib(c['depth_free_compiled'])} / {mib(c['depth_free_plan'])} "
             f"| {mib(c['compiled_at_depth'])} / {mib(c['plan_at_depth'])} | {c['ratio_at_depth']:.2f} |"
@@ -142,12 +148,18 @@ def main() -> None:
     parser = _flags.parser(__doc__)
     _flags.add_model(parser, "qwen3-0.6b", "model preset (shapes only)")
     parser.add_argument("--render", help="a results JSON of this script: its table against the current plan")
+    parser.add_argument(
+        "--levels", default=",".join(model.REMAT), help=f"--remat levels to compile, comma-separated ({model.REMAT})"
+    )
     _flags.add_out(parser, "write NAME.json (raw compiled figures) and NAME.md (the table)")
     args = parser.parse_args()
     if args.render:
         report = json.loads(Path(args.render).read_text())
     else:
-        report = new_report("bench.learner_activations") | {"model": args.model, "compiled": measure(args.model)}
+        report = new_report("bench.learner_activations") | {
+            "model": args.model,
+            "compiled": measure(args.model, args.levels.split(",")),
+        }
         del report["results"]
     print(table(report["model"], compare(report["model"], report["compiled"])))
     if args.out:

@@ -59,7 +59,7 @@ def learner_programs(
     rows: int,
     tokens: int,
     numerics: str = "strict",
-    remat: bool = False,
+    remat: str = "off",
     only: tuple[str, ...] = tuple(PROGRAMS),
 ) -> dict:
     """{name: jax.stages.Lowered}: train.grpo's programs on a `devices` mesh, lowered against abstract
@@ -150,7 +150,7 @@ def main() -> None:
     _flags.add_numerics(parser, "strict", "the learner's numerics")
     parser.add_argument("--tokens", type=int, default=64 + 256, help="prompt + new tokens (padded as pack pads)")
     parser.add_argument("--programs", default="step,score", help=f"which to compile, of {','.join(PROGRAMS)}")
-    parser.add_argument("--remat", action="store_true", help="the learner step with train.grpo --remat")
+    parser.add_argument("--remat", choices=model.REMAT, default="off", help="the learner step's train.grpo --remat")
     parser.add_argument(
         "--dense-backward", action="store_true", help="the attention gradient from XLA's dense backward, not flash"
     )

@@ -151,10 +151,10 @@ def learner_programs(cfg, numerics):
     from bench.learner_memory import learner_programs as lower_learner
 
     out = {}
-    for remat in (False, True):
+    for remat, suffix in (("off", ""), ("on", "_remat")):
         lowered = lower_learner(cfg, 1, 2, 32, numerics, remat=remat, only=("step", "score"))
         for name, low in lowered.items():
-            out[f"grpo_{name.split()[0]}{'_remat' if remat else ''}"] = low.as_text(debug_info=False)
+            out[f"grpo_{name.split()[0]}{suffix}"] = low.as_text(debug_info=False)
     return out
 
 

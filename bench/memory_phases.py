@@ -48,7 +48,7 @@ def measure(model: str, new_tokens: int, args) -> dict:
         new_tokens=new_tokens,
         prompt_tokens=PROMPT_TOKENS,
         micro_batch_tokens=chosen.micro_batch_tokens,
-        remat=chosen.remat == "on",
+        remat=chosen.remat,
         moments=chosen.moments,
     )
     plan = memory.peaks(memory.phases(ModelConfig.preset(model), shape))

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from bench import _flags
 from bench._report import new_report
+from rlkjax.core import model
 from rlkjax.core.config import LoraConfig, ModelConfig
 from rlkjax.core.shapes import cdiv
 from train import memory
@@ -49,9 +50,8 @@ def run_shape(args, gpus: int) -> RunShape:
     cfg, limit = model_config(args), JAX_FRACTION * H200_BYTES
     tokens = 0 if args.micro_batch_tokens == "auto" else int(args.micro_batch_tokens)
     moments = "device" if args.moments == "auto" else args.moments
-    shape = RunShape(
-        args.prompts, args.group, args.new_tokens, args.prompt_tokens, tokens, gpus, args.remat == "on", moments
-    )
+    remat = "off" if args.remat == "auto" else args.remat
+    shape = RunShape(args.prompts, args.group, args.new_tokens, args.prompt_tokens, tokens, gpus, remat, moments)
     pages = memory.least_kv_pages(shape) if args.kv_gib is None else memory.kv_budget(cfg, shape, None, args.kv_gib)
     shape = dataclasses.replace(shape, kv_pages=pages)
     free = tuple(name for name in memory.SETTINGS if str(getattr(args, name)) == "auto")
@@ -97,7 +97,7 @@ def table(args) -> str:
     lines = [f"| {args.model}, GiB per GPU | " + cells(f"{n} GPU{'s' if n > 1 else ''}" for n in args.gpus) + " |"]
     lines += ["|---|" + "---:|" * len(args.gpus)]
     lines.append("| AdamW moments on | " + cells(shapes[n].moments for n in args.gpus) + " |")
-    lines.append("| --remat | " + cells("on" if shapes[n].remat else "off" for n in args.gpus) + " |")
+    lines.append("| --remat | " + cells(shapes[n].remat for n in args.gpus) + " |")
     lines.append("| --micro-batch-tokens | " + cells(str(shapes[n].micro_batch_tokens) for n in args.gpus) + " |")
     lines.append("| rollout KV budget, pages | " + cells(str(shapes[n].kv_pages) for n in args.gpus) + " |")
     full = memory.least_kv_pages(shapes[args.gpus[0]]) - 1  # pages of one sequence at full length
@@ -230,7 +230,12 @@ def main() -> None:
     parser.add_argument(
         "--micro-batch-tokens", default="auto", help="padded tokens a learner GPU holds per micro-batch, or auto"
     )
-    parser.add_argument("--remat", choices=["auto", "on", "off"], default="auto", help="the learner recomputes layers")
+    parser.add_argument(
+        "--remat",
+        choices=["auto", *model.REMAT],
+        default="auto",
+        help="what the learner recomputes (train.grpo --remat)",
+    )
     parser.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank (train.grpo --lora-rank)")
     parser.add_argument(
         "--moments", choices=["auto", "device", "host"], default="auto", help="where AdamW's moments live (--moments)"

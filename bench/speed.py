@@ -16,8 +16,8 @@ Sections (each row: fast, strict, strict/fast time, fraction of a ceiling):
 - learner: value and gradient of the GRPO loss (train.loss.grpo_loss: bf16 policy from fp32 master
   weights, token-level PPO-clip) on random sequences; MFU = (6 x matmul params x tokens + causal
   attention 6 x L x Hq x Dh x T^2 per sequence) / time / 989 TFLOP/s; memory from XLA's compiled
-  memory analysis (arguments + outputs + temporaries: the peak of that call); `--learner-remat` adds
-  each row again with train.grpo --remat (layers recomputed in the backward) for the speed it costs,
+  memory analysis (arguments + outputs + temporaries: the peak of that call); `--learner-remat off,qkv,on`
+  runs each row at those train.grpo --remat levels (layers recomputed in the backward) for the speed they cost,
   `--learner-dense` with XLA's dense attention backward instead of the Pallas flash one,
   `--learner-copies` with the matmul backward multiplying transposed copies (the default reads its
   operands in place); the `train` side (`--learner-sides`) times train.grpo's own one-device learner step
@@ -68,7 +68,9 @@ def parser():
         help="learner rows: fast and strict (grpo_loss on whole weights), train (train.grpo's one-device step, strict)",
     )
     ap.add_argument(
-        "--learner-remat", action="store_true", help="learner rows also with train.grpo --remat (side by side)"
+        "--learner-remat",
+        default="off",
+        help="train.grpo --remat levels of each learner row, comma-separated (off,qkv,on: side by side)",
     )
     ap.add_argument(
         "--learner-dense",
@@ -130,7 +132,7 @@ def learner_section(args, record, rate):
     """Learner rows per model and length, with the backward variants asked for side by side."""
     for name in args.learner_models.split(","):
         for seq in ints(args.learner_seqs):
-            for remat in sorted({False, args.learner_remat}):
+            for remat in args.learner_remat.split(","):
                 for flash in sorted({True, not args.learner_dense}, reverse=True):
                     for in_place in sorted({True, not args.learner_copies}, reverse=True):
                         strict = numerics.NumericsOptions(

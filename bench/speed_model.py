@@ -163,7 +163,7 @@ def train_learner_step(master, batch, ref, rope, cfg, remat, options="strict"):
     return step, args, jax.tree.map(jnp.zeros_like, on_mesh)
 
 
-def learner_row(cfg, name, seq, tokens_per_call, repeats, rate, remat=False, sides=SIDES, strict="strict"):
+def learner_row(cfg, name, seq, tokens_per_call, repeats, rate, remat="off", sides=SIDES, strict="strict"):
     """sides: "fast" and "strict" run grpo_loss on whole weights (the library's learner pass:
     layers unrolled, weights read in place); "train" runs train.grpo's one-device learner step
     (`train_learner_step`, strict), so the two can be compared in one run."""

@@ -7,6 +7,12 @@ from rlkjax.core import flops
 NAN = float("nan")
 
 
+def remat_label(remat) -> str:
+    """A learner row's --remat level in its shape (rows written before the qkv level say true or false)."""
+    level = {True: "on", False: "off", None: "off"}.get(remat, remat)
+    return "" if level == "off" else (" remat" if level == "on" else f" remat {level}")
+
+
 def merge_reports(paths):
     """One report from several runs: every row, and each run's command, date, hardware and ceilings
     (each row's fractions were computed against its own run's ceilings)."""
@@ -67,7 +73,7 @@ def print_table(report):
             f, st = r.get("fast_tokens_per_s", NAN), r.get("strict_tokens_per_s", NAN)
             ceil = f"{100 * r['strict_hbm_fraction']:.0f}% HBM" if "strict_hbm_fraction" in r else "did not fit"
         elif s in ("prefill", "learner", "score"):
-            shape = f"{r['batch']} x {r.get('length', r.get('seq'))}" + (" remat" if r.get("remat") else "")
+            shape = f"{r['batch']} x {r.get('length', r.get('seq'))}" + remat_label(r.get("remat"))
             shape += " dense-bwd" if r.get("flash_backward") is False else ""
             shape += " copies" if r.get("matmul_backward_in_place") is False else ""
             f, st, unit = r.get("fast_tokens_per_s", NAN), r.get("strict_tokens_per_s", NAN), "tok/s"

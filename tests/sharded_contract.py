@@ -127,7 +127,7 @@ def grpo_runs(out: Path) -> dict:
     return steps
 
 
-def step_temporaries(cfg, devices: int, rows: int, tokens: int, remat: bool = False) -> int:
+def step_temporaries(cfg, devices: int, rows: int, tokens: int, remat: str = "off") -> int:
     (result,) = compiled_memory(learner_programs(cfg, devices, rows, tokens, remat=remat, only=("step",))).values()
     return result["temporaries"]
 
@@ -143,7 +143,7 @@ def remat_per_layer(out: Path) -> dict:
     """qwen3-tiny's learner step with --remat at 2 and 4 layers on 2 devices: 4 rows of 256 tokens."""
     cfg = ModelConfig.preset("qwen3-tiny")
     return {
-        str(layers): step_temporaries(dataclasses.replace(cfg, num_layers=layers), 2, 4, 256, remat=True)
+        str(layers): step_temporaries(dataclasses.replace(cfg, num_layers=layers), 2, 4, 256, remat="on")
         for layers in (2, 4)
     }
 

@@ -190,10 +190,12 @@ def default_step(tiny):
 
 
 @pytest.mark.slow
-def test_learner_remat_keeps_the_bits(tiny, default_step):
-    """--remat (model.forward's remat) recomputes each layer's intermediates in the backward pass rather than keeping
-    them: the FSDP learner step's loss, logp_new and every gradient have the same bits either way."""
-    loss, logp, grads = learner_step(*tiny, remat=True)
+@pytest.mark.parametrize("remat", ["qkv", "on"])
+def test_learner_remat_keeps_the_bits(tiny, default_step, remat):
+    """--remat qkv and on (model.forward's remat) recompute each layer's first half, or both halves, in the backward
+    pass rather than keeping their intermediates: the FSDP learner step's loss, logp_new and every gradient have the
+    bits of the step that keeps them all."""
+    loss, logp, grads = learner_step(*tiny, remat=remat)
     loss_kept, logp_kept, grads_kept = default_step
     assert_bits_equal(loss, loss_kept, "loss")
     assert_bits_equal(logp, logp_kept, "logp_new")
@@ -236,10 +238,10 @@ def test_learner_reads_weights_in_place_with_the_same_bits(monkeypatch):
 
     total = jnp.float32(b * (t - 1))
 
-    def objective(remat=False):
+    def objective(remat="off"):
         return Objective(model.LearnerPass(cfg, "strict", remat), clip_eps=0.2, beta=0.0)
 
-    def step(remat=False):
+    def step(remat="off"):
         return jax.value_and_grad(grpo_loss, has_aux=True)(master, batch, ref, rope, total, objective(remat))
 
     def gathered(master):
@@ -253,7 +255,7 @@ def test_learner_reads_weights_in_place_with_the_same_bits(monkeypatch):
     scan = jax.shard_map(
         jax.value_and_grad(gathered, has_aux=True), mesh=mesh, in_specs=(specs,), out_specs=P(), check_vma=False
     )(master)
-    for label, ((loss_s, (_, logp_s)), grads_s) in (("gathered layer scan", scan), ("unrolled, remat", step(True))):
+    for label, ((loss_s, (_, logp_s)), grads_s) in (("gathered layer scan", scan), ("unrolled, remat", step("on"))):
         assert_bits_equal(loss, loss_s, f"loss, {label}")
         assert_bits_equal(logp, logp_s, f"logp_new, {label}")
         for (path, g), g_s in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads_s), strict=True):

@@ -192,7 +192,7 @@ def test_the_plan_sizes_the_kv_cache_by_the_budget():
     153 GiB, the rollout 198.8 GiB with the weights; the budget is what the rollout leaves, less the reserve."""
     cfg = rlkjax.ModelConfig.preset("qwen3-8b")
     limit = 0.95 * 143771 * 2**20
-    shape = RunShape(16, 8, 8192, 512, 16, remat=True, moments="host")
+    shape = RunShape(16, 8, 8192, 512, 16, remat="on", moments="host")
     page = memory.kv_page_bytes(cfg)
     assert page == 36 * 8 * 16 * 128 * 2 * 2
     assert memory.kv_pages_needed(shape) == 1 + 128 * 544 and memory.least_kv_pages(shape) == 545

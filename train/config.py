@@ -184,10 +184,12 @@ class GRPOConfig:
     one H200). Same bits wherever they live."""
     lora: Annotated[Lora, tyro.conf.OmitArgPrefixes] = Lora()
     """LoRA adapters on a frozen base instead of full-parameter training."""
-    remat: Literal["auto", "on", "off"] = "auto"
-    """on: recompute each layer's norms, projections and MLP in the learner's backward instead of keeping them for
-    every layer (at Qwen3-4B, 4 x 1024 tokens, 100 instead of 428 MiB per layer) for about a quarter more matmul
-    work per learner step. Same bits either way. auto: on only when the memory plan needs it."""
+    remat: Literal["auto", "off", "qkv", "on"] = "auto"
+    """What the learner's backward recomputes instead of keeping for every layer. qkv: each layer's input norm, q/k/v
+    projections and q/k norms (the normed input and q and k before their norms are not kept: about a sixth of a
+    layer's arrays, for about a twentieth more matmul work). on: also o_proj, the second norm and the MLP (at
+    Qwen3-4B, 4 x 1024 tokens, 100 instead of 428 MiB per layer) for about a quarter more matmul work. Same bits at
+    every level. auto: the least recomputation the memory plan fits."""
     runtime: Annotated[Runtime, tyro.conf.OmitArgPrefixes] = Runtime()
     """The numerics and the compilation cache."""
     tis_cap: float = 0.0

@@ -367,7 +367,7 @@ def plan_memory(config: GRPOConfig, cfg, learner_devices, sampler_devices) -> tu
         prompt_tokens=config.max_prompt_tokens,
         micro_batch_tokens=given.get("micro_batch_tokens", 0),
         devices=len(learner_devices),
-        remat=given.get("remat") == "on",
+        remat=given.get("remat", "off"),
         moments=given.get("moments", "device"),
         sampler=not config.rollout_url and bool(set(learner_devices) & set(sampler_devices)),
     )
@@ -399,7 +399,7 @@ def plan_memory(config: GRPOConfig, cfg, learner_devices, sampler_devices) -> tu
     config = dataclasses.replace(
         config,
         moments=chosen.moments,
-        remat="on" if chosen.remat else "off",
+        remat=chosen.remat,
         micro_batch_tokens=chosen.micro_batch_tokens,
     )
     return config, kv_pages

@@ -72,9 +72,8 @@ def build_learner(config: "GRPOConfig", cfg, params, devices, moments="device", 
     frozen_specs = None if frozen is None else fsdp.param_specs(frozen, len(devices))
     fixed = () if frozen is None else (fsdp.put(frozen, mesh, frozen_specs),)
     frozen_layout = None if frozen is None else _hashable(frozen_specs)
-    remat = config.remat == "on"
     grad_fn = _grad_fn(
-        *layout, cfg, config.runtime.numerics, config.clip_eps, config.beta, remat, frozen_layout=frozen_layout
+        *layout, cfg, config.runtime.numerics, config.clip_eps, config.beta, config.remat, frozen_layout=frozen_layout
     )
     score_fn = _score_fn(*layout, cfg, config.runtime.numerics, frozen_layout=frozen_layout)
     opt = optimizer.make(config.optimiser.hyper(config.steps * config.updates_per_batch), mesh, specs, moments)

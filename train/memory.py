@@ -47,7 +47,7 @@ class RunShape:
     prompt_tokens: int
     micro_batch_tokens: int  # padded tokens a learner device holds in one micro-batch (train/batch.py)
     devices: int = 1  # of the FSDP learner, each with a sampler engine
-    remat: bool = False
+    remat: str = "off"  # what the learner's backward recomputes: one of model.REMAT
     moments: str = "device"  # or "host"
     sampler: bool = True  # an engine shares the GPU (train.grpo's in-process rollout); False with --rollout-url
     kv_pages: int | None = None  # the engine's KV page budget (`kv_budget`); None: every sequence at full length
@@ -71,13 +71,14 @@ def micro_batch_tokens(shape: RunShape) -> int:
     return max(shape.micro_batch_tokens, padded_length(shape.prompt_tokens + shape.new_tokens))
 
 
-def learner_activations(cfg: ModelConfig, tokens: int, remat: bool) -> int:
+def learner_activations(cfg: ModelConfig, tokens: int, remat: str) -> int:
     """Bytes the learner step holds for its backward on a device that holds `tokens` padded tokens. Per token:
     - each layer's kept arrays, bf16 (the residuals jax saves for the backward: jax._src.ad_checkpoint's
-      saved_residuals of model.forward lists them): without remat the layer input and the two normed inputs,
+      saved_residuals of model.forward lists them): with remat "off" the layer input and the two normed inputs,
       the post-attention residual, q and k before and after their norms, v, the attention output and its
-      [tokens, q] view for o_proj, gate, up and the SwiGLU (5d + 4q + 3kv + 3f); with remat the layer input, q,
-      k, v and the attention output (d + 2q + 2kv); either way the attention's fp32 log-sum-exp per head;
+      [tokens, q] view for o_proj, gate, up and the SwiGLU (5d + 4q + 3kv + 3f); "qkv" recomputes the first
+      normed input and q and k before their norms (4d + 3q + 2kv + 3f); "on" keeps the layer input, q, k, v and
+      the attention output (d + 2q + 2kv); at every level the attention's fp32 log-sum-exp per head;
     - each layer's K and V pages: the learner's pass writes a whole model's fresh KV cache (model.forward);
     - once: the backward of one layer (its recomputed arrays and their cotangents, fp32 where a kernel
       accumulates) and the final norm and logprob head's hidden states and their cotangents: BACKWARD_D bytes
@@ -87,9 +88,13 @@ def learner_activations(cfg: ModelConfig, tokens: int, remat: bool) -> int:
     (bench/results/2026-12-07_cpu_learner_activations_vs_compiled_1k_32k.md)."""
     d, f, hq = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads
     q, kv = hq * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    kept = 2 * (d + 2 * q + 2 * kv) if remat else 2 * (5 * d + 4 * q + 3 * kv + 3 * f)
+    kept = {
+        "off": 5 * d + 4 * q + 3 * kv + 3 * f,
+        "qkv": 4 * d + 3 * q + 2 * kv + 3 * f,
+        "on": d + 2 * q + 2 * kv,
+    }[remat]
     pages = 2 * 2 * kv
-    return tokens * (cfg.num_layers * (kept + 4 * hq + pages) + BACKWARD_D * d + BACKWARD_F * f)
+    return tokens * (cfg.num_layers * (2 * kept + 4 * hq + pages) + BACKWARD_D * d + BACKWARD_F * f)
 
 
 BACKWARD_D, BACKWARD_F = 40, 28  # bytes a token per unit of width: see learner_activations
@@ -278,13 +283,19 @@ def budgets(shape: RunShape) -> list[int]:
     return out
 
 
+# The plan's peaks were within 4.5% of those measured per phase on one H100 at 4k and 8k tokens (under and over:
+# bench/results/2026-12-07_h100_reasoning_length_*): settings the plan chooses keep this share of the limit free.
+PLAN_ERROR = 0.05
+
+
 def choose(cfg: ModelConfig, shape: RunShape, limit: float | None, free: tuple[str, ...] = SETTINGS) -> RunShape | None:
     """The settings named in `free` (of SETTINGS; the others as `shape` has them) that the plan fits into
-    `limit` bytes, preferring the moments on the device (no transfers), then no remat (no recomputation), then the
-    largest token budget (budgets): first every combination at the largest budget, then smaller budgets. None
-    when nothing fits; the preferred settings when no limit is known (CPU)."""
+    `limit` bytes (less PLAN_ERROR of it where any is free to choose), preferring the moments on the device (no
+    transfers), then the least remat (least recomputation: model.REMAT's order), then the largest token budget
+    (budgets): first every combination at the largest budget, then smaller budgets. None when nothing fits; the
+    preferred settings when no limit is known (CPU)."""
     moments = ("device", "host") if "moments" in free else (shape.moments,)
-    remats = (False, True) if "remat" in free else (shape.remat,)
+    remats = model.REMAT if "remat" in free else (shape.remat,)
     sizes = budgets(shape) if "micro_batch_tokens" in free else [shape.micro_batch_tokens]
     tries = [
         dataclasses.replace(shape, moments=m, remat=r, micro_batch_tokens=b)
@@ -294,12 +305,12 @@ def choose(cfg: ModelConfig, shape: RunShape, limit: float | None, free: tuple[s
     ]
     if limit is None:
         return tries[0]
-    return next((t for t in tries if fits(cfg, t, limit)), None)
+    room = limit * (1 - PLAN_ERROR) if free else limit
+    return next((t for t in tries if fits(cfg, t, room)), None)
 
 
 def flags(shape: RunShape) -> str:
-    remat = "on" if shape.remat else "off"
-    return f"--moments {shape.moments} --remat {remat} --micro-batch-tokens {shape.micro_batch_tokens}"
+    return f"--moments {shape.moments} --remat {shape.remat} --micro-batch-tokens {shape.micro_batch_tokens}"
 
 
 def refusal(cfg: ModelConfig, shape: RunShape, limit: float, what: str, free: tuple[str, ...]) -> str:
@@ -307,7 +318,7 @@ def refusal(cfg: ModelConfig, shape: RunShape, limit: float, what: str, free: tu
     of those free to choose) and the settings that would fit, if any."""
     fit = choose(cfg, shape, limit, SETTINGS)
     if free:
-        thrifty = {"moments": "host", "remat": True, "micro_batch_tokens": budgets(shape)[-1]}
+        thrifty = {"moments": "host", "remat": "on", "micro_batch_tokens": budgets(shape)[-1]}
         shape = dataclasses.replace(shape, **{k: thrifty[k] for k in free})
     advice = f"{flags(fit)} would fit" if fit else "no setting of --moments, --remat and --micro-batch-tokens fits"
     return (

@@ -224,6 +224,10 @@ class Unstacked(Sliced):
 
 
 # ----- the layer -----
+# The learner's recomputation levels (`forward`'s remat), least recomputation first.
+REMAT = ("off", "qkv", "on")
+
+
 class _Pass(NamedTuple):
     """What every layer of one `forward` call shares: the kernels and the shapes."""
 
@@ -232,7 +236,7 @@ class _Pass(NamedTuple):
     b: int
     t: int
     rows: int  # activation rows: b * t padded to the kernels' row tile
-    remat: bool
+    remat: str  # one of REMAT (see `forward`)
 
 
 def layer(p: _Pass, carry, weights: LayerWeights, tables):
@@ -254,8 +258,10 @@ def layer(p: _Pass, carry, weights: LayerWeights, tables):
         h = weights.norm(op, x, "post_attention_layernorm", eps)
         return weights.matmul(op, op.swiglu(*weights.matmuls(op, h, ("gate_proj", "up_proj"))), "down_proj", x)
 
-    if p.remat:
-        qkv, out = jax.checkpoint(qkv), jax.checkpoint(out)
+    if p.remat != "off":
+        qkv = jax.checkpoint(qkv)
+    if p.remat == "on":
+        out = jax.checkpoint(out)
     q, k, v = qkv(x)
     b, t = p.b, p.t
     attn, (k_pages, v_pages) = op.attention(
@@ -292,7 +298,7 @@ def forward(
     numerics: Numerics,
     *,
     layers=None,
-    remat=False,
+    remat="off",
 ):
     """tokens, positions [B, T] (position -1 = padding), page_table [B, P] -> hidden [B, T, D] (final-normed)
     and the cache with this call's K/V written in. Only data movement happens outside the ops.
@@ -302,12 +308,15 @@ def forward(
     params["layers"] read in place, its scan unrolled by the NumericsOptions' layer_unroll). The
     learner passes `Unstacked` (it differentiates through per-layer slices), the FSDP learner
     train/fsdp.py's `Gathered`; params["layers"] is then not read.
-    remat: (the learner's pass) recompute each layer's two halves (norm + q/k/v + q/k norms;
-    o_proj + norm + gate/up + swiglu + down_proj) in the backward instead of keeping their
-    intermediates: a layer scan then stacks only each layer's input and the attention's q, k, v and
-    output (about a quarter of the memory) for about a quarter more matmul work. Same kernels on the
-    same inputs: the same bits.
+    remat: (the learner's pass) what each layer recomputes in the backward instead of keeping (REMAT): "off"
+    nothing; "qkv" its first half (norm + q/k/v + q/k norms), whose kept arrays (the normed input, q and k
+    before their norms) are about a sixth of the layer's for about a twentieth more matmul work; "on" both
+    halves (also o_proj + norm + gate/up + swiglu + down_proj): a layer scan then stacks only each layer's
+    input and the attention's q, k, v and output (about a quarter of the memory) for about a quarter more
+    matmul work. Same kernels on the same inputs: the same bits.
     numerics: "strict", "fast" or a NumericsOptions."""
+    if remat not in REMAT:
+        raise ValueError(f"remat={remat!r}: choose one of {REMAT}")
     op = ops(numerics)
     if cfg.lora is not None:  # the adapters' scale is the model's, static: every view's adapted matmuls apply it
         op = op._replace(adapted_matmul=functools.partial(op.adapted_matmul, scale=cfg.lora.scale))
@@ -418,7 +427,7 @@ class LearnerPass:
 
     cfg: ModelConfig
     numerics: Numerics = "strict"
-    remat: bool = False  # recompute each layer in the backward (see `forward`)
+    remat: str = "off"  # what each layer recomputes in the backward: one of REMAT (see `forward`)
     top_logprobs: int = 0  # k > 0: also each position's k most likely ids and their logprobs
     chunk: int = 64  # positions per head call with top logprobs or truncation ([chunk, vocab] logits)
 
@@ -475,7 +484,7 @@ def completion_logprobs(params, seqs: Sequences, rope, setting: LearnerPass, lay
     return jnp.where(columns >= 0, logp, jnp.zeros_like(logp))
 
 
-def _learner_hidden(params, seqs: Sequences, rope, cfg: ModelConfig, numerics: Numerics, layers=None, remat=False):
+def _learner_hidden(params, seqs: Sequences, rope, cfg: ModelConfig, numerics: Numerics, layers=None, remat="off"):
     """The learner's pass (whole sequences into fresh pages) up to the final norm: hidden [B, T, D].
     layers: None reads params["layers"] whole (`Unstacked`)."""
     b, t = seqs.tokens.shape
