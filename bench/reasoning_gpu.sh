@@ -10,6 +10,9 @@
 #             chooses), $STEPS steps, every step verified (bench/seed_run.sh), and bench.memory_plan's estimate
 #             beside the peaks it measured per phase, and bench.rollout_roofline's targets (rollout against the
 #             decode roofline at the copy bandwidth measured then, learner MFU).
+#   learner   bench.speed's learner rows: the learner pass and train.grpo's one-device step for $MODEL at one row of
+#             $NEW_TOKENS tokens, at each --remat level (off, qkv, on) side by side: what each recomputation
+#             costs, MFU and compiled memory (a level that does not fit records its error).
 #   decode    bench/long_context_decode.sh sweep speed1: decode attention alone at 8B heads, then Qwen3-8B decode
 #             at batch 1, contexts 2k to 32k, strict beside fast, share of the HBM roofline.
 #
@@ -18,6 +21,7 @@
 #                                              #   no weights) into $OUT/reasoning_gpu.tar.gz; prints each part's state
 # Environment: RUN (/tmp/reasoning_gpu), PARTS ("pytest mismatch train decode"), MODEL (qwen3-1.7b),
 # NEW_TOKENS (4096), STEPS (3), LORA_MODEL (qwen3-8b), LORA_PROMPTS (16), LORA_STEPS (50), MISMATCH_BATCH (8),
+# MISMATCH_TOKENS (8192),
 # PY (python3), OUT (/tmp/out).
 set -uo pipefail
 ACTION=${1:?usage: bash bench/reasoning_gpu.sh start | wait SECONDS}
@@ -34,7 +38,8 @@ part_pytest() {
 
 part_mismatch() {
   "$PY" -m bench.mismatch --models qwen3-8b --batch "${MISMATCH_BATCH:-8}" \
-    --new-tokens 8192 --min-prompt 16 --max-prompt 128 --repeats 1 --buckets 0,256,512,1024,2048,4096,8192 \
+    --new-tokens "${MISMATCH_TOKENS:-8192}" --min-prompt 16 --max-prompt 128 --repeats 1 \
+    --buckets "0,256,512,1024,2048,4096,${MISMATCH_TOKENS:-8192}" \
     --score-batch 1 --plot "$RUN/mismatch/by_position.png" --out "$RUN/mismatch/by_position.json" \
     > "$RUN/mismatch/log" 2>&1
 }
@@ -57,6 +62,12 @@ part_train() {
     --metrics "$here/metrics.jsonl" --out "$here/roofline.json" > "$here/roofline.md" 2>&1
 }
 
+part_learner() {
+  "$PY" -m bench.speed --only learner --learner-models "${MODEL:-qwen3-1.7b}" --learner-seqs "${NEW_TOKENS:-4096}" \
+    --learner-tokens "${NEW_TOKENS:-4096}" --learner-sides strict,train --learner-remat off,qkv,on \
+    --out "$RUN/learner/speed.json" > "$RUN/learner/log" 2>&1
+}
+
 part_decode() {
   OUT="$RUN/decode" PY="$PY" bash bench/long_context_decode.sh sweep speed1 > "$RUN/decode/log" 2>&1
 }
@@ -70,7 +81,7 @@ case "$ACTION" in
   start)
     rm -rf "$RUN"; mkdir -p "$RUN"
     export PARTS=${PARTS:-pytest mismatch train decode}
-    export -f sweep part_pytest part_mismatch part_lora part_train part_decode; export RUN PY
+    export -f sweep part_pytest part_mismatch part_lora part_train part_learner part_decode; export RUN PY
     setsid nohup bash -c "sweep; touch '$RUN/ended'" > "$RUN/sweep.log" 2>&1 < /dev/null &
     echo "started: $RUN ($PARTS)" ;;
   wait)
@@ -80,7 +91,7 @@ case "$ACTION" in
     (cd "$(dirname "$RUN")" && find "$(basename "$RUN")" -type f -size -16M -not -path '*/run/*' -print0 |
       tar -czf "$OUT/reasoning_gpu.tar.gz" --null -T -)
     [ -f "$RUN/ended" ] && echo "ended" || echo "running"
-    for part in pytest mismatch lora train decode; do
+    for part in pytest mismatch lora train learner decode; do
       [ -d "$RUN/$part" ] && { echo "== $part"; tail -n 4 "$RUN/$part"/*log* 2>/dev/null; }
     done ;;
   *) echo "usage: bash bench/reasoning_gpu.sh start | wait SECONDS" >&2; exit 2 ;;
