@@ -166,7 +166,8 @@ def test_lora_plan_by_hand_and_what_fits_one_h100():
     (2A each); no fp32 copy or moment of the base. On one H100 the plan fits Qwen3-8B at STEP as it is (the learner
     step, 51.5 GiB, its largest phase) and Qwen3-14B with the settings `choose` finds (remat); Qwen3-32B's best
     setting (remat, 1,920-token micro-batches) fills 74.8 of the 75.7 GiB, inside the plan's error, so `choose`
-    leaves it to an H200 (P8 there: 96.7 GiB); full-parameter 8B fits no setting."""
+    leaves it to an H200 (P8 there: 96.7 GiB) and the refusal names it as flags to try; full-parameter 8B fits no
+    setting."""
     lora = rlkjax.LoraConfig(rank=16)
     cfg = dataclasses.replace(QWEN3_8B, lora=lora)
     p, a = memory.parameter_count(QWEN3_8B), memory.adapter_params(cfg)
@@ -187,6 +188,11 @@ def test_lora_plan_by_hand_and_what_fits_one_h100():
         == "--moments device --remat on --micro-batch-tokens 8448"
     )
     assert memory.choose(thirty_two, STEP, H100_LIMIT) is None
+    message = memory.refusal(thirty_two, STEP, H100_LIMIT, "NVIDIA H100 0", memory.SETTINGS)
+    assert (
+        "--moments device --remat on --micro-batch-tokens 1920 needs 74.8 GiB: under the limit by less than the "
+        "plan's 5% error, so it is not chosen for you; give those flags to try it" in message
+    ), message
     tight = memory.choose(thirty_two, STEP, H100_LIMIT / (1 - memory.PLAN_ERROR))
     assert (
         H100_LIMIT * (1 - memory.PLAN_ERROR) < max(memory.peaks(memory.phases(thirty_two, tight)).values()) < H100_LIMIT

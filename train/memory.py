@@ -315,15 +315,27 @@ def flags(shape: RunShape) -> str:
 
 def refusal(cfg: ModelConfig, shape: RunShape, limit: float, what: str, free: tuple[str, ...]) -> str:
     """Why a run does not fit: the per-phase table of `shape` (with the settings chosen for it, or the thriftiest
-    of those free to choose) and the settings that would fit, if any."""
+    of those free to choose) and the settings that would fit, if any; or, where a setting fits the limit only
+    inside the plan's error margin (not chosen for the user), that setting, to give as flags."""
     fit = choose(cfg, shape, limit, SETTINGS)
+    close = None if fit else choose(cfg, shape, limit / (1 - PLAN_ERROR), SETTINGS)  # room: the limit itself
     if free:
         thrifty = {"moments": "host", "remat": "on", "micro_batch_tokens": budgets(shape)[-1]}
         shape = dataclasses.replace(shape, **{k: thrifty[k] for k in free})
-    advice = f"{flags(fit)} would fit" if fit else "no setting of --moments, --remat and --micro-batch-tokens fits"
+    if fit:
+        advice = f"{flags(fit)} would fit"
+    elif close:
+        peak = max(peaks(phases(cfg, close)).values()) / GIB
+        advice = (
+            f"{flags(close)} needs {peak:.1f} GiB: under the limit by less than the plan's {PLAN_ERROR:.0%} error, so "
+            "it is not chosen for you; give those flags to try it"
+        )
+    else:
+        advice = "no setting of --moments, --remat and --micro-batch-tokens fits"
+    spared = f", less the plan's {PLAN_ERROR:.0%} error when it chooses settings" if free else ""
     return (
-        f"this run needs more memory than {what} lets JAX take ({limit / GIB:.1f} GiB); estimate per phase with "
-        f"{flags(shape)}:\n{table(phases(cfg, shape), limit)}\n{advice} (train/memory.py; nothing was compiled)"
+        f"this run needs more memory than {what} lets JAX take ({limit / GIB:.1f} GiB{spared}); estimate per phase "
+        f"with {flags(shape)}:\n{table(phases(cfg, shape), limit)}\n{advice} (train/memory.py; nothing was compiled)"
     )
 
 
