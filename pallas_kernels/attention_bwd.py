@@ -32,15 +32,26 @@ from pallas_kernels.common import F32, check_block, compiler_params, dot_nn, dot
 
 @dataclasses.dataclass(frozen=True)
 class AttentionBwdConfig:
-    block_q: int = 64
+    block_q: int = 64  # the dkdv kernel's query and key blocks
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 2
     skip_blocks: bool = True  # skip pairs that see nothing (False: to measure it, and test that no bit changes)
+    # The dq kernel's blocks (0: block_q, block_k). The two kernels walk opposite loops (dkdv holds a key
+    # block and walks the queries, dq the reverse), so each may want its held block the taller.
+    dq_block_q: int = 0
+    dq_block_k: int = 0
 
     def __post_init__(self):
         check_block("block_q", self.block_q)
         check_block("block_k", self.block_k)
+        for name in ("dq_block_q", "dq_block_k"):
+            if getattr(self, name):
+                check_block(name, getattr(self, name))
+
+    @property
+    def dq_blocks(self) -> tuple[int, int]:
+        return self.dq_block_q or self.block_q, self.dq_block_k or self.block_k
 
 
 def _visible(pos_q, pos_k):
@@ -118,7 +129,7 @@ def attention_bwd(q, k, v, forward, do, positions, config: AttentionBwdConfig, i
     g = hq // hkv
     scale = 1.0 / math.sqrt(dh)
     dh_p = max(16, pl.next_power_of_2(dh))  # zero features: exact zero products, sliced off after
-    block = max(config.block_q, config.block_k)
+    block = max(config.block_q, config.block_k, *config.dq_blocks)
     tp = -(-t // block) * block  # padding positions are -1: seen by no query, see no key
 
     def heads_major(x):  # [B, T, H, Dh] -> [B, H, Tp, Dh_p]
@@ -129,13 +140,18 @@ def attention_bwd(q, k, v, forward, do, positions, config: AttentionBwdConfig, i
     delta = jnp.sum(do.astype(F32) * out.astype(F32), axis=3).transpose(0, 2, 1)
     delta = pad_dim(delta, 2, block)  # [B, Hq, Tp]
     pos = pad_dim(positions, 1, block, value=-1)
+
+    def bounds(bq, bk):
+        """Per block: the highest query position (-1: all padding) and the lowest valid key position
+        (int32 max: none), for skipping the pairs that see nothing."""
+        q_hi = pos.reshape(b, tp // bq, bq).max(axis=2)
+        k_lo = jnp.where(pos >= 0, pos, jnp.iinfo(jnp.int32).max).reshape(b, tp // bk, bk).min(axis=2)
+        if not config.skip_blocks:
+            return jnp.full_like(q_hi, jnp.iinfo(jnp.int32).max), jnp.full_like(k_lo, -1)
+        return q_hi, k_lo
+
     bq, bk = config.block_q, config.block_k
-    # Per block: the highest query position (-1: all padding) and the lowest valid key position
-    # (int32 max: none), for skipping the pairs that see nothing.
-    q_hi = pos.reshape(b, tp // bq, bq).max(axis=2)
-    k_lo = jnp.where(pos >= 0, pos, jnp.iinfo(jnp.int32).max).reshape(b, tp // bk, bk).min(axis=2)
-    if not config.skip_blocks:
-        q_hi, k_lo = jnp.full_like(q_hi, jnp.iinfo(jnp.int32).max), jnp.full_like(k_lo, -1)
+    q_hi, k_lo = bounds(bq, bk)
     one = lambda: pl.BlockSpec((None, 1), lambda i, h, j: (i, j))  # noqa: E731  (this program's block)
     every = lambda n: pl.BlockSpec((None, n), lambda i, h, j: (i, 0))  # noqa: E731  (all blocks of the row)
     params = compiler_params(config.num_warps, config.num_stages)
@@ -158,6 +174,9 @@ def attention_bwd(q, k, v, forward, do, positions, config: AttentionBwdConfig, i
         interpret=interpret,
     )((q_hi, k_lo, pos, pos), qh, kh, vh, doh, (lse, delta))
 
+    if config.dq_blocks != (bq, bk):
+        bq, bk = config.dq_blocks
+        q_hi, k_lo = bounds(bq, bk)
     q_blk = pl.BlockSpec((None, None, bq, dh_p), lambda i, h, j: (i, h, j, 0))
     kv_seq = pl.BlockSpec((None, None, tp, dh_p), lambda i, h, j: (i, h // g, 0, 0))
     row_blk = pl.BlockSpec((None, None, bq), lambda i, h, j: (i, h, j))

@@ -590,17 +590,22 @@ def test_embedding_gradient_sums_repeated_tokens_in_fp32():
     assert (np.asarray(grad, np.float64)[unused] == 0).all()
 
 
-@pytest.mark.parametrize("hq,hkv,dh,block", [(4, 2, 16, 16), slow(6, 2, 24, 32), slow(5, 1, 8, 16)])
-def test_attention_flash_backward(hq, hkv, dh, block):
+@pytest.mark.parametrize(
+    "hq,hkv,dh,block,dq",
+    [(4, 2, 16, 16, (0, 0)), slow(6, 2, 24, 32, (0, 0)), slow(5, 1, 8, 16, (0, 0)), slow(4, 2, 16, 16, (32, 16))],
+)
+def test_attention_flash_backward(hq, hkv, dh, block, dq):
     """The Pallas backward (AttentionConfig.backward): dq, dk, dv as close to the float64 dense truth
     as XLA's dense backward is (check_grads: within twice the reference's own error), the same
     bits twice; padding rows and rows whose keys span several blocks, group sizes 2 / 3 / 5, head
-    dims 16 / 24 (padded to 32) / 8 (padded to 16)."""
+    dims 16 / 24 (padded to 32) / 8 (padded to 16), and dq blocks other than dkdv's (32 queries by
+    16 keys, the sequence padded to the larger)."""
     import dataclasses
 
     from pallas_kernels.attention_bwd import AttentionBwdConfig
 
-    config = dataclasses.replace(numerics.ATTENTION, backward=AttentionBwdConfig(block_q=block, block_k=block))
+    bwd = AttentionBwdConfig(block_q=block, block_k=block, dq_block_q=dq[0], dq_block_k=dq[1])
+    config = dataclasses.replace(numerics.ATTENTION, backward=bwd)
     q, k, v, pages, pt, pos = _attention_case(F32, hq=hq, hkv=hkv, dh=dh)
     ker = lambda q, k, v: _attend(q, k, v, pages, pages, np.int32(1), pt, pos, config)[0]  # noqa: E731
     check_grads(ker, lambda q, k, v: attention.dense_attention(q, k, v, pos), [q, k, v], (0, 1, 2), "flash bwd")
