@@ -15,13 +15,20 @@ Returns out [B, T, Hq, Dh] and the updated caches.
 
 Numerics: keys are visited in blocks of `block_pages` pages aligned to absolute positions (block j
 holds positions [j*B, (j+1)*B), B = block_pages * page_size), in ascending order, with an fp32
-online softmax: per block, the pages' scores are maxed and their exps summed elementwise in page
-order, then reduced once per row; p @ v is added page by page in order. A query row's state
-is only updated by blocks in which it sees at least one key (a select, so later blocks are exact
-no-ops), and every query tile is `block_rows` query rows (block_rows / G tokens) of one batch row
-and one KV head, the same tile in every pass, so a token's bits depend on its own keys only: not on
-the chunking, the batch, or the other queries in its tile. A program runs `tiles` such tiles side by
-side (each its own arithmetic, sharing the KV block loads), which changes no bit.
+online softmax: per block, the row max of the pages' scores (exact in any order), p = exp(s - max),
+and, page by page in order, p (rounded to v's dtype) @ v into the output. The row sum of p is
+`row_sums`, part of the contract:
+- "reduce": the pages' p added elementwise in page order, then one `jnp.sum` over the columns. On
+  the GPU that reduction's order follows the tile's register layout (16- and 64-row tiles differed
+  in the last bit), so every pass runs the same `block_rows`-row tiles.
+- "product": p rounded to v's dtype @ ones, page by page in order. Every reduction over a row's
+  keys is then a product, whose K chain is the same whatever the tile's row count (measured: the
+  matmul's rows across 16- to 256-row tiles), so the rows per program become a launch choice:
+  decode steps run `block_rows` rows, calls with many query tiles `long_rows`.
+Either way a token's bits depend on its own keys only: not on the chunking, the batch, or the other
+queries in its tile. A query row's state is only updated by blocks in which it sees at least one
+key (a select, so later blocks are exact no-ops). A program runs `tiles` tiles side by side (each
+its own arithmetic, sharing the KV block loads), which changes no bit either.
 
 KV splits (flash-decoding): the positions are cut into fixed absolute ranges of `kv_split` keys
 (split s holds [s*kv_split, (s+1)*kv_split)); the online softmax above runs over each split's range
@@ -49,11 +56,13 @@ from pallas_kernels import _math
 from pallas_kernels.attention_bwd import AttentionBwdConfig, attention_bwd
 from pallas_kernels.common import F32, acc_dtype, check_block, compiler_params, dot_nn, dot_nt, pad_dim, round_up
 
+ROW_SUM_COLUMNS = 16  # the ones matrix of the row sums: Triton's smallest dot width
+
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
     page_size: int = 16  # tokens per KV cache page
-    block_rows: int = 16  # query rows (tokens x group heads) per program: part of the contract
+    block_rows: int = 16  # query rows (tokens x group heads) per tile of a decode step or a short chunk
     kv_split: int = 256  # keys per split, merged in order afterwards; changing it changes the bits
     num_warps: int = 4
     num_stages: int = 2
@@ -68,6 +77,13 @@ class AttentionConfig:
     # (tested: tests/test_kernels.py test_attention_chunked_equals_whole_and_decode). Why 8:
     # bench/results/2026-12-03_h200_cpu_measurements_behind_defaults.md.
     merge_in_kernel_from: int = 8
+    # How a block's probabilities are summed per row: "reduce" or "product" (module docstring).
+    row_sums: str = "reduce"
+    # Calls merging in the kernel: query rows and warps per program (0: block_rows, num_warps). With
+    # row_sums "product" a launch choice (tested compiled: tests/test_kernels.py
+    # test_attention_long_rows_agree); with "reduce" it would change a row's bits, so it must be 0.
+    long_rows: int = 0
+    long_warps: int = 0
     # The merge kernel (decode, short prefill chunks): split states loaded ahead of the one being
     # merged, head-dim columns per program, warps. Launch choices only: the same steps in the same
     # order on every element (tested: tests/test_kernels.py test_attention_merge_launch_keeps_bits).
@@ -87,11 +103,30 @@ class AttentionConfig:
         check_block("merge_prefetch", self.merge_prefetch, minimum=1)
         check_block("merge_block_d", self.merge_block_d)
         check_block("merge_warps", self.merge_warps, minimum=1)
+        if self.row_sums not in ("reduce", "product"):
+            raise ValueError(f"row_sums={self.row_sums!r} must be 'reduce' or 'product'")
+        if self.long_rows not in (0, self.block_rows) and self.row_sums != "product":
+            raise ValueError(
+                f"long_rows={self.long_rows} with row_sums='reduce' would give the learner's rows other bits than "
+                f"a decode step's {self.block_rows}-row tiles: use row_sums='product' or long_rows=0"
+            )
+        if self.long_rows:
+            check_block("long_rows", self.long_rows)
+        if self.long_warps:
+            check_block("long_warps", self.long_warps, minimum=1)
         if self.kv_split % (self.page_size * self.block_pages):
             raise ValueError(
                 f"kv_split={self.kv_split} must be a multiple of page_size x block_pages = "
                 f"{self.page_size * self.block_pages}"
             )
+
+    def rows(self, tokens: int, group: int) -> tuple[int, bool]:
+        """(query rows per tile, whether its KV splits merge in the attention kernel) for a call of
+        `tokens` query tokens per batch row and `group` (a power of two) query heads per KV head."""
+        bq = max(1, self.block_rows // group)
+        if round_up(tokens, bq) // bq < self.merge_in_kernel_from:
+            return self.block_rows, False
+        return self.long_rows or self.block_rows, True
 
 
 class Plan(NamedTuple):
@@ -114,7 +149,7 @@ def plan(page_table, positions, group: int, page_size: int, config: "AttentionCo
     if config is None:
         return Plan(page_table, positions, page, slot, None)
     g_p = pl.next_power_of_2(group)  # query heads per KV head in the kernel (see padded_attention)
-    bq = max(1, config.block_rows // g_p)
+    bq = max(1, config.rows(positions.shape[1], g_p)[0] // g_p)
     row_pos = jnp.repeat(pad_dim(positions, 1, bq, value=-1), g_p, axis=1)
     # whole blocks: extra entries read the trash page
     return Plan(pad_dim(page_table, 1, max(16, config.block_pages)), positions, page, slot, row_pos)
@@ -127,7 +162,7 @@ def write_kv(pages, new, layer, plan: Plan):
     return pages.at[layer, :, plan.write_page, plan.write_slot].set(new.reshape(b * t, hkv, dh).astype(pages.dtype))
 
 
-def _split_states(layer, pt_ref, k_ref, v_ref, qs, poss, first, last, *, page_size, block_pages, scale):
+def _split_states(layer, pt_ref, k_ref, v_ref, qs, poss, first, last, *, page_size, block_pages, scale, row_sums):
     """The online softmax of each query tile (qs, poss: [rows, Dh] and [rows] per tile) over KV
     blocks [first, last) from a fresh state: ((acc, m, l) per tile). Each KV block is loaded once
     and used by every tile, and each tile runs exactly the single-tile arithmetic on its own rows (a
@@ -136,7 +171,7 @@ def _split_states(layer, pt_ref, k_ref, v_ref, qs, poss, first, last, *, page_si
     def update(q, pos, keys, values, j, carry):
         acc, m, l = carry
         # The block's pages one by one (they are not contiguous): scores, then one row max over
-        # their elementwise max, exps summed elementwise in page order and reduced once.
+        # their elementwise max, then the row sums as `row_sums` says (module docstring).
         scores = []
         for i, k in enumerate(keys):
             s = dot_nt(q, k) * scale  # [rows, ps]
@@ -150,10 +185,20 @@ def _split_states(layer, pt_ref, k_ref, v_ref, qs, poss, first, last, *, page_si
         m_new = jnp.where(sees, jnp.maximum(m, m_blk), 0.0)
         alpha = _math.exp(m - m_new)
         probs = [_math.exp(s - m_new[:, None]) for s in scores]  # masked keys: exp(-inf) = exact 0
-        p_sum = probs[0]
-        for p in probs[1:]:
-            p_sum = p_sum + p
-        l_new = alpha * l + jnp.sum(p_sum, axis=1)
+        if row_sums == "product":
+            # rounded once, for p @ v and p @ ones alike; every column of p @ ones holds the same
+            # sum, which the max takes exactly
+            probs = [p.astype(v.dtype) for p, v in zip(probs, values)]
+            ones = jnp.ones((page_size, ROW_SUM_COLUMNS), probs[0].dtype)
+            sums = dot_nn(probs[0], ones)
+            for p in probs[1:]:
+                sums = sums + dot_nn(p, ones)
+            l_new = alpha * l + jnp.max(sums, axis=1)
+        else:
+            p_sum = probs[0]
+            for p in probs[1:]:
+                p_sum = p_sum + p
+            l_new = alpha * l + jnp.sum(p_sum, axis=1)
         acc_new = alpha[:, None] * acc
         for p, v in zip(probs, values):
             acc_new = acc_new + dot_nn(p.astype(v.dtype), v)
@@ -297,12 +342,11 @@ def _pallas_attention(q, k_pages, v_pages, layer, plan: Plan, config, interpret,
     b, t, hq, dh = q.shape
     num_layers, hkv, num_pages, ps, _ = k_pages.shape
     g = hq // hkv
-    # A program owns block_rows query rows (bq tokens x G heads) in every pass: the row tile's shape
-    # sets the layout of the softmax's row sums, so it must not change between decode and the
-    # learner (16- vs 64-row tiles differ in the last bit). 16 rows keeps a decode step's one token
-    # from filling 1/16 of a larger tile, at some cost to the learner's attention
-    # (bench/results/2026-12-03_h200_cpu_measurements_behind_defaults.md).
-    bq = max(1, config.block_rows // g)
+    # A tile is `rows` query rows (bq tokens x G heads): 16 for a decode step (its one token fills
+    # a quarter of it at G = 4); with row_sums "product" more for the learner's rows and long
+    # prefill chunks, whose tiles then fill the tensor cores' 64-row instructions (module docstring).
+    rows, in_kernel = config.rows(t, g)
+    bq = max(1, rows // g)
     tp = round_up(t, bq)
     check_block("query rows per program", bq * g)
     check_block("head_dim", dh)
@@ -313,6 +357,7 @@ def _pallas_attention(q, k_pages, v_pages, layer, plan: Plan, config, interpret,
         raise ValueError(f"attention plan not made for this kernel's {tp * g} query rows: plan(..., config=) it")
     splits = -(-pt.shape[1] * ps // config.kv_split)
     rows = bq * g
+    warps = (config.long_warps or config.num_warps) if in_kernel else config.num_warps
     # Tiles per program: the largest power of two up to config.tiles that divides the call's tiles
     # (a decode step's one tile runs alone; the learner's 4096-token rows group them).
     tiles = math.gcd(tp // bq, config.tiles)
@@ -324,6 +369,7 @@ def _pallas_attention(q, k_pages, v_pages, layer, plan: Plan, config, interpret,
         block_pages=config.block_pages,
         kv_split=config.kv_split,
         scale=scale or 1.0 / math.sqrt(dh),
+        row_sums=config.row_sums,
     )
     in_specs = [  # index maps for either grid: (batch, KV head, tile group[, split])
         pl.BlockSpec((1,), lambda *g: (0,)),
@@ -334,7 +380,7 @@ def _pallas_attention(q, k_pages, v_pages, layer, plan: Plan, config, interpret,
     ]
     args = (jnp.reshape(layer, (1,)).astype(jnp.int32), pt, row_pos, qh, (k_pages, v_pages))
     out_shape = [jax.ShapeDtypeStruct(qh.shape, q.dtype), jax.ShapeDtypeStruct(qh.shape[:3], F32)]
-    if tp // bq >= config.merge_in_kernel_from:
+    if in_kernel:
         # Many query tiles (the learner's rows, long prefill chunks): enough programs without a
         # program per split, so each merges its splits itself (_fused_kernel: the same bits).
         out, lse = pl.pallas_call(
@@ -347,7 +393,7 @@ def _pallas_attention(q, k_pages, v_pages, layer, plan: Plan, config, interpret,
                 pl.BlockSpec((None, None, grouped), lambda i, h, j: (i, h, j)),
             ],
             out_shape=out_shape,
-            compiler_params=compiler_params(config.num_warps, config.num_stages),
+            compiler_params=compiler_params(warps, config.num_stages),
             interpret=interpret,
         )(*args)
     else:

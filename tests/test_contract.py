@@ -58,16 +58,21 @@ def test_edge_lengths(tiny):
 
 
 @pytest.mark.slow
-def test_contract_across_kv_splits(tiny):
-    """The contract where a row's keys span several KV splits: the shipped tile table with 16-key
-    splits of 16-key blocks, so a 70-token prompt and its 6 new tokens span 5 splits. The sampler's
-    decode steps and 16-token prefill chunks merge their splits in the merge kernel, the learner's
-    76-token rows in the attention kernel; rows of 70, 33, 17 and 1 prompt tokens side by side, the
-    longest and the shortest alone with 5-token chunks. Prevents: a split structure, merge order or
-    split count that differs between decode and the learner's pass, or depends on the neighbours."""
+@pytest.mark.parametrize("table", ["shipped", "row sums as products"])
+def test_contract_across_kv_splits(tiny, table):
+    """The contract where a row's keys span several KV splits: 16-key splits of 16-key blocks, so a
+    70-token prompt and its 6 new tokens span 5 splits. The sampler's decode steps and 16-token
+    prefill chunks merge their splits in the merge kernel, the learner's 76-token rows in the
+    attention kernel; rows of 70, 33, 17 and 1 prompt tokens side by side, the longest and the
+    shortest alone with 5-token chunks. On the shipped attention table, and on the one whose row sums
+    are products (numerics.ATTENTION_LONG_ROWS), where the learner's rows run 64-row query tiles
+    against the decode steps' 16. Prevents: a split structure, merge order or split count that
+    differs between decode and the learner's pass, or depends on the neighbours; a row-sum order
+    that follows the query tile."""
     cfg, params = tiny
     tiles = numerics.NumericsOptions().resolved().tiles
-    attention = dataclasses.replace(tiles.attention, kv_split=16, block_pages=1)
+    base = tiles.attention if table == "shipped" else numerics.ATTENTION_LONG_ROWS
+    attention = dataclasses.replace(base, kv_split=16, block_pages=1)
     options = numerics.NumericsOptions(tiles=dataclasses.replace(tiles, attention=attention))
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (70, 33, 17, 1)]

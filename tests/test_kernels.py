@@ -622,6 +622,30 @@ def test_attention_flash_backward(hq, hkv, dh, block, dq):
         assert_bits_equal(a, b, f"d{name}: skipped blocks vs all blocks")
 
 
+@pytest.mark.slow  # a GPU launch choice (compiled, at Qwen3-4B heads); interpreted: a check of the layout
+@pytest.mark.parametrize("rows,warps", [(64, 4), (128, 4), (128, 8), (32, 2)])
+def test_attention_long_rows_agree(rows, warps):
+    """With row_sums "product" (numerics.ATTENTION_LONG_ROWS) the learner's rows and long prefill
+    chunks run `long_rows`-row query tiles where a decode step runs 16 rows on 2 warps: every row
+    gets the 16-row tiles' bits, because each reduction over a row's keys is a product (p @ v,
+    p @ ones), whose chain does not follow the tile's height, and the row max is exact in any order.
+    Rows of 1024, 517 and 1 tokens (several KV splits, padding rows in a tile, a tile that sees
+    nothing past its row's end), compiled at Qwen3-4B heads. With "reduce" the config refuses long
+    rows, which would change the bits."""
+    with pytest.raises(ValueError, match="row_sums='product'"):
+        dataclasses.replace(numerics.ATTENTION, long_rows=64)
+    if INTERPRET:
+        case, config = dict(t=128, lens=(128, 61, 1)), dataclasses.replace(numerics.ATTENTION_LONG_ROWS, kv_split=64)
+    else:
+        case, config = dict(t=1024, hq=32, hkv=8, dh=128, lens=(1024, 517, 1)), numerics.ATTENTION_LONG_ROWS
+    q, k, v, pages, pt, pos = _attention_case(BF16, **case)
+    decode_tiles = dataclasses.replace(config, long_rows=config.block_rows, long_warps=config.num_warps)
+    ref, _, _ = _attend(q, k, v, pages, pages, np.int32(1), pt, pos, decode_tiles)
+    other = dataclasses.replace(config, long_rows=rows, long_warps=warps)
+    got, _, _ = _attend(q, k, v, pages, pages, np.int32(1), pt, pos, other)
+    assert_bits_equal(got, ref, f"{rows}-row tiles on {warps} warps vs {config.block_rows} on {config.num_warps}")
+
+
 @pytest.mark.slow  # tiles and warps are GPU launch choices (compiled, at Qwen3-4B heads); interpreted: 45 s
 @pytest.mark.parametrize("tiles,warps", [(2, 4), (4, 4), (8, 4), (1, 2), (2, 2), (1, 8)])
 def test_attention_tiles_per_program_agree(tiles, warps):

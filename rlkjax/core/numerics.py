@@ -30,8 +30,9 @@ PRECISION = {
     "rope": ("act (rounded norm output) + fp32 tables", "fp32", "act"),
     "attention": (
         "act q/k/v",
-        "fp32 scores, fp32 online softmax over KV blocks of block_pages pages ascending (pages maxed and"
-        " exp-summed elementwise in order, one row reduce); p rounded to act for p@v, added page by page",
+        "fp32 scores, fp32 online softmax over KV blocks of block_pages pages ascending (pages maxed;"
+        " row sums: pages' p added elementwise in order and reduced once, or, row_sums 'product', p rounded"
+        " to act @ ones page by page); p rounded to act for p@v, added page by page",
         "act",
     ),
     "swiglu": ("act", "fp32", "act (silu rounded, then product rounded)"),
@@ -76,6 +77,13 @@ ATTENTION = attention.AttentionConfig(
     tiles=2,
     backward=attention_bwd.AttentionBwdConfig(),
 )
+# The same contract but for the row sums, as products ("product": pallas_kernels/attention.py), which free
+# the learner's rows and long prefill chunks to run 64-row tiles on 4 warps (the tensor cores' instruction
+# height) where a decode step keeps 16 rows: tested interpreted on the CPU; the tile table adopts it once
+# the compiled launch test (tests/test_kernels.py test_attention_long_rows_agree), `pytest -m gpu` and its
+# speed beside cuDNN's (bench.attention_long) have run on the GPU. It gives other bits than ATTENTION, on
+# both sides alike.
+ATTENTION_LONG_ROWS = dataclasses.replace(ATTENTION, row_sums="product", tiles=1, long_rows=64, long_warps=4)
 LOGPROB = logprob.LogprobConfig(
     block_rows=64, block_vocab=128, block_k=64, vocab_splits=128, num_warps=4, num_stages=4, backward=MATMUL
 )
