@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The reasoning-length measurements on one GPU, in a detached session (together they outlast one command), each
+# The long-sequence measurements on one GPU (reasoning lengths, the kernels behind them), in a detached session (together they outlast one command), each
 # part into its own folder of $RUN, in the order PARTS names them (what a shorter lease cuts is the last):
 #   pytest    pytest -m gpu: the contract compiled. Alone: beside another process its 8B tests run out of memory.
 #   mismatch  bench.mismatch: Qwen3-8B shapes, sampler against learner by completion position up to 8k tokens,
@@ -15,13 +15,20 @@
 #             costs, MFU and compiled memory (a level that does not fit records its error).
 #   decode    bench/long_context_decode.sh sweep speed1: decode attention alone at 8B heads, then Qwen3-8B decode
 #             at batch 1, contexts 2k to 32k, strict beside fast, share of the HBM roofline.
+#   kernels   the attention launch tests and the contract on the row-sums-as-products table, compiled.
+#   attention bench.attention_long's forward rows: our launches and cuDNN's at 8 x 1024 to 1 x 32768 tokens.
+#   attention_bwd  its forward-and-backward and decode rows.
+#   peer      bench.learner_vs_peer, $MODEL, each B x T of $PEER_SHAPES ("8x1024 1x8192"), the peer compiled.
+#   before    bench.speed's learner rows for $MODEL at those shapes from $BEFORE_TREE, an older checkout (also
+#             timed beside ours in the attention parts).
 #
 #   bash bench/reasoning_gpu.sh start          # starts it (setsid) and returns
 #   bash bench/reasoning_gpu.sh wait SECONDS   # waits up to SECONDS, then copies what is written (small files only:
 #                                              #   no weights) into $OUT/reasoning_gpu.tar.gz; prints each part's state
 # Environment: RUN (/tmp/reasoning_gpu), PARTS ("pytest mismatch train decode"), MODEL (qwen3-1.7b),
 # NEW_TOKENS (4096), STEPS (3), LORA_MODEL (qwen3-8b), LORA_PROMPTS (16), LORA_STEPS (50), MISMATCH_BATCH (8),
-# MISMATCH_TOKENS (8192),
+# MISMATCH_TOKENS (8192), PEER_SHAPES ("8x1024 1x8192"), BEFORE_TREE (none), ATTENTION_ARGS (more flags of
+# bench.attention_long),
 # PY (python3), OUT (/tmp/out).
 set -uo pipefail
 ACTION=${1:?usage: bash bench/reasoning_gpu.sh start | wait SECONDS}
@@ -68,6 +75,34 @@ part_learner() {
     --out "$RUN/learner/speed.json" > "$RUN/learner/log" 2>&1
 }
 
+part_kernels() {
+  "$PY" -m pytest -q -n 0 -m "slow or not slow" tests/test_kernels.py tests/test_contract.py \
+    -k "long_rows or tiles_per_program or chunked_equals_whole or row_sums" > "$RUN/kernels/log" 2>&1
+}
+
+attention_long() {  # sections, folder
+  "$PY" -m bench.attention_long --sections "$1" ${BEFORE_TREE:+--before "$BEFORE_TREE/pallas_kernels/attention.py"} \
+    ${ATTENTION_ARGS:-} --out "$RUN/$2/attention_long.json" > "$RUN/$2/log" 2>&1
+}
+part_attention() { attention_long forward attention; }
+part_attention_bwd() { attention_long forward_backward,decode attention_bwd; }
+
+part_peer() {
+  for shape in ${PEER_SHAPES:-8x1024 1x8192}; do
+    "$PY" -m bench.learner_vs_peer --models "${MODEL:-qwen3-1.7b}" --batch "${shape%x*}" --seq "${shape#*x}" \
+      --variants compile --no-profile --time-limit-s 420 --out-dir "$RUN/peer/$shape" > "$RUN/peer/$shape.log" 2>&1
+  done
+}
+
+part_before() {
+  local here="$RUN/before"
+  for shape in ${PEER_SHAPES:-8x1024 1x8192}; do
+    (cd "${BEFORE_TREE:?an older checkout}" && PYTHONPATH="$PWD:${PYTHONPATH:-}" "$PY" -m bench.speed --only learner \
+      --learner-models "${MODEL:-qwen3-1.7b}" --learner-seqs "${shape#*x}" --learner-tokens $(( ${shape%x*} * ${shape#*x} )) \
+      --learner-sides strict --out "$here/speed_$shape.json") > "$here/$shape.log" 2>&1
+  done
+}
+
 part_decode() {
   OUT="$RUN/decode" PY="$PY" bash bench/long_context_decode.sh sweep speed1 > "$RUN/decode/log" 2>&1
 }
@@ -81,7 +116,8 @@ case "$ACTION" in
   start)
     rm -rf "$RUN"; mkdir -p "$RUN"
     export PARTS=${PARTS:-pytest mismatch train decode}
-    export -f sweep part_pytest part_mismatch part_lora part_train part_learner part_decode; export RUN PY
+    export -f sweep attention_long part_pytest part_mismatch part_lora part_train part_learner part_decode \
+      part_kernels part_attention part_attention_bwd part_peer part_before; export RUN PY
     setsid nohup bash -c "sweep; touch '$RUN/ended'" > "$RUN/sweep.log" 2>&1 < /dev/null &
     echo "started: $RUN ($PARTS)" ;;
   wait)
@@ -91,7 +127,7 @@ case "$ACTION" in
     (cd "$(dirname "$RUN")" && find "$(basename "$RUN")" -type f -size -16M -not -path '*/run/*' -print0 |
       tar -czf "$OUT/reasoning_gpu.tar.gz" --null -T -)
     [ -f "$RUN/ended" ] && echo "ended" || echo "running"
-    for part in pytest mismatch lora train learner decode; do
+    for part in pytest mismatch lora train learner decode kernels attention attention_bwd peer before; do
       [ -d "$RUN/$part" ] && { echo "== $part"; tail -n 4 "$RUN/$part"/*log* 2>/dev/null; }
     done ;;
   *) echo "usage: bash bench/reasoning_gpu.sh start | wait SECONDS" >&2; exit 2 ;;

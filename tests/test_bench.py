@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 # Every `python -m bench.X`.
 ENTRY_POINTS = (
     "_report",
+    "attention_long",
     "e2e_summary",
     "grpo_compare",
     "learner_memory",
@@ -368,6 +369,38 @@ def test_speed_attention_sweeps_run_and_compare_bits():
     speed_sweep.decode_attention_sweep(1e12, 1, dec.append, shapes=[(2, 70, 4, 2, 32)], configs=dec_configs, iters=2)
     assert [r["config"] for r in dec] == [list(c) for c in dec_configs], dec
     assert all("error" not in r and r["us"] > 0 for r in dec) and dec[1]["same_bits"] is True, dec
+
+
+@pytest.mark.slow  # interprets the attention kernels at four launches and the backward
+def test_attention_long_times_ours_before_and_marks_bits():
+    """bench.attention_long's sections at tiny heads, interpreted: every launch of ours gets a timed row with its
+    bits compared with the decode step's 16-row tiles (the same), --before loads a pallas_kernels/attention.py
+    file (this one) and times it beside, and cuDNN, which the CPU lacks, leaves an error row, not a crash."""
+    from bench import attention_long
+    from pallas_kernels import attention
+
+    rows, heads = [], (4, 2, 16)
+    before = attention_long.load_before(attention.__file__)
+    attention_long.forward_rows([(2, 64)], [(32, 2, 2, 1), (64, 4, 2, 1)], before, 1e14, 1, rows.append, heads)
+    attention_long.backward_rows([(1, 64)], [(32, 16, 4, 2, 16, 32)], before, 1e14, 1, rows.append, heads)
+    attention_long.decode_rows([(2, 70)], before, 1e12, 1, rows.append, heads, iters=2)
+    names = [(r["section"], r["name"]) for r in rows]
+    assert names == [("forward", "ours, shipped table"), ("forward", "products, decode's 16-row tiles")] + [
+        ("forward", "products"),
+        ("forward", "products"),
+        ("forward", "before"),
+        ("forward", "cudnn"),
+        ("forward_backward", "ours"),
+        ("forward_backward", "before"),
+        ("forward_backward", "cudnn"),
+        ("decode", "ours"),
+        ("decode", "before"),
+    ], names
+    timed = [r for r in rows if r["name"] != "cudnn"]
+    assert all("error" not in r and r["us"] > 0 for r in timed), timed
+    assert [r["same_bits_as_decode_tiles"] for r in rows[2:4]] == [True, True], rows
+    assert all("error" in r for r in rows if r["name"] == "cudnn") != (jax.default_backend() == "gpu"), rows
+    assert "| B=2 T=64 | products | [64, 4, 2, 1] |" in attention_long.markdown(rows)
 
 
 @pytest.fixture(scope="module")
